@@ -1,0 +1,155 @@
+// The C ABI of attngrad.h over the C++ API of backward.h, and the small value types' methods.
+#include <cmath>
+
+#include "attngrad/attngrad.h"
+#include "attngrad/backward.h"
+#include "validate.h"
+
+namespace attngrad {
+
+bool LayerConfig::IsValid() const {
+  return hidden_size > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0 &&
+         head_dim % 2 == 0 && num_heads % num_kv_heads == 0;
+}
+
+bool Scalars::IsValid() const {
+  return std::isfinite(scaling) && std::isfinite(softcap) && std::isfinite(eps) && softcap > 0.f &&
+         eps > 0.f;
+}
+
+bool BackwardInputs::AnyNull() const {
+  return !grad_output || !hidden_states || !cos || !sin || !q_weight || !k_weight || !v_weight ||
+         !o_weight || !q_norm_weight || !k_norm_weight;
+}
+
+bool BackwardOutputs::AnyNull() const {
+  return !grad_hidden_states || !grad_q_weight || !grad_k_weight || !grad_v_weight ||
+         !grad_o_weight || !grad_q_norm_weight || !grad_k_norm_weight;
+}
+
+bool IsValidPrecision(int precision) {
+  return precision >= ATTNGRAD_PRECISION_AUTO && precision <= ATTNGRAD_PRECISION_FP16;
+}
+
+TensorSizes SizesOf(const LayerConfig& config, int batch, int seq_len) {
+  const std::size_t tokens = static_cast<std::size_t>(batch) * static_cast<std::size_t>(seq_len);
+  const std::size_t hidden = static_cast<std::size_t>(config.hidden_size);
+  return TensorSizes{tokens * hidden, tokens * static_cast<std::size_t>(config.head_dim),
+                     static_cast<std::size_t>(config.q_out()) * hidden,
+                     static_cast<std::size_t>(config.kv_out()) * hidden,
+                     static_cast<std::size_t>(config.head_dim)};
+}
+
+attngrad_status ValidateBackwardArguments(const LayerConfig& config, int batch, int seq_len,
+                                          const Scalars& scalars, const BackwardInputs& in,
+                                          const BackwardOutputs& out) {
+  if (!config.IsValid() || batch < 1 || seq_len < 1) return ATTNGRAD_INVALID_ARGUMENT;
+  if (static_cast<long long>(batch) * seq_len > kMaxTokens) return ATTNGRAD_INVALID_ARGUMENT;
+  if (!scalars.IsValid() || in.AnyNull() || out.AnyNull()) return ATTNGRAD_INVALID_ARGUMENT;
+  return ATTNGRAD_OK;
+}
+
+namespace {
+
+BackwardInputs MakeInputs(const float* grad_output, const float* hidden_states, const float* cos,
+                          const float* sin, const float* q_weight, const float* k_weight,
+                          const float* v_weight, const float* o_weight,
+                          const float* q_norm_weight, const float* k_norm_weight) {
+  BackwardInputs in;
+  in.grad_output = grad_output;
+  in.hidden_states = hidden_states;
+  in.cos = cos;
+  in.sin = sin;
+  in.q_weight = q_weight;
+  in.k_weight = k_weight;
+  in.v_weight = v_weight;
+  in.o_weight = o_weight;
+  in.q_norm_weight = q_norm_weight;
+  in.k_norm_weight = k_norm_weight;
+  return in;
+}
+
+BackwardOutputs MakeOutputs(float* grad_hidden_states, float* grad_q_weight, float* grad_k_weight,
+                            float* grad_v_weight, float* grad_o_weight, float* grad_q_norm_weight,
+                            float* grad_k_norm_weight) {
+  BackwardOutputs out;
+  out.grad_hidden_states = grad_hidden_states;
+  out.grad_q_weight = grad_q_weight;
+  out.grad_k_weight = grad_k_weight;
+  out.grad_v_weight = grad_v_weight;
+  out.grad_o_weight = grad_o_weight;
+  out.grad_q_norm_weight = grad_q_norm_weight;
+  out.grad_k_norm_weight = grad_k_norm_weight;
+  return out;
+}
+
+}  // namespace
+}  // namespace attngrad
+
+extern "C" {
+
+size_t attngrad_workspace_size(int batch, int seq_len, int precision) {
+  if (batch < 1 || seq_len < 1 || !attngrad::IsValidPrecision(precision)) return 0;
+  if (static_cast<long long>(batch) * seq_len > attngrad::kMaxTokens) return 0;
+  return attngrad::DeviceWorkspaceSize(attngrad::LayerConfig::Gemma3_4B(), batch, seq_len,
+                                       static_cast<attngrad::Precision>(precision));
+}
+
+int attngrad_backward(int batch, int seq_len, float scaling, float softcap, float eps,
+                      int precision, int accumulate, const float* grad_output,
+                      const float* hidden_states, const float* cos, const float* sin,
+                      const float* q_weight, const float* k_weight, const float* v_weight,
+                      const float* o_weight, const float* q_norm_weight,
+                      const float* k_norm_weight, float* grad_hidden_states, float* grad_q_weight,
+                      float* grad_k_weight, float* grad_v_weight, float* grad_o_weight,
+                      float* grad_q_norm_weight, float* grad_k_norm_weight, void* workspace,
+                      size_t workspace_size, void* stream) {
+  const attngrad::LayerConfig config = attngrad::LayerConfig::Gemma3_4B();
+  const attngrad::Scalars scalars{scaling, softcap, eps};
+  const attngrad::BackwardInputs in =
+      attngrad::MakeInputs(grad_output, hidden_states, cos, sin, q_weight, k_weight, v_weight,
+                           o_weight, q_norm_weight, k_norm_weight);
+  const attngrad::BackwardOutputs out =
+      attngrad::MakeOutputs(grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight,
+                            grad_o_weight, grad_q_norm_weight, grad_k_norm_weight);
+  if (!attngrad::IsValidPrecision(precision)) return ATTNGRAD_INVALID_ARGUMENT;
+  const attngrad_status status =
+      attngrad::ValidateBackwardArguments(config, batch, seq_len, scalars, in, out);
+  if (status != ATTNGRAD_OK) return status;
+  return attngrad::BackwardDevice(config, batch, seq_len, scalars,
+                                  static_cast<attngrad::Precision>(precision), accumulate != 0, in,
+                                  out, workspace, workspace_size, stream);
+}
+
+int attngrad_backward_host(int batch, int seq_len, float scaling, float softcap, float eps,
+                           int accumulate, const float* grad_output, const float* hidden_states,
+                           const float* cos, const float* sin, const float* q_weight,
+                           const float* k_weight, const float* v_weight, const float* o_weight,
+                           const float* q_norm_weight, const float* k_norm_weight,
+                           float* grad_hidden_states, float* grad_q_weight, float* grad_k_weight,
+                           float* grad_v_weight, float* grad_o_weight, float* grad_q_norm_weight,
+                           float* grad_k_norm_weight) {
+  return attngrad::BackwardHost(
+      attngrad::LayerConfig::Gemma3_4B(), batch, seq_len, attngrad::Scalars{scaling, softcap, eps},
+      accumulate != 0,
+      attngrad::MakeInputs(grad_output, hidden_states, cos, sin, q_weight, k_weight, v_weight,
+                           o_weight, q_norm_weight, k_norm_weight),
+      attngrad::MakeOutputs(grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight,
+                            grad_o_weight, grad_q_norm_weight, grad_k_norm_weight));
+}
+
+const char* attngrad_status_string(int status) {
+  switch (status) {
+    case ATTNGRAD_OK: return "ATTNGRAD_OK";
+    case ATTNGRAD_INVALID_ARGUMENT: return "ATTNGRAD_INVALID_ARGUMENT";
+    case ATTNGRAD_WORKSPACE_TOO_SMALL: return "ATTNGRAD_WORKSPACE_TOO_SMALL";
+    case ATTNGRAD_CUDA_ERROR: return "ATTNGRAD_CUDA_ERROR";
+    case ATTNGRAD_UNSUPPORTED: return "ATTNGRAD_UNSUPPORTED";
+    case ATTNGRAD_INTERNAL: return "ATTNGRAD_INTERNAL";
+    default: return "unknown status";
+  }
+}
+
+int attngrad_device_count(void) { return attngrad::DeviceCount(); }
+
+}  // extern "C"
