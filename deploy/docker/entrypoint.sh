@@ -1,0 +1,55 @@
+#!/bin/bash
+# attngrad-entrypoint: the container's entrypoint. Maps ATTNGRAD_* environment variables to the
+# server's Abseil flags (names as in `attngrad-server --helpfull`) and execs the server, so that the
+# server is PID 1 of the container and gets SIGTERM itself (it then drains in-flight batches for
+# --shutdown_grace_seconds and exits 0).
+#
+# A variable that is unset leaves the server's default; one that is set, even to "", is passed.
+# Order on the command line (the last occurrence of an Abseil flag wins):
+#   mapped variables, then ATTNGRAD_EXTRA_ARGS (split on whitespace), then the container's arguments
+#   (`docker run IMAGE --queue_depth=8`, or `args:` in Kubernetes).
+# ATTNGRAD_SERVER_BINARY overrides the server's path; ATTNGRAD_ENTRYPOINT_DRY_RUN=1 prints the command
+# line, one argument per line, instead of running it (both used by tests/deploy).
+set -euo pipefail
+
+# ENVIRONMENT_VARIABLE -> flag name. tests/deploy reads this table and checks every flag against the
+# real server's --helpfull, so keep one "[VARIABLE]=flag" entry per line.
+declare -A flag_of=(
+  [ATTNGRAD_LISTEN]=listen
+  [ATTNGRAD_METRICS_LISTEN]=metrics_listen
+  [ATTNGRAD_DEVICES]=devices
+  [ATTNGRAD_WEIGHTS]=weights
+  [ATTNGRAD_WEIGHTS_SEED]=weights_seed
+  [ATTNGRAD_WEIGHTS_LAYER]=weights_layer
+  [ATTNGRAD_MAX_BATCH_TOKENS]=max_batch_tokens
+  [ATTNGRAD_MAX_MESSAGE_BYTES]=max_message_bytes
+  [ATTNGRAD_MAX_CONCURRENT_STREAMS]=max_concurrent_streams
+  [ATTNGRAD_QUEUE_DEPTH]=queue_depth
+  [ATTNGRAD_SHUTDOWN_GRACE_SECONDS]=shutdown_grace_seconds
+  [ATTNGRAD_CPU_THREADS]=cpu_threads
+)
+
+server="${ATTNGRAD_SERVER_BINARY:-/usr/local/bin/attngrad-server}"
+arguments=()
+# Sorted so that the command line is the same from one run to the next.
+for variable in $(printf '%s\n' "${!flag_of[@]}" | LC_ALL=C sort); do
+  if [[ -v "$variable" ]]; then
+    value="${!variable}"
+    if [[ "$value" == *$'\n'* ]]; then
+      echo "attngrad-entrypoint: $variable contains a newline; expected a single-line value" >&2
+      exit 64
+    fi
+    arguments+=("--${flag_of[$variable]}=${value}")
+  fi
+done
+if [[ -n "${ATTNGRAD_EXTRA_ARGS:-}" ]]; then
+  read -r -a extra <<<"$ATTNGRAD_EXTRA_ARGS"
+  arguments+=("${extra[@]}")
+fi
+arguments+=("$@")
+
+if [[ "${ATTNGRAD_ENTRYPOINT_DRY_RUN:-}" == "1" ]]; then
+  printf '%s\n' "$server" "${arguments[@]}"
+  exit 0
+fi
+exec "$server" "${arguments[@]}"
