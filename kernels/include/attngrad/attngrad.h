@@ -1,4 +1,4 @@
-/* attngrad C ABI: the backward pass of a Gemma-3 (4B) attention layer, exactly as SPEC.md
+/* attngrad C ABI: the backward pass of a Gemma-3 (4B) attention layer, exactly as kernels/SPEC.md
  * section 2 defines it (Q/K RMSNorm, rotate-half RoPE, soft-capped causal grouped-query attention and
  * the Q/K/V/O projections), on the GPU (attngrad_backward) or the CPU (attngrad_backward_host).
  *
