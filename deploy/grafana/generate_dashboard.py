@@ -117,10 +117,11 @@ def panels():
     result.append(stat(layout, "Batches/s", "Batches computed per second, RETURN and ACCUMULATE.",
                        f"sum(rate(attngrad_batches_total{{{DEVICE}}}[{RATE}]))", "short"))
     result.append(stat(layout, "Error ratio",
-                       "Failed requests (RPCs and batches in Backward streams) over all requests.",
+                       "Failures (RPCs and batches in Backward streams) over successful batches plus failures.",
                        f"sum(rate(attngrad_errors_total{{{SERVER}}}[{RATE}])) / "
-                       f"(sum(rate(attngrad_batches_total{{{DEVICE}}}[{RATE}])) + "
-                       f"sum(rate(attngrad_errors_total{{{SERVER}}}[{RATE}])))", "percentunit",
+                       f"(sum(rate(attngrad_errors_total{{{SERVER}}}[{RATE}])) + "
+                       f"(sum(rate(attngrad_batches_total{{{SERVER}}}[{RATE}])) "
+                       f"or sum(rate(attngrad_errors_total{{{SERVER}}}[{RATE}])) * 0))", "percentunit",
                        thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 0.01},
                                    {"color": "red", "value": 0.05}], decimals=2))
     result.append(stat(layout, "Weights version", "Version of the resident weights, per instance; "
