@@ -1,0 +1,801 @@
+#!/usr/bin/env python3
+"""Checks of deploy/ that run in CI without a Docker engine, a cluster or a GPU (tests/deploy).
+
+Subcommands (each one ctest test; see tests/deploy/CMakeLists.txt):
+
+  promtool     promtool check config / check rules / test rules on deploy/prometheus.
+  dashboard    deploy/grafana/attngrad.json is what generate_dashboard.py writes, has the panels the
+               issue asks for, and every PromQL expression in it parses (promtool).
+  manifests    compose files and Kubernetes manifests parse, render (kubectl kustomize when present),
+               and reference the image, the ports and only flags that `attngrad-server --helpfull`
+               lists; the entrypoint's variable->flag table has only real flags.
+  metrics      starts the real attngrad-server (CPU backend, loopback, free ports), sends one batch
+               and one bad request with attngrad-cli, scrapes /metrics and checks that every metric
+               family, label and legend the dashboard and the alert rules use is exported.
+  entrypoint   starts the server through deploy/docker/entrypoint.sh with ATTNGRAD_* variables, checks
+               that they took effect, runs deploy/docker/healthcheck.sh (attngrad-cli health) against
+               it, then stops it with SIGTERM and expects exit 0.
+  packages     deploy/docker/runtime-packages.sh names installed packages for the built binaries,
+               among them the gRPC and protobuf runtime libraries.
+
+Needs only the Python standard library and PyYAML (Debian: python3-yaml).
+"""
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+RULES = DEPLOY / "prometheus" / "rules" / "attngrad.rules.yml"
+DASHBOARD = DEPLOY / "grafana" / "attngrad.json"
+ENTRYPOINT = DEPLOY / "docker" / "entrypoint.sh"
+HEALTHCHECK = DEPLOY / "docker" / "healthcheck.sh"
+GRPC_PORT = 50051
+METRICS_PORT = 9464
+# Labels Prometheus adds to every scraped series (target labels), usable in by() and legends.
+TARGET_LABELS = {"instance", "job"}
+
+failures = []
+
+
+def check(condition, message):
+    """Records a failed check (all checks of a test run, then the test fails listing them)."""
+    if not condition:
+        failures.append(message)
+        print(f"FAIL: {message}", flush=True)
+    return condition
+
+
+def finish(name):
+    if failures:
+        print(f"{name}: {len(failures)} check(s) failed", flush=True)
+        return 1
+    print(f"{name}: all checks passed", flush=True)
+    return 0
+
+
+def run(command, **kwargs):
+    print("+ " + " ".join(str(part) for part in command), flush=True)
+    return subprocess.run([str(part) for part in command], text=True, capture_output=True, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Expressions used by the dashboard and the alert rules
+# ---------------------------------------------------------------------------------------------------
+
+def rule_expressions():
+    """(where, expression, annotation texts) of every rule in the alert rules file."""
+    document = yaml.safe_load(RULES.read_text())
+    result = []
+    for group in document["groups"]:
+        for rule in group["rules"]:
+            name = rule.get("alert") or rule.get("record")
+            texts = list((rule.get("annotations") or {}).values())
+            result.append((f"rule {name}", rule["expr"], texts))
+    return result
+
+
+def dashboard_expressions(dashboard):
+    """(where, expression, legend) of every query in the dashboard: panels, annotations, variables."""
+    result = []
+
+    def walk(panels):
+        for panel in panels:
+            for target in panel.get("targets", []):
+                result.append((f"panel '{panel.get('title')}' {target.get('refId')}", target["expr"],
+                               target.get("legendFormat", "")))
+            walk(panel.get("panels", []))
+
+    walk(dashboard.get("panels", []))
+    for annotation in dashboard.get("annotations", {}).get("list", []):
+        if "expr" in annotation:
+            result.append((f"annotation '{annotation['name']}'", annotation["expr"],
+                           annotation.get("textFormat", "")))
+    for variable in dashboard.get("templating", {}).get("list", []):
+        if variable.get("type") == "query":
+            query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+            result.append((f"variable ${variable['name']}", query, ""))
+    return result
+
+
+def grafana_to_promql(expression):
+    """Replaces Grafana's macros so that promtool can parse the expression."""
+    expression = expression.replace("$__rate_interval", "1m").replace("$__interval", "1m")
+    expression = expression.replace("$__range", "1h")
+    match = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\)\s*", expression, re.S)
+    if match:  # a variable query: the selector inside is PromQL
+        expression = match.group(1)
+    return expression
+
+
+METRIC_NAME = re.compile(r"\b(attngrad_[A-Za-z0-9_]+)\b")
+SELECTOR = re.compile(r"\b(attngrad_[A-Za-z0-9_]+)\s*\{([^}]*)\}")
+MATCHER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*\"((?:[^\"\\]|\\.)*)\"")
+BY_CLAUSE = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+LEGEND_LABEL = re.compile(r"\{\{\s*\.?([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+TEMPLATE_LABEL = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# promtool
+# ---------------------------------------------------------------------------------------------------
+
+def require_promtool(path):
+    if not path or path.endswith("NOTFOUND") or not shutil.which(path):
+        check(False, f"promtool not found ({path!r}): install Debian's 'prometheus' package "
+                     "(scripts/install-deps.sh does)")
+        return None
+    return path
+
+
+def command_promtool(arguments):
+    promtool = require_promtool(arguments.promtool)
+    if promtool:
+        prometheus_dir = DEPLOY / "prometheus"
+        for command in (["check", "config", prometheus_dir / "prometheus.yml"],
+                        ["check", "rules", RULES],
+                        ["test", "rules", prometheus_dir / "tests" / "attngrad.rules.test.yml"]):
+            result = run([promtool, *command], cwd=prometheus_dir)
+            print(result.stdout + result.stderr)
+            check(result.returncode == 0, f"promtool {' '.join(map(str, command))} exited {result.returncode}")
+        # Every alert has a promtool test case.
+        tests = yaml.safe_load((prometheus_dir / "tests" / "attngrad.rules.test.yml").read_text())
+        tested = {case["alertname"] for test in tests["tests"] for case in test.get("alert_rule_test", [])}
+        alerts = {rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"]
+                  for rule in group["rules"] if "alert" in rule}
+        check(alerts <= tested, f"alerts without a promtool test: {sorted(alerts - tested)}")
+        for required in ("AttngradServerDown", "AttngradErrorRatioHigh", "AttngradBatchLatencyP99High",
+                         "AttngradDeviceMemoryNearFull", "AttngradQueueSaturated"):
+            check(required in alerts, f"alert {required} missing from {RULES.name}")
+        queue_rule = [expr for where, expr, _ in rule_expressions() if where == "rule AttngradQueueSaturated"]
+        check(queue_rule and "attngrad_queue_depth" in queue_rule[0] and "attngrad_queue_capacity" in queue_rule[0],
+              "AttngradQueueSaturated must compare attngrad_queue_depth with attngrad_queue_capacity")
+    return finish("promtool")
+
+
+# ---------------------------------------------------------------------------------------------------
+# dashboard
+# ---------------------------------------------------------------------------------------------------
+
+def command_dashboard(arguments):
+    result = run([sys.executable, DEPLOY / "grafana" / "generate_dashboard.py", "--check"])
+    print(result.stdout + result.stderr)
+    check(result.returncode == 0, "deploy/grafana/attngrad.json is not what generate_dashboard.py writes")
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    check(dashboard.get("uid") == "attngrad", "dashboard uid should be 'attngrad'")
+    variables = {variable["name"] for variable in dashboard["templating"]["list"]}
+    check({"datasource", "job", "instance", "device"} <= variables,
+          f"dashboard variables {sorted(variables)} lack datasource/job/instance/device")
+
+    panels = []
+
+    def walk(items):
+        for panel in items:
+            panels.append(panel)
+            walk(panel.get("panels", []))
+
+    walk(dashboard["panels"])
+    identifiers = [panel["id"] for panel in panels]
+    check(len(identifiers) == len(set(identifiers)), "panel ids are not unique")
+    for panel in panels:
+        position = panel["gridPos"]
+        check(position["x"] + position["w"] <= 24, f"panel '{panel['title']}' is wider than the grid")
+        if panel["type"] != "row":
+            check(panel.get("targets"), f"panel '{panel['title']}' has no query")
+            check(panel["datasource"]["uid"] == "${datasource}",
+                  f"panel '{panel['title']}' does not use the $datasource variable")
+    expressions = dashboard_expressions(dashboard)
+    joined = "\n".join(expression for _, expression, _ in expressions)
+    # What the issue asks the dashboard to show.
+    wanted = {
+        "latency percentiles per stage": r"histogram_quantile\(.*?attngrad_stage_duration_seconds_bucket",
+        "end-to-end latency percentiles": r"histogram_quantile\(.*?attngrad_batch_duration_seconds_bucket",
+        "tokens/s": r"rate\(attngrad_tokens_total",
+        "bytes/s in": r"rate\(attngrad_received_bytes_total",
+        "bytes/s out": r"rate\(attngrad_sent_bytes_total",
+        "errors by code": r"by \([^)]*code[^)]*\) \(rate\(attngrad_errors_total",
+        "in-flight": r"attngrad_inflight_batches",
+        "queue depth": r"attngrad_queue_depth",
+        "GPU memory": r"attngrad_device_memory_used_bytes",
+        "weights version": r"attngrad_weights_version",
+        "accumulation state": r"attngrad_accumulated_batches",
+        "per instance and device": r"by \(instance, device",
+    }
+    for what, pattern in wanted.items():
+        check(re.search(pattern, joined), f"dashboard shows no {what} (/{pattern}/)")
+    for where, expression, _ in expressions:
+        if "attngrad_" in expression and "label_values" not in expression and "up{" not in expression:
+            check('instance=~"$instance"' in expression, f"{where}: not narrowed by $instance")
+
+    # Every expression parses as PromQL: promtool checks them as recording rules.
+    promtool = require_promtool(arguments.promtool)
+    if promtool:
+        rules = {"groups": [{"name": "dashboard", "rules": [
+            {"record": f"dashboard:expression_{index}", "expr": grafana_to_promql(expression)}
+            for index, (_, expression, _) in enumerate(expressions)]}]}
+        with tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False) as handle:
+            yaml.safe_dump(rules, handle)
+        try:
+            result = run([promtool, "check", "rules", handle.name])
+            print(result.stdout + result.stderr)
+            check(result.returncode == 0, "a dashboard expression does not parse as PromQL (see above)")
+        finally:
+            os.unlink(handle.name)
+
+    # Provisioning points where compose mounts the dashboard.
+    provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "attngrad.yaml").read_text())
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    grafana_volumes = compose["services"]["grafana"]["volumes"]
+    dashboard_mount = [volume.split(":")[1] for volume in grafana_volumes if volume.startswith("./grafana/attngrad.json:")]
+    check(dashboard_mount and pathlib.PurePosixPath(dashboard_mount[0]).parent ==
+          pathlib.PurePosixPath(provider["providers"][0]["options"]["path"]),
+          "compose mounts the dashboard outside the provisioned dashboards folder")
+    datasource = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text())
+    check(datasource["datasources"][0]["url"] == "http://prometheus:9090" and "prometheus" in compose["services"],
+          "the provisioned datasource does not point at compose's prometheus service")
+    return finish("dashboard")
+
+
+# ---------------------------------------------------------------------------------------------------
+# manifests
+# ---------------------------------------------------------------------------------------------------
+
+class ComposeLoader(yaml.SafeLoader):
+    """Compose's YAML: knows the !reset and !override tags (Compose >= 2.24)."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: {"__compose_tag__": "reset"})
+ComposeLoader.add_constructor("!override", lambda loader, node: loader.construct_object(node)
+                              if not isinstance(node, yaml.MappingNode) else loader.construct_mapping(node))
+
+
+def server_flags(server):
+    """Flag names that the real server accepts, from `attngrad-server --helpfull`."""
+    result = run([server, "--helpfull"], timeout=60)
+    text = result.stdout + result.stderr
+    flags = set(re.findall(r"^\s*--([A-Za-z0-9_]+)", text, re.M))
+    check(flags, f"no flags found in `{server} --helpfull` output (exit {result.returncode}):\n{text[:2000]}")
+    return flags
+
+
+def entrypoint_table():
+    """ATTNGRAD_* variable -> flag, from the entrypoint's declare -A table."""
+    return dict(re.findall(r"^\s*\[(ATTNGRAD_[A-Z0-9_]+)\]=([a-z0-9_]+)\s*$", ENTRYPOINT.read_text(), re.M))
+
+
+def render_kustomization(folder):
+    """Documents of `kubectl kustomize folder`, or None when kubectl is not installed."""
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        return None
+    result = run([kubectl, "kustomize", folder], timeout=120)
+    check(result.returncode == 0, f"kubectl kustomize {folder} failed:\n{result.stderr}")
+    return [document for document in yaml.safe_load_all(result.stdout) if document]
+
+
+def load_kustomization_by_hand(folder, seen=None):
+    """Fallback without kubectl: the resources a kustomization lists, with its generated ConfigMaps'
+    data (env files and literals), no patches. Enough to check names, ports and flags."""
+    documents = []
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    for entry in kustomization.get("resources", []) + kustomization.get("components", []):
+        path = (folder / entry).resolve()
+        if path.is_dir():
+            documents += load_kustomization_by_hand(path)
+        else:
+            documents += [document for document in yaml.safe_load_all(path.read_text()) if document]
+    for generator in kustomization.get("configMapGenerator", []):
+        data = {}
+        for env_file in generator.get("envs", []):
+            for line in (folder / env_file).read_text().splitlines():
+                if line.strip() and not line.lstrip().startswith("#"):
+                    key, _, value = line.partition("=")
+                    data[key.strip()] = value
+        for literal in generator.get("literals", []):
+            key, _, value = literal.partition("=")
+            data[key] = value
+        existing = [document for document in documents if document["kind"] == "ConfigMap"
+                    and document["metadata"]["name"] == generator["name"]]
+        if generator.get("behavior") == "merge" and existing:
+            existing[0]["data"].update(data)
+        else:
+            documents.append({"apiVersion": "v1", "kind": "ConfigMap",
+                              "metadata": {"name": generator["name"]}, "data": data})
+    return documents
+
+
+def check_flag_variables(where, variables, table, flags):
+    for variable in variables:
+        if variable in ("ATTNGRAD_EXTRA_ARGS", "ATTNGRAD_IMAGE", "ATTNGRAD_WEIGHTS_DIR"):
+            continue
+        check(variable in table, f"{where}: {variable} is not mapped to a flag by the entrypoint")
+        if variable in table:
+            check(table[variable] in flags, f"{where}: {variable} -> --{table[variable]}, which the server lacks")
+
+
+def command_manifests(arguments):
+    flags = server_flags(arguments.server)
+    table = entrypoint_table()
+    check(len(table) >= 12, f"entrypoint table has {len(table)} entries; expected every service flag")
+    for variable, flag in sorted(table.items()):
+        check(flag in flags, f"entrypoint maps {variable} to --{flag}, which `attngrad-server --helpfull` lacks")
+        check(variable == "ATTNGRAD_" + flag.upper(), f"entrypoint: {variable} should be named ATTNGRAD_{flag.upper()}")
+    for flag in ("listen", "metrics_listen", "devices", "weights", "weights_seed", "weights_layer",
+                 "max_batch_tokens", "max_message_bytes", "max_concurrent_streams", "queue_depth",
+                 "shutdown_grace_seconds", "cpu_threads"):
+        check(flag in flags, f"the server lacks the conventional flag --{flag}")
+
+    # Dockerfile: the binaries, ports, entrypoint, health check, user.
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    check(re.search(r"^FROM nvidia/cuda:\$\{CUDA_VERSION\}-devel-ubuntu\$\{UBUNTU_VERSION\} AS build", dockerfile, re.M)
+          and re.search(r"^FROM nvidia/cuda:\$\{CUDA_VERSION\}-runtime-ubuntu\$\{UBUNTU_VERSION\} AS runtime", dockerfile, re.M)
+          and re.search(r"^ARG CUDA_VERSION=13\.0\.\d+$", dockerfile, re.M)
+          and re.search(r"^ARG UBUNTU_VERSION=24\.04$", dockerfile, re.M),
+          "Dockerfile: expected nvidia/cuda 13.0.x devel -> runtime, Ubuntu 24.04")
+    check("scripts/install-deps.sh" in dockerfile, "Dockerfile does not use scripts/install-deps.sh")
+    check(re.search(r"^USER 10001", dockerfile, re.M), "Dockerfile does not switch to the non-root user")
+    check(re.search(rf"^EXPOSE {GRPC_PORT} {METRICS_PORT}$", dockerfile, re.M), "Dockerfile EXPOSE ports")
+    check("HEALTHCHECK" in dockerfile and "attngrad-healthcheck" in dockerfile, "Dockerfile HEALTHCHECK")
+    check(re.search(r"--target attngrad-server attngrad-cli", dockerfile), "Dockerfile builds the two binaries")
+    check(re.search(r'\bhealth --target="?127\.0\.0\.1:', HEALTHCHECK.read_text()), "healthcheck.sh does not call `attngrad-cli health`")
+    for variable in re.findall(r"\b(ATTNGRAD_[A-Z0-9_]+)=", dockerfile):
+        check_flag_variables("Dockerfile ENV", [variable], table, flags)
+    dockerignore = (ROOT / ".dockerignore").read_text().split()
+    for needed in ("kernels", "server", "client", "proto", "scripts", "cmake", "CMakeLists.txt"):
+        check(needed not in dockerignore, f".dockerignore excludes {needed}, which the image build needs")
+
+    # Compose.
+    compose = yaml.load((DEPLOY / "compose.yaml").read_text(), Loader=ComposeLoader)
+    services = compose["services"]
+    check({"attngrad", "prometheus", "grafana"} <= set(services), f"compose services: {sorted(services)}")
+    server = services["attngrad"]
+    check(server["build"]["dockerfile"] == "deploy/docker/Dockerfile"
+          and (DEPLOY / server["build"]["context"] / server["build"]["dockerfile"]).is_file(),
+          "compose builds from a Dockerfile that does not exist")
+    check(re.fullmatch(r"\$\{ATTNGRAD_IMAGE:-attngrad:[\w.]+\}", server["image"]), "compose image name")
+    ports = {int(port.split(":")[-1]) for port in server["ports"]}
+    check(ports == {GRPC_PORT, METRICS_PORT}, f"compose publishes {ports}")
+    check_flag_variables("compose.yaml", server["environment"], table, flags)
+    check(server["environment"]["ATTNGRAD_LISTEN"].endswith(f":{GRPC_PORT}")
+          and server["environment"]["ATTNGRAD_METRICS_LISTEN"].endswith(f":{METRICS_PORT}"),
+          "compose: listen addresses do not match the published ports")
+    devices = server["deploy"]["resources"]["reservations"]["devices"]
+    check(devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"],
+          "compose: no NVIDIA GPU reservation")
+    prometheus_volumes = services["prometheus"]["volumes"]
+    check("./prometheus:/etc/prometheus:ro" in prometheus_volumes, "compose: Prometheus does not mount deploy/prometheus")
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = [target for job in scrape["scrape_configs"] if job["job_name"] == "attngrad"
+               for static in job["static_configs"] for target in static["targets"]]
+    check(targets == [f"attngrad:{METRICS_PORT}"], f"Prometheus scrapes {targets}, not the compose server's metrics port")
+    for volume in services["grafana"]["volumes"] + prometheus_volumes:
+        source = volume.split(":")[0]
+        if source.startswith("./"):
+            check((DEPLOY / source).exists(), f"compose mounts {source}, which does not exist")
+    override = yaml.load((DEPLOY / "compose.cpu.yaml").read_text(), Loader=ComposeLoader)
+    cpu_server = override["services"]["attngrad"]
+    check(cpu_server["environment"]["ATTNGRAD_DEVICES"] == "cpu", "compose.cpu.yaml does not select the CPU backend")
+    check(cpu_server.get("deploy") == {"__compose_tag__": "reset"}, "compose.cpu.yaml does not !reset the GPU reservation")
+    check_flag_variables("compose.cpu.yaml", cpu_server["environment"], table, flags)
+
+    # Kubernetes, each kustomization.
+    k8s = DEPLOY / "k8s"
+    for folder, expect_gpu, expect_monitor in ((k8s, True, True), (k8s / "base", True, False),
+                                               (k8s / "overlays" / "cpu", False, False)):
+        documents = render_kustomization(folder)
+        rendered = documents is not None
+        if not rendered:
+            print(f"kubectl not found: checking {folder} by hand (no patches applied)")
+            documents = load_kustomization_by_hand(folder)
+        where = f"k8s {folder.relative_to(DEPLOY)}"
+        kinds = {}
+        for document in documents:
+            check("apiVersion" in document and "kind" in document and "name" in document.get("metadata", {}),
+                  f"{where}: a document without apiVersion/kind/metadata.name")
+            kinds.setdefault(document["kind"], []).append(document)
+        deployments = kinds.get("Deployment", [])
+        check(len(deployments) == 1, f"{where}: {len(deployments)} Deployments")
+        if not deployments:
+            continue
+        pod = deployments[0]["spec"]["template"]
+        container = pod["spec"]["containers"][0]
+        check(container["image"].split(":")[0].split("/")[-1] == "attngrad", f"{where}: image {container['image']}")
+        container_ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+        check(container_ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}, f"{where}: container ports {container_ports}")
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            check(container.get(probe, {}).get("grpc", {}).get("port") == GRPC_PORT, f"{where}: {probe} is not a gRPC probe on {GRPC_PORT}")
+        resources = container["resources"]
+        if rendered:  # patches are applied only by kustomize
+            gpu = resources.get("limits", {}).get("nvidia.com/gpu")
+            check((gpu is not None) == expect_gpu, f"{where}: nvidia.com/gpu limit {gpu}, GPU expected: {expect_gpu}")
+        check("requests" in resources and "limits" in resources and "memory" in resources["limits"],
+              f"{where}: resource requests/limits")
+        check(pod["spec"]["securityContext"].get("runAsNonRoot") is True, f"{where}: not runAsNonRoot")
+        annotations = pod["metadata"].get("annotations", {})
+        check(annotations.get("prometheus.io/scrape") == "true" and annotations.get("prometheus.io/port") == str(METRICS_PORT)
+              and annotations.get("prometheus.io/path") == "/metrics", f"{where}: prometheus.io annotations")
+        grace = pod["spec"]["terminationGracePeriodSeconds"]
+        # Flags: the ConfigMap the container reads.
+        config_maps = {document["metadata"]["name"]: document for document in kinds.get("ConfigMap", [])}
+        reference = container["envFrom"][0]["configMapRef"]["name"]
+        check(reference in config_maps, f"{where}: the container reads ConfigMap {reference}, which is not there")
+        data = config_maps.get(reference, {}).get("data", {})
+        check_flag_variables(f"{where} ConfigMap", data, table, flags)
+        check(data.get("ATTNGRAD_LISTEN", "").endswith(f":{GRPC_PORT}")
+              and data.get("ATTNGRAD_METRICS_LISTEN", "").endswith(f":{METRICS_PORT}"),
+              f"{where}: ConfigMap listen addresses do not match the container ports")
+        if rendered:
+            check((data.get("ATTNGRAD_DEVICES") == "cpu") == (not expect_gpu), f"{where}: ATTNGRAD_DEVICES={data.get('ATTNGRAD_DEVICES')!r}")
+        shutdown = int(data.get("ATTNGRAD_SHUTDOWN_GRACE_SECONDS", "30"))
+        check(grace > shutdown + 5, f"{where}: terminationGracePeriodSeconds {grace} leaves no room for the {shutdown} s drain")
+        # Services: one ClusterIP with grpc+metrics, one headless with grpc; both select the pods.
+        labels = pod["metadata"]["labels"]
+        services = kinds.get("Service", [])
+        check(len(services) == 2, f"{where}: {len(services)} Services")
+        headless = [service for service in services if service["spec"].get("clusterIP") == "None"]
+        check(len(headless) == 1, f"{where}: expected one headless Service")
+        for service in services:
+            selector = service["spec"]["selector"]
+            check(all(labels.get(key) == value for key, value in selector.items()),
+                  f"{where}: Service {service['metadata']['name']} does not select the Deployment's pods")
+            for port in service["spec"]["ports"]:
+                check(port["targetPort"] in container_ports or port["targetPort"] in container_ports.values(),
+                      f"{where}: Service {service['metadata']['name']} targets unknown port {port['targetPort']}")
+                check(port["port"] in (GRPC_PORT, METRICS_PORT), f"{where}: Service port {port['port']}")
+        monitors = kinds.get("ServiceMonitor", [])
+        check(bool(monitors) == expect_monitor, f"{where}: {len(monitors)} ServiceMonitors")
+        for monitor in monitors:
+            selected = [service for service in services if all(
+                service["metadata"].get("labels", {}).get(key) == value
+                for key, value in monitor["spec"]["selector"]["matchLabels"].items())]
+            check(len(selected) == 1 and selected[0]["spec"].get("clusterIP") != "None",
+                  f"{where}: the ServiceMonitor must select exactly the ClusterIP Service (got {len(selected)})")
+            check(monitor["spec"]["endpoints"][0]["port"] == "metrics" and
+                  monitor["spec"]["endpoints"][0]["path"] == "/metrics", f"{where}: ServiceMonitor endpoint")
+            if selected:
+                check(selected[0]["metadata"]["name"] == "attngrad",
+                      f"{where}: the job label (Service name) must be 'attngrad' for the alert rules")
+    return finish("manifests")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A real server on loopback
+# ---------------------------------------------------------------------------------------------------
+
+def free_port():
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as handle:
+        handle.bind(("127.0.0.1", 0))
+        return handle.getsockname()[1]
+
+
+def scrape(metrics_port, timeout=5.0):
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=timeout) as response:
+        return response.read().decode()
+
+
+class RunningServer:
+    """attngrad-server (or the entrypoint that execs it) on loopback; stopped with SIGTERM on exit."""
+
+    def __init__(self, command, environment, metrics_port, cli, grpc_port, log):
+        self.command = [str(part) for part in command]
+        self.environment = environment
+        self.metrics_port = metrics_port
+        self.grpc_port = grpc_port
+        self.cli = cli
+        self.log = log
+        self.process = None
+        self.exit_code = None
+
+    def __enter__(self):
+        print("+ " + " ".join(self.command), flush=True)
+        self.process = subprocess.Popen(self.command, env=self.environment, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode} while starting")
+            result = subprocess.run([self.cli, "health", f"--target=127.0.0.1:{self.grpc_port}"],
+                                    capture_output=True, text=True)
+            if result.returncode == 0:
+                return self
+            time.sleep(0.5)
+        raise RuntimeError("server did not become healthy within 120 s")
+
+    def stop(self, timeout=60):
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.exit_code = self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                self.exit_code = "killed after SIGTERM timeout"
+        elif self.process:
+            self.exit_code = self.process.returncode
+        return self.exit_code
+
+    def __exit__(self, *exception):
+        self.stop()
+        return False
+
+
+def server_environment():
+    environment = dict(os.environ)
+    # Keep the CPU backend small on a 2-core CI machine.
+    environment.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return environment
+
+
+def drive_traffic(cli, grpc_port):
+    """One small batch in each mode (histograms, counters and per-device gauges get series) and one
+    request the server must refuse (attngrad_errors_total gets a series)."""
+    target = f"--target=127.0.0.1:{grpc_port}"
+    for mode in ("return", "accumulate"):
+        result = run([cli, "backward", target, "--batch=1", "--seq_len=8", f"--mode={mode}"], timeout=300)
+        print(result.stdout[-2000:] + result.stderr[-2000:])
+        check(result.returncode == 0, f"attngrad-cli backward --mode={mode} failed ({result.returncode})")
+    # A stale weights version: FAILED_PRECONDITION, counted in attngrad_errors_total.
+    result = run([cli, "backward", target, "--batch=1", "--seq_len=8", "--expect_weights_version=987654"], timeout=300)
+    print(result.stdout[-2000:] + result.stderr[-2000:])
+    check(result.returncode != 0, "a batch naming a wrong weights version was accepted")
+    result = run([cli, "info", target], timeout=60)
+    check(result.returncode == 0, f"attngrad-cli info failed ({result.returncode}): {result.stderr[-500:]}")
+
+
+def parse_exposition(text):
+    """{family: {"type": t, "labels": set of label names, "values": {label: set of values}}} from the
+    Prometheus text format, with _bucket/_sum/_count samples folded into their histogram family."""
+    families = {}
+    for line in text.splitlines():
+        match = re.match(r"# TYPE (\S+) (\S+)", line)
+        if match:
+            families[match.group(1)] = {"type": match.group(2), "labels": set(), "values": {}}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s", line)
+        if not match:
+            continue
+        name, label_text = match.group(1), match.group(2) or ""
+        family = name
+        if family not in families:
+            family = re.sub(r"_(bucket|sum|count)$", "", name)
+        if family not in families:
+            continue
+        for label, value in re.findall(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"', label_text):
+            families[family]["labels"].add(label)
+            families[family]["values"].setdefault(label, set()).add(value)
+    return families
+
+
+def family_of(name, families):
+    if name in families:
+        return name
+    base = re.sub(r"_(bucket|sum|count)$", "", name)
+    if base != name and families.get(base, {}).get("type") in ("histogram", "summary"):
+        return base
+    return None
+
+
+def check_expressions_against(families, items, where_prefix=""):
+    """Every attngrad_* name, label and legend/template label in items exists in families."""
+    used = set()
+    for where, expression, texts in items:
+        texts = [texts] if isinstance(texts, str) else texts
+        names = set(METRIC_NAME.findall(expression))
+        available = set(TARGET_LABELS)
+        for name in names:
+            family = family_of(name, families)
+            check(family is not None, f"{where_prefix}{where}: uses {name}, which the server does not export")
+            if family is None:
+                continue
+            used.add(family)
+            available |= families[family]["labels"]
+            if name.endswith("_bucket"):
+                available.add("le")
+        for name, matchers in SELECTOR.findall(expression):
+            family = family_of(name, families)
+            if family is None:
+                continue
+            labels = families[family]["labels"] | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
+            for label, operator, value in MATCHER.findall(matchers):
+                check(label in labels, f"{where_prefix}{where}: {name} has no label '{label}' "
+                                       f"(it has {sorted(families[family]['labels'])})")
+                if operator == "=" and "$" not in value and label in families[family]["values"]:
+                    check(value in families[family]["values"][label],
+                          f"{where_prefix}{where}: {name}{{{label}=\"{value}\"}} matches no exported value "
+                          f"({sorted(families[family]['values'][label])})")
+        grouped = set()
+        for clause in BY_CLAUSE.findall(expression):
+            for label in (part.strip() for part in clause.split(",")):
+                if label:
+                    grouped.add(label)
+                    check(label in available, f"{where_prefix}{where}: by/without label '{label}' is on none of "
+                                              f"{sorted(names)}")
+        label_values = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\)\s*", expression, re.S)
+        if label_values:
+            check(label_values.group(2) in available,
+                  f"{where_prefix}{where}: label_values on '{label_values.group(2)}', which {sorted(names)} lack")
+        for text in texts:
+            for label in LEGEND_LABEL.findall(text) + TEMPLATE_LABEL.findall(text):
+                check(label in (available | grouped), f"{where_prefix}{where}: template uses label '{label}', "
+                                                      f"which the result does not have")
+    return used
+
+
+def command_metrics(arguments):
+    grpc_port, metrics_port = free_port(), free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            server = RunningServer(
+                [arguments.server, f"--listen=127.0.0.1:{grpc_port}", f"--metrics_listen=127.0.0.1:{metrics_port}",
+                 "--devices=cpu", "--weights=random", "--weights_seed=7", "--cpu_threads=2",
+                 "--queue_depth=2", "--shutdown_grace_seconds=20"],
+                server_environment(), metrics_port, arguments.cli, grpc_port, log)
+            with server:
+                drive_traffic(arguments.cli, grpc_port)
+                text = scrape(metrics_port)
+            check(server.exit_code == 0, f"server exit code after SIGTERM: {server.exit_code}")
+        except Exception as error:  # the server's log explains most failures
+            check(False, f"running the server failed: {error}")
+            text = ""
+        log.seek(0)
+        print("--- server log (tail) ---\n" + log.read()[-4000:])
+    if not text:
+        return finish("metrics")
+    families = parse_exposition(text)
+    print(f"server exports {len(families)} families: {', '.join(sorted(families))}")
+
+    # Everything the conventions name is exported after one batch and one error.
+    conventions = {
+        "attngrad_batch_duration_seconds": ("histogram", {"mode", "device"}),
+        "attngrad_stage_duration_seconds": ("histogram", {"stage", "device"}),
+        "attngrad_rpc_duration_seconds": ("histogram", {"method", "code"}),
+        "attngrad_batches_total": ("counter", {"mode", "device"}),
+        "attngrad_tokens_total": ("counter", {"mode", "device"}),
+        "attngrad_received_bytes_total": ("counter", {"method"}),
+        "attngrad_sent_bytes_total": ("counter", {"method"}),
+        "attngrad_errors_total": ("counter", {"method", "code"}),
+        "attngrad_inflight_batches": ("gauge", {"device"}),
+        "attngrad_queue_depth": ("gauge", {"device"}),
+        "attngrad_queue_capacity": ("gauge", {"device"}),
+        "attngrad_device_memory_used_bytes": ("gauge", {"device"}),
+        "attngrad_device_memory_total_bytes": ("gauge", {"device"}),
+        "attngrad_weights_version": ("gauge", set()),
+        "attngrad_accumulated_batches": ("gauge", set()),
+        "attngrad_accumulated_tokens": ("gauge", set()),
+        "attngrad_accumulation_window_id": ("gauge", set()),
+        "attngrad_build_info": ("gauge", {"version"}),
+    }
+    for name, (kind, labels) in conventions.items():
+        family = families.get(name)
+        check(family is not None, f"the server does not export {name}")
+        if family:
+            check(family["type"] == kind, f"{name} is a {family['type']}, expected {kind}")
+            check(labels <= family["labels"], f"{name} lacks labels {sorted(labels - family['labels'])}")
+    if "attngrad_stage_duration_seconds" in families:
+        stages = families["attngrad_stage_duration_seconds"]["values"].get("stage", set())
+        check(stages == {"queue", "copy_in", "compute", "copy_out"}, f"stage label values {sorted(stages)}")
+    for family in families.values():
+        for device in family["values"].get("device", set()):
+            check(re.fullmatch(r"cpu|cuda:\d+", device), f"device label value {device!r}")
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    used = check_expressions_against(families, dashboard_expressions(dashboard), "dashboard ")
+    used |= check_expressions_against(families, rule_expressions(), "alerts ")
+    print(f"dashboard and alerts use {len(used)} exported families: {', '.join(sorted(used))}")
+    check(set(conventions) <= used, f"families no panel or alert shows: {sorted(set(conventions) - used)}")
+
+    # promtool accepts the exposition (format lint), when present.
+    if arguments.promtool and shutil.which(arguments.promtool):
+        result = subprocess.run([arguments.promtool, "check", "metrics"], input=text, text=True, capture_output=True)
+        print("promtool check metrics:", result.stdout + result.stderr)
+        check(result.returncode == 0, "promtool check metrics rejected the exposition")
+    return finish("metrics")
+
+
+def command_entrypoint(arguments):
+    grpc_port, metrics_port = free_port(), free_port()
+    environment = server_environment()
+    environment.update({
+        "ATTNGRAD_SERVER_BINARY": str(arguments.server),
+        "ATTNGRAD_CLI_BINARY": str(arguments.cli),
+        "ATTNGRAD_LISTEN": f"127.0.0.1:{grpc_port}",
+        "ATTNGRAD_METRICS_LISTEN": f"127.0.0.1:{metrics_port}",
+        "ATTNGRAD_DEVICES": "cpu",
+        "ATTNGRAD_WEIGHTS": "random",
+        "ATTNGRAD_CPU_THREADS": "1",
+        "ATTNGRAD_QUEUE_DEPTH": "3",  # visible as attngrad_queue_capacity
+        "ATTNGRAD_SHUTDOWN_GRACE_SECONDS": "10",
+    })
+    # The command line the entrypoint builds: mapped variables, extra args, then container args last.
+    dry = dict(environment, ATTNGRAD_ENTRYPOINT_DRY_RUN="1", ATTNGRAD_EXTRA_ARGS="--weights_seed=5  --weights_layer=0")
+    result = run(["bash", ENTRYPOINT, "--queue_depth=6"], env=dry)
+    lines = result.stdout.splitlines()
+    check(result.returncode == 0 and lines[0] == str(arguments.server), f"entrypoint dry run: {result}")
+    check("--devices=cpu" in lines and f"--listen=127.0.0.1:{grpc_port}" in lines, f"entrypoint flags: {lines}")
+    check(lines[-3:] == ["--weights_seed=5", "--weights_layer=0", "--queue_depth=6"],
+          f"entrypoint order (extra args, then container args, last): {lines}")
+    unset = {key: value for key, value in dry.items() if key != "ATTNGRAD_WEIGHTS_SEED"}
+    check(not any(line.startswith("--weights_seed=0") for line in run(["bash", ENTRYPOINT], env=unset).stdout.splitlines()),
+          "an unset variable produced a flag")
+    newline = dict(dry, ATTNGRAD_WEIGHTS="random\n--devices=0")
+    check(run(["bash", ENTRYPOINT], env=newline).returncode != 0, "a value with a newline was accepted")
+
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            server = RunningServer(["bash", ENTRYPOINT], environment, metrics_port, arguments.cli, grpc_port, log)
+            with server:
+                # The health check script, as Docker runs it (port from ATTNGRAD_LISTEN).
+                result = run(["bash", HEALTHCHECK], env=environment, timeout=30)
+                print(result.stdout + result.stderr)
+                check(result.returncode == 0, f"healthcheck.sh against a serving server exited {result.returncode}")
+                families = parse_exposition(scrape(metrics_port))
+                capacity = families.get("attngrad_queue_capacity", {}).get("values", {})
+                text = scrape(metrics_port)
+                match = re.search(r'^attngrad_queue_capacity\{[^}]*device="cpu"[^}]*\} (\S+)$', text, re.M)
+                check(match and float(match.group(1)) == 3.0,
+                      f"ATTNGRAD_QUEUE_DEPTH=3 did not reach the server (attngrad_queue_capacity: "
+                      f"{match.group(1) if match else capacity})")
+                # The server is PID of the exec'd entrypoint: SIGTERM goes straight to it.
+                with open(f"/proc/{server.process.pid}/cmdline", "rb") as handle:
+                    argv0 = handle.read().split(b"\0")[0].decode()
+                check(argv0 == str(arguments.server), f"the entrypoint did not exec the server (pid runs {argv0})")
+            check(server.exit_code == 0, f"server exit code after SIGTERM through the entrypoint: {server.exit_code}")
+            # Unhealthy when nothing listens.
+            result = run(["bash", HEALTHCHECK], env=environment, timeout=60)
+            check(result.returncode != 0, "healthcheck.sh succeeded with no server running")
+        except Exception as error:
+            check(False, f"running the server through the entrypoint failed: {error}")
+        log.seek(0)
+        print("--- server log (tail) ---\n" + log.read()[-3000:])
+    return finish("entrypoint")
+
+
+def command_packages(arguments):
+    script = DEPLOY / "docker" / "runtime-packages.sh"
+    result = run(["bash", script, arguments.server, arguments.cli], timeout=120)
+    print(result.stdout + result.stderr)
+    check(result.returncode == 0, f"runtime-packages.sh exited {result.returncode}")
+    packages = result.stdout.split()
+    check(any(package.startswith("libgrpc++") for package in packages), f"no gRPC C++ runtime package in {packages}")
+    check(any(package.startswith("libprotobuf") for package in packages), f"no protobuf runtime package in {packages}")
+    check(not any(package.endswith("-dev") for package in packages), f"a -dev package in {packages}")
+    for package in packages:
+        status = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True)
+        check(status.stdout == "install ok installed", f"{package} is not an installed package")
+    result = run(["bash", script, "/nonexistent-binary"])
+    check(result.returncode != 0, "runtime-packages.sh succeeded on a missing binary")
+    return finish("packages")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["promtool", "dashboard", "manifests", "metrics", "entrypoint", "packages"])
+    parser.add_argument("--promtool", default=shutil.which("promtool") or "promtool")
+    parser.add_argument("--server", help="path of attngrad-server")
+    parser.add_argument("--cli", help="path of attngrad-cli")
+    arguments = parser.parse_args()
+    if arguments.command in ("manifests", "metrics", "entrypoint", "packages") and not arguments.server:
+        parser.error("--server is required")
+    if arguments.command in ("metrics", "entrypoint", "packages") and not arguments.cli:
+        parser.error("--cli is required")
+    return globals()[f"command_{arguments.command}"](arguments)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
