@@ -151,6 +151,9 @@ def command_promtool(arguments):
             result = run([promtool, *command], cwd=prometheus_dir)
             print(result.stdout + result.stderr)
             check(result.returncode == 0, f"promtool {' '.join(map(str, command))} exited {result.returncode}")
+        result = run([sys.executable, prometheus_dir / "generate_prometheusrule.py", "--check"])
+        print(result.stdout + result.stderr)
+        check(result.returncode == 0, "the Kubernetes PrometheusRule is out of date with the alert rules")
         # Every alert has a promtool test case.
         tests = yaml.safe_load((prometheus_dir / "tests" / "attngrad.rules.test.yml").read_text())
         tested = {case["alertname"] for test in tests["tests"] for case in test.get("alert_rule_test", [])}
@@ -456,6 +459,11 @@ def command_manifests(arguments):
                 check(port["targetPort"] in container_ports or port["targetPort"] in container_ports.values(),
                       f"{where}: Service {service['metadata']['name']} targets unknown port {port['targetPort']}")
                 check(port["port"] in (GRPC_PORT, METRICS_PORT), f"{where}: Service port {port['port']}")
+        prometheus_rules = kinds.get("PrometheusRule", [])
+        check(bool(prometheus_rules) == expect_monitor, f"{where}: {len(prometheus_rules)} PrometheusRules")
+        for resource in prometheus_rules:
+            check(resource["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"],
+                  f"{where}: the PrometheusRule differs from {RULES.name}")
         monitors = kinds.get("ServiceMonitor", [])
         check(bool(monitors) == expect_monitor, f"{where}: {len(monitors)} ServiceMonitors")
         for monitor in monitors:
@@ -549,7 +557,7 @@ def drive_traffic(cli, grpc_port):
         print(result.stdout[-2000:] + result.stderr[-2000:])
         check(result.returncode == 0, f"attngrad-cli backward --mode={mode} failed ({result.returncode})")
     # A stale weights version: FAILED_PRECONDITION, counted in attngrad_errors_total.
-    result = run([cli, "backward", target, "--batch=1", "--seq_len=8", "--expect_weights_version=987654"], timeout=300)
+    result = run([cli, "backward", target, "--batch=1", "--seq_len=8", "--expected_weights_version=987654"], timeout=300)
     print(result.stdout[-2000:] + result.stderr[-2000:])
     check(result.returncode != 0, "a batch naming a wrong weights version was accepted")
     result = run([cli, "info", target], timeout=60)
