@@ -1,0 +1,770 @@
+"""attngrad.Client: the gradient service (proto attngrad.v1.AttentionGradient) for Python trainers.
+
+    import attngrad
+    with attngrad.Client("localhost:50051") as client:
+        print(client.info())
+        result = client.backward(hidden_states, grad_output, cos, sin)          # mode="return"
+        result.grad_hidden_states, result.weight_gradients["q_proj"]
+        client.backward(hidden_states, grad_output, cos, sin, mode="accumulate")
+        grads = client.fetch_gradients(zero_after_fetch=True)                   # grads["o_proj"]
+
+Inputs are NumPy arrays or PyTorch tensors (any device; answers come back as tensors on the device
+of `hidden_states`). Batches larger than the server's max_batch_tokens / max_message_bytes are split
+along B (sequences are independent, so this is exact) and sent pipelined over one stream; their
+weight gradients are summed. Failures raise attngrad.AttngradError (with .code, a grpc.StatusCode,
+and .message, the server's text), including a batch answered with an in-band BackwardResponse.error.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import queue
+import random
+import time
+import warnings
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import grpc
+import numpy as np
+
+from . import _proto, errors, tensors
+
+tensor_pb2, pb, pb_grpc = _proto.load()
+
+WEIGHT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_WEIGHT_ENUM = {
+    "q_proj": pb.WEIGHT_NAME_Q_PROJ, "k_proj": pb.WEIGHT_NAME_K_PROJ,
+    "v_proj": pb.WEIGHT_NAME_V_PROJ, "o_proj": pb.WEIGHT_NAME_O_PROJ,
+    "q_norm": pb.WEIGHT_NAME_Q_NORM, "k_norm": pb.WEIGHT_NAME_K_NORM,
+}
+_WEIGHT_BY_ENUM = {v: k for k, v in _WEIGHT_ENUM.items()}
+_DTYPE_ENUM = {"float32": tensor_pb2.DTYPE_FLOAT32, "float16": tensor_pb2.DTYPE_FLOAT16,
+               "bfloat16": tensor_pb2.DTYPE_BFLOAT16}
+_DTYPE_BY_ENUM = {v: k for k, v in _DTYPE_ENUM.items()}
+_DTYPE_BY_ENUM[tensor_pb2.DTYPE_UNSPECIFIED] = "float32"
+_PRECISION_ENUM = {"auto": pb.PRECISION_AUTO, "fp32": pb.PRECISION_FP32, "tf32": pb.PRECISION_TF32,
+                   "fp16": pb.PRECISION_FP16}
+_PRECISION_BY_ENUM = {v: k for k, v in _PRECISION_ENUM.items()}
+_MODE_ENUM = {"return": pb.GRADIENT_MODE_RETURN, "accumulate": pb.GRADIENT_MODE_ACCUMULATE}
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_REQUEST_OVERHEAD_BYTES = 64 * 1024  # protobuf framing, scalars and position ids of one request
+_HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+_MASK64 = (1 << 64) - 1
+
+
+def canonical_weight_name(name: str) -> str:
+    """'q_proj' for 'q_proj', 'q_proj.weight' or 'model.layers.3.self_attn.q_proj.weight'."""
+    stem = name[:-len(".weight")] if name.endswith(".weight") else name
+    stem = stem.rsplit(".", 1)[-1]
+    if stem not in _WEIGHT_ENUM:
+        raise ValueError(f"unknown weight {name!r}: expected one of {', '.join(WEIGHT_NAMES)} "
+                         "(optionally with a Hugging Face prefix and a .weight suffix)")
+    return stem
+
+
+def _enum(table: Mapping[str, int], value, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    key = str(value).lower()
+    if key not in table:
+        raise ValueError(f"unknown {what} {value!r}: expected one of {', '.join(table)}")
+    return table[key]
+
+
+def _derive_batch_id(batch_id: int, part: int) -> int:
+    """The id of part PART of a batch split along B: a splitmix64 mix of (batch_id, part), so a retry
+    of the same batch_id maps its parts to the same ids (the server's dedup key)."""
+    z = (batch_id + 0x9E3779B97F4A7C15 * (part + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) or 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    backend: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """GetModelInfoResponse as Python values."""
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    weights_version: int
+    weights_source: str
+    server_instance_id: str
+    devices: Tuple[DeviceInfo, ...]
+    supported_precisions: Tuple[str, ...]
+    supported_wire_dtypes: Tuple[str, ...]
+    max_message_bytes: int
+    max_batch_tokens: int
+    accumulation_window_id: int
+    server_version: str
+    default_scaling: float
+    default_softcap: float
+    default_eps: float
+
+    @classmethod
+    def from_proto(cls, message) -> "ModelInfo":
+        return cls(
+            hidden_size=message.config.hidden_size, num_heads=message.config.num_heads,
+            num_kv_heads=message.config.num_kv_heads, head_dim=message.config.head_dim,
+            weights_version=message.weights_version, weights_source=message.weights_source,
+            server_instance_id=message.server_instance_id,
+            devices=tuple(DeviceInfo(d.index, d.name, d.backend, d.memory_total_bytes,
+                                     d.memory_used_bytes) for d in message.devices),
+            supported_precisions=tuple(_PRECISION_BY_ENUM.get(p, str(p))
+                                       for p in message.supported_precisions),
+            supported_wire_dtypes=tuple(_DTYPE_BY_ENUM.get(d, str(d))
+                                        for d in message.supported_wire_dtypes),
+            max_message_bytes=message.max_message_bytes, max_batch_tokens=message.max_batch_tokens,
+            accumulation_window_id=message.accumulation_window_id,
+            server_version=message.server_version, default_scaling=message.default_scaling,
+            default_softcap=message.default_softcap, default_eps=message.default_eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationState:
+    server_instance_id: str
+    window_id: int
+    weights_version: int
+    batches: int
+    tokens: int
+
+    @classmethod
+    def from_proto(cls, message) -> "AccumulationState":
+        return cls(message.server_instance_id, message.window_id, message.weights_version,
+                   message.batches, message.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTimings:
+    """The server's timings of one request (seconds)."""
+    queue: float
+    copy_in: float
+    compute: float
+    copy_out: float
+    total: float
+
+    @classmethod
+    def from_proto(cls, message) -> "StageTimings":
+        return cls(message.queue_seconds, message.copy_in_seconds, message.compute_seconds,
+                   message.copy_out_seconds, message.total_seconds)
+
+
+@dataclasses.dataclass
+class BackwardResult:
+    """The answer to one (possibly split) batch.
+
+    grad_hidden_states: [B,S,hidden] (NumPy, read-only when it is a zero-copy view of the response;
+      a torch tensor on hidden_states' device when hidden_states was a torch tensor).
+    weight_gradients: RETURN mode: {"q_proj": ..., ..., "k_norm": ...} summed over the parts; None
+      in ACCUMULATE mode.
+    duplicate: ACCUMULATE mode: every part had already been accumulated in this window (a retry).
+    batch_ids / devices / timings: one entry per request the batch was split into."""
+    batch_id: int
+    grad_hidden_states: Any
+    weight_gradients: Optional[Dict[str, Any]]
+    weights_version: int
+    server_instance_id: str
+    accumulation_window_id: int
+    duplicate: bool
+    batch_ids: Tuple[int, ...]
+    devices: Tuple[str, ...]
+    timings: Tuple[StageTimings, ...]
+
+
+@dataclasses.dataclass
+class Gradients:
+    """The accumulated weight gradients of a window (fp32 NumPy arrays) and what they cover."""
+    state: AccumulationState
+    tensors: Dict[str, np.ndarray]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.tensors[canonical_weight_name(name)]
+
+    def items(self):
+        return self.tensors.items()
+
+
+# ------------------------------------------------------------------------------------------------
+# One logical batch, split into parts along B
+
+
+class _Batch:
+    """A caller's batch: its inputs as NumPy arrays, its parts and the assembly of their answers."""
+
+    def __init__(self, *, batch_id: int, hidden_states, grad_output, cos, sin, position_ids,
+                 rope_theta, mode: int, precision: int, scaling, softcap, eps,
+                 expected_weights_version: int, accumulation_window_id: int, wire_dtype: str,
+                 response_dtype: str, sequences_per_part: int, like):
+        self.batch_id = batch_id
+        self.hidden_states = hidden_states
+        self.grad_output = grad_output
+        self.cos, self.sin = cos, sin
+        self.position_ids = position_ids
+        self.rope_theta = rope_theta
+        self.mode = mode
+        self.precision = precision
+        self.scaling, self.softcap, self.eps = scaling, softcap, eps
+        self.expected_weights_version = expected_weights_version
+        self.accumulation_window_id = accumulation_window_id
+        self.wire_dtype = wire_dtype
+        self.response_dtype = response_dtype
+        self.like = like
+        batch, seq_len = hidden_states.shape[:2]
+        self.shape = tuple(hidden_states.shape)
+        bounds = [(b, min(batch, b + sequences_per_part)) for b in range(0, batch, sequences_per_part)]
+        ids = [batch_id] if len(bounds) == 1 else [_derive_batch_id(batch_id, i)
+                                                    for i in range(len(bounds))]
+        self.parts = list(zip(ids, bounds))
+        self.tokens = batch * seq_len
+        self._responses: Dict[int, Any] = {}
+
+    def request(self, part_index: int):
+        part_id, (b0, b1) = self.parts[part_index]
+        message = pb.BackwardRequest(
+            batch_id=part_id, mode=self.mode, precision=self.precision,
+            expected_weights_version=self.expected_weights_version,
+            accumulation_window_id=self.accumulation_window_id,
+            response_dtype=_DTYPE_ENUM[self.response_dtype])
+        _fill_tensor(message.hidden_states, self.hidden_states[b0:b1], self.wire_dtype)
+        _fill_tensor(message.grad_output, self.grad_output[b0:b1], self.wire_dtype)
+        if self.cos is not None:
+            _fill_tensor(message.rotary_tables.cos, self.cos[b0:b1], self.wire_dtype)
+            _fill_tensor(message.rotary_tables.sin, self.sin[b0:b1], self.wire_dtype)
+        else:
+            ids = self.position_ids if self.position_ids.ndim == 1 else self.position_ids[b0:b1]
+            message.positions.position_ids.extend(int(i) for i in ids.reshape(-1))
+            message.positions.rope_theta = float(self.rope_theta or 0.0)
+        if self.scaling is not None:
+            message.scaling = float(self.scaling)
+        if self.softcap is not None:
+            message.softcap = float(self.softcap)
+        if self.eps is not None:
+            message.eps = float(self.eps)
+        return message
+
+    def add(self, response) -> None:
+        self._responses[response.batch_id] = response
+
+    @property
+    def complete(self) -> bool:
+        return len(self._responses) == len(self.parts)
+
+    def result(self) -> BackwardResult:
+        responses = [self._responses[part_id] for part_id, _ in self.parts]
+        grads = [_decode(r.grad_hidden_states, "grad_hidden_states") for r in responses]
+        for (part_id, (b0, b1)), grad in zip(self.parts, grads):
+            expected = (b1 - b0,) + self.shape[1:]
+            if grad.shape != expected:
+                raise errors.AttngradError(
+                    grpc.StatusCode.INTERNAL,
+                    f"grad_hidden_states has shape {list(grad.shape)}, expected {list(expected)}",
+                    batch_id=part_id, method="Backward")
+        grad_hidden = grads[0] if len(grads) == 1 else np.concatenate(grads, axis=0)
+        weight_gradients = None
+        if self.mode != pb.GRADIENT_MODE_ACCUMULATE:
+            weight_gradients = {}
+            for name in WEIGHT_NAMES:
+                parts = [_decode(getattr(r.weight_gradients, name), f"weight_gradients.{name}")
+                         for r in responses]
+                total = parts[0]
+                for extra in parts[1:]:
+                    total = total + extra  # float32 sums, in part order
+                weight_gradients[name] = total
+        versions = {r.weights_version for r in responses}
+        if len(versions) != 1:  # only possible when weights changed mid-batch without a pin
+            raise errors.FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the parts of batch {self.batch_id} were computed against different weights "
+                f"versions {sorted(versions)}; pass expected_weights_version to pin one",
+                batch_id=self.batch_id, method="Backward")
+        result = BackwardResult(
+            batch_id=self.batch_id, grad_hidden_states=grad_hidden,
+            weight_gradients=weight_gradients, weights_version=versions.pop(),
+            server_instance_id=responses[0].server_instance_id,
+            accumulation_window_id=responses[0].accumulation_window_id,
+            duplicate=all(r.duplicate for r in responses),
+            batch_ids=tuple(r.batch_id for r in responses),
+            devices=tuple(r.device for r in responses),
+            timings=tuple(StageTimings.from_proto(r.timings) for r in responses))
+        if self.like is not None:
+            _to_torch_like(result, self.like)
+        return result
+
+
+def _fill_tensor(message, array: np.ndarray, dtype_name: str) -> None:
+    raw, shape = tensors.encode(array, dtype_name)
+    message.dtype = _DTYPE_ENUM[dtype_name]
+    message.shape.extend(shape)
+    message.raw_data = raw
+
+
+def _decode(message, field: str) -> np.ndarray:
+    dtype_name = _DTYPE_BY_ENUM.get(message.dtype)
+    if dtype_name is None:
+        raise errors.AttngradError(grpc.StatusCode.INTERNAL,
+                                   f"{field}: the server sent unknown dtype {message.dtype}")
+    return tensors.decode(message.raw_data, dtype_name, message.shape, field=field)
+
+
+def _torch_from_numpy(array: np.ndarray, device, dtype):
+    import torch  # only reached when the caller passed torch tensors
+
+    if device.type == "cpu" or not array.flags.writeable:
+        if device.type == "cpu":
+            array = np.array(array, copy=True)  # the response's bytes are immutable: own a copy
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only view, copied to the device next
+            tensor = torch.from_numpy(array)
+    else:
+        tensor = torch.from_numpy(array)
+    return tensor.to(device=device, dtype=dtype if dtype is not None else tensor.dtype)
+
+
+def _to_torch_like(result: BackwardResult, like) -> None:
+    result.grad_hidden_states = _torch_from_numpy(result.grad_hidden_states, like.device, like.dtype)
+    if result.weight_gradients is not None:
+        result.weight_gradients = {name: _torch_from_numpy(value, like.device, None)
+                                   for name, value in result.weight_gradients.items()}
+
+
+def _encode_health_request(service: str) -> bytes:
+    data = service.encode()
+    length, header = len(data), bytearray(b"\x0a")
+    while True:  # varint length
+        byte = length & 0x7F
+        length >>= 7
+        header.append(byte | (0x80 if length else 0))
+        if not length:
+            break
+    return bytes(header) + data if data else b""
+
+
+def _decode_health_response(data: bytes) -> int:
+    """grpc.health.v1.HealthCheckResponse.status (field 1, varint); 0 when absent."""
+    position, status = 0, 0
+    while position < len(data):
+        key, position = _read_varint(data, position)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value, position = _read_varint(data, position)
+            if field == 1:
+                status = value
+        elif wire_type == 2:
+            length, position = _read_varint(data, position)
+            position += length
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == 1:
+            position += 8
+        else:
+            raise ValueError("malformed HealthCheckResponse")
+    return status
+
+
+def _read_varint(data: bytes, position: int) -> Tuple[int, int]:
+    result, shift = 0, 0
+    while True:
+        byte = data[position]
+        position += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, position
+        shift += 7
+
+
+_END = object()
+
+
+# ------------------------------------------------------------------------------------------------
+# The client
+
+
+class Client:
+    """A connection to an attngrad server.
+
+    Args:
+      target: "host:port".
+      credentials: grpc.ChannelCredentials for TLS (e.g. grpc.ssl_channel_credentials()); None for a
+        plaintext channel.
+      timeout: the deadline of every call in seconds (per call; overridable per method).
+      max_in_flight: requests one backward stream keeps outstanding (pipelining split batches).
+      options: extra grpc channel options.
+    """
+
+    def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT_SECONDS, max_in_flight: int = 4,
+                 options: Sequence[Tuple[str, Any]] = ()):
+        channel_options = [("grpc.max_send_message_length", -1),
+                           ("grpc.max_receive_message_length", -1)] + list(options)
+        if credentials is not None:
+            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=channel_options)
+        self.target = target
+        self.timeout = timeout
+        self.max_in_flight = max(1, int(max_in_flight))
+        self._stub = pb_grpc.AttentionGradientStub(self._channel)
+        self._health = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_response)
+        self._limits: Optional[ModelInfo] = None
+        self._batch_ids = itertools.count(random.SystemRandom().getrandbits(62) + 1)
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _timeout(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    def _unary(self, method: str, call, request, timeout, *, retries: int = 0):
+        attempt = 0
+        while True:
+            try:
+                return call(request, timeout=self._timeout(timeout))
+            except grpc.RpcError as error:
+                if attempt < retries and error.code() in _RETRYABLE:
+                    attempt += 1
+                    time.sleep(0.1 * 2 ** attempt)
+                    continue
+                raise errors.from_rpc_error(error, method) from None
+
+    # -- info and health -------------------------------------------------------------------------
+
+    def info(self, *, timeout: Optional[float] = None) -> ModelInfo:
+        """The layer configuration, weights version, devices, limits and defaults of the server."""
+        info = ModelInfo.from_proto(self._unary("GetModelInfo", self._stub.GetModelInfo,
+                                                pb.GetModelInfoRequest(), timeout, retries=2))
+        self._limits = info
+        return info
+
+    def health(self, service: str = "", *, timeout: Optional[float] = None) -> str:
+        """grpc.health.v1 status of SERVICE ("" = the server): "SERVING", "NOT_SERVING", ..."""
+        status = self._unary("Health.Check", self._health, service, timeout, retries=2)
+        return _HEALTH_STATUS.get(status, str(status))
+
+    def wait_until_serving(self, timeout: float = 30.0) -> ModelInfo:
+        """Polls health until SERVING (e.g. right after starting a server); returns info()."""
+        deadline = time.monotonic() + timeout
+        last: Optional[BaseException] = None
+        while time.monotonic() < deadline:
+            try:
+                if self.health(timeout=min(2.0, max(0.1, deadline - time.monotonic()))) == "SERVING":
+                    return self.info()
+            except errors.AttngradError as error:
+                last = error
+            time.sleep(0.05)
+        raise errors.DeadlineExceededError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{self.target} was not SERVING within {timeout} s (last: {last})", method="Health.Check")
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def backward(self, hidden_states, grad_output, cos=None, sin=None, **kwargs) -> BackwardResult:
+        """The backward pass of one batch (split along B when it is larger than the server takes).
+
+        Args:
+          hidden_states, grad_output: [B,S,hidden] arrays or tensors.
+          cos, sin: [B,S,head_dim] (or [S,head_dim] / [1,S,head_dim], broadcast over B); or leave
+            them None and pass position_ids ([S] or [B,S]) and rope_theta for the server to build them.
+          mode: "return" (weight gradients in the result) or "accumulate" (added on the server).
+          precision: "auto", "fp32", "tf32" or "fp16".
+          scaling, softcap, eps: None = the server's defaults (1/sqrt(head_dim), 50, 1e-6).
+          expected_weights_version: 0 = any; else refused with FailedPreconditionError if different.
+          accumulation_window_id: ACCUMULATE: 0 = the current window; else that window or refused.
+          batch_id: the dedup key of ACCUMULATE (a retry with the same id is not added twice); a new
+            one is drawn when None. Split parts get ids derived from it.
+          wire_dtype, response_dtype: "float32" (default), "float16" or "bfloat16".
+          timeout: the deadline of the stream in seconds.
+        """
+        timeout = kwargs.pop("timeout", None)
+        batch = self._prepare(hidden_states, grad_output, cos, sin, **kwargs)
+        results = list(self._run([batch], timeout=timeout))
+        return results[0]
+
+    def backward_many(self, batches: Iterable[Mapping[str, Any]], *,
+                      timeout: Optional[float] = None) -> Iterator[BackwardResult]:
+        """Streams many batches over one Backward stream, pipelined (max_in_flight requests
+        outstanding). Each item is a dict of backward()'s arguments; results come in input order."""
+        prepared = (self._prepare(**dict(kwargs)) for kwargs in batches)
+        return self._run(prepared, timeout=timeout)
+
+    def _prepare(self, hidden_states, grad_output, cos=None, sin=None, *, position_ids=None,
+                 rope_theta: Optional[float] = None, mode="return", precision="auto",
+                 scaling: Optional[float] = None, softcap: Optional[float] = None,
+                 eps: Optional[float] = None, expected_weights_version: int = 0,
+                 accumulation_window_id: int = 0, batch_id: Optional[int] = None,
+                 wire_dtype="float32", response_dtype="float32") -> _Batch:
+        like = hidden_states if tensors.is_torch_tensor(hidden_states) else None
+        hidden = tensors.to_numpy(hidden_states)
+        grad = tensors.to_numpy(grad_output)
+        if hidden.ndim != 3:
+            raise ValueError(f"hidden_states must be [B,S,hidden_size], got shape {list(hidden.shape)}")
+        if grad.shape != hidden.shape:
+            raise ValueError(f"grad_output must have hidden_states' shape {list(hidden.shape)}, got "
+                             f"{list(grad.shape)}")
+        batch, seq_len = hidden.shape[:2]
+        if batch < 1 or seq_len < 1:
+            raise ValueError(f"hidden_states must have B >= 1 and S >= 1, got {list(hidden.shape)}")
+        wire = tensors.wire_dtype_name(wire_dtype)
+        per_sequence_bytes = 2 * seq_len * hidden.shape[2] * tensors.itemsize(wire)
+        if (cos is None) != (sin is None):
+            raise ValueError("pass both cos and sin, or neither (and position_ids)")
+        if cos is not None:
+            if position_ids is not None:
+                raise ValueError("pass either cos/sin or position_ids, not both")
+            cos_array, sin_array = tensors.to_numpy(cos), tensors.to_numpy(sin)
+            if cos_array.ndim == 2:
+                cos_array, sin_array = cos_array[None], sin_array[None]
+            for name, table in (("cos", cos_array), ("sin", sin_array)):
+                if table.ndim != 3 or table.shape[1] != seq_len or table.shape[0] not in (1, batch):
+                    raise ValueError(f"{name} must be [B,S,head_dim] = [{batch},{seq_len},head_dim] "
+                                     f"(or [S,head_dim]), got {list(table.shape)}")
+            if cos_array.shape[0] != batch:
+                cos_array = np.broadcast_to(cos_array, (batch,) + cos_array.shape[1:])
+                sin_array = np.broadcast_to(sin_array, (batch,) + sin_array.shape[1:])
+            per_sequence_bytes += 2 * seq_len * cos_array.shape[2] * tensors.itemsize(wire)
+            ids = None
+        else:
+            if position_ids is None:
+                raise ValueError("pass cos and sin, or position_ids (with rope_theta)")
+            cos_array = sin_array = None
+            ids = np.asarray(tensors.to_numpy(position_ids), dtype=np.int64)
+            if ids.shape not in ((seq_len,), (batch, seq_len)):
+                raise ValueError(f"position_ids must be [S] or [B,S] = [{batch},{seq_len}], got "
+                                 f"{list(ids.shape)}")
+            per_sequence_bytes += 10 * seq_len
+        mode_value = _enum(_MODE_ENUM, mode, "mode")
+        return _Batch(
+            batch_id=int(batch_id) if batch_id is not None else next(self._batch_ids),
+            hidden_states=hidden, grad_output=grad, cos=cos_array, sin=sin_array, position_ids=ids,
+            rope_theta=rope_theta, mode=mode_value,
+            precision=_enum(_PRECISION_ENUM, precision, "precision"), scaling=scaling,
+            softcap=softcap, eps=eps, expected_weights_version=int(expected_weights_version),
+            accumulation_window_id=int(accumulation_window_id), wire_dtype=wire,
+            response_dtype=tensors.wire_dtype_name(response_dtype),
+            sequences_per_part=self._sequences_per_part(batch, seq_len, per_sequence_bytes),
+            like=like)
+
+    def _sequences_per_part(self, batch: int, seq_len: int, per_sequence_bytes: int) -> int:
+        """How many sequences one request may carry under the server's limits (at least 1: a single
+        sequence over the limits is sent as is and the server's refusal says why)."""
+        limits = self._limits or self.info()
+        most = batch
+        if limits.max_batch_tokens > 0:
+            most = min(most, limits.max_batch_tokens // seq_len)
+        if limits.max_message_bytes > 0:
+            most = min(most, (limits.max_message_bytes - _REQUEST_OVERHEAD_BYTES) // per_sequence_bytes)
+        return max(1, most)
+
+    def _run(self, batches: Iterable[_Batch], *, timeout: Optional[float]) -> Iterator[BackwardResult]:
+        """Sends the parts of BATCHES over one stream with at most max_in_flight outstanding and
+        yields each batch's result once all its parts are answered, in input order."""
+        outbox: "queue.Queue" = queue.Queue()
+
+        def requests():
+            while True:
+                item = outbox.get()
+                if item is _END:
+                    return
+                yield item
+
+        call = self._stub.Backward(requests(), timeout=self._timeout(timeout))
+        finished = False
+        try:
+            source = iter(batches)
+            waiting: "collections.deque" = collections.deque()  # (batch, part index) not sent yet
+            order: "collections.deque" = collections.deque()    # batches not yet yielded
+            owner: Dict[int, _Batch] = {}                        # part id -> its batch
+            in_flight = 0
+            exhausted = False
+            while True:
+                while in_flight < self.max_in_flight and not (exhausted and not waiting):
+                    if not waiting:
+                        try:
+                            batch = next(source)
+                        except StopIteration:
+                            exhausted = True
+                            outbox.put(_END)  # half-close: the server answers what it has
+                            break
+                        order.append(batch)
+                        for index, (part_id, _) in enumerate(batch.parts):
+                            if part_id in owner:
+                                raise ValueError(f"batch id {part_id} is used twice in one stream")
+                            owner[part_id] = batch
+                            waiting.append((batch, index))
+                        continue
+                    batch, index = waiting.popleft()
+                    outbox.put(batch.request(index))
+                    in_flight += 1
+                while order and order[0].complete:
+                    yield order.popleft().result()
+                if exhausted and not waiting and not order:
+                    break
+                try:
+                    response = next(call)
+                except StopIteration:
+                    missing = sorted(owner)
+                    raise errors.AttngradError(
+                        grpc.StatusCode.INTERNAL,
+                        f"the server closed the stream without answering batches {missing[:8]}",
+                        method="Backward") from None
+                except grpc.RpcError as error:
+                    raise errors.from_rpc_error(error, "Backward") from None
+                in_flight -= 1
+                batch = owner.pop(response.batch_id, None)
+                if batch is None:
+                    raise errors.AttngradError(
+                        grpc.StatusCode.INTERNAL,
+                        f"the server answered unknown batch id {response.batch_id}", method="Backward")
+                if response.HasField("error") and response.error.code != 0:
+                    message = response.error.message
+                    if len(batch.parts) > 1:
+                        message += (f" (part of batch {batch.batch_id}, split into {len(batch.parts)} "
+                                    f"requests along B; a retry with the same batch_id is not "
+                                    f"double-counted)")
+                    raise errors.make_error(errors.status_code_from_number(response.error.code),
+                                            message, batch_id=response.batch_id, method="Backward")
+                batch.add(response)
+            finished = True
+        finally:
+            outbox.put(_END)
+            if not finished:
+                call.cancel()
+
+    # -- accumulated gradients -------------------------------------------------------------------
+
+    def fetch_gradients(self, *, zero_after_fetch: bool = False, dtype: str = "float32",
+                        chunk_bytes: int = 0, expected_window_id: int = 0,
+                        timeout: Optional[float] = None) -> Gradients:
+        """The accumulated weight gradients of the current window (fp32 arrays), and the state they
+        cover. zero_after_fetch=True zeroes them atomically and starts a new window."""
+        request = pb.FetchGradientsRequest(
+            zero_after_fetch=zero_after_fetch, dtype=_DTYPE_ENUM[tensors.wire_dtype_name(dtype)],
+            chunk_bytes=chunk_bytes, expected_window_id=expected_window_id)
+        attempts = 0 if zero_after_fetch else 2  # a plain fetch is idempotent
+        while True:
+            try:
+                return self._fetch_once(request, timeout)
+            except grpc.RpcError as error:
+                if attempts > 0 and error.code() in _RETRYABLE:
+                    attempts -= 1
+                    time.sleep(0.2)
+                    continue
+                raise errors.from_rpc_error(error, "FetchGradients") from None
+
+    def _fetch_once(self, request, timeout) -> Gradients:
+        state = None
+        buffers: Dict[str, np.ndarray] = {}
+        shapes: Dict[str, Tuple[int, ...]] = {}
+        dtypes: Dict[str, str] = {}
+        filled: Dict[str, int] = collections.Counter()
+        for chunk in self._stub.FetchGradients(request, timeout=self._timeout(timeout)):
+            if chunk.HasField("state"):
+                state = AccumulationState.from_proto(chunk.state)
+            if chunk.name == pb.WEIGHT_NAME_UNSPECIFIED and not chunk.data:
+                continue
+            name = _WEIGHT_BY_ENUM.get(chunk.name)
+            if name is None:
+                raise errors.AttngradError(grpc.StatusCode.INTERNAL,
+                                           f"the server sent a chunk of unknown weight {chunk.name}",
+                                           method="FetchGradients")
+            if len(chunk.shape) > 0 and name not in buffers:
+                shapes[name] = tuple(int(d) for d in chunk.shape)
+                dtypes[name] = _DTYPE_BY_ENUM.get(chunk.dtype, "float32")
+                buffers[name] = np.empty(int(np.prod(shapes[name], dtype=np.int64)), np.float32)
+            if name not in buffers:
+                raise errors.AttngradError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the first chunk of {name} carried no shape", method="FetchGradients")
+            size = tensors.itemsize(dtypes[name])
+            count = len(chunk.data) // size
+            values = tensors.decode(chunk.data, dtypes[name], (count,), field=f"gradients.{name}")
+            end = chunk.offset + count
+            if chunk.offset < 0 or end > buffers[name].size:
+                raise errors.AttngradError(
+                    grpc.StatusCode.INTERNAL,
+                    f"chunk of {name} at offset {chunk.offset} with {count} elements exceeds "
+                    f"{buffers[name].size}", method="FetchGradients")
+            buffers[name][chunk.offset:end] = values
+            filled[name] += count
+        missing = [n for n in WEIGHT_NAMES if n not in buffers or filled[n] != buffers[n].size]
+        if state is None or missing:
+            raise errors.AttngradError(
+                grpc.StatusCode.INTERNAL,
+                f"incomplete gradient stream (state {'present' if state else 'missing'}, "
+                f"incomplete weights {missing})", method="FetchGradients")
+        return Gradients(state, {n: buffers[n].reshape(shapes[n]) for n in WEIGHT_NAMES})
+
+    def zero_gradients(self, *, expected_window_id: int = 0, timeout: Optional[float] = None
+                       ) -> Tuple[AccumulationState, AccumulationState]:
+        """Zeroes the accumulators; returns (the discarded window's state, the new window's)."""
+        response = self._unary("ZeroGradients", self._stub.ZeroGradients,
+                               pb.ZeroGradientsRequest(expected_window_id=expected_window_id), timeout)
+        return (AccumulationState.from_proto(response.previous),
+                AccumulationState.from_proto(response.current))
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Mapping[str, Any], *, expected_weights_version: int = 0,
+                     dtype: str = "float32", chunk_bytes: int = 4 << 20,
+                     timeout: Optional[float] = None) -> int:
+        """Replaces the layer's weights (all six: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
+        Hugging Face names accepted), streamed in chunks. Returns the new weights version."""
+        named = {}
+        for key, value in weights.items():
+            name = canonical_weight_name(key)
+            if name in named:
+                raise ValueError(f"weight {name} given twice")
+            named[name] = value
+        missing = [n for n in WEIGHT_NAMES if n not in named]
+        if missing:
+            raise ValueError(f"load_weights needs all six weights; missing {missing}")
+        wire = tensors.wire_dtype_name(dtype)
+        size = tensors.itemsize(wire)
+        limits = self._limits or self.info()
+        if limits.max_message_bytes > 0:
+            chunk_bytes = min(chunk_bytes, limits.max_message_bytes - _REQUEST_OVERHEAD_BYTES)
+        chunk_elements = max(1, chunk_bytes // size)
+
+        def requests():
+            for name in WEIGHT_NAMES:
+                raw, shape = tensors.encode(tensors.to_numpy(named[name]), wire)
+                count = len(raw) // size
+                view = memoryview(raw)
+                for offset in range(0, max(count, 1), chunk_elements):
+                    message = pb.LoadWeightsRequest(
+                        name=_WEIGHT_ENUM[name], offset=offset,
+                        data=bytes(view[offset * size:min(count, offset + chunk_elements) * size]),
+                        expected_weights_version=expected_weights_version)
+                    if offset == 0:
+                        message.dtype = _DTYPE_ENUM[wire]
+                        message.shape.extend(shape)
+                    yield message
+
+        response = self._unary("LoadWeights", self._stub.LoadWeights, requests(), timeout)
+        return response.weights_version

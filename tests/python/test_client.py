@@ -1,0 +1,282 @@
+"""The Python client (client/python, package attngrad) against attngrad-server on loopback with the
+CPU backend: backward round trips (split along B, position ids, non-default scalars, pipelined) match
+the CPU reference through the C ABI; ACCUMULATE + fetch with dedup of retried batches; weights
+version and accumulation window mismatches; bad input raises with the server's message and the
+stream and accumulators stay usable.
+
+The server runs with small limits (--max_message_bytes=524288, --max_batch_tokens=24) so that
+[3,8] batches are split in two requests along B by the client."""
+from __future__ import annotations
+
+import math
+import unittest
+
+import grpc
+import numpy as np
+
+import attngrad_testing as t
+
+import attngrad  # noqa: E402  (attngrad_testing puts client/python on sys.path)
+
+MAX_MESSAGE_BYTES = 524288
+MAX_BATCH_TOKENS = 24
+
+
+class ClientAgainstServer(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.reference = t.Reference(t.required_env("ATTNGRAD_LIBRARY"))
+        cls.server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"),
+                                     f"--max_message_bytes={MAX_MESSAGE_BYTES}",
+                                     f"--max_batch_tokens={MAX_BATCH_TOKENS}")
+        try:
+            cls.client = attngrad.Client(cls.server.target, timeout=120)
+            cls.server.wait_ready(cls.client)
+            cls.rng = np.random.default_rng(20261129)
+            cls.weights = t.random_weights(cls.rng)
+            cls.version = cls.client.load_weights(cls.weights)
+        except BaseException:
+            cls.server.stop()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        code = cls.server.stop()
+        if code != 0:
+            raise AssertionError(f"attngrad-server exited with {code} on SIGTERM")
+
+    def assert_matches(self, output, reference, what, atol=0.0067):
+        passed, matched = t.within_spec(output, reference, atol=atol)
+        self.assertTrue(passed, f"{what}: only {matched:.6f} of elements within SPEC section 4")
+
+    def current_version(self) -> int:
+        return self.client.info().weights_version
+
+    # -- info, health, weights -------------------------------------------------------------------
+
+    def test_info_and_health(self):
+        info = self.client.info()
+        self.assertEqual((info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim),
+                         (3072, 24, 8, 128))
+        self.assertEqual(info.max_message_bytes, MAX_MESSAGE_BYTES)
+        self.assertEqual(info.max_batch_tokens, MAX_BATCH_TOKENS)
+        self.assertGreaterEqual(len(info.devices), 1)
+        self.assertEqual(info.devices[0].backend, "cpu")
+        self.assertTrue(info.server_instance_id)
+        self.assertGreaterEqual(info.weights_version, self.version)
+        self.assertIn("float32", info.supported_wire_dtypes)
+        self.assertAlmostEqual(info.default_scaling, 1 / math.sqrt(128), places=6)
+        self.assertAlmostEqual(info.default_softcap, 50.0)
+        self.assertEqual(self.client.health(), "SERVING")
+
+    def test_load_weights_bumps_version_and_honours_expected_version(self):
+        before = self.current_version()
+        with self.assertRaises(attngrad.FailedPreconditionError) as caught:
+            self.client.load_weights(self.weights, expected_weights_version=before + 1000)
+        self.assertEqual(caught.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertTrue(caught.exception.message)
+        self.assertEqual(self.current_version(), before, "a refused upload changed the version")
+        after = self.client.load_weights(self.weights, expected_weights_version=before)
+        self.assertGreater(after, before)
+        self.assertEqual(self.current_version(), after)
+
+    def test_load_weights_rejects_wrong_shape_with_server_message(self):
+        bad = dict(self.weights)
+        bad["k_proj"] = np.zeros((1000, 3072), np.float32)
+        before = self.current_version()
+        with self.assertRaises(attngrad.AttngradError) as caught:
+            self.client.load_weights(bad)
+        self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("k_proj", caught.exception.message.lower())
+        self.assertEqual(self.current_version(), before)
+
+    # -- backward, RETURN ------------------------------------------------------------------------
+
+    def test_backward_return_split_along_batch_matches_reference(self):
+        hidden, grad, cos, sin = t.random_batch(self.rng, 3, 8)
+        result = self.client.backward(hidden, grad, cos, sin, mode="return", precision="fp32")
+        self.assertEqual(len(result.batch_ids), 2, "a [3,8] batch should go as 2 requests")
+        self.assertEqual(result.grad_hidden_states.shape, (3, 8, 3072))
+        self.assertEqual(result.weights_version, self.current_version())
+        self.assertEqual(result.devices[0], "cpu")
+        self.assertTrue(all(timing.total >= timing.compute > 0 for timing in result.timings))
+        ref_hidden, ref_weights = self.reference.backward(hidden, grad, cos, sin, self.weights)
+        self.assert_matches(result.grad_hidden_states, ref_hidden, "grad_hidden_states")
+        for name, ref in ref_weights.items():
+            self.assertEqual(result.weight_gradients[name].shape, ref.shape, name)
+            self.assert_matches(result.weight_gradients[name], ref, f"grad {name}")
+        # A split is exact: the CPU backend is deterministic, the sums differ only by fp32 rounding.
+        np.testing.assert_allclose(result.grad_hidden_states, ref_hidden, rtol=1e-4, atol=1e-5)
+
+    def test_backward_position_ids_and_scalars(self):
+        hidden, grad, _, _ = t.random_batch(self.rng, 1, 8)
+        positions = np.arange(5, 13)
+        scaling, softcap, eps = 0.07, 20.0, 1e-5
+        result = self.client.backward(hidden, grad, position_ids=positions, rope_theta=1000.0,
+                                      scaling=scaling, softcap=softcap, eps=eps)
+        cos, sin = t.rotary(1, 8, theta=1000.0, positions=positions[None])
+        ref_hidden, ref_weights = self.reference.backward(hidden, grad, cos, sin, self.weights,
+                                                          scaling=scaling, softcap=softcap, eps=eps)
+        self.assert_matches(result.grad_hidden_states, ref_hidden, "grad_hidden_states")
+        self.assert_matches(result.weight_gradients["q_norm"], ref_weights["q_norm"], "grad q_norm")
+        # The scalars matter: the default scalars give another answer.
+        default_hidden, _ = self.reference.backward(hidden, grad, cos, sin, self.weights)
+        self.assertGreater(np.abs(default_hidden - ref_hidden).max(), 1e-3)
+
+    def test_backward_zero_copy_response(self):
+        hidden, grad, cos, sin = t.random_batch(self.rng, 1, 4)
+        result = self.client.backward(hidden, grad, cos[0], sin[0])  # [S,D] tables broadcast
+        array = result.grad_hidden_states
+        self.assertFalse(array.flags.owndata, "grad_hidden_states should view the response bytes")
+        self.assertIsInstance(array.base, (bytes, memoryview, np.ndarray))
+        ref_hidden, _ = self.reference.backward(hidden, grad, cos, sin, self.weights)
+        self.assert_matches(array, ref_hidden, "grad_hidden_states")
+
+    def test_backward_many_pipelined_in_order(self):
+        batches = [t.random_batch(self.rng, 1, 4) for _ in range(3)]
+        results = list(self.client.backward_many(
+            dict(hidden_states=h, grad_output=g, cos=c, sin=s, batch_id=1000 + i)
+            for i, (h, g, c, s) in enumerate(batches)))
+        self.assertEqual([r.batch_id for r in results], [1000, 1001, 1002])
+        for (h, g, c, s), result in zip(batches, results):
+            ref_hidden, _ = self.reference.backward(h, g, c, s, self.weights)
+            self.assert_matches(result.grad_hidden_states, ref_hidden, "grad_hidden_states")
+
+    def test_float16_wire(self):
+        info = self.client.info()
+        hidden, grad, cos, sin = t.random_batch(self.rng, 1, 4)
+        if "float16" not in info.supported_wire_dtypes:
+            with self.assertRaises(attngrad.AttngradError):
+                self.client.backward(hidden, grad, cos, sin, wire_dtype="float16")
+            return
+        result = self.client.backward(hidden, grad, cos, sin, wire_dtype="float16",
+                                      response_dtype="float16")
+        self.assertEqual(result.grad_hidden_states.dtype, np.float16)
+        rounded = [a.astype(np.float16).astype(np.float32) for a in (hidden, grad, cos, sin)]
+        ref_hidden, _ = self.reference.backward(*rounded, self.weights)
+        self.assert_matches(result.grad_hidden_states.astype(np.float32), ref_hidden,
+                            "grad_hidden_states", atol=0.02)
+
+    # -- ACCUMULATE ------------------------------------------------------------------------------
+
+    def test_accumulate_fetch_dedup_and_zero(self):
+        self.client.zero_gradients()
+        first = t.random_batch(self.rng, 3, 8)   # split in 2 requests
+        second = t.random_batch(self.rng, 1, 8)
+        r1 = self.client.backward(*first, mode="accumulate", batch_id=501)
+        r2 = self.client.backward(*second, mode="accumulate", batch_id=502)
+        self.assertIsNone(r1.weight_gradients)
+        self.assertFalse(r1.duplicate or r2.duplicate)
+        self.assertEqual(len(r1.batch_ids), 2)
+        retry = self.client.backward(*first, mode="accumulate", batch_id=501)
+        self.assertTrue(retry.duplicate, "a retried batch id must be reported as duplicate")
+        self.assertEqual(retry.batch_ids, r1.batch_ids)
+        ref1_hidden, ref1 = self.reference.backward(*first, self.weights)
+        ref2_hidden, ref2 = self.reference.backward(*second, self.weights)
+        self.assert_matches(r1.grad_hidden_states, ref1_hidden, "accumulate grad_hidden_states")
+        self.assert_matches(retry.grad_hidden_states, ref1_hidden, "retried grad_hidden_states")
+
+        gradients = self.client.fetch_gradients(chunk_bytes=1 << 20)
+        self.assertEqual(gradients.state.tokens, 32, "the retry must not be counted twice")
+        self.assertEqual(gradients.state.weights_version, self.current_version())
+        self.assertEqual(gradients.state.server_instance_id, self.client.info().server_instance_id)
+        for name in attngrad.WEIGHT_NAMES:
+            self.assert_matches(gradients[name], ref1[name] + ref2[name], f"accumulated {name}")
+
+        window = gradients.state.window_id
+        fetched = self.client.fetch_gradients(zero_after_fetch=True, expected_window_id=window)
+        self.assertEqual(fetched.state.tokens, 32)
+        np.testing.assert_array_equal(fetched["o_proj"], gradients["o_proj"])
+        empty = self.client.fetch_gradients()
+        self.assertNotEqual(empty.state.window_id, window)
+        self.assertEqual(empty.state.tokens, 0)
+        self.assertEqual(empty.state.batches, 0)
+        for name in attngrad.WEIGHT_NAMES:
+            self.assertFalse(np.any(empty[name]), f"{name} not zeroed")
+        # The old window is gone: naming it is refused.
+        with self.assertRaises(attngrad.FailedPreconditionError):
+            self.client.fetch_gradients(expected_window_id=window)
+        with self.assertRaises(attngrad.FailedPreconditionError) as caught:
+            self.client.backward(*second, mode="accumulate", accumulation_window_id=window)
+        self.assertEqual(caught.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+
+        previous, current = self.client.zero_gradients()
+        self.assertEqual(previous.window_id, empty.state.window_id)
+        self.assertNotEqual(current.window_id, previous.window_id)
+
+    # -- refusals ----------------------------------------------------------------------------------
+
+    def test_weights_version_mismatch(self):
+        hidden, grad, cos, sin = t.random_batch(self.rng, 1, 4)
+        stale = self.current_version() + 1000
+        with self.assertRaises(attngrad.FailedPreconditionError) as caught:
+            self.client.backward(hidden, grad, cos, sin, expected_weights_version=stale)
+        error = caught.exception
+        self.assertEqual(error.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn(str(stale), error.message)
+        self.assertIn(error.message, str(error))
+        # The pinned current version works.
+        result = self.client.backward(hidden, grad, cos, sin,
+                                      expected_weights_version=self.current_version())
+        self.assertEqual(result.weights_version, self.current_version())
+
+    def test_bad_input_raises_with_server_message_and_leaves_accumulators(self):
+        self.client.zero_gradients()
+        before = self.client.fetch_gradients().state
+        hidden, grad, cos, sin = t.random_batch(self.rng, 1, 4)
+        cases = [
+            ("hidden_states", dict(hidden_states=np.zeros((1, 4, 100), np.float32),
+                                   grad_output=np.zeros((1, 4, 100), np.float32), cos=cos, sin=sin)),
+            ("cos", dict(hidden_states=hidden, grad_output=grad, cos=cos[..., :64], sin=sin[..., :64])),
+            ("scaling", dict(hidden_states=hidden, grad_output=grad, cos=cos, sin=sin,
+                             scaling=float("nan"))),
+        ]
+        for field, kwargs in cases:
+            with self.subTest(field=field):
+                with self.assertRaises(attngrad.AttngradError) as caught:
+                    self.client.backward(mode="accumulate", **kwargs)
+                error = caught.exception
+                self.assertEqual(error.code, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                self.assertIn(field, error.message, f"the message should name {field}: {error}")
+                self.assertIsNotNone(error.batch_id, "an in-band error carries the batch id")
+        after = self.client.fetch_gradients().state
+        self.assertEqual((after.window_id, after.tokens, after.batches),
+                         (before.window_id, before.tokens, before.batches),
+                         "refused batches must leave the accumulators untouched")
+        # The server keeps serving.
+        ref_hidden, _ = self.reference.backward(hidden, grad, cos, sin, self.weights)
+        self.assert_matches(self.client.backward(hidden, grad, cos, sin).grad_hidden_states,
+                            ref_hidden, "grad_hidden_states after errors")
+
+    def test_sequence_over_the_limits_is_refused_with_a_reason(self):
+        seq_len = MAX_BATCH_TOKENS + 8  # one sequence cannot be split further
+        hidden, grad, cos, sin = t.random_batch(self.rng, 1, seq_len)
+        with self.assertRaises(attngrad.AttngradError) as caught:
+            self.client.backward(hidden, grad, cos, sin)
+        self.assertIn(caught.exception.code, (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                              grpc.StatusCode.INVALID_ARGUMENT))
+        self.assertTrue(caught.exception.message)
+        self.assertEqual(self.client.health(), "SERVING")
+
+    def test_client_side_validation(self):
+        hidden, grad, cos, sin = t.random_batch(self.rng, 1, 4)
+        with self.assertRaises(ValueError):
+            self.client.backward(hidden[0], grad[0], cos, sin)
+        with self.assertRaises(ValueError):
+            self.client.backward(hidden, grad[:, :2], cos, sin)
+        with self.assertRaises(ValueError):
+            self.client.backward(hidden, grad)  # neither cos/sin nor position_ids
+        with self.assertRaises(ValueError):
+            self.client.backward(hidden, grad, cos, sin, mode="sometimes")
+
+    def test_unreachable_server_raises_unavailable(self):
+        with attngrad.Client(f"127.0.0.1:{t.free_port()}", timeout=2) as nobody:
+            with self.assertRaises(attngrad.AttngradError) as caught:
+                nobody.info()
+        self.assertIn(caught.exception.code, (grpc.StatusCode.UNAVAILABLE,
+                                              grpc.StatusCode.DEADLINE_EXCEEDED))
+
+
+if __name__ == "__main__":
+    unittest.main()
