@@ -349,7 +349,8 @@ def command_manifests(arguments):
           and re.search(r"^ARG CUDA_VERSION=13\.0\.\d+$", dockerfile, re.M)
           and re.search(r"^ARG UBUNTU_VERSION=24\.04$", dockerfile, re.M),
           "Dockerfile: expected nvidia/cuda 13.0.x devel -> runtime, Ubuntu 24.04")
-    check("scripts/install-deps.sh" in dockerfile, "Dockerfile does not use scripts/install-deps.sh")
+    check("bash /tmp/install-deps.sh &&" in dockerfile and "bash /tmp/install-deps.sh --runtime" in dockerfile,
+          "Dockerfile does not use scripts/install-deps.sh (build, then --runtime)")
     check(re.search(r"^USER 10001", dockerfile, re.M), "Dockerfile does not switch to the non-root user")
     check(re.search(rf"^EXPOSE {GRPC_PORT} {METRICS_PORT}$", dockerfile, re.M), "Dockerfile EXPOSE ports")
     check("HEALTHCHECK" in dockerfile and "attngrad-healthcheck" in dockerfile, "Dockerfile HEALTHCHECK")
