@@ -1,0 +1,199 @@
+// attngrad-cli shared flags and helpers.
+#include "cli_common.h"
+
+#include <cmath>
+#include <iostream>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "dtype.h"
+#include "tensor_files.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "gRPC address of the attngrad server");
+ABSL_FLAG(double, deadline_seconds, 300, "deadline of each call (and of one-batch streams)");
+ABSL_FLAG(double, connect_timeout_seconds, 10, "how long to wait for the server to be reachable");
+ABSL_FLAG(int, retries, 4, "attempts of idempotent calls (info, health, fetch without zeroing)");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
+          "client-side gRPC message limit; batches are split along B to fit it and the server's");
+ABSL_FLAG(int64_t, chunk_bytes, int64_t{4} << 20, "chunk size of weight uploads / gradient fetches");
+
+ABSL_FLAG(int64_t, batch, 1, "B: sequences per batch");
+ABSL_FLAG(int64_t, seq_len, 16, "S: tokens per sequence");
+ABSL_FLAG(int64_t, count, 1,
+          "backward: batches to send; bench: batches per stream (0 = run for --duration_seconds)");
+ABSL_FLAG(uint64_t, seed, 1, "seed of the random inputs (batch i uses seed + i)");
+ABSL_FLAG(std::string, mode, "",
+          "return | accumulate (default: return for backward, accumulate for bench)");
+ABSL_FLAG(std::string, precision, "auto", "auto | fp32 | tf32 | fp16");
+ABSL_FLAG(std::string, response_dtype, "float32", "wire dtype of answers: float32 | float16 | bfloat16");
+ABSL_FLAG(std::string, rotary, "tables",
+          "tables: send cos/sin [B,S,128]; positions: send position ids 0..S-1 (server builds them)");
+ABSL_FLAG(int, in_flight, 4, "batches in flight per stream");
+ABSL_FLAG(uint64_t, batch_id, 0, "id of the first batch (then +1 each); 0 = chosen by the client");
+ABSL_FLAG(uint64_t, expected_weights_version, 0, "refuse work if the server's weights version differs (0 = any)");
+ABSL_FLAG(uint64_t, window, 0,
+          "accumulation window: ACCUMULATE batches name it; fetch/zero expect it (0 = current)");
+ABSL_FLAG(std::string, hidden_states, "", "backward: .npy file (float32 [B,S,3072]) instead of random inputs");
+ABSL_FLAG(std::string, grad_output, "", "backward: .npy file (float32 [B,S,3072]) instead of random inputs");
+ABSL_FLAG(std::string, cos, "", "backward: .npy file (float32 [B,S,128]); default: positions 0..S-1, theta 1e4");
+ABSL_FLAG(std::string, sin, "", "backward: .npy file (float32 [B,S,128]); default: positions 0..S-1, theta 1e4");
+ABSL_FLAG(std::string, output, "",
+          "backward: directory for the results as .npy; fetch: a .safetensors file or a directory");
+
+ABSL_FLAG(bool, check, false,
+          "backward: compare every answer with the local CPU reference under SPEC section 4");
+ABSL_FLAG(std::string, check_weights, "upload",
+          "--check's weights. upload: upload --weights_file or random(--weights_seed) weights first "
+          "and pin that version; server: trust that the server already holds them (its "
+          "weights_source must match)");
+ABSL_FLAG(uint64_t, weights_seed, 0, "seed of random weights (the server's generator)");
+ABSL_FLAG(std::string, weights_file, "", "safetensors file with the layer's weights");
+ABSL_FLAG(int, weights_layer, 0, "layer index in --weights_file");
+ABSL_FLAG(bool, wire_fp32, false,
+          "load-weights: convert to float32 before uploading (default: the file's dtype when the "
+          "server accepts it)");
+
+ABSL_FLAG(int, streams, 4, "bench: concurrent Backward streams");
+ABSL_FLAG(double, duration_seconds, 10, "bench: how long to run when --count=0");
+ABSL_FLAG(int, warmup, 1, "bench: batches per stream sent before timing starts");
+ABSL_FLAG(bool, progress, true, "bench: a live progress line on stderr");
+
+ABSL_FLAG(bool, zero_after, false, "fetch: atomically zero the accumulators (start a new window)");
+ABSL_FLAG(std::string, service, "", "health: service name (\"\" = the whole server)");
+
+namespace attngrad::cli {
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags() {
+  ClientOptions options;
+  options.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_seconds));
+  options.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_seconds));
+  options.max_attempts = absl::GetFlag(FLAGS_retries);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  options.max_in_flight = absl::GetFlag(FLAGS_in_flight);
+  return Client::Connect(absl::GetFlag(FLAGS_target), options);
+}
+
+absl::StatusOr<v1::GradientMode> ParseMode(const std::string& text) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "return") return v1::GRADIENT_MODE_RETURN;
+  if (t == "accumulate") return v1::GRADIENT_MODE_ACCUMULATE;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--mode must be return or accumulate, got '", text, "'"));
+}
+
+absl::StatusOr<v1::Precision> ParsePrecision(const std::string& text) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "auto" || t.empty()) return v1::PRECISION_AUTO;
+  if (t == "fp32") return v1::PRECISION_FP32;
+  if (t == "tf32") return v1::PRECISION_TF32;
+  if (t == "fp16") return v1::PRECISION_FP16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--precision must be auto, fp32, tf32 or fp16, got '", text, "'"));
+}
+
+absl::StatusOr<v1::DType> ParseDType(const std::string& text) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "float32" || t == "fp32" || t.empty()) return v1::DTYPE_FLOAT32;
+  if (t == "float16" || t == "fp16") return v1::DTYPE_FLOAT16;
+  if (t == "bfloat16" || t == "bf16") return v1::DTYPE_BFLOAT16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype must be float32, float16 or bfloat16, got '", text, "'"));
+}
+
+std::string ModeName(v1::GradientMode mode) {
+  return mode == v1::GRADIENT_MODE_ACCUMULATE ? "accumulate" : "return";
+}
+
+int Fail(const std::string& command, const absl::Status& status) {
+  std::cerr << "attngrad-cli " << command << ": " << absl::StatusCodeToString(status.code()) << ": "
+            << status.message() << "\n";
+  return 1;
+}
+
+std::string HuggingFaceName(int layer, v1::WeightName name) {
+  return absl::StrCat("model.layers.", layer, ".self_attn.", WeightShortName(name), ".weight");
+}
+
+std::string LocalWeightsSource() {
+  const std::string file = absl::GetFlag(FLAGS_weights_file);
+  if (!file.empty()) {
+    return absl::StrCat("safetensors:", file, "#layer=", absl::GetFlag(FLAGS_weights_layer));
+  }
+  return absl::StrCat("random:seed=", absl::GetFlag(FLAGS_weights_seed));
+}
+
+absl::StatusOr<WeightSet> LocalWeights(const LayerConfig& config) {
+  const std::string path = absl::GetFlag(FLAGS_weights_file);
+  if (path.empty()) return RandomWeights(config, absl::GetFlag(FLAGS_weights_seed));
+  auto file = SafetensorsFile::Open(path);
+  if (!file.ok()) return file.status();
+  WeightSet weights;
+  const WeightSet expected = [&] {
+    WeightSet shapes;
+    shapes.q_proj.shape = {config.q_out(), config.hidden_size};
+    shapes.k_proj.shape = {config.kv_out(), config.hidden_size};
+    shapes.v_proj.shape = {config.kv_out(), config.hidden_size};
+    shapes.o_proj.shape = {config.hidden_size, config.q_out()};
+    shapes.q_norm.shape = {config.head_dim};
+    shapes.k_norm.shape = {config.head_dim};
+    return shapes;
+  }();
+  for (v1::WeightName name : WeightSet::Names()) {
+    const std::string tensor_name = HuggingFaceName(absl::GetFlag(FLAGS_weights_layer), name);
+    auto entry = file->entries().find(tensor_name);
+    if (entry == file->entries().end()) {
+      return absl::NotFoundError(absl::StrCat(path, ": no tensor ", tensor_name));
+    }
+    const v1::DType dtype = WireDTypeOf(entry->second.dtype);
+    if (dtype == v1::DTYPE_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", tensor_name, " has dtype ",
+                                                     entry->second.dtype,
+                                                     "; expected F32, F16 or BF16"));
+    }
+    if (entry->second.shape != expected.Get(name).shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": ", tensor_name, " has shape ", ShapeString(entry->second.shape), ", expected ",
+          ShapeString(expected.Get(name).shape)));
+    }
+    auto bytes = file->ReadBytes(tensor_name);
+    if (!bytes.ok()) return bytes.status();
+    HostTensor& tensor = weights.Get(name);
+    tensor.shape = entry->second.shape;
+    tensor.data.resize(static_cast<size_t>(tensor.num_elements()));
+    absl::Status status = DecodeFloats(*bytes, dtype, absl::MakeSpan(tensor.data));
+    if (!status.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", tensor_name, ": ", status.message()));
+  }
+  return weights;
+}
+
+std::string TensorSummary(const HostTensor& tensor) {
+  double sum_squares = 0, max_abs = 0, sum = 0;
+  int64_t non_finite = 0;
+  for (float v : tensor.data) {
+    if (!std::isfinite(v)) {
+      ++non_finite;
+      continue;
+    }
+    sum_squares += double{v} * v;
+    sum += v;
+    max_abs = std::max(max_abs, std::fabs(double{v}));
+  }
+  const double n = tensor.data.empty() ? 1.0 : static_cast<double>(tensor.data.size());
+  std::string text = absl::StrFormat("%-14s l2 %-11.5g max|x| %-11.5g mean % .4e",
+                                     ShapeString(tensor.shape), std::sqrt(sum_squares), max_abs,
+                                     sum / n);
+  if (non_finite) absl::StrAppend(&text, "  NON-FINITE: ", non_finite);
+  return text;
+}
+
+std::string FormatBytes(double bytes) {
+  if (bytes >= 1e9) return absl::StrFormat("%.2f GB", bytes / 1e9);
+  if (bytes >= 1e6) return absl::StrFormat("%.2f MB", bytes / 1e6);
+  if (bytes >= 1e3) return absl::StrFormat("%.2f kB", bytes / 1e3);
+  return absl::StrFormat("%.0f B", bytes);
+}
+
+}  // namespace attngrad::cli

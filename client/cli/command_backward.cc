@@ -1,0 +1,239 @@
+// attngrad-cli backward: sends batches (random SPEC section 3 inputs, or .npy files) on one Backward
+// stream, prints each answer, and with --check compares it with the local CPU reference.
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <optional>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cli_common.h"
+#include "dtype.h"
+#include "reference_check.h"
+#include "tensor_files.h"
+
+namespace attngrad::cli {
+namespace {
+
+// Inputs from --hidden_states/--grad_output[/--cos/--sin] .npy files.
+absl::StatusOr<BatchInputs> FileInputs(const LayerConfig& config) {
+  auto hidden = ReadNpy(absl::GetFlag(FLAGS_hidden_states));
+  if (!hidden.ok()) return hidden.status();
+  auto grad = ReadNpy(absl::GetFlag(FLAGS_grad_output));
+  if (!grad.ok()) return grad.status();
+  if (hidden->shape.size() != 3 || hidden->shape[2] != config.hidden_size ||
+      grad->shape != hidden->shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--hidden_states ", ShapeString(hidden->shape), " and --grad_output ",
+        ShapeString(grad->shape), " must both be [B,S,", config.hidden_size, "]"));
+  }
+  BatchInputs inputs;
+  inputs.batch = hidden->shape[0];
+  inputs.seq_len = hidden->shape[1];
+  inputs.hidden_states = std::move(hidden->data);
+  inputs.grad_output = std::move(grad->data);
+  const std::string cos_path = absl::GetFlag(FLAGS_cos), sin_path = absl::GetFlag(FLAGS_sin);
+  if (cos_path.empty() != sin_path.empty()) {
+    return absl::InvalidArgumentError("give both --cos and --sin, or neither");
+  }
+  if (cos_path.empty()) {
+    RotaryTables(inputs.batch, inputs.seq_len, config.head_dim, 10000.0, &inputs.cos, &inputs.sin);
+    return inputs;
+  }
+  auto cos = ReadNpy(cos_path);
+  if (!cos.ok()) return cos.status();
+  auto sin = ReadNpy(sin_path);
+  if (!sin.ok()) return sin.status();
+  const std::vector<int64_t> rotary_shape = {inputs.batch, inputs.seq_len, config.head_dim};
+  if (cos->shape != rotary_shape || sin->shape != rotary_shape) {
+    return absl::InvalidArgumentError(absl::StrCat("--cos ", ShapeString(cos->shape), " and --sin ",
+                                                   ShapeString(sin->shape), " must be ",
+                                                   ShapeString(rotary_shape)));
+  }
+  inputs.cos = std::move(cos->data);
+  inputs.sin = std::move(sin->data);
+  return inputs;
+}
+
+std::string TimingLine(const BackwardResult& r) {
+  const v1::StageTimings& t = r.timings;
+  return absl::StrFormat(
+      "server %.3f s (queue %.3f, copy_in %.3f, compute %.3f, copy_out %.3f), round trip %.3f s",
+      t.total_seconds(), t.queue_seconds(), t.copy_in_seconds(), t.compute_seconds(),
+      t.copy_out_seconds(), absl::ToDoubleSeconds(r.latency));
+}
+
+}  // namespace
+
+int RunBackward() {
+  const std::string command = "backward";
+  auto mode = ParseMode(absl::GetFlag(FLAGS_mode).empty() ? "return" : absl::GetFlag(FLAGS_mode));
+  if (!mode.ok()) return Fail(command, mode.status());
+  auto precision = ParsePrecision(absl::GetFlag(FLAGS_precision));
+  if (!precision.ok()) return Fail(command, precision.status());
+  auto response_dtype = ParseDType(absl::GetFlag(FLAGS_response_dtype));
+  if (!response_dtype.ok()) return Fail(command, response_dtype.status());
+  const std::string rotary = absl::GetFlag(FLAGS_rotary);
+  if (rotary != "tables" && rotary != "positions") {
+    return Fail(command, absl::InvalidArgumentError("--rotary must be tables or positions"));
+  }
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail(command, client.status());
+  const v1::GetModelInfoResponse info = (*client)->cached_info();
+  const LayerConfig config = ConfigFromInfo(info);
+
+  const bool from_files = !absl::GetFlag(FLAGS_hidden_states).empty() ||
+                          !absl::GetFlag(FLAGS_grad_output).empty();
+  std::optional<BatchInputs> file_inputs;
+  if (from_files) {
+    auto inputs = FileInputs(config);
+    if (!inputs.ok()) return Fail(command, inputs.status());
+    file_inputs = *std::move(inputs);
+  }
+  const int64_t B = from_files ? file_inputs->batch : absl::GetFlag(FLAGS_batch);
+  const int64_t S = from_files ? file_inputs->seq_len : absl::GetFlag(FLAGS_seq_len);
+  const int64_t count = from_files ? 1 : absl::GetFlag(FLAGS_count);
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  const bool check = absl::GetFlag(FLAGS_check);
+  const std::string output = absl::GetFlag(FLAGS_output);
+
+  // --check: the weights the answers are checked against, and the server version that holds them.
+  uint64_t pinned_version = absl::GetFlag(FLAGS_expected_weights_version);
+  std::optional<WeightSet> weights;
+  if (check) {
+    auto local = LocalWeights(config);
+    if (!local.ok()) return Fail(command, local.status());
+    weights = *std::move(local);
+    const std::string how = absl::GetFlag(FLAGS_check_weights);
+    if (how == "upload") {
+      auto version = (*client)->LoadWeights(*weights, pinned_version);
+      if (!version.ok()) return Fail(command, version.status());
+      pinned_version = *version;
+      std::cout << "uploaded " << LocalWeightsSource() << " as weights version " << *version
+                << "\n";
+    } else if (how == "server") {
+      if (info.weights_source() != LocalWeightsSource()) {
+        return Fail(command, absl::FailedPreconditionError(absl::StrCat(
+                                 "--check_weights=server: the server holds '",
+                                 info.weights_source(), "' but the CLI would check against '",
+                                 LocalWeightsSource(),
+                                 "'; start the server with the same --weights/--weights_seed, or "
+                                 "use --check_weights=upload")));
+      }
+      if (pinned_version == 0) pinned_version = info.weights_version();
+      std::cout << "checking against the server's " << info.weights_source() << " (version "
+                << pinned_version << ")\n";
+    } else {
+      return Fail(command, absl::InvalidArgumentError("--check_weights must be upload or server"));
+    }
+  }
+  Scalars scalars;
+  if (info.default_scaling() > 0) scalars.scaling = info.default_scaling();
+  if (info.default_softcap() > 0) scalars.softcap = info.default_softcap();
+  if (info.default_eps() > 0) scalars.eps = info.default_eps();
+
+  auto stream = (*client)->StartStream();
+  if (!stream.ok()) return Fail(command, stream.status());
+  if (!output.empty()) std::filesystem::create_directories(output);
+
+  std::map<uint64_t, BatchInputs> kept;     // inputs of batches in flight (for --check)
+  std::map<uint64_t, int64_t> index_of;     // batch id -> index i
+  int64_t failures = 0, answered = 0;
+  const absl::Time start = absl::Now();
+
+  auto handle = [&](const BackwardResult& result) {
+    ++answered;
+    const int64_t index = index_of[result.batch_id];
+    if (!result.status.ok()) {
+      ++failures;
+      std::cout << "batch " << result.batch_id << ": FAILED "
+                << absl::StatusCodeToString(result.status.code()) << ": "
+                << result.status.message() << "\n";
+      kept.erase(result.batch_id);
+      return;
+    }
+    std::cout << absl::StrFormat("batch %d: [%d,%d] %s on %s, weights v%d%s%s, %s%s\n",
+                                 result.batch_id, B, S, ModeName(*mode), result.device,
+                                 result.weights_version,
+                                 *mode == v1::GRADIENT_MODE_ACCUMULATE
+                                     ? absl::StrCat(", window ", result.accumulation_window_id)
+                                     : "",
+                                 result.duplicate ? " (duplicate: not added again)" : "",
+                                 TimingLine(result),
+                                 result.parts > 1 ? absl::StrCat(", split into ", result.parts)
+                                                  : "");
+    HostTensor grad{result.shape, result.grad_hidden_states};
+    std::cout << "  grad_hidden_states   " << TensorSummary(grad) << "\n";
+    if (check) {
+      auto reference = ComputeReference(config, kept.at(result.batch_id), *weights, scalars);
+      if (!reference.ok()) {
+        ++failures;
+        std::cout << "  check: " << reference.status() << "\n";
+      } else {
+        const CheckReport report = CheckAgainstReference(
+            result.grad_hidden_states,
+            result.weight_gradients ? &*result.weight_gradients : nullptr, *reference,
+            SpecAtol(B, S));
+        std::cout << "  check against the CPU reference (SPEC section 4, atol "
+                  << SpecAtol(B, S) << "): " << (report.passed() ? "PASS" : "FAIL") << "\n"
+                  << report.ToString();
+        if (!report.passed()) ++failures;
+      }
+    }
+    if (!output.empty()) {
+      const std::string prefix = absl::StrCat(output, "/batch", index, "_");
+      absl::Status status = WriteNpy(prefix + "grad_hidden_states.npy", grad);
+      if (status.ok() && result.weight_gradients) {
+        for (v1::WeightName name : WeightSet::Names()) {
+          if (!status.ok()) break;
+          status = WriteNpy(absl::StrCat(prefix, "grad_", WeightShortName(name), ".npy"),
+                            result.weight_gradients->Get(name));
+        }
+      }
+      if (!status.ok()) {
+        ++failures;
+        std::cout << "  writing " << prefix << "*.npy: " << status << "\n";
+      }
+    }
+    kept.erase(result.batch_id);
+  };
+
+  for (int64_t i = 0; i < count; ++i) {
+    BatchInputs inputs = from_files ? *file_inputs : RandomBatchInputs(config, B, S, seed + i);
+    BackwardBatch batch = inputs.View();
+    if (rotary == "positions" && absl::GetFlag(FLAGS_cos).empty()) {
+      batch.cos = {};
+      batch.sin = {};  // the server builds the tables of positions 0..S-1 (theta 10000)
+    }
+    batch.mode = *mode;
+    batch.precision = *precision;
+    batch.response_dtype = *response_dtype;
+    batch.expected_weights_version = pinned_version;
+    batch.accumulation_window_id = absl::GetFlag(FLAGS_window);
+    if (absl::GetFlag(FLAGS_batch_id) != 0) batch.batch_id = absl::GetFlag(FLAGS_batch_id) + i;
+    auto id = (*stream)->Submit(batch);
+    if (!id.ok()) return Fail(command, id.status());
+    index_of[*id] = i;
+    if (check) kept.emplace(*id, std::move(inputs));
+    while ((*stream)->outstanding() >= std::max(1, absl::GetFlag(FLAGS_in_flight))) {
+      auto result = (*stream)->Next();
+      if (!result.ok()) return Fail(command, result.status());
+      handle(*result);
+    }
+  }
+  absl::Status finished = (*stream)->Finish();
+  while (true) {
+    auto result = (*stream)->Next();
+    if (!result.ok()) break;  // OUT_OF_RANGE: everything answered
+    handle(*result);
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::cout << absl::StrFormat("%d batches (%d tokens) in %.2f s: %d ok, %d failed%s\n", answered,
+                               answered * B * S, seconds, answered - failures, failures,
+                               check ? " (failed includes checks)" : "");
+  if (!finished.ok()) return Fail(command, finished);
+  return failures == 0 && answered == count ? 0 : 1;
+}
+
+}  // namespace attngrad::cli

@@ -1,0 +1,190 @@
+// attngrad-cli bench: --streams concurrent Backward streams, --in_flight batches each, for --count
+// batches per stream or --duration_seconds. Reports throughput (tokens/s, GB/s on the wire),
+// round-trip latency percentiles and the server's mean stage times, with a live progress line.
+#include <algorithm>
+#include <atomic>
+#include <iostream>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "cli_common.h"
+
+namespace attngrad::cli {
+namespace {
+
+struct Totals {
+  absl::Mutex mu;
+  std::vector<double> latencies ABSL_GUARDED_BY(mu);  // seconds, timed batches only
+  int64_t batches ABSL_GUARDED_BY(mu) = 0;
+  int64_t tokens ABSL_GUARDED_BY(mu) = 0;
+  double bytes ABSL_GUARDED_BY(mu) = 0;
+  int64_t errors ABSL_GUARDED_BY(mu) = 0;
+  std::string first_error ABSL_GUARDED_BY(mu);
+  v1::StageTimings stages ABSL_GUARDED_BY(mu);  // sums
+  std::string device ABSL_GUARDED_BY(mu);
+};
+
+double Percentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t index =
+      std::min(values.size() - 1, static_cast<size_t>(p / 100.0 * (values.size() - 1) + 0.5));
+  return values[index];
+}
+
+}  // namespace
+
+int RunBench() {
+  const std::string command = "bench";
+  auto mode =
+      ParseMode(absl::GetFlag(FLAGS_mode).empty() ? "accumulate" : absl::GetFlag(FLAGS_mode));
+  if (!mode.ok()) return Fail(command, mode.status());
+  auto precision = ParsePrecision(absl::GetFlag(FLAGS_precision));
+  if (!precision.ok()) return Fail(command, precision.status());
+  auto response_dtype = ParseDType(absl::GetFlag(FLAGS_response_dtype));
+  if (!response_dtype.ok()) return Fail(command, response_dtype.status());
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail(command, client.status());
+  const LayerConfig config = ConfigFromInfo((*client)->cached_info());
+  const int64_t B = absl::GetFlag(FLAGS_batch), S = absl::GetFlag(FLAGS_seq_len);
+  const int64_t count = absl::GetFlag(FLAGS_count);
+  const int streams = std::max(1, absl::GetFlag(FLAGS_streams));
+  const int in_flight = std::max(1, absl::GetFlag(FLAGS_in_flight));
+  const int warmup = std::max(0, absl::GetFlag(FLAGS_warmup));
+  const absl::Duration duration = absl::Seconds(absl::GetFlag(FLAGS_duration_seconds));
+  // One batch of inputs shared by every stream (each submission gets a fresh batch id).
+  const BatchInputs inputs = RandomBatchInputs(config, B, S, absl::GetFlag(FLAGS_seed));
+  BackwardBatch batch = inputs.View();
+  if (absl::GetFlag(FLAGS_rotary) == "positions") batch.cos = batch.sin = {};
+  batch.mode = *mode;
+  batch.precision = *precision;
+  batch.response_dtype = *response_dtype;
+  batch.expected_weights_version = absl::GetFlag(FLAGS_expected_weights_version);
+
+  std::cerr << absl::StrFormat(
+      "bench: %s, %d streams x %d in flight, batches [%d,%d] (%d tokens), mode %s, %s\n",
+      (*client)->target(), streams, in_flight, B, S, B * S, ModeName(*mode),
+      count > 0 ? absl::StrFormat("%d batches per stream", count)
+                : absl::StrFormat("%.0f s", absl::ToDoubleSeconds(duration)));
+
+  Totals totals;
+  std::atomic<int> warmed{0};
+  absl::Notification timing_started;
+  absl::Time timing_start;
+  std::atomic<int> finished_streams{0};
+
+  auto run_stream = [&](int index) {
+    auto record_error = [&](const absl::Status& status) {
+      absl::MutexLock lock(&totals.mu);
+      ++totals.errors;
+      if (totals.first_error.empty()) totals.first_error = status.ToString();
+    };
+    auto stream = (*client)->StartStream();
+    if (!stream.ok()) {
+      record_error(stream.status());
+      if (warmed.fetch_add(1) + 1 == streams) {
+        timing_start = absl::Now();
+        timing_started.Notify();
+      }
+      finished_streams.fetch_add(1);
+      return;
+    }
+    // Warm-up: a few batches answered before the clock starts (connections, allocations).
+    for (int w = 0; w < warmup; ++w) {
+      auto id = (*stream)->Submit(batch);
+      if (!id.ok() || !(*stream)->Await(*id).ok()) break;
+    }
+    if (warmed.fetch_add(1) + 1 == streams) {
+      timing_start = absl::Now();
+      timing_started.Notify();
+    }
+    timing_started.WaitForNotification();
+    int64_t submitted = 0;
+    auto take = [&]() {
+      auto result = (*stream)->Next();
+      if (!result.ok()) return false;
+      absl::MutexLock lock(&totals.mu);
+      if (!result->status.ok()) {
+        ++totals.errors;
+        if (totals.first_error.empty()) totals.first_error = result->status.ToString();
+        return true;
+      }
+      totals.latencies.push_back(absl::ToDoubleSeconds(result->latency));
+      ++totals.batches;
+      totals.tokens += B * S;
+      totals.bytes += static_cast<double>(result->request_bytes + result->response_bytes);
+      const v1::StageTimings& t = result->timings;
+      totals.stages.set_queue_seconds(totals.stages.queue_seconds() + t.queue_seconds());
+      totals.stages.set_copy_in_seconds(totals.stages.copy_in_seconds() + t.copy_in_seconds());
+      totals.stages.set_compute_seconds(totals.stages.compute_seconds() + t.compute_seconds());
+      totals.stages.set_copy_out_seconds(totals.stages.copy_out_seconds() + t.copy_out_seconds());
+      totals.stages.set_total_seconds(totals.stages.total_seconds() + t.total_seconds());
+      totals.device = result->device;
+      return true;
+    };
+    while ((count <= 0 || submitted < count) &&
+           (count > 0 || absl::Now() - timing_start < duration)) {
+      auto id = (*stream)->Submit(batch);
+      if (!id.ok()) {
+        record_error(id.status());
+        break;
+      }
+      ++submitted;
+      while ((*stream)->outstanding() >= in_flight && take()) {
+      }
+    }
+    absl::Status finished = (*stream)->Finish();
+    while (take()) {
+    }
+    if (!finished.ok()) record_error(finished);
+    finished_streams.fetch_add(1);
+    (void)index;
+  };
+
+  std::vector<std::thread> threads;
+  for (int i = 0; i < streams; ++i) threads.emplace_back(run_stream, i);
+  const bool progress = absl::GetFlag(FLAGS_progress);
+  const bool tty = isatty(STDERR_FILENO);
+  timing_started.WaitForNotification();
+  while (finished_streams.load() < streams) {
+    absl::SleepFor(absl::Milliseconds(500));
+    if (!progress) continue;
+    absl::MutexLock lock(&totals.mu);
+    const double elapsed = absl::ToDoubleSeconds(absl::Now() - timing_start);
+    const std::string line = absl::StrFormat(
+        "[%6.1f s] %d batches, %.0f tokens/s, %.3f GB/s, p50 %.3f s, errors %d", elapsed,
+        totals.batches, totals.tokens / std::max(elapsed, 1e-9),
+        totals.bytes / 1e9 / std::max(elapsed, 1e-9), Percentile(totals.latencies, 50),
+        totals.errors);
+    std::cerr << (tty ? "\r" : "") << line << (tty ? "" : "\n") << std::flush;
+  }
+  for (std::thread& t : threads) t.join();
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - timing_start);
+  if (progress && tty) std::cerr << "\n";
+
+  absl::MutexLock lock(&totals.mu);
+  const double n = std::max<double>(1, static_cast<double>(totals.batches));
+  std::cout << absl::StrFormat(
+      "bench: %d batches [%d,%d] (%d tokens) in %.2f s on %s, %d streams x %d in flight, mode %s\n"
+      "  throughput  %.1f tokens/s, %.2f batches/s, %.3f GB/s on the wire\n"
+      "  latency     p50 %.4f s  p90 %.4f s  p99 %.4f s  max %.4f s (round trip per batch)\n"
+      "  server      mean total %.4f s: queue %.4f, copy_in %.4f, compute %.4f, copy_out %.4f\n"
+      "  errors      %d%s\n",
+      totals.batches, B, S, totals.tokens, elapsed, totals.device, streams, in_flight,
+      ModeName(*mode), totals.tokens / elapsed, totals.batches / elapsed,
+      totals.bytes / 1e9 / elapsed, Percentile(totals.latencies, 50),
+      Percentile(totals.latencies, 90), Percentile(totals.latencies, 99),
+      Percentile(totals.latencies, 100), totals.stages.total_seconds() / n,
+      totals.stages.queue_seconds() / n, totals.stages.copy_in_seconds() / n,
+      totals.stages.compute_seconds() / n, totals.stages.copy_out_seconds() / n, totals.errors,
+      totals.first_error.empty() ? "" : absl::StrCat(" (first: ", totals.first_error, ")"));
+  return totals.errors == 0 && totals.batches > 0 ? 0 : 1;
+}
+
+}  // namespace attngrad::cli

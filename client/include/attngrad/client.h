@@ -1,0 +1,248 @@
+// attngrad::Client: the C++ client of the attngrad.v1.AttentionGradient service, for trainers written
+// in C++. It hides the bidirectional Backward stream (batches are matched to responses by batch_id),
+// splits a batch along B when it exceeds the server's limits (and reassembles the answer), assembles
+// the chunked gradient and weight transfers, retries idempotent calls with backoff, puts a deadline on
+// every call, and turns a server restart (a changed server_instance_id) into an ABORTED error instead
+// of silently mixing two servers' state.
+//
+// Thread safety: a Client may be shared by any number of threads; a BackwardStream is used by one
+// thread at a time (Submit and Next/Await may be called from two different threads).
+#ifndef ATTNGRAD_CLIENT_H_
+#define ATTNGRAD_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <grpcpp/security/credentials.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "attngrad/v1/attngrad.pb.h"
+
+namespace attngrad {
+
+// How a Client talks to the server.
+struct ClientOptions {
+  // Deadline of each attempt of a unary call (GetModelInfo, health, ZeroGradients), of a whole
+  // FetchGradients / LoadWeights stream, and of the one-batch Client::Backward.
+  absl::Duration deadline = absl::Seconds(300);
+  // How long Connect waits for the channel to become ready.
+  absl::Duration connect_timeout = absl::Seconds(10);
+  // Deadline of a BackwardStream as a whole (infinite: a session may last a training run).
+  absl::Duration stream_deadline = absl::InfiniteDuration();
+  // Attempts of an idempotent call (GetModelInfo, health, FetchGradients without zeroing, and
+  // Client::Backward, whose batch id makes a retried ACCUMULATE batch count once) on UNAVAILABLE,
+  // DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED from the transport; 1 = no retry. Exponential backoff with jitter.
+  int max_attempts = 4;
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(5);
+  // The client's own gRPC send/receive limit. Batches are split so that every request fits
+  // min(this, the server's max_message_bytes).
+  int64_t max_message_bytes = int64_t{1} << 30;
+  // Chunk size of LoadWeights uploads and of FetchGradients downloads.
+  int64_t chunk_bytes = int64_t{4} << 20;
+  // Batches a BackwardStream keeps in flight before Submit blocks.
+  int max_in_flight = 8;
+  // Null: insecure (plaintext) channel.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+};
+
+// A dense fp32 host tensor (row-major).
+struct HostTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+  int64_t num_elements() const;
+};
+
+// The six weights, or weight gradients, of the layer (Hugging Face names q_proj ... k_norm).
+struct WeightSet {
+  HostTensor q_proj;  // [num_heads*head_dim, hidden]
+  HostTensor k_proj;  // [num_kv_heads*head_dim, hidden]
+  HostTensor v_proj;  // [num_kv_heads*head_dim, hidden]
+  HostTensor o_proj;  // [hidden, num_heads*head_dim]
+  HostTensor q_norm;  // [head_dim]
+  HostTensor k_norm;  // [head_dim]
+
+  HostTensor& Get(v1::WeightName name);
+  const HostTensor& Get(v1::WeightName name) const;
+  // The six names in proto order (Q_PROJ ... K_NORM).
+  static const std::vector<v1::WeightName>& Names();
+};
+
+// The Hugging Face suffix of a weight ("q_proj", ..., "k_norm"), or "" for UNSPECIFIED.
+absl::string_view WeightShortName(v1::WeightName name);
+
+// One batch for the Backward stream. The spans are read during Submit/Backward only (the data is
+// serialised before the call returns), so they may point into the caller's buffers.
+struct BackwardBatch {
+  int64_t batch = 0;    // B
+  int64_t seq_len = 0;  // S
+  absl::Span<const float> hidden_states;  // [B,S,hidden]
+  absl::Span<const float> grad_output;    // [B,S,hidden]
+  // Rotary inputs: cos/sin tables [B,S,head_dim], or (when both are empty) position ids from which the
+  // server builds them: B*S values, S values shared by every sequence, or none for 0..S-1.
+  absl::Span<const float> cos;
+  absl::Span<const float> sin;
+  std::vector<int64_t> position_ids;
+  double rope_theta = 0;  // 0 = 10000
+  // Unset: the server's defaults (the benchmark values of SPEC section 2).
+  std::optional<float> scaling;
+  std::optional<float> softcap;
+  std::optional<float> eps;
+  v1::GradientMode mode = v1::GRADIENT_MODE_RETURN;
+  v1::Precision precision = v1::PRECISION_UNSPECIFIED;
+  // 0: the client picks a unique id. Caller-chosen ids must be below 2^63 (ids with the top bit set
+  // name the parts of a split batch). Reusing an id in ACCUMULATE mode within one window is a retry:
+  // the server answers it again and does not add it twice.
+  uint64_t batch_id = 0;
+  uint64_t expected_weights_version = 0;  // 0 = any
+  uint64_t accumulation_window_id = 0;    // ACCUMULATE: 0 = the current window
+  v1::DType response_dtype = v1::DTYPE_UNSPECIFIED;  // wire dtype of the answer; results are fp32
+};
+
+// The answer to one batch (all parts of a split batch, reassembled).
+struct BackwardResult {
+  uint64_t batch_id = 0;
+  // OK, or why this batch failed (the server's code and message). Only BackwardStream::Next returns
+  // failed batches as results; every other call returns the failure as its status.
+  absl::Status status;
+  std::vector<int64_t> shape;             // [B,S,hidden]
+  std::vector<float> grad_hidden_states;  // [B,S,hidden]
+  std::optional<WeightSet> weight_gradients;  // RETURN mode: summed over the parts
+  uint64_t weights_version = 0;
+  uint64_t accumulation_window_id = 0;  // ACCUMULATE mode
+  bool duplicate = false;  // ACCUMULATE mode: some part was already accumulated in this window
+  std::string device;      // the device(s) that computed it, e.g. "cpu" or "cuda:0,cuda:1"
+  int parts = 1;           // how many requests the batch was split into
+  v1::StageTimings timings;  // the server's stage times, summed over the parts
+  absl::Duration latency;    // from Submit to the last part's answer, as the client saw it
+  int64_t request_bytes = 0;   // serialised request sizes, summed over the parts
+  int64_t response_bytes = 0;  // serialised response sizes, summed over the parts
+};
+
+// The accumulated gradients of one window.
+struct FetchedGradients {
+  v1::AccumulationState state;
+  WeightSet gradients;
+};
+
+// One weight to upload, in any wire dtype the server supports; `data` holds the raw little-endian
+// elements (product(shape) of them) and must outlive the LoadWeights call.
+struct WeightUpload {
+  v1::WeightName name = v1::WEIGHT_NAME_UNSPECIFIED;
+  v1::DType dtype = v1::DTYPE_FLOAT32;
+  std::vector<int64_t> shape;
+  absl::string_view data;
+};
+
+// Result of the standard grpc.health.v1 check.
+enum class HealthStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
+absl::string_view HealthStatusName(HealthStatus status);
+
+class Client;
+
+// A Backward session: one bidirectional stream with many batches in flight. Submit sends a batch
+// (split as needed) and returns its id; Next returns batches in the order they complete; Await waits
+// for one id. Destroying an unfinished stream cancels it.
+class BackwardStream {
+ public:
+  ~BackwardStream();
+  BackwardStream(const BackwardStream&) = delete;
+  BackwardStream& operator=(const BackwardStream&) = delete;
+
+  // Sends one batch; blocks while ClientOptions::max_in_flight batches are outstanding. Returns the
+  // batch id. Fails when the stream is broken, the id is already in flight, or the batch cannot be
+  // split to fit the server's limits.
+  absl::StatusOr<uint64_t> Submit(const BackwardBatch& batch);
+
+  // The next completed batch (a failed batch comes back with a non-OK `status`). Errors: OUT_OF_RANGE
+  // when nothing is outstanding, DEADLINE_EXCEEDED after `timeout`.
+  absl::StatusOr<BackwardResult> Next(absl::Duration timeout = absl::InfiniteDuration());
+
+  // Waits for one batch; its failure is returned as the status.
+  absl::StatusOr<BackwardResult> Await(uint64_t batch_id,
+                                       absl::Duration timeout = absl::InfiniteDuration());
+
+  // Batches submitted and not yet returned by Next/Await.
+  int64_t outstanding() const;
+
+  // Half-closes the stream and waits for the server to answer everything in flight (the answers stay
+  // available to Next/Await). Returns the stream's final status.
+  absl::Status Finish();
+
+  // Cancels the stream: outstanding batches fail with CANCELLED.
+  void Cancel();
+
+  class Impl;
+
+ private:
+  friend class Client;
+  explicit BackwardStream(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class Client {
+ public:
+  // Opens a channel to `target` (e.g. "127.0.0.1:50051"), waits until it is ready and reads the
+  // model info (limits, server instance id). UNAVAILABLE when the server cannot be reached in time.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
+                                                         const ClientOptions& options = {});
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // GetModelInfo (retried). Refreshes the cached limits. Does not fail on a server restart, but
+  // records it (see below).
+  absl::StatusOr<v1::GetModelInfoResponse> Info();
+  // The info read by Connect or the last Info().
+  v1::GetModelInfoResponse cached_info() const;
+
+  // grpc.health.v1.Health/Check for `service` ("" = the whole server) (retried).
+  absl::StatusOr<HealthStatus> Health(const std::string& service = "");
+
+  // One batch on a stream of its own (split as needed; retried on a broken transport with the same
+  // batch id, so an ACCUMULATE batch is never counted twice).
+  absl::StatusOr<BackwardResult> Backward(const BackwardBatch& batch);
+
+  // A session for many batches in flight.
+  absl::StatusOr<std::unique_ptr<BackwardStream>> StartStream();
+
+  // The accumulated gradients, assembled from the chunks. zero_after: atomically start a new window
+  // (not retried: not idempotent). expected_window_id != 0: FAILED_PRECONDITION if the server's
+  // window differs.
+  absl::StatusOr<FetchedGradients> Fetch(bool zero_after, uint64_t expected_window_id = 0);
+
+  // Zeroes the accumulators and starts a new window (not retried).
+  absl::StatusOr<v1::ZeroGradientsResponse> Zero(uint64_t expected_window_id = 0);
+
+  // Replaces all six weights (streamed in chunks; not retried). Returns the new weights version.
+  // expected_version != 0: FAILED_PRECONDITION if the server's version differs.
+  absl::StatusOr<uint64_t> LoadWeights(const std::vector<WeightUpload>& weights,
+                                       uint64_t expected_version = 0);
+  absl::StatusOr<uint64_t> LoadWeights(const WeightSet& weights, uint64_t expected_version = 0);
+
+  // Server restart detection: the instance id read by Connect is compared with every id the server
+  // reports. When it changes, every data call (Backward, streams, Fetch, Zero, LoadWeights) fails
+  // with ABORTED naming both ids until AcceptServerRestart() adopts the new server (after which the
+  // caller must assume its accumulated gradients and uploaded weights are gone).
+  absl::Status AcceptServerRestart();
+  std::string server_instance_id() const;
+  const std::string& target() const;
+  const ClientOptions& options() const;
+
+  class Impl;
+
+ private:
+  explicit Client(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace attngrad
+
+#endif  // ATTNGRAD_CLIENT_H_

@@ -1,0 +1,540 @@
+// BackwardStream: one bidirectional attngrad.v1 Backward stream with many batches in flight. Submit
+// splits a batch along B when it exceeds the server's limits, writes the parts, and a reader thread
+// matches the responses to their parts by batch_id, reassembles grad_hidden_states and sums the
+// weight gradients of RETURN-mode parts.
+#include <algorithm>
+#include <deque>
+#include <memory>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/sync_stream.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "attngrad/client.h"
+#include "client_impl.h"
+#include "dtype.h"
+
+namespace attngrad {
+namespace {
+
+uint64_t Mix64(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The wire id of part `index` of `parts` of batch `batch_id`: the batch id itself when it is not
+// split, else a deterministic id with the top bit set (so a retried split batch reuses its part ids,
+// and the server's dedup in ACCUMULATE mode still holds part by part).
+uint64_t PartId(uint64_t batch_id, int64_t index, int64_t parts) {
+  if (parts == 1) return batch_id;
+  return Mix64(batch_id ^ Mix64((static_cast<uint64_t>(parts) << 32) | static_cast<uint64_t>(index))) |
+         (uint64_t{1} << 63);
+}
+
+struct LayerShape {
+  int64_t hidden = 3072;
+  int64_t q_out = 3072;
+  int64_t kv_out = 1024;
+  int64_t head_dim = 128;
+};
+
+LayerShape ShapeOf(const v1::GetModelInfoResponse& info) {
+  LayerShape shape;
+  const v1::LayerConfig& config = info.config();
+  if (config.hidden_size() > 0 && config.num_heads() > 0 && config.num_kv_heads() > 0 &&
+      config.head_dim() > 0) {
+    shape.hidden = config.hidden_size();
+    shape.head_dim = config.head_dim();
+    shape.q_out = int64_t{config.num_heads()} * config.head_dim();
+    shape.kv_out = int64_t{config.num_kv_heads()} * config.head_dim();
+  }
+  return shape;
+}
+
+std::vector<int64_t> WeightShape(const LayerShape& layer, v1::WeightName name) {
+  switch (name) {
+    case v1::WEIGHT_NAME_Q_PROJ:
+      return {layer.q_out, layer.hidden};
+    case v1::WEIGHT_NAME_K_PROJ:
+    case v1::WEIGHT_NAME_V_PROJ:
+      return {layer.kv_out, layer.hidden};
+    case v1::WEIGHT_NAME_O_PROJ:
+      return {layer.hidden, layer.q_out};
+    default:
+      return {layer.head_dim};
+  }
+}
+
+const v1::Tensor& GradientTensor(const v1::WeightGradients& gradients, v1::WeightName name) {
+  switch (name) {
+    case v1::WEIGHT_NAME_Q_PROJ:
+      return gradients.q_proj();
+    case v1::WEIGHT_NAME_K_PROJ:
+      return gradients.k_proj();
+    case v1::WEIGHT_NAME_V_PROJ:
+      return gradients.v_proj();
+    case v1::WEIGHT_NAME_O_PROJ:
+      return gradients.o_proj();
+    case v1::WEIGHT_NAME_Q_NORM:
+      return gradients.q_norm();
+    default:
+      return gradients.k_norm();
+  }
+}
+
+void AddTimings(const v1::StageTimings& part, v1::StageTimings* sum) {
+  sum->set_queue_seconds(sum->queue_seconds() + part.queue_seconds());
+  sum->set_copy_in_seconds(sum->copy_in_seconds() + part.copy_in_seconds());
+  sum->set_compute_seconds(sum->compute_seconds() + part.compute_seconds());
+  sum->set_copy_out_seconds(sum->copy_out_seconds() + part.copy_out_seconds());
+  sum->set_total_seconds(sum->total_seconds() + part.total_seconds());
+}
+
+}  // namespace
+
+class BackwardStream::Impl {
+ public:
+  Impl(std::shared_ptr<Client::Impl> client, absl::Duration deadline)
+      : client_(std::move(client)), layer_(ShapeOf(client_->cached_info())) {
+    SetDeadline(&context_, deadline);
+  }
+
+  ~Impl() {
+    if (reader_.joinable()) {
+      context_.TryCancel();
+      reader_.join();
+    }
+  }
+
+  static absl::StatusOr<std::unique_ptr<BackwardStream>> Open(std::shared_ptr<Client::Impl> client,
+                                                             absl::Duration deadline) {
+    auto impl = std::make_unique<Impl>(std::move(client), deadline);
+    impl->stream_ = impl->client_->stub().Backward(&impl->context_);
+    if (impl->stream_ == nullptr) return absl::InternalError("Backward: could not open the stream");
+    impl->reader_ = std::thread([raw = impl.get()]() { raw->ReadLoop(); });
+    return std::unique_ptr<BackwardStream>(new BackwardStream(std::move(impl)));
+  }
+
+  absl::StatusOr<uint64_t> Submit(const BackwardBatch& batch);
+  absl::StatusOr<BackwardResult> Next(absl::Duration timeout);
+  absl::StatusOr<BackwardResult> Await(uint64_t batch_id, absl::Duration timeout);
+  int64_t outstanding() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int64_t>(pending_.size() + completed_.size());
+  }
+  absl::Status Finish();
+  void Cancel() { context_.TryCancel(); }
+
+ private:
+  struct Part {
+    uint64_t batch_id;
+    int64_t index;
+    int64_t first_sequence;
+    int64_t sequences;
+  };
+  struct Pending {
+    BackwardResult result;
+    int64_t parts_left = 0;
+    int64_t batch = 0;
+    int64_t seq_len = 0;
+    v1::GradientMode mode = v1::GRADIENT_MODE_RETURN;
+    absl::Time start;
+    std::set<std::string> devices;
+  };
+
+  void ReadLoop();
+  void HandleResponse(const v1::BackwardResponse& response);
+  absl::Status MergePart(const v1::BackwardResponse& response, const Part& part, Pending* pending);
+  absl::Status BrokenStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  std::shared_ptr<Client::Impl> client_;
+  const LayerShape layer_;  // from the model info when the stream opened
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>> stream_;
+  std::thread reader_;
+
+  absl::Mutex write_mu_;
+  bool writes_done_ ABSL_GUARDED_BY(write_mu_) = false;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar changed_;
+  std::unordered_map<uint64_t, Part> parts_ ABSL_GUARDED_BY(mu_);  // wire id -> part
+  // batch id -> pending batch; the Pending objects are stable (unique_ptr) and only the reader
+  // thread touches their results after Submit has registered them.
+  std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_ ABSL_GUARDED_BY(mu_);
+  std::deque<BackwardResult> completed_ ABSL_GUARDED_BY(mu_);
+  bool stream_done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status stream_status_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::Status BackwardStream::Impl::BrokenStatusLocked() const {
+  if (!stream_status_.ok()) return stream_status_;
+  return absl::FailedPreconditionError("Backward stream: already finished");
+}
+
+absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch) {
+  if (absl::Status restart = client_->RestartStatus(); !restart.ok()) return restart;
+  const v1::GetModelInfoResponse info = client_->cached_info();
+  const ClientOptions& options = client_->options();
+  const int64_t B = batch.batch, S = batch.seq_len, H = layer_.hidden, D = layer_.head_dim;
+  if (B < 1 || S < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch and seq_len must be >= 1, got batch=", B, " seq_len=", S));
+  }
+  if (batch.batch_id >> 63) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch_id ", batch.batch_id, " >= 2^63: ids with the top bit set are reserved "
+                     "for the parts of split batches"));
+  }
+  const bool tables = !batch.cos.empty() || !batch.sin.empty();
+  std::vector<int64_t> positions = batch.position_ids;
+  if (!tables && positions.empty()) {
+    for (int64_t s = 0; s < S; ++s) positions.push_back(s);
+  }
+  const bool per_sequence_positions =
+      !tables && static_cast<int64_t>(positions.size()) == B * S && B > 1;
+
+  // Split plan from the server's limits and the client's own message limit.
+  const int64_t response_element = DTypeSize(
+      batch.response_dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : batch.response_dtype);
+  MessageSizes sizes;
+  sizes.request_fixed = 4096 + (tables || per_sequence_positions ? 0 : 10 * S);
+  sizes.request_per_sequence =
+      S * H * 4 * 2 + (tables ? S * D * 4 * 2 : (per_sequence_positions ? 10 * S : 0)) + 64;
+  sizes.response_fixed = 4096;
+  if (batch.mode != v1::GRADIENT_MODE_ACCUMULATE) {
+    sizes.response_fixed +=
+        (2 * layer_.q_out * H + 2 * layer_.kv_out * H + 2 * D) * response_element;
+  }
+  sizes.response_per_sequence = S * H * response_element;
+  int64_t max_request = options.max_message_bytes;
+  if (info.max_message_bytes() > 0) max_request = std::min(max_request, info.max_message_bytes());
+  absl::StatusOr<SplitPlan> plan = PlanSplit(B, S, sizes, max_request, options.max_message_bytes,
+                                             info.max_batch_tokens());
+  if (!plan.ok()) return plan.status();
+  const int64_t parts = static_cast<int64_t>(plan->size());
+  if (parts > 1) {
+    // Splitting slices the inputs, so they must be complete (a single request is checked by the
+    // server, whose message names the field).
+    auto check = [&](absl::Span<const float> span, int64_t expected, absl::string_view name) {
+      if (static_cast<int64_t>(span.size()) == expected) return absl::OkStatus();
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected ", expected,
+                                                     " floats for shape [", B, ",", S, ",",
+                                                     expected / (B * S), "], got ", span.size()));
+    };
+    for (absl::Status s : {check(batch.hidden_states, B * S * H, "hidden_states"),
+                           check(batch.grad_output, B * S * H, "grad_output"),
+                           tables ? check(batch.cos, B * S * D, "cos") : absl::OkStatus(),
+                           tables ? check(batch.sin, B * S * D, "sin") : absl::OkStatus()}) {
+      if (!s.ok()) return s;
+    }
+    if (!tables && static_cast<int64_t>(positions.size()) != S &&
+        static_cast<int64_t>(positions.size()) != B * S) {
+      return absl::InvalidArgumentError(absl::StrCat("position_ids: expected ", S, " or ", B * S,
+                                                     " values, got ", positions.size()));
+    }
+  }
+
+  const uint64_t batch_id = batch.batch_id != 0 ? batch.batch_id : client_->NewBatchId();
+  auto pending = std::make_unique<Pending>();
+  pending->result.batch_id = batch_id;
+  pending->result.parts = static_cast<int>(parts);
+  pending->result.shape = {B, S, H};
+  pending->parts_left = parts;
+  pending->batch = B;
+  pending->seq_len = S;
+  pending->mode = batch.mode;
+  pending->start = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stream_done_ ||
+             static_cast<int64_t>(pending_.size()) < std::max(1, client_->options().max_in_flight);
+    };
+    while (!room()) changed_.Wait(&mu_);
+    if (stream_done_) return BrokenStatusLocked();
+    if (pending_.count(batch_id)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("batch_id ", batch_id, " is already in flight on this stream"));
+    }
+    for (int64_t p = 0; p < parts; ++p) {
+      const uint64_t wire_id = PartId(batch_id, p, parts);
+      if (parts_.count(wire_id)) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("batch_id ", batch_id, " collides with a part id in flight"));
+      }
+    }
+    for (int64_t p = 0; p < parts; ++p) {
+      parts_[PartId(batch_id, p, parts)] = Part{batch_id, p, (*plan)[p].first, (*plan)[p].second};
+    }
+    pending_[batch_id] = std::move(pending);
+  }
+
+  // Write the parts (one request built at a time).
+  absl::MutexLock write_lock(&write_mu_);
+  if (writes_done_) {
+    return absl::FailedPreconditionError("Backward stream: Submit after Finish");
+  }
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t first = (*plan)[p].first, count = (*plan)[p].second;
+    v1::BackwardRequest request;
+    request.set_batch_id(PartId(batch_id, p, parts));
+    request.set_mode(batch.mode);
+    request.set_precision(batch.precision);
+    request.set_expected_weights_version(batch.expected_weights_version);
+    request.set_accumulation_window_id(batch.accumulation_window_id);
+    request.set_response_dtype(batch.response_dtype);
+    auto slice = [&](absl::Span<const float> span, int64_t width) {
+      return parts == 1 ? span : span.subspan(first * S * width, count * S * width);
+    };
+    *request.mutable_hidden_states() = MakeTensor(slice(batch.hidden_states, H), {count, S, H});
+    *request.mutable_grad_output() = MakeTensor(slice(batch.grad_output, H), {count, S, H});
+    if (tables) {
+      *request.mutable_rotary_tables()->mutable_cos() = MakeTensor(slice(batch.cos, D), {count, S, D});
+      *request.mutable_rotary_tables()->mutable_sin() = MakeTensor(slice(batch.sin, D), {count, S, D});
+    } else {
+      v1::RotaryPositions* rotary = request.mutable_positions();
+      rotary->set_rope_theta(batch.rope_theta);
+      if (per_sequence_positions) {
+        rotary->mutable_position_ids()->Add(positions.begin() + first * S,
+                                            positions.begin() + (first + count) * S);
+      } else {
+        rotary->mutable_position_ids()->Add(positions.begin(), positions.end());
+      }
+    }
+    if (batch.scaling) request.set_scaling(*batch.scaling);
+    if (batch.softcap) request.set_softcap(*batch.softcap);
+    if (batch.eps) request.set_eps(*batch.eps);
+    const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong());
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = pending_.find(batch_id);
+      if (it != pending_.end()) it->second->result.request_bytes += bytes;
+    }
+    if (!stream_->Write(request)) {
+      // The stream is broken; the reader thread learns why from Finish.
+      absl::MutexLock lock(&mu_);
+      while (!stream_done_) changed_.Wait(&mu_);
+      return BrokenStatusLocked();
+    }
+  }
+  return batch_id;
+}
+
+void BackwardStream::Impl::ReadLoop() {
+  v1::BackwardResponse response;
+  while (stream_->Read(&response)) HandleResponse(response);
+  const grpc::Status finished = stream_->Finish();
+  absl::MutexLock lock(&mu_);
+  stream_done_ = true;
+  stream_status_ = FromGrpc(finished, "Backward stream");
+  if (stream_status_.ok() && !pending_.empty()) {
+    stream_status_ = absl::InternalError(absl::StrCat(
+        "Backward stream: the server closed the stream with ", pending_.size(),
+        " batches unanswered"));
+  }
+  for (auto& [id, pending] : pending_) {
+    pending->result.status = stream_status_;
+    pending->result.latency = absl::Now() - pending->start;
+    completed_.push_back(std::move(pending->result));
+  }
+  pending_.clear();
+  parts_.clear();
+  changed_.SignalAll();
+}
+
+void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) {
+  Part part;
+  Pending* pending = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = parts_.find(response.batch_id());
+    if (it == parts_.end()) return;  // not ours (e.g. answered after a local failure): ignore
+    part = it->second;
+    parts_.erase(it);
+    pending = pending_.at(part.batch_id).get();
+  }
+  absl::Status status = MergePart(response, part, pending);
+  if (!status.ok() && pending->result.status.ok()) {
+    if (pending->result.parts > 1) {
+      status = absl::Status(status.code(),
+                            absl::StrCat("part ", part.index + 1, "/", pending->result.parts,
+                                         " (sequences ", part.first_sequence, "..",
+                                         part.first_sequence + part.sequences - 1, "): ",
+                                         status.message()));
+    }
+    pending->result.status = status;
+  }
+  absl::MutexLock lock(&mu_);
+  pending->result.response_bytes += static_cast<int64_t>(response.ByteSizeLong());
+  if (--pending->parts_left > 0) return;
+  BackwardResult& result = pending->result;
+  result.latency = absl::Now() - pending->start;
+  result.device = absl::StrJoin(pending->devices, ",");
+  if (!result.status.ok()) {
+    result.grad_hidden_states.clear();
+    result.weight_gradients.reset();
+  }
+  completed_.push_back(std::move(result));
+  pending_.erase(part.batch_id);
+  changed_.SignalAll();
+}
+
+absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& response, const Part& part,
+                                             Pending* pending) {
+  BackwardResult& result = pending->result;
+  if (response.has_error() && response.error().code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(response.error().code()),
+                        absl::StrCat("batch ", part.batch_id, ": ", response.error().message()));
+  }
+  if (absl::Status restart = client_->CheckInstance(response.server_instance_id()); !restart.ok()) {
+    return restart;
+  }
+  if (!result.status.ok()) return absl::OkStatus();  // an earlier part failed: skip the data
+  if (!response.device().empty()) pending->devices.insert(response.device());
+  if (result.weights_version != 0 && response.weights_version() != result.weights_version) {
+    return absl::AbortedError(absl::StrCat(
+        "batch ", part.batch_id, ": its parts were computed with different weights versions (",
+        result.weights_version, " and ", response.weights_version(),
+        "); set expected_weights_version to pin one"));
+  }
+  result.weights_version = response.weights_version();
+  result.accumulation_window_id = response.accumulation_window_id();
+  result.duplicate = result.duplicate || response.duplicate();
+  AddTimings(response.timings(), &result.timings);
+
+  const int64_t S = pending->seq_len, H = layer_.hidden;
+  const std::vector<int64_t> part_shape = {part.sequences, S, H};
+  if (result.parts == 1) {
+    absl::Status status = ReadTensor(response.grad_hidden_states(), part_shape,
+                                     "grad_hidden_states", &result.grad_hidden_states);
+    if (!status.ok()) return status;
+  } else {
+    std::vector<float> piece;
+    absl::Status status =
+        ReadTensor(response.grad_hidden_states(), part_shape, "grad_hidden_states", &piece);
+    if (!status.ok()) return status;
+    result.grad_hidden_states.resize(static_cast<size_t>(pending->batch * S * H));
+    std::copy(piece.begin(), piece.end(),
+              result.grad_hidden_states.begin() + part.first_sequence * S * H);
+  }
+
+  if (pending->mode == v1::GRADIENT_MODE_ACCUMULATE) return absl::OkStatus();
+  if (!response.has_weight_gradients()) {
+    return absl::InternalError(absl::StrCat(
+        "batch ", part.batch_id, ": a RETURN-mode answer without weight_gradients"));
+  }
+  const bool first = !result.weight_gradients.has_value();
+  if (first) result.weight_gradients.emplace();
+  for (v1::WeightName name : WeightSet::Names()) {
+    HostTensor& sum = result.weight_gradients->Get(name);
+    const std::vector<int64_t> shape = WeightShape(layer_, name);
+    const std::string what = absl::StrCat("weight_gradients.", WeightShortName(name));
+    if (first) {
+      sum.shape = shape;
+      absl::Status status =
+          ReadTensor(GradientTensor(response.weight_gradients(), name), shape, what, &sum.data);
+      if (!status.ok()) return status;
+      continue;
+    }
+    std::vector<float> piece;
+    absl::Status status =
+        ReadTensor(GradientTensor(response.weight_gradients(), name), shape, what, &piece);
+    if (!status.ok()) return status;
+    for (size_t i = 0; i < piece.size(); ++i) sum.data[i] += piece[i];
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BackwardResult> BackwardStream::Impl::Next(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  while (completed_.empty() && !pending_.empty()) {
+    if (changed_.WaitWithDeadline(&mu_, deadline) && completed_.empty()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "Backward stream: no batch completed within ", absl::FormatDuration(timeout)));
+    }
+  }
+  if (completed_.empty()) {
+    return absl::OutOfRangeError("Backward stream: no batches outstanding");
+  }
+  BackwardResult result = std::move(completed_.front());
+  completed_.pop_front();
+  changed_.SignalAll();
+  return result;
+}
+
+absl::StatusOr<BackwardResult> BackwardStream::Impl::Await(uint64_t batch_id,
+                                                           absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    for (auto it = completed_.begin(); it != completed_.end(); ++it) {
+      if (it->batch_id != batch_id) continue;
+      BackwardResult result = std::move(*it);
+      completed_.erase(it);
+      changed_.SignalAll();
+      if (!result.status.ok()) return result.status;
+      return result;
+    }
+    if (!pending_.count(batch_id)) {
+      return absl::NotFoundError(
+          absl::StrCat("Backward stream: batch ", batch_id, " is not outstanding"));
+    }
+    if (changed_.WaitWithDeadline(&mu_, deadline)) {
+      bool done = false;
+      for (const BackwardResult& r : completed_) done = done || r.batch_id == batch_id;
+      if (!done) {
+        return absl::DeadlineExceededError(absl::StrCat("Backward stream: batch ", batch_id,
+                                                        " not answered within ",
+                                                        absl::FormatDuration(timeout)));
+      }
+    }
+  }
+}
+
+absl::Status BackwardStream::Impl::Finish() {
+  {
+    absl::MutexLock write_lock(&write_mu_);
+    if (!writes_done_) {
+      writes_done_ = true;
+      stream_->WritesDone();
+    }
+  }
+  if (reader_.joinable()) reader_.join();
+  absl::MutexLock lock(&mu_);
+  return stream_status_;
+}
+
+absl::StatusOr<std::unique_ptr<BackwardStream>> OpenBackwardStream(
+    std::shared_ptr<Client::Impl> client, absl::Duration deadline) {
+  if (absl::Status restart = client->RestartStatus(); !restart.ok()) return restart;
+  return BackwardStream::Impl::Open(std::move(client), deadline);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+BackwardStream::BackwardStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+BackwardStream::~BackwardStream() = default;
+
+absl::StatusOr<uint64_t> BackwardStream::Submit(const BackwardBatch& batch) {
+  return impl_->Submit(batch);
+}
+absl::StatusOr<BackwardResult> BackwardStream::Next(absl::Duration timeout) {
+  return impl_->Next(timeout);
+}
+absl::StatusOr<BackwardResult> BackwardStream::Await(uint64_t batch_id, absl::Duration timeout) {
+  return impl_->Await(batch_id, timeout);
+}
+int64_t BackwardStream::outstanding() const { return impl_->outstanding(); }
+absl::Status BackwardStream::Finish() { return impl_->Finish(); }
+void BackwardStream::Cancel() { impl_->Cancel(); }
+
+}  // namespace attngrad

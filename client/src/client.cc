@@ -1,0 +1,533 @@
+// attngrad::Client: connection, retries, deadlines, restart detection, and the unary-style calls
+// (model info, health, fetch/zero gradients, weight upload). The Backward stream is in
+// backward_stream.cc.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <random>
+#include <thread>
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "attngrad/client.h"
+#include "client_impl.h"
+#include "dtype.h"
+
+namespace attngrad {
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers
+
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view what) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(what, ": ", status.error_message()));
+}
+
+void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
+  if (timeout == absl::InfiniteDuration()) return;
+  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+int64_t HostTensor::num_elements() const { return NumElements(shape); }
+
+HostTensor& WeightSet::Get(v1::WeightName name) {
+  return const_cast<HostTensor&>(static_cast<const WeightSet*>(this)->Get(name));
+}
+
+const HostTensor& WeightSet::Get(v1::WeightName name) const {
+  switch (name) {
+    case v1::WEIGHT_NAME_Q_PROJ:
+      return q_proj;
+    case v1::WEIGHT_NAME_K_PROJ:
+      return k_proj;
+    case v1::WEIGHT_NAME_V_PROJ:
+      return v_proj;
+    case v1::WEIGHT_NAME_O_PROJ:
+      return o_proj;
+    case v1::WEIGHT_NAME_Q_NORM:
+      return q_norm;
+    default:
+      return k_norm;
+  }
+}
+
+const std::vector<v1::WeightName>& WeightSet::Names() {
+  static const auto* const names = new std::vector<v1::WeightName>{
+      v1::WEIGHT_NAME_Q_PROJ, v1::WEIGHT_NAME_K_PROJ, v1::WEIGHT_NAME_V_PROJ,
+      v1::WEIGHT_NAME_O_PROJ, v1::WEIGHT_NAME_Q_NORM, v1::WEIGHT_NAME_K_NORM};
+  return *names;
+}
+
+absl::string_view WeightShortName(v1::WeightName name) {
+  switch (name) {
+    case v1::WEIGHT_NAME_Q_PROJ:
+      return "q_proj";
+    case v1::WEIGHT_NAME_K_PROJ:
+      return "k_proj";
+    case v1::WEIGHT_NAME_V_PROJ:
+      return "v_proj";
+    case v1::WEIGHT_NAME_O_PROJ:
+      return "o_proj";
+    case v1::WEIGHT_NAME_Q_NORM:
+      return "q_norm";
+    case v1::WEIGHT_NAME_K_NORM:
+      return "k_norm";
+    default:
+      return "";
+  }
+}
+
+absl::string_view HealthStatusName(HealthStatus status) {
+  switch (status) {
+    case HealthStatus::kServing:
+      return "SERVING";
+    case HealthStatus::kNotServing:
+      return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown:
+      return "SERVICE_UNKNOWN";
+    default:
+      return "UNKNOWN";
+  }
+}
+
+absl::StatusOr<SplitPlan> PlanSplit(int64_t batch, int64_t seq_len, const MessageSizes& sizes,
+                                    int64_t max_request_bytes, int64_t max_response_bytes,
+                                    int64_t max_batch_tokens) {
+  if (batch < 1 || seq_len < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch and seq_len must be >= 1, got B=", batch, " S=", seq_len));
+  }
+  int64_t fit = batch;
+  if (max_batch_tokens > 0) fit = std::min(fit, max_batch_tokens / seq_len);
+  auto limit_by = [&fit](int64_t limit, int64_t fixed, int64_t per_sequence) {
+    if (limit <= 0) return;
+    if (per_sequence <= 0) {
+      if (fixed > limit) fit = 0;
+      return;
+    }
+    fit = std::min(fit, limit > fixed ? (limit - fixed) / per_sequence : int64_t{0});
+  };
+  limit_by(max_request_bytes, sizes.request_fixed, sizes.request_per_sequence);
+  limit_by(max_response_bytes, sizes.response_fixed, sizes.response_per_sequence);
+  if (fit < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "one sequence of seq_len=", seq_len, " does not fit the limits (max_batch_tokens=",
+        max_batch_tokens, ", max request bytes=", max_request_bytes,
+        ", max response bytes=", max_response_bytes, ", request bytes per sequence=",
+        sizes.request_per_sequence, ", response bytes=", sizes.response_fixed, "+",
+        sizes.response_per_sequence,
+        " per sequence); only splits along B are exact, so shorten the sequences or raise the "
+        "limits"));
+  }
+  const int64_t parts = (batch + fit - 1) / fit;
+  SplitPlan plan;
+  int64_t first = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t count = batch / parts + (p < batch % parts ? 1 : 0);
+    plan.emplace_back(first, count);
+    first += count;
+  }
+  return plan;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client::Impl
+
+Client::Impl::Impl(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : target_(std::move(target)),
+      options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::AttentionGradient::NewStub(channel_)),
+      generic_stub_(std::make_unique<grpc::GenericStub>(channel_)) {
+  std::random_device device;
+  const uint64_t seed = (static_cast<uint64_t>(device()) << 32) ^ device();
+  // Start somewhere random in [1, 2^62) so that two clients' ids do not collide in one window.
+  next_batch_id_ = (seed % ((uint64_t{1} << 62) - 1)) + 1;
+}
+
+uint64_t Client::Impl::NewBatchId() {
+  return next_batch_id_.fetch_add(1) & ((uint64_t{1} << 63) - 1);
+}
+
+absl::Status Client::Impl::Retry(const std::function<absl::Status()>& attempt) {
+  std::mt19937_64 jitter(std::random_device{}());
+  absl::Duration backoff = options_.initial_backoff;
+  absl::Status status;
+  const int attempts = std::max(1, options_.max_attempts);
+  for (int i = 0; i < attempts; ++i) {
+    status = attempt();
+    const bool retryable = absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
+    if (status.ok() || !retryable || i + 1 == attempts) break;
+    const double factor = std::uniform_real_distribution<double>(0.5, 1.5)(jitter);
+    absl::SleepFor(backoff * factor);
+    backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+  if (!status.ok() && attempts > 1 &&
+      (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status))) {
+    return absl::Status(status.code(),
+                        absl::StrCat(status.message(), " (after ", attempts, " attempts)"));
+  }
+  return status;
+}
+
+absl::StatusOr<v1::GetModelInfoResponse> Client::Impl::FetchInfo() {
+  v1::GetModelInfoResponse response;
+  absl::Status status = Retry([&]() {
+    grpc::ClientContext context;
+    SetDeadline(&context, options_.deadline);
+    return FromGrpc(stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &response),
+                    "GetModelInfo");
+  });
+  if (!status.ok()) return status;
+  {
+    absl::MutexLock lock(&mu_);
+    info_ = response;
+  }
+  CheckInstance(response.server_instance_id()).IgnoreError();  // recorded; Info itself succeeds
+  return response;
+}
+
+v1::GetModelInfoResponse Client::Impl::cached_info() const {
+  absl::MutexLock lock(&mu_);
+  return info_;
+}
+
+absl::Status Client::Impl::CheckInstance(absl::string_view seen) {
+  if (seen.empty()) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  if (instance_id_.empty()) {
+    instance_id_ = std::string(seen);
+    return absl::OkStatus();
+  }
+  if (seen != instance_id_ && restarted_to_.empty()) restarted_to_ = std::string(seen);
+  if (seen != instance_id_) return RestartStatusLocked();
+  return absl::OkStatus();
+}
+
+absl::Status Client::Impl::RestartStatusLocked() const {
+  if (restarted_to_.empty()) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat(
+      "the server at ", target_, " restarted (server_instance_id changed from ", instance_id_,
+      " to ", restarted_to_,
+      "): its accumulated gradients and uploaded weights from before are lost; call "
+      "Client::AcceptServerRestart() (or reconnect) to continue against the new server"));
+}
+
+absl::Status Client::Impl::RestartStatus() const {
+  absl::MutexLock lock(&mu_);
+  return RestartStatusLocked();
+}
+
+absl::Status Client::Impl::AcceptRestart() {
+  absl::MutexLock lock(&mu_);
+  if (!restarted_to_.empty()) {
+    instance_id_ = restarted_to_;
+    restarted_to_.clear();
+  }
+  return absl::OkStatus();
+}
+
+std::string Client::Impl::instance_id() const {
+  absl::MutexLock lock(&mu_);
+  return instance_id_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client
+
+Client::Client(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
+                                                        const ClientOptions& options) {
+  if (target.empty()) return absl::InvalidArgumentError("Connect: empty target");
+  grpc::ChannelArguments arguments;
+  const int limit = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
+  arguments.SetMaxReceiveMessageSize(limit);
+  arguments.SetMaxSendMessageSize(limit);
+  // Connection errors are surfaced promptly; retries are ours.
+  arguments.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  auto channel = grpc::CreateCustomChannel(target, credentials, arguments);
+  if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot connect to the attngrad server at ", target, " within ",
+                     absl::FormatDuration(options.connect_timeout)));
+  }
+  auto impl = std::make_shared<Impl>(target, options, std::move(channel));
+  auto info = impl->FetchInfo();
+  if (!info.ok()) return info.status();
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<v1::GetModelInfoResponse> Client::Info() { return impl_->FetchInfo(); }
+
+v1::GetModelInfoResponse Client::cached_info() const { return impl_->cached_info(); }
+
+absl::Status Client::AcceptServerRestart() {
+  absl::Status status = impl_->AcceptRestart();
+  if (!status.ok()) return status;
+  return impl_->FetchInfo().status();
+}
+
+std::string Client::server_instance_id() const { return impl_->instance_id(); }
+const std::string& Client::target() const { return impl_->target(); }
+const ClientOptions& Client::options() const { return impl_->options(); }
+
+absl::StatusOr<HealthStatus> Client::Health(const std::string& service) {
+  // grpc.health.v1.HealthCheckRequest { string service = 1; } encoded by hand (the generic stub
+  // keeps this library free of a second copy of health.proto, which the server may also link).
+  std::string request;
+  if (!service.empty()) {
+    request.push_back(0x0a);
+    uint64_t length = service.size();
+    while (length >= 0x80) {
+      request.push_back(static_cast<char>((length & 0x7f) | 0x80));
+      length >>= 7;
+    }
+    request.push_back(static_cast<char>(length));
+    request += service;
+  }
+  HealthStatus result = HealthStatus::kUnknown;
+  absl::Status status = impl_->Retry([&]() -> absl::Status {
+    grpc::ClientContext context;
+    SetDeadline(&context, impl_->options().deadline);
+    grpc::Slice slice(request);
+    grpc::ByteBuffer request_buffer(&slice, 1);
+    grpc::ByteBuffer response_buffer;
+    absl::Notification done;
+    grpc::Status call_status;
+    impl_->generic_stub().UnaryCall(&context, "/grpc.health.v1.Health/Check",
+                                    grpc::StubOptions(), &request_buffer, &response_buffer,
+                                    [&](grpc::Status s) {
+                                      call_status = std::move(s);
+                                      done.Notify();
+                                    });
+    done.WaitForNotification();
+    if (!call_status.ok()) return FromGrpc(call_status, "Health/Check");
+    grpc::Slice bytes;
+    if (!response_buffer.DumpToSingleSlice(&bytes).ok()) {
+      return absl::InternalError("Health/Check: unreadable response");
+    }
+    // HealthCheckResponse { ServingStatus status = 1; }: tag 0x08 then a varint; absent = UNKNOWN.
+    const uint8_t* data = bytes.begin();
+    const size_t size = bytes.size();
+    uint64_t value = 0;
+    for (size_t i = 0; i + 1 < size; ++i) {
+      if (data[i] != 0x08) continue;
+      int shift = 0;
+      for (size_t j = i + 1; j < size && shift < 64; ++j, shift += 7) {
+        value |= static_cast<uint64_t>(data[j] & 0x7f) << shift;
+        if (!(data[j] & 0x80)) break;
+      }
+      break;
+    }
+    result = value <= 3 ? static_cast<HealthStatus>(value) : HealthStatus::kUnknown;
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return result;
+}
+
+absl::StatusOr<std::unique_ptr<BackwardStream>> Client::StartStream() {
+  if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
+  // A fresh look at the server: its current limits, and a restart is caught before any batch.
+  auto info = impl_->FetchInfo();
+  if (!info.ok()) return info.status();
+  if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
+  return OpenBackwardStream(impl_, impl_->options().stream_deadline);
+}
+
+absl::StatusOr<BackwardResult> Client::Backward(const BackwardBatch& batch) {
+  if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
+  BackwardBatch pinned = batch;
+  if (pinned.batch_id == 0) pinned.batch_id = impl_->NewBatchId();
+  absl::StatusOr<BackwardResult> result;
+  absl::Status status = impl_->Retry([&]() -> absl::Status {
+    auto stream = OpenBackwardStream(impl_, impl_->options().deadline);
+    if (!stream.ok()) return stream.status();
+    auto id = (*stream)->Submit(pinned);
+    if (!id.ok()) return id.status();
+    result = (*stream)->Await(*id);
+    absl::Status finished = (*stream)->Finish();
+    if (!result.ok()) return result.status();
+    return finished;
+  });
+  if (!status.ok()) return status;
+  return result;
+}
+
+absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expected_window_id) {
+  if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
+  FetchedGradients fetched;
+  auto attempt = [&]() -> absl::Status {
+    fetched = FetchedGradients();
+    grpc::ClientContext context;
+    SetDeadline(&context, impl_->options().deadline);
+    v1::FetchGradientsRequest request;
+    request.set_zero_after_fetch(zero_after);
+    request.set_dtype(v1::DTYPE_FLOAT32);
+    request.set_chunk_bytes(impl_->options().chunk_bytes);
+    request.set_expected_window_id(expected_window_id);
+    auto reader = impl_->stub().FetchGradients(&context, request);
+    struct Progress {
+      bool started = false;
+      v1::DType dtype = v1::DTYPE_FLOAT32;
+      int64_t received = 0;
+    };
+    std::map<v1::WeightName, Progress> progress;
+    bool have_state = false;
+    absl::Status problem;
+    v1::GradientChunk chunk;
+    while (reader->Read(&chunk)) {
+      if (!problem.ok()) continue;  // drain the stream so that Finish reports the server's status
+      if (chunk.has_state()) {
+        fetched.state = chunk.state();
+        have_state = true;
+      }
+      if (chunk.name() == v1::WEIGHT_NAME_UNSPECIFIED) continue;  // a state-only chunk
+      if (!WeightShortName(chunk.name()).size()) {
+        problem = absl::InternalError(
+            absl::StrCat("FetchGradients: unknown weight name ", static_cast<int>(chunk.name())));
+        continue;
+      }
+      Progress& p = progress[chunk.name()];
+      HostTensor& tensor = fetched.gradients.Get(chunk.name());
+      if (!p.started) {
+        if (chunk.shape().empty()) {
+          problem = absl::InternalError(absl::StrCat("FetchGradients: the first chunk of ",
+                                                     WeightShortName(chunk.name()),
+                                                     " carries no shape"));
+          continue;
+        }
+        p.started = true;
+        p.dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : chunk.dtype();
+        tensor.shape.assign(chunk.shape().begin(), chunk.shape().end());
+        tensor.data.assign(static_cast<size_t>(NumElements(tensor.shape)), 0.0f);
+      }
+      const int64_t element = DTypeSize(p.dtype);
+      const int64_t count = element ? static_cast<int64_t>(chunk.data().size()) / element : 0;
+      if (element == 0 || count * element != static_cast<int64_t>(chunk.data().size()) ||
+          chunk.offset() < 0 || chunk.offset() + count > tensor.num_elements()) {
+        problem = absl::InternalError(absl::StrCat(
+            "FetchGradients: chunk of ", WeightShortName(chunk.name()), " at offset ",
+            chunk.offset(), " with ", chunk.data().size(), " bytes of ", DTypeName(p.dtype),
+            " does not fit shape ", ShapeString(tensor.shape)));
+        continue;
+      }
+      problem = DecodeFloats(chunk.data(), p.dtype,
+                             absl::MakeSpan(tensor.data).subspan(chunk.offset(), count));
+      p.received += count;
+    }
+    absl::Status status = FromGrpc(reader->Finish(), "FetchGradients");
+    if (!status.ok()) return status;
+    if (!problem.ok()) return problem;
+    if (!have_state) return absl::InternalError("FetchGradients: the server sent no state");
+    for (v1::WeightName name : WeightSet::Names()) {
+      const HostTensor& tensor = fetched.gradients.Get(name);
+      if (!progress[name].started || progress[name].received != tensor.num_elements()) {
+        return absl::InternalError(absl::StrCat(
+            "FetchGradients: ", WeightShortName(name), " incomplete: received ",
+            progress[name].received, " of ", tensor.num_elements(), " elements"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  absl::Status status = zero_after ? attempt() : impl_->Retry(attempt);
+  if (!status.ok()) return status;
+  if (absl::Status restart = impl_->CheckInstance(fetched.state.server_instance_id());
+      !restart.ok()) {
+    return restart;
+  }
+  return fetched;
+}
+
+absl::StatusOr<v1::ZeroGradientsResponse> Client::Zero(uint64_t expected_window_id) {
+  if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
+  grpc::ClientContext context;
+  SetDeadline(&context, impl_->options().deadline);
+  v1::ZeroGradientsRequest request;
+  request.set_expected_window_id(expected_window_id);
+  v1::ZeroGradientsResponse response;
+  absl::Status status =
+      FromGrpc(impl_->stub().ZeroGradients(&context, request, &response), "ZeroGradients");
+  if (!status.ok()) return status;
+  if (absl::Status restart = impl_->CheckInstance(response.previous().server_instance_id());
+      !restart.ok()) {
+    return restart;
+  }
+  return response;
+}
+
+absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& weights,
+                                             uint64_t expected_version) {
+  if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
+  for (const WeightUpload& weight : weights) {
+    const int64_t element = DTypeSize(weight.dtype);
+    if (element == 0 || WeightShortName(weight.name).empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LoadWeights: weight ", static_cast<int>(weight.name), " has an unknown name or dtype ",
+          static_cast<int>(weight.dtype)));
+    }
+    if (static_cast<int64_t>(weight.data.size()) != NumElements(weight.shape) * element) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LoadWeights: ", WeightShortName(weight.name), " has shape ", ShapeString(weight.shape),
+          " of ", DTypeName(weight.dtype), " (", NumElements(weight.shape) * element,
+          " bytes) but ", weight.data.size(), " bytes of data"));
+    }
+  }
+  grpc::ClientContext context;
+  SetDeadline(&context, impl_->options().deadline);
+  v1::LoadWeightsResponse response;
+  auto writer = impl_->stub().LoadWeights(&context, &response);
+  const int64_t chunk_bytes = std::max<int64_t>(impl_->options().chunk_bytes, 1024);
+  bool writing = true;
+  for (const WeightUpload& weight : weights) {
+    const int64_t element = DTypeSize(weight.dtype);
+    const int64_t per_chunk = std::max<int64_t>(1, chunk_bytes / element);
+    const int64_t total = NumElements(weight.shape);
+    int64_t offset = 0;
+    do {
+      const int64_t count = std::min(per_chunk, total - offset);
+      v1::LoadWeightsRequest request;
+      request.set_name(weight.name);
+      request.set_dtype(weight.dtype);
+      if (offset == 0) {
+        for (int64_t d : weight.shape) request.add_shape(d);
+      }
+      request.set_offset(offset);
+      request.set_data(weight.data.data() + offset * element,
+                       static_cast<size_t>(count * element));
+      request.set_expected_weights_version(expected_version);
+      writing = writer->Write(request);
+      offset += count;
+    } while (writing && offset < total);
+    if (!writing) break;
+  }
+  if (writing) writer->WritesDone();
+  absl::Status status = FromGrpc(writer->Finish(), "LoadWeights");
+  if (!status.ok()) return status;
+  return response.weights_version();
+}
+
+absl::StatusOr<uint64_t> Client::LoadWeights(const WeightSet& weights, uint64_t expected_version) {
+  std::vector<WeightUpload> uploads;
+  for (v1::WeightName name : WeightSet::Names()) {
+    const HostTensor& tensor = weights.Get(name);
+    uploads.push_back(WeightUpload{
+        name, v1::DTYPE_FLOAT32, tensor.shape,
+        absl::string_view(reinterpret_cast<const char*>(tensor.data.data()),
+                          tensor.data.size() * sizeof(float))});
+  }
+  return LoadWeights(uploads, expected_version);
+}
+
+}  // namespace attngrad

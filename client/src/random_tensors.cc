@@ -1,0 +1,94 @@
+// SPEC section 3 random inputs and weights (the server's generator for the weights).
+#include "random_tensors.h"
+
+#include <cmath>
+
+namespace attngrad {
+
+double NormalGenerator::Next() {
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  const double u1 = static_cast<double>(engine_() >> 11) * 0x1.0p-53;
+  const double u2 = static_cast<double>(engine_() >> 11) * 0x1.0p-53;
+  return std::sqrt(-2.0 * std::log(1.0 - u1)) * std::cos(kTwoPi * u2);
+}
+
+void NormalGenerator::Fill(std::vector<float>* out, double scale) {
+  for (float& value : *out) value = static_cast<float>(Next() * scale);
+}
+
+LayerConfig ConfigFromInfo(const v1::GetModelInfoResponse& info) {
+  LayerConfig config;
+  if (info.config().hidden_size() > 0) config.hidden_size = info.config().hidden_size();
+  if (info.config().num_heads() > 0) config.num_heads = info.config().num_heads();
+  if (info.config().num_kv_heads() > 0) config.num_kv_heads = info.config().num_kv_heads();
+  if (info.config().head_dim() > 0) config.head_dim = info.config().head_dim();
+  return config;
+}
+
+WeightSet RandomWeights(const LayerConfig& config, uint64_t seed) {
+  NormalGenerator normal(seed);
+  const int64_t hidden = config.hidden_size, q_out = config.q_out(), kv_out = config.kv_out();
+  WeightSet weights;
+  weights.q_proj.shape = {q_out, hidden};
+  weights.k_proj.shape = {kv_out, hidden};
+  weights.v_proj.shape = {kv_out, hidden};
+  weights.o_proj.shape = {hidden, q_out};
+  weights.q_norm.shape = {config.head_dim};
+  weights.k_norm.shape = {config.head_dim};
+  const double projection_scale = std::sqrt(2.0 / config.hidden_size);
+  for (v1::WeightName name : WeightSet::Names()) {
+    HostTensor& tensor = weights.Get(name);
+    tensor.data.resize(static_cast<size_t>(tensor.num_elements()));
+    const bool norm = name == v1::WEIGHT_NAME_Q_NORM || name == v1::WEIGHT_NAME_K_NORM;
+    normal.Fill(&tensor.data, norm ? 0.02 : projection_scale);
+  }
+  return weights;
+}
+
+void RotaryTables(int64_t batch, int64_t seq_len, int64_t head_dim, double theta,
+                  std::vector<float>* cos, std::vector<float>* sin) {
+  const int64_t half = head_dim / 2;
+  cos->resize(static_cast<size_t>(batch * seq_len * head_dim));
+  sin->resize(cos->size());
+  for (int64_t s = 0; s < seq_len; ++s) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(s) * std::pow(theta, -2.0 * i / head_dim);
+      const float c = static_cast<float>(std::cos(angle));
+      const float n = static_cast<float>(std::sin(angle));
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t row = (b * seq_len + s) * head_dim;
+        (*cos)[row + i] = (*cos)[row + i + half] = c;
+        (*sin)[row + i] = (*sin)[row + i + half] = n;
+      }
+    }
+  }
+}
+
+BackwardBatch BatchInputs::View() const {
+  BackwardBatch view;
+  view.batch = batch;
+  view.seq_len = seq_len;
+  view.hidden_states = hidden_states;
+  view.grad_output = grad_output;
+  view.cos = cos;
+  view.sin = sin;
+  return view;
+}
+
+BatchInputs RandomBatchInputs(const LayerConfig& config, int64_t batch, int64_t seq_len,
+                              uint64_t seed) {
+  // A seed space apart from the weights' (weights use the seed as it is).
+  NormalGenerator normal(seed ^ 0x5eed1234abcdef01ull);
+  BatchInputs inputs;
+  inputs.batch = batch;
+  inputs.seq_len = seq_len;
+  const size_t activations = static_cast<size_t>(batch * seq_len * config.hidden_size);
+  inputs.hidden_states.resize(activations);
+  inputs.grad_output.resize(activations);
+  normal.Fill(&inputs.hidden_states, 1.0 / std::sqrt(static_cast<double>(config.hidden_size)));
+  normal.Fill(&inputs.grad_output, 1.0);
+  RotaryTables(batch, seq_len, config.head_dim, 10000.0, &inputs.cos, &inputs.sin);
+  return inputs;
+}
+
+}  // namespace attngrad
