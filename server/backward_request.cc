@@ -1,0 +1,253 @@
+// BackwardRequest validation and conversion.
+#include "backward_request.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "rotary.h"
+#include "tensor_codec.h"
+
+namespace attngrad::server {
+namespace {
+
+absl::Status CheckScalar(bool present, float value, const char* field, bool positive) {
+  if (!present) return absl::OkStatus();
+  if (!std::isfinite(value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", value, " is not finite; expected a finite number"));
+  }
+  if (positive && !(value > 0.f)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", value, " must be > 0"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
+                                                    const LayerConfig& config,
+                                                    const BatchLimits& limits) {
+  ParsedBackward parsed;
+  if (!v1::GradientMode_IsValid(request.mode())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mode: unknown value ", request.mode(),
+        "; expected GRADIENT_MODE_RETURN (1) or GRADIENT_MODE_ACCUMULATE (2)"));
+  }
+  parsed.accumulate = request.mode() == v1::GRADIENT_MODE_ACCUMULATE;
+  if (!v1::Precision_IsValid(request.precision())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "precision: unknown value ", request.precision(), "; expected AUTO, FP32, TF32 or FP16"));
+  }
+  const int response_dtype =
+      request.response_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.response_dtype();
+  if (!IsSupportedWireDType(response_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("response_dtype: ", DTypeName(response_dtype),
+                                                   " is not supported; expected FLOAT32, FLOAT16 "
+                                                   "or BFLOAT16"));
+  }
+  parsed.response_dtype = response_dtype;
+  if (!parsed.accumulate && request.accumulation_window_id() != 0) {
+    return absl::InvalidArgumentError(
+        "accumulation_window_id: only meaningful with mode GRADIENT_MODE_ACCUMULATE; leave it 0 "
+        "for RETURN");
+  }
+
+  // Activations.
+  const std::int64_t hidden = config.hidden_size;
+  if (!request.has_hidden_states()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_states: missing; expected a [B,S,", hidden, "] tensor"));
+  }
+  absl::StatusOr<std::vector<std::int64_t>> shape =
+      CheckTensor(request.hidden_states(), "hidden_states", {-1, -1, hidden});
+  if (!shape.ok()) return shape.status();
+  const std::int64_t batch = (*shape)[0];
+  const std::int64_t seq_len = (*shape)[1];
+  const std::int64_t tokens = batch * seq_len;
+  if (tokens > limits.max_batch_tokens || batch > std::numeric_limits<int>::max() ||
+      seq_len > std::numeric_limits<int>::max()) {
+    if (seq_len > limits.max_batch_tokens) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "hidden_states: one sequence of S=", seq_len, " tokens exceeds the server's limit of ",
+          limits.max_batch_tokens, " tokens per batch (--max_batch_tokens); it cannot be split "
+          "along B"));
+    }
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "hidden_states: B*S = ", batch, "*", seq_len, " = ", tokens,
+        " tokens exceeds the server's limit of ", limits.max_batch_tokens,
+        " tokens per batch (--max_batch_tokens); split the batch along B (sequences are "
+        "independent, so the split is exact): at most ", limits.max_batch_tokens / seq_len,
+        " sequences of S=", seq_len, " per request, and sum the weight gradients (or use "
+        "ACCUMULATE)"));
+  }
+  const std::vector<std::int64_t> activation_shape = {batch, seq_len, hidden};
+  if (!request.has_grad_output()) {
+    return absl::InvalidArgumentError(absl::StrCat("grad_output: missing; expected a ",
+                                                   ShapeString(activation_shape), " tensor"));
+  }
+  absl::Status status = CheckTensor(request.grad_output(), "grad_output", activation_shape).status();
+  if (!status.ok()) return status;
+
+  // Rotary inputs.
+  const std::int64_t head_dim = config.head_dim;
+  const std::vector<std::int64_t> rotary_shape = {batch, seq_len, head_dim};
+  double theta = 0;
+  switch (request.rotary_case()) {
+    case v1::BackwardRequest::kRotaryTables:
+      if (!request.rotary_tables().has_cos() || !request.rotary_tables().has_sin()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rotary_tables: both cos and sin are required, each ", ShapeString(rotary_shape)));
+      }
+      status = CheckTensor(request.rotary_tables().cos(), "rotary_tables.cos", rotary_shape).status();
+      if (!status.ok()) return status;
+      status = CheckTensor(request.rotary_tables().sin(), "rotary_tables.sin", rotary_shape).status();
+      if (!status.ok()) return status;
+      break;
+    case v1::BackwardRequest::kPositions: {
+      const auto& positions = request.positions();
+      const std::int64_t count = positions.position_ids_size();
+      if (count != tokens && count != seq_len) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "positions.position_ids: got ", count, " values, expected B*S = ", tokens,
+            " or S = ", seq_len));
+      }
+      theta = positions.rope_theta() == 0 ? 10000.0 : positions.rope_theta();
+      if (!std::isfinite(theta) || !(theta > 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "positions.rope_theta: ", positions.rope_theta(), " must be finite and > 0 (0 = 10000)"));
+      }
+      for (std::int64_t i = 0; i < count; ++i) {
+        if (std::llabs(positions.position_ids(static_cast<int>(i))) > (1ll << 40)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "positions.position_ids: element ", i, " = ", positions.position_ids(static_cast<int>(i)),
+              " is out of range (|id| <= 2^40)"));
+        }
+      }
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rotary: neither rotary_tables (cos/sin ", ShapeString(rotary_shape),
+          ") nor positions (position_ids, rope_theta) is set"));
+  }
+
+  // Scalars.
+  Scalars scalars;
+  scalars.scaling = request.has_scaling() ? request.scaling() : 1.0f / std::sqrt(float(head_dim));
+  if (request.has_softcap()) scalars.softcap = request.softcap();
+  if (request.has_eps()) scalars.eps = request.eps();
+  status = CheckScalar(request.has_scaling(), request.scaling(), "scaling", false);
+  if (status.ok()) status = CheckScalar(request.has_softcap(), request.softcap(), "softcap", true);
+  if (status.ok()) status = CheckScalar(request.has_eps(), request.eps(), "eps", true);
+  if (!status.ok()) return status;
+
+  // The response must fit in one message.
+  const std::int64_t response_elements =
+      tokens * hidden +
+      (parsed.accumulate ? 0
+                         : 2 * static_cast<std::int64_t>(config.q_out()) * hidden +
+                               2 * static_cast<std::int64_t>(config.kv_out()) * hidden +
+                               2 * head_dim);
+  const std::int64_t response_bytes =
+      response_elements * static_cast<std::int64_t>(DTypeSize(response_dtype)) + 4096;
+  if (response_bytes > limits.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "hidden_states: the response would be about ", response_bytes,
+        " bytes, over the message limit of ", limits.max_message_bytes,
+        " bytes; split the batch along B (exact: sequences are independent), ask for a 16-bit "
+        "response_dtype, or use ACCUMULATE"));
+  }
+
+  // Convert (and check every value is finite).
+  auto job = std::make_unique<BatchJob>();
+  job->batch = static_cast<int>(batch);
+  job->seq_len = static_cast<int>(seq_len);
+  job->scalars = scalars;
+  job->precision = request.precision() == v1::PRECISION_UNSPECIFIED
+                       ? Precision::kAuto
+                       : static_cast<Precision>(static_cast<int>(request.precision()) - 1);
+  job->accumulate = parsed.accumulate;
+  job->return_weight_gradients = !parsed.accumulate;
+  const std::size_t activations = static_cast<std::size_t>(tokens * hidden);
+  const std::size_t rotary = static_cast<std::size_t>(tokens * head_dim);
+  job->hidden_states.resize(activations);
+  job->grad_output.resize(activations);
+  job->cos.resize(rotary);
+  job->sin.resize(rotary);
+  status = DecodeToFloat(request.hidden_states().raw_data(), request.hidden_states().dtype(),
+                         "hidden_states.raw_data", true, absl::MakeSpan(job->hidden_states));
+  if (status.ok()) {
+    status = DecodeToFloat(request.grad_output().raw_data(), request.grad_output().dtype(),
+                           "grad_output.raw_data", true, absl::MakeSpan(job->grad_output));
+  }
+  if (status.ok() && request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
+    status = DecodeToFloat(request.rotary_tables().cos().raw_data(),
+                           request.rotary_tables().cos().dtype(), "rotary_tables.cos.raw_data",
+                           true, absl::MakeSpan(job->cos));
+    if (status.ok()) {
+      status = DecodeToFloat(request.rotary_tables().sin().raw_data(),
+                             request.rotary_tables().sin().dtype(), "rotary_tables.sin.raw_data",
+                             true, absl::MakeSpan(job->sin));
+    }
+  } else if (status.ok()) {
+    const auto& ids = request.positions().position_ids();
+    BuildRotaryTables(absl::MakeConstSpan(ids.data(), ids.size()), job->batch, job->seq_len,
+                      config.head_dim, theta, absl::MakeSpan(job->cos), absl::MakeSpan(job->sin));
+  }
+  if (!status.ok()) return status;
+  parsed.job = std::move(job);
+  return parsed;
+}
+
+void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardResponse* response) {
+  const std::int64_t hidden =
+      job.batch > 0 && job.seq_len > 0
+          ? static_cast<std::int64_t>(job.grad_hidden_states.size()) / job.batch / job.seq_len
+          : 0;
+  EncodeTensor(job.grad_hidden_states, {job.batch, job.seq_len, hidden}, response_dtype,
+               response->mutable_grad_hidden_states());
+  if (job.return_weight_gradients) {
+    v1::WeightGradients* gradients = response->mutable_weight_gradients();
+    v1::Tensor* targets[kNumWeights] = {gradients->mutable_q_proj(), gradients->mutable_k_proj(),
+                                        gradients->mutable_v_proj(), gradients->mutable_o_proj(),
+                                        gradients->mutable_q_norm(), gradients->mutable_k_norm()};
+    // Shapes from the sizes: [rows, hidden] for the projections ([hidden, q_out] for o_proj).
+    const std::int64_t head_dim = static_cast<std::int64_t>(job.weight_gradients.tensors[kQNorm].size());
+    const std::int64_t q_out = static_cast<std::int64_t>(job.weight_gradients.tensors[kQProj].size()) / hidden;
+    const std::int64_t kv_out = static_cast<std::int64_t>(job.weight_gradients.tensors[kKProj].size()) / hidden;
+    const std::vector<std::int64_t> shapes[kNumWeights] = {
+        {q_out, hidden}, {kv_out, hidden}, {kv_out, hidden}, {hidden, q_out}, {head_dim}, {head_dim}};
+    for (int i = 0; i < kNumWeights; ++i) {
+      EncodeTensor(job.weight_gradients.tensors[i], shapes[i], response_dtype, targets[i]);
+    }
+  }
+  v1::StageTimings* timings = response->mutable_timings();
+  timings->set_queue_seconds(job.stages.queue);
+  timings->set_copy_in_seconds(job.stages.copy_in);
+  timings->set_compute_seconds(job.stages.compute);
+  timings->set_copy_out_seconds(job.stages.copy_out);
+  timings->set_total_seconds(job.stages.total);
+  response->set_device(job.device);
+}
+
+std::int64_t PayloadBytes(const v1::BackwardRequest& request) {
+  std::int64_t bytes = request.hidden_states().raw_data().size() + request.grad_output().raw_data().size();
+  if (request.has_rotary_tables()) {
+    bytes += request.rotary_tables().cos().raw_data().size() + request.rotary_tables().sin().raw_data().size();
+  }
+  return bytes;
+}
+
+std::int64_t PayloadBytes(const v1::BackwardResponse& response) {
+  std::int64_t bytes = response.grad_hidden_states().raw_data().size();
+  if (response.has_weight_gradients()) {
+    const auto& g = response.weight_gradients();
+    bytes += g.q_proj().raw_data().size() + g.k_proj().raw_data().size() +
+             g.v_proj().raw_data().size() + g.o_proj().raw_data().size() +
+             g.q_norm().raw_data().size() + g.k_norm().raw_data().size();
+  }
+  return bytes;
+}
+
+}  // namespace attngrad::server

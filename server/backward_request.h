@@ -1,0 +1,44 @@
+// Checks one BackwardRequest field by field and turns it into a BatchJob (fp32 host tensors,
+// cos/sin built from positions when asked), and turns a finished BatchJob into a BackwardResponse.
+#ifndef ATTNGRAD_SERVER_BACKWARD_REQUEST_H_
+#define ATTNGRAD_SERVER_BACKWARD_REQUEST_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "attngrad/v1/attngrad.pb.h"
+#include "device_worker.h"
+
+namespace attngrad::server {
+
+struct BatchLimits {
+  std::int64_t max_batch_tokens = 65536;
+  std::int64_t max_message_bytes = 1 << 30;
+};
+
+// The validated request: the job plus what the response needs.
+struct ParsedBackward {
+  std::unique_ptr<BatchJob> job;
+  bool accumulate = false;
+  int response_dtype = v1::DTYPE_FLOAT32;
+};
+
+// INVALID_ARGUMENT (naming the field and what was expected) for a malformed request;
+// RESOURCE_EXHAUSTED when B*S exceeds max_batch_tokens or the response would exceed
+// max_message_bytes (the message says how to split the batch along B).
+absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
+                                                    const LayerConfig& config,
+                                                    const BatchLimits& limits);
+
+// Fills `response` with the job's outputs (grad_hidden_states, RETURN weight gradients, timings)
+// in `response_dtype`.
+void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardResponse* response);
+
+// The bytes of a Tensor payload (raw_data) in a response or request, for the byte counters.
+std::int64_t PayloadBytes(const v1::BackwardRequest& request);
+std::int64_t PayloadBytes(const v1::BackwardResponse& response);
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_BACKWARD_REQUEST_H_

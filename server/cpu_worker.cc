@@ -1,0 +1,98 @@
+// CPU worker: synchronous BackwardHost per batch; copies are free (host memory).
+#include "cpu_worker.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace attngrad::server {
+
+CpuWorker::CpuWorker(std::shared_ptr<const LayerWeights> weights, int num_threads,
+                     ServerMetrics* metrics)
+    : DeviceWorker("cpu", metrics, 1), weights_(std::move(weights)), num_threads_(num_threads) {}
+
+CpuWorker::~CpuWorker() { StopAndJoin(); }
+
+absl::Status CpuWorker::Initialize() {
+  accumulators_ = LayerTensors::Zeros(weights_->config);
+  scratch_ = LayerTensors::Zeros(weights_->config);
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  memory_total_bytes_ = pages > 0 && page_size > 0 ? static_cast<long long>(pages) * page_size : 0;
+  metrics()->DeviceMemoryTotal(device()).Set(static_cast<double>(memory_total_bytes_));
+  return absl::OkStatus();
+}
+
+DeviceDescription CpuWorker::Describe() const {
+  DeviceDescription description;
+  description.index = 0;
+  description.name = "cpu";
+  description.backend = "cpu";
+  description.memory_total_bytes = memory_total_bytes_;
+  return description;
+}
+
+void CpuWorker::Run() {
+  while (std::optional<Item> item = Pop(/*wait=*/true)) {
+    if (item->job != nullptr) {
+      Compute(*item->job);
+      FinishJob(std::move(item->job));
+    } else {
+      Control(*item->control);
+    }
+  }
+}
+
+void CpuWorker::Compute(BatchJob& job) {
+  const auto start = std::chrono::steady_clock::now();
+  job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
+  const LayerConfig& config = weights_->config;
+  job.grad_hidden_states.assign(job.hidden_states.size(), 0.f);
+  LayerTensors* gradients = &scratch_;
+  if (job.return_weight_gradients) {
+    job.weight_gradients = LayerTensors::Zeros(config);
+    gradients = &job.weight_gradients;
+  } else if (job.accumulate) {
+    gradients = &accumulators_;
+  }
+  BackwardInputs in = weights_->AsInputs();
+  in.grad_output = job.grad_output.data();
+  in.hidden_states = job.hidden_states.data();
+  in.cos = job.cos.data();
+  in.sin = job.sin.data();
+  BackwardOutputs out;
+  out.grad_hidden_states = job.grad_hidden_states.data();
+  out.grad_q_weight = gradients->tensors[kQProj].data();
+  out.grad_k_weight = gradients->tensors[kKProj].data();
+  out.grad_v_weight = gradients->tensors[kVProj].data();
+  out.grad_o_weight = gradients->tensors[kOProj].data();
+  out.grad_q_norm_weight = gradients->tensors[kQNorm].data();
+  out.grad_k_norm_weight = gradients->tensors[kKNorm].data();
+  const bool add = job.accumulate && !job.return_weight_gradients;
+  // BackwardHost validates everything before writing anything, so a refused batch leaves the
+  // accumulators as they were.
+  job.status = KernelStatus(
+      BackwardHost(config, job.batch, job.seq_len, job.scalars, add, in, out, num_threads_),
+      "BackwardHost");
+  if (job.status.ok() && add) {
+    ++accumulated_batches_;
+    accumulated_tokens_ += job.tokens();
+  }
+  job.stages.compute = SecondsSince(start);
+}
+
+void CpuWorker::Control(WorkerControl& control) {
+  if (control.new_weights != nullptr) weights_ = control.new_weights;
+  AccumulatorSnapshot snapshot;
+  snapshot.batches = accumulated_batches_;
+  snapshot.tokens = accumulated_tokens_;
+  if (control.read_accumulators) snapshot.gradients = accumulators_;
+  if (control.zero_accumulators) {
+    for (auto& tensor : accumulators_.tensors) std::fill(tensor.begin(), tensor.end(), 0.f);
+    accumulated_batches_ = 0;
+    accumulated_tokens_ = 0;
+  }
+  FinishControl(control, absl::OkStatus(), std::move(snapshot));
+}
+
+}  // namespace attngrad::server

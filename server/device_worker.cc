@@ -1,0 +1,131 @@
+// The worker queue, thread lifecycle and job bookkeeping shared by the CPU and GPU workers.
+#include "device_worker.h"
+
+#include <future>
+
+#include "absl/strings/str_cat.h"
+
+namespace attngrad::server {
+
+DeviceWorker::DeviceWorker(std::string device, ServerMetrics* metrics, int pipeline_depth)
+    : device_(std::move(device)), metrics_(metrics), pipeline_depth_(pipeline_depth) {
+  metrics_->QueueCapacity(device_).Set(pipeline_depth_);
+  metrics_->QueueDepth(device_).Set(0);
+  metrics_->Inflight(device_).Set(0);
+}
+
+DeviceWorker::~DeviceWorker() {
+  // Derived classes call StopAndJoin() in their destructors (their members must outlive the thread);
+  // this is a safety net only.
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    ready_.notify_all();
+    thread_.join();
+  }
+}
+
+absl::Status DeviceWorker::Start() {
+  std::promise<absl::Status> started;
+  std::future<absl::Status> result = started.get_future();
+  thread_ = std::thread(&DeviceWorker::ThreadMain, this, &started);
+  absl::Status status = result.get();
+  if (!status.ok()) thread_.join();
+  return status;
+}
+
+void DeviceWorker::ThreadMain(std::promise<absl::Status>* started) {
+  absl::Status status = Initialize();
+  const bool ok = status.ok();
+  started->set_value(std::move(status));  // `started` is gone after this
+  if (ok) Run();
+}
+
+void DeviceWorker::StopAndJoin() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  ready_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void DeviceWorker::Submit(std::unique_ptr<BatchJob> job) {
+  job->device = device_;
+  job->submitted = std::chrono::steady_clock::now();
+  std::size_t queued;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(Item{std::move(job), std::nullopt});
+    ++outstanding_;
+    queued = queue_.size();
+    metrics_->Inflight(device_).Set(static_cast<double>(outstanding_));
+  }
+  metrics_->QueueDepth(device_).Set(static_cast<double>(queued));
+  ready_.notify_one();
+}
+
+void DeviceWorker::SubmitControl(WorkerControl control) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(Item{nullptr, std::move(control)});
+  }
+  ready_.notify_one();
+}
+
+std::size_t DeviceWorker::Outstanding() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return outstanding_;
+}
+
+std::optional<DeviceWorker::Item> DeviceWorker::Pop(bool wait) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (wait) ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+  if (queue_.empty()) return std::nullopt;
+  Item item = std::move(queue_.front());
+  queue_.pop_front();
+  std::size_t queued = 0;
+  for (const Item& waiting : queue_) queued += waiting.job != nullptr;
+  metrics_->QueueDepth(device_).Set(static_cast<double>(queued));
+  return item;
+}
+
+void DeviceWorker::FinishJob(std::unique_ptr<BatchJob> job) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --outstanding_;
+    metrics_->Inflight(device_).Set(static_cast<double>(outstanding_));
+  }
+  job->stages.total = SecondsSince(job->submitted);
+  if (job->status.ok()) {
+    metrics_->ObserveBatch(job->return_weight_gradients ? "return" : "accumulate", device_,
+                           job->tokens(), job->stages);
+  }
+  auto on_done = std::move(job->on_done);
+  on_done(std::move(job));
+}
+
+void DeviceWorker::FinishControl(WorkerControl& control, absl::Status status,
+                                 AccumulatorSnapshot snapshot) {
+  if (control.on_done) control.on_done(std::move(status), std::move(snapshot));
+}
+
+absl::Status KernelStatus(attngrad_status status, const std::string& what) {
+  const std::string message = absl::StrCat(what, ": ", attngrad_status_string(status));
+  switch (status) {
+    case ATTNGRAD_OK: return absl::OkStatus();
+    case ATTNGRAD_INVALID_ARGUMENT: return absl::InvalidArgumentError(message);
+    case ATTNGRAD_UNSUPPORTED: return absl::UnimplementedError(message);
+    case ATTNGRAD_WORKSPACE_TOO_SMALL: return absl::InternalError(message);
+    case ATTNGRAD_CUDA_ERROR: return absl::InternalError(message);
+    default: return absl::InternalError(message);
+  }
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace attngrad::server

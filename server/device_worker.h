@@ -1,0 +1,152 @@
+// A device worker: one thread that owns one device (a GPU or the CPU), its resident copy of the
+// weights and its weight-gradient accumulators, and computes the batches queued to it in order.
+// gRPC threads only queue work here (Submit/SubmitControl never block on computation); a control
+// (new weights, read/zero the accumulators) runs after every batch queued before it, which is what
+// makes weight versions and accumulation windows exact.
+#ifndef ATTNGRAD_SERVER_DEVICE_WORKER_H_
+#define ATTNGRAD_SERVER_DEVICE_WORKER_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attngrad/backward.h"
+#include "layer_weights.h"
+#include "metrics.h"
+
+namespace attngrad::server {
+
+// One batch: fp32 host inputs in, fp32 host outputs back, owned by whoever holds the pointer.
+struct BatchJob {
+  int batch = 0;
+  int seq_len = 0;
+  Scalars scalars;
+  Precision precision = Precision::kAuto;
+  // Add this batch's weight gradients to the worker's accumulators.
+  bool accumulate = false;
+  // Return this batch's weight gradients in `weight_gradients` (RETURN mode). When neither flag is
+  // set (an ACCUMULATE duplicate), the weight gradients are computed into scratch and dropped.
+  bool return_weight_gradients = false;
+  std::vector<float> hidden_states, grad_output, cos, sin;  // [B,S,hidden] and [B,S,head_dim]
+
+  // Filled by the worker.
+  std::vector<float> grad_hidden_states;  // [B,S,hidden]
+  LayerTensors weight_gradients;          // RETURN only
+  absl::Status status;
+  std::string device;
+  StageSeconds stages;
+  std::chrono::steady_clock::time_point submitted;
+
+  // Set by GradientCore::Admit before the job is queued.
+  std::uint64_t weights_version = 0;
+  std::uint64_t window_id = 0;  // ACCUMULATE: the window the batch belongs to
+  bool duplicate = false;       // ACCUMULATE: already in the window, not added again
+
+  // Called exactly once, on the worker's thread, when the job is finished (status says how).
+  std::function<void(std::unique_ptr<BatchJob>)> on_done;
+
+  long long tokens() const { return static_cast<long long>(batch) * seq_len; }
+};
+
+// What a worker's accumulators hold: the sums and what they cover.
+struct AccumulatorSnapshot {
+  LayerTensors gradients;  // empty arrays unless read_accumulators was asked for
+  long long batches = 0;   // always reported
+  long long tokens = 0;
+};
+
+// A control operation, ordered with the batches.
+struct WorkerControl {
+  std::shared_ptr<const LayerWeights> new_weights;  // set: replace the resident weights
+  bool read_accumulators = false;                   // copy them out into the snapshot
+  bool zero_accumulators = false;                   // then zero them
+  std::function<void(absl::Status, AccumulatorSnapshot)> on_done;  // on the worker's thread
+};
+
+// A device as GetModelInfo reports it (kept current by the worker's thread).
+struct DeviceDescription {
+  int index = 0;
+  std::string name;
+  std::string backend;  // "cuda" or "cpu"
+  long long memory_total_bytes = 0;
+  long long memory_used_bytes = 0;
+};
+
+class DeviceWorker {
+ public:
+  virtual ~DeviceWorker();
+  DeviceWorker(const DeviceWorker&) = delete;
+  DeviceWorker& operator=(const DeviceWorker&) = delete;
+
+  // "cpu", "cuda:0", ...: the metrics' device label.
+  const std::string& device() const { return device_; }
+
+  // Starts the thread and waits for the device to be set up (weights uploaded, buffers allocated).
+  absl::Status Start();
+  // Lets the queue drain (every queued batch and control runs and calls back), then joins.
+  void StopAndJoin();
+
+  void Submit(std::unique_ptr<BatchJob> job);
+  void SubmitControl(WorkerControl control);
+  // Batches queued or being computed here (the scheduler sends new batches to the least busy).
+  std::size_t Outstanding() const;
+
+  virtual DeviceDescription Describe() const = 0;
+
+ protected:
+  DeviceWorker(std::string device, ServerMetrics* metrics, int pipeline_depth);
+
+  struct Item {
+    std::unique_ptr<BatchJob> job;          // a batch, or
+    std::optional<WorkerControl> control;   // a control
+  };
+
+  // Sets the device up on the worker's thread (called once before Run).
+  virtual absl::Status Initialize() = 0;
+  // The thread body: Pop items until Pop(true) returns nothing, which happens once stopping and
+  // the queue is empty; every job must go through FinishJob and every control through FinishControl.
+  virtual void Run() = 0;
+
+  // The next item; with wait, blocks until there is one (nothing = stop); without, returns nothing
+  // at once when the queue is empty.
+  std::optional<Item> Pop(bool wait);
+  // Records metrics and hands the job back (status set by the caller).
+  void FinishJob(std::unique_ptr<BatchJob> job);
+  static void FinishControl(WorkerControl& control, absl::Status status,
+                            AccumulatorSnapshot snapshot);
+
+  ServerMetrics* metrics() const { return metrics_; }
+  int pipeline_depth() const { return pipeline_depth_; }
+
+ private:
+  void ThreadMain(std::promise<absl::Status>* started);
+
+  const std::string device_;
+  ServerMetrics* const metrics_;
+  const int pipeline_depth_;
+  mutable std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<Item> queue_;
+  std::size_t outstanding_ = 0;  // batches queued + in progress
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// Maps a kernel status to an absl::Status naming what failed.
+absl::Status KernelStatus(attngrad_status status, const std::string& what);
+
+double SecondsSince(std::chrono::steady_clock::time_point start);
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_DEVICE_WORKER_H_

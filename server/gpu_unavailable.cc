@@ -1,0 +1,12 @@
+// CreateGpuWorkers of a build without CUDA (ATTNGRAD_HAVE_CUDA unset).
+#include "gpu_worker.h"
+
+namespace attngrad::server {
+
+absl::StatusOr<std::vector<std::unique_ptr<DeviceWorker>>> CreateGpuWorkers(
+    const std::vector<int>&, std::shared_ptr<const LayerWeights>, int, ServerMetrics*) {
+  return absl::UnavailableError(
+      "--devices: this server was built without CUDA (ATTNGRAD_CUDA=OFF); use --devices=cpu");
+}
+
+}  // namespace attngrad::server

@@ -1,0 +1,434 @@
+// GPU device worker. Everything CUDA happens on the worker's own thread. Per device: fp32 resident
+// weights and weight-gradient accumulators (cudaMalloc), one device workspace, and three streams:
+// copy-in, compute and copy-out. Each batch in flight owns a slot (pinned host staging buffers,
+// device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
+// compute of batch n and the copy-out of batch n-1 overlap. Kernels run in order on the compute
+// stream, so the accumulators and the shared workspace need no further synchronisation.
+#include "gpu_worker.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+
+#include "absl/strings/str_cat.h"
+
+namespace attngrad::server {
+namespace {
+
+absl::Status CudaStatus(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
+                                          cudaGetErrorString(error), ")"));
+}
+
+#define ATTNGRAD_CUDA_RETURN(call)                                   \
+  do {                                                               \
+    absl::Status cuda_status_ = CudaStatus((call), #call);           \
+    if (!cuda_status_.ok()) return cuda_status_;                     \
+  } while (false)
+
+std::size_t TotalWeightElements(const LayerConfig& config) {
+  std::size_t total = 0;
+  for (int i = 0; i < kNumWeights; ++i) total += WeightElements(config, i);
+  return total;
+}
+
+// Offsets of the six tensors inside one contiguous allocation (order q, k, v, o, q_norm, k_norm).
+std::array<std::size_t, kNumWeights> WeightOffsets(const LayerConfig& config) {
+  std::array<std::size_t, kNumWeights> offsets{};
+  std::size_t offset = 0;
+  for (int i = 0; i < kNumWeights; ++i) {
+    offsets[i] = offset;
+    offset += WeightElements(config, i);
+  }
+  return offsets;
+}
+
+class GpuWorker final : public DeviceWorker {
+ public:
+  GpuWorker(int cuda_device, std::shared_ptr<const LayerWeights> weights, int pipeline_depth,
+            ServerMetrics* metrics)
+      : DeviceWorker(absl::StrCat("cuda:", cuda_device), metrics, std::max(pipeline_depth, 3)),
+        cuda_device_(cuda_device),
+        weights_(std::move(weights)),
+        config_(weights_->config),
+        offsets_(WeightOffsets(config_)),
+        weight_elements_(TotalWeightElements(config_)) {}
+
+  ~GpuWorker() override { StopAndJoin(); }
+
+  DeviceDescription Describe() const override {
+    DeviceDescription description;
+    description.index = cuda_device_;
+    description.name = name_;
+    description.backend = "cuda";
+    description.memory_total_bytes = memory_total_.load();
+    description.memory_used_bytes = memory_used_.load();
+    return description;
+  }
+
+ private:
+  // One batch in flight and the buffers it uses.
+  struct Slot {
+    std::unique_ptr<BatchJob> job;
+    float* host_in = nullptr;  // pinned: hidden_states | grad_output | cos | sin
+    std::size_t host_in_capacity = 0;
+    float* host_out = nullptr;  // pinned: grad_hidden_states [| weight gradients (RETURN)]
+    std::size_t host_out_capacity = 0;
+    float* device_in = nullptr;  // same layout as host_in
+    std::size_t device_in_capacity = 0;
+    float* device_grad_hidden = nullptr;
+    std::size_t device_grad_hidden_capacity = 0;
+    float* device_weight_gradients = nullptr;  // this batch's own weight gradients
+    cudaEvent_t copy_in_start = nullptr, copy_in_done = nullptr, compute_start = nullptr,
+                compute_done = nullptr, copy_out_start = nullptr, copy_out_done = nullptr;
+    double host_copy_in_seconds = 0;
+  };
+
+  absl::Status Initialize() override {
+    absl::Status status = InitializeDevice();
+    if (!status.ok()) Release();
+    return status;
+  }
+
+  absl::Status InitializeDevice() {
+    ATTNGRAD_CUDA_RETURN(cudaSetDevice(cuda_device_));
+    cudaDeviceProp properties;
+    ATTNGRAD_CUDA_RETURN(cudaGetDeviceProperties(&properties, cuda_device_));
+    name_ = properties.name;
+    for (cudaStream_t* stream : {&copy_in_stream_, &compute_stream_, &copy_out_stream_}) {
+      ATTNGRAD_CUDA_RETURN(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking));
+    }
+    const std::size_t weight_bytes = weight_elements_ * sizeof(float);
+    ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&device_weights_), weight_bytes));
+    ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&device_accumulators_), weight_bytes));
+    ATTNGRAD_CUDA_RETURN(cudaMemset(device_accumulators_, 0, weight_bytes));
+    absl::Status status = UploadWeights(*weights_);
+    if (!status.ok()) return status;
+    slots_.resize(static_cast<std::size_t>(pipeline_depth()));
+    for (Slot& slot : slots_) {
+      ATTNGRAD_CUDA_RETURN(
+          cudaMalloc(reinterpret_cast<void**>(&slot.device_weight_gradients), weight_bytes));
+      for (cudaEvent_t* event : {&slot.copy_in_start, &slot.copy_in_done, &slot.compute_start,
+                                 &slot.compute_done, &slot.copy_out_start, &slot.copy_out_done}) {
+        ATTNGRAD_CUDA_RETURN(cudaEventCreate(event));
+      }
+    }
+    UpdateMemoryGauges();
+    return absl::OkStatus();
+  }
+
+  // Frees everything (on the worker's thread, after the last batch).
+  void Release() {
+    cudaDeviceSynchronize();
+    for (Slot& slot : slots_) {
+      cudaFreeHost(slot.host_in);
+      cudaFreeHost(slot.host_out);
+      cudaFree(slot.device_in);
+      cudaFree(slot.device_grad_hidden);
+      cudaFree(slot.device_weight_gradients);
+      for (cudaEvent_t event : {slot.copy_in_start, slot.copy_in_done, slot.compute_start,
+                                slot.compute_done, slot.copy_out_start, slot.copy_out_done}) {
+        if (event != nullptr) cudaEventDestroy(event);
+      }
+    }
+    slots_.clear();
+    cudaFree(workspace_);
+    cudaFree(device_weights_);
+    cudaFree(device_accumulators_);
+    workspace_ = nullptr;
+    device_weights_ = device_accumulators_ = nullptr;
+    for (cudaStream_t stream : {copy_in_stream_, compute_stream_, copy_out_stream_}) {
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    }
+    copy_in_stream_ = compute_stream_ = copy_out_stream_ = nullptr;
+  }
+
+  // Synchronous upload of the six weights (the pipeline is drained when this runs).
+  absl::Status UploadWeights(const LayerWeights& weights) {
+    for (int i = 0; i < kNumWeights; ++i) {
+      ATTNGRAD_CUDA_RETURN(cudaMemcpy(device_weights_ + offsets_[i],
+                                      weights.values.tensors[i].data(),
+                                      weights.values.tensors[i].size() * sizeof(float),
+                                      cudaMemcpyHostToDevice));
+    }
+    return absl::OkStatus();
+  }
+
+  void UpdateMemoryGauges() {
+    std::size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return;
+    memory_total_ = static_cast<long long>(total_bytes);
+    memory_used_ = static_cast<long long>(total_bytes - free_bytes);
+    metrics()->DeviceMemoryTotal(device()).Set(static_cast<double>(total_bytes));
+    metrics()->DeviceMemoryUsed(device()).Set(static_cast<double>(total_bytes - free_bytes));
+  }
+
+  void Run() override {
+    std::deque<Slot*> in_flight;
+    auto retire_oldest = [&] {
+      Retire(*in_flight.front());
+      in_flight.pop_front();
+    };
+    while (true) {
+      // With batches in flight, look for more work without blocking; when there is none, finish
+      // the oldest batch instead.
+      std::optional<Item> item = Pop(/*wait=*/in_flight.empty());
+      if (!item) {
+        if (in_flight.empty()) break;  // stopping and drained
+        retire_oldest();
+        continue;
+      }
+      if (item->job == nullptr) {
+        while (!in_flight.empty()) retire_oldest();
+        Control(*item->control);
+        continue;
+      }
+      if (in_flight.size() == slots_.size()) retire_oldest();
+      Slot* slot = nullptr;
+      for (Slot& candidate : slots_) {
+        if (candidate.job == nullptr) {
+          slot = &candidate;
+          break;
+        }
+      }
+      slot->job = std::move(item->job);
+      absl::Status status = Launch(*slot);
+      if (status.ok()) {
+        in_flight.push_back(slot);
+      } else {
+        // Nothing of this batch may still be running before its buffers are reused.
+        cudaStreamSynchronize(copy_in_stream_);
+        cudaStreamSynchronize(compute_stream_);
+        slot->job->status = status;
+        FinishJob(std::move(slot->job));
+      }
+    }
+    Release();
+  }
+
+  // Grows a pinned host buffer to hold `elements` floats (the slot is idle).
+  static absl::Status EnsurePinned(float** buffer, std::size_t* capacity, std::size_t elements) {
+    if (*capacity >= elements) return absl::OkStatus();
+    cudaFreeHost(*buffer);
+    *buffer = nullptr;
+    *capacity = 0;
+    ATTNGRAD_CUDA_RETURN(cudaMallocHost(reinterpret_cast<void**>(buffer), elements * sizeof(float)));
+    *capacity = elements;
+    return absl::OkStatus();
+  }
+
+  static absl::Status EnsureDevice(float** buffer, std::size_t* capacity, std::size_t elements) {
+    if (*capacity >= elements) return absl::OkStatus();
+    cudaFree(*buffer);
+    *buffer = nullptr;
+    *capacity = 0;
+    ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(buffer), elements * sizeof(float)));
+    *capacity = elements;
+    return absl::OkStatus();
+  }
+
+  // Stages the slot's batch and queues its copy-in, compute and copy-out.
+  absl::Status Launch(Slot& slot) {
+    BatchJob& job = *slot.job;
+    const auto start = std::chrono::steady_clock::now();
+    job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
+    const std::size_t activations = job.hidden_states.size();
+    const std::size_t rotary = job.cos.size();
+    const std::size_t input_elements = 2 * activations + 2 * rotary;
+    const std::size_t output_elements =
+        activations + (job.return_weight_gradients ? weight_elements_ : 0);
+    absl::Status status = EnsurePinned(&slot.host_in, &slot.host_in_capacity, input_elements);
+    if (status.ok()) status = EnsurePinned(&slot.host_out, &slot.host_out_capacity, output_elements);
+    if (status.ok()) status = EnsureDevice(&slot.device_in, &slot.device_in_capacity, input_elements);
+    if (status.ok()) {
+      status = EnsureDevice(&slot.device_grad_hidden, &slot.device_grad_hidden_capacity, activations);
+    }
+    const std::size_t workspace_size =
+        DeviceWorkspaceSize(config_, job.batch, job.seq_len, job.precision);
+    if (status.ok() && workspace_size > workspace_capacity_) {
+      // The workspace is shared by every batch on the compute stream: wait until it is unused.
+      status = CudaStatus(cudaStreamSynchronize(compute_stream_), "cudaStreamSynchronize");
+      if (status.ok()) {
+        cudaFree(workspace_);
+        workspace_ = nullptr;
+        workspace_capacity_ = 0;
+        status = CudaStatus(cudaMalloc(&workspace_, workspace_size), "cudaMalloc(workspace)");
+        if (status.ok()) workspace_capacity_ = workspace_size;
+      }
+    }
+    if (!status.ok()) return status;
+
+    float* host = slot.host_in;
+    std::memcpy(host, job.hidden_states.data(), activations * sizeof(float));
+    std::memcpy(host + activations, job.grad_output.data(), activations * sizeof(float));
+    std::memcpy(host + 2 * activations, job.cos.data(), rotary * sizeof(float));
+    std::memcpy(host + 2 * activations + rotary, job.sin.data(), rotary * sizeof(float));
+    slot.host_copy_in_seconds = SecondsSince(start);
+
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_start, copy_in_stream_));
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.device_in, slot.host_in,
+                                         input_elements * sizeof(float), cudaMemcpyHostToDevice,
+                                         copy_in_stream_));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_done, copy_in_stream_));
+
+    ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(compute_stream_, slot.copy_in_done, 0));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_start, compute_stream_));
+    BackwardInputs in;
+    in.hidden_states = slot.device_in;
+    in.grad_output = slot.device_in + activations;
+    in.cos = slot.device_in + 2 * activations;
+    in.sin = slot.device_in + 2 * activations + rotary;
+    in.q_weight = device_weights_ + offsets_[kQProj];
+    in.k_weight = device_weights_ + offsets_[kKProj];
+    in.v_weight = device_weights_ + offsets_[kVProj];
+    in.o_weight = device_weights_ + offsets_[kOProj];
+    in.q_norm_weight = device_weights_ + offsets_[kQNorm];
+    in.k_norm_weight = device_weights_ + offsets_[kKNorm];
+    const bool add = job.accumulate && !job.return_weight_gradients;
+    float* gradients = add ? device_accumulators_ : slot.device_weight_gradients;
+    BackwardOutputs out;
+    out.grad_hidden_states = slot.device_grad_hidden;
+    out.grad_q_weight = gradients + offsets_[kQProj];
+    out.grad_k_weight = gradients + offsets_[kKProj];
+    out.grad_v_weight = gradients + offsets_[kVProj];
+    out.grad_o_weight = gradients + offsets_[kOProj];
+    out.grad_q_norm_weight = gradients + offsets_[kQNorm];
+    out.grad_k_norm_weight = gradients + offsets_[kKNorm];
+    status = KernelStatus(BackwardDevice(config_, job.batch, job.seq_len, job.scalars, job.precision,
+                                         add, in, out, workspace_, workspace_capacity_,
+                                         compute_stream_),
+                          "BackwardDevice");
+    if (!status.ok()) return status;
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done, compute_stream_));
+
+    ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out_stream_, slot.compute_done, 0));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_start, copy_out_stream_));
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out, slot.device_grad_hidden,
+                                         activations * sizeof(float), cudaMemcpyDeviceToHost,
+                                         copy_out_stream_));
+    if (job.return_weight_gradients) {
+      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out + activations, slot.device_weight_gradients,
+                                           weight_elements_ * sizeof(float),
+                                           cudaMemcpyDeviceToHost, copy_out_stream_));
+    }
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done, copy_out_stream_));
+    return absl::OkStatus();
+  }
+
+  static double ElapsedSeconds(cudaEvent_t start, cudaEvent_t end) {
+    float milliseconds = 0.f;
+    if (cudaEventElapsedTime(&milliseconds, start, end) != cudaSuccess) return 0.0;
+    return milliseconds * 1e-3;
+  }
+
+  // Waits for the slot's copy-out, hands the results to the job and the job back.
+  void Retire(Slot& slot) {
+    BatchJob& job = *slot.job;
+    job.status = CudaStatus(cudaEventSynchronize(slot.copy_out_done), "batch on the GPU");
+    if (job.status.ok()) {
+      const auto start = std::chrono::steady_clock::now();
+      const std::size_t activations = job.hidden_states.size();
+      job.grad_hidden_states.assign(slot.host_out, slot.host_out + activations);
+      if (job.return_weight_gradients) {
+        job.weight_gradients = LayerTensors::Zeros(config_);
+        for (int i = 0; i < kNumWeights; ++i) {
+          const float* source = slot.host_out + activations + offsets_[i];
+          std::copy(source, source + job.weight_gradients.tensors[i].size(),
+                    job.weight_gradients.tensors[i].begin());
+        }
+      }
+      const double host_copy_out_seconds = SecondsSince(start);
+      job.stages.copy_in = slot.host_copy_in_seconds +
+                           ElapsedSeconds(slot.copy_in_start, slot.copy_in_done);
+      job.stages.compute = ElapsedSeconds(slot.compute_start, slot.compute_done);
+      job.stages.copy_out =
+          ElapsedSeconds(slot.copy_out_start, slot.copy_out_done) + host_copy_out_seconds;
+      if (job.accumulate && !job.return_weight_gradients) {
+        ++accumulated_batches_;
+        accumulated_tokens_ += job.tokens();
+      }
+    }
+    if (++retired_since_gauges_ >= 16) {
+      retired_since_gauges_ = 0;
+      UpdateMemoryGauges();
+    }
+    FinishJob(std::move(slot.job));
+  }
+
+  void Control(WorkerControl& control) {
+    // Runs with nothing in flight.
+    absl::Status status = CudaStatus(cudaStreamSynchronize(compute_stream_), "cudaStreamSynchronize");
+    if (status.ok() && control.new_weights != nullptr) {
+      weights_ = control.new_weights;
+      status = UploadWeights(*weights_);
+    }
+    AccumulatorSnapshot snapshot;
+    if (status.ok() && control.read_accumulators) {
+      snapshot.gradients = LayerTensors::Zeros(config_);
+      for (int i = 0; i < kNumWeights && status.ok(); ++i) {
+        status = CudaStatus(cudaMemcpy(snapshot.gradients.tensors[i].data(),
+                                       device_accumulators_ + offsets_[i],
+                                       snapshot.gradients.tensors[i].size() * sizeof(float),
+                                       cudaMemcpyDeviceToHost),
+                            "cudaMemcpy(accumulators)");
+      }
+    }
+    snapshot.batches = accumulated_batches_;
+    snapshot.tokens = accumulated_tokens_;
+    if (status.ok() && control.zero_accumulators) {
+      status = CudaStatus(cudaMemset(device_accumulators_, 0, weight_elements_ * sizeof(float)),
+                          "cudaMemset(accumulators)");
+      if (status.ok()) {
+        accumulated_batches_ = 0;
+        accumulated_tokens_ = 0;
+      }
+    }
+    FinishControl(control, std::move(status), std::move(snapshot));
+  }
+
+  const int cuda_device_;
+  std::shared_ptr<const LayerWeights> weights_;
+  const LayerConfig config_;
+  const std::array<std::size_t, kNumWeights> offsets_;
+  const std::size_t weight_elements_;
+  std::string name_;
+  std::atomic<long long> memory_total_{0};
+  std::atomic<long long> memory_used_{0};
+  cudaStream_t copy_in_stream_ = nullptr, compute_stream_ = nullptr, copy_out_stream_ = nullptr;
+  float* device_weights_ = nullptr;
+  float* device_accumulators_ = nullptr;
+  void* workspace_ = nullptr;
+  std::size_t workspace_capacity_ = 0;
+  std::vector<Slot> slots_;
+  long long accumulated_batches_ = 0;
+  long long accumulated_tokens_ = 0;
+  int retired_since_gauges_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::unique_ptr<DeviceWorker>>> CreateGpuWorkers(
+    const std::vector<int>& devices, std::shared_ptr<const LayerWeights> weights,
+    int pipeline_depth, ServerMetrics* metrics) {
+  const int count = DeviceCount();
+  std::vector<std::unique_ptr<DeviceWorker>> workers;
+  for (int device : devices) {
+    if (device < 0 || device >= count) {
+      return absl::InvalidArgumentError(absl::StrCat("--devices: CUDA device ", device,
+                                                     " does not exist (", count, " usable)"));
+    }
+    auto worker = std::make_unique<GpuWorker>(device, weights, pipeline_depth, metrics);
+    absl::Status status = worker->Start();
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat("cuda:", device, ": ", status.message()));
+    }
+    workers.push_back(std::move(worker));
+  }
+  return workers;
+}
+
+}  // namespace attngrad::server

@@ -1,0 +1,285 @@
+// Admission, weights versions, accumulation windows and the cross-device sums.
+#include "gradient_core.h"
+
+#include <cmath>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace attngrad::server {
+
+std::string RandomInstanceId() {
+  std::random_device device;
+  std::uint64_t high = (static_cast<std::uint64_t>(device()) << 32) | device();
+  std::uint64_t low = (static_cast<std::uint64_t>(device()) << 32) | device();
+  return absl::StrFormat("%016x%016x", high, low);
+}
+
+GradientCore::GradientCore(std::shared_ptr<const LayerWeights> weights,
+                           std::vector<std::unique_ptr<DeviceWorker>> workers,
+                           ServerMetrics* metrics)
+    : config_(weights->config),
+      instance_id_(RandomInstanceId()),
+      metrics_(metrics),
+      workers_(std::move(workers)),
+      weights_(std::move(weights)) {
+  // Window ids start at a random point (below 2^52, so they stay exact as JSON numbers), so a
+  // window id of an earlier server instance is refused by a restarted server rather than matched.
+  std::random_device device;
+  next_window_id_ = ((static_cast<std::uint64_t>(device()) << 32 | device()) & ((1ull << 51) - 1)) + 1;
+  std::lock_guard<std::mutex> lock(mutex_);
+  StartWindowLocked();
+  metrics_->weights_version().Set(static_cast<double>(weights_version_));
+}
+
+GradientCore::~GradientCore() {
+  for (auto& worker : workers_) worker->StopAndJoin();
+}
+
+std::uint64_t GradientCore::weights_version() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return weights_version_;
+}
+
+std::uint64_t GradientCore::window_id() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return window_->id;
+}
+
+std::string GradientCore::weights_source() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return weights_->source;
+}
+
+std::vector<DeviceDescription> GradientCore::Devices() const {
+  std::vector<DeviceDescription> devices;
+  for (const auto& worker : workers_) devices.push_back(worker->Describe());
+  return devices;
+}
+
+void GradientCore::StartWindowLocked() {
+  auto window = std::make_shared<Window>();
+  window->id = next_window_id_++;
+  window_ = std::move(window);
+  window_batches_ = 0;
+  window_tokens_ = 0;
+  metrics_->accumulation_window_id().Set(static_cast<double>(window_->id));
+  metrics_->accumulated_batches().Set(0);
+  metrics_->accumulated_tokens().Set(0);
+}
+
+DeviceWorker& GradientCore::LeastBusyWorker() {
+  DeviceWorker* best = workers_.front().get();
+  std::size_t best_load = best->Outstanding();
+  for (std::size_t i = 1; i < workers_.size(); ++i) {
+    const std::size_t load = workers_[i]->Outstanding();
+    if (load < best_load) {
+      best = workers_[i].get();
+      best_load = load;
+    }
+  }
+  return *best;
+}
+
+absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
+                                              std::uint64_t batch_id,
+                                              std::uint64_t expected_weights_version,
+                                              std::uint64_t expected_window_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (expected_weights_version != 0 && expected_weights_version != weights_version_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "expected_weights_version: the request expects weights version ", expected_weights_version,
+        " but the server has version ", weights_version_,
+        " (the weights were replaced, or the server restarted; see GetModelInfo)"));
+  }
+  Admission admission;
+  admission.weights_version = weights_version_;
+  bool counts = false;  // a new batch of the window: it adds to the accumulators
+  std::shared_ptr<Window> window;
+  if (job->accumulate) {
+    if (expected_window_id != 0 && expected_window_id != window_->id) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "accumulation_window_id: the batch names window ", expected_window_id,
+          " but the current window is ", window_->id, " of server instance ", instance_id_,
+          " (the window was zeroed or fetched-and-zeroed, or the server restarted)"));
+    }
+    if (window_->batch_ids.count(batch_id) != 0) {
+      admission.duplicate = true;
+      job->accumulate = false;  // computed (the response is answered again), not added
+    } else {
+      if (!window_->batch_ids.empty() && window_->weights_version != weights_version_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "weights: accumulation window ", window_->id, " holds gradients of weights version ",
+            window_->weights_version, " but the weights are now version ", weights_version_,
+            "; fetch-and-zero or zero the window before accumulating against the new weights"));
+      }
+      window_->weights_version = weights_version_;
+      window_->batch_ids.insert(batch_id);
+      counts = true;
+    }
+    admission.window_id = window_->id;
+    window = window_;
+  }
+  if (counts) {
+    auto on_done = std::move(job->on_done);
+    job->on_done = [this, window, batch_id, on_done = std::move(on_done)](std::unique_ptr<BatchJob> done) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!done->status.ok()) {
+          window->batch_ids.erase(batch_id);  // not accumulated: a retry must count
+        } else if (window == window_) {
+          ++window_batches_;
+          window_tokens_ += done->tokens();
+          metrics_->accumulated_batches().Set(static_cast<double>(window_batches_));
+          metrics_->accumulated_tokens().Set(static_cast<double>(window_tokens_));
+        }
+      }
+      on_done(std::move(done));
+    };
+  }
+  job->weights_version = admission.weights_version;
+  job->window_id = admission.window_id;
+  job->duplicate = admission.duplicate;
+  LeastBusyWorker().Submit(std::move(job));
+  return admission;
+}
+
+absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(LayerWeights weights,
+                                                           std::uint64_t expected_version) {
+  absl::Status status = weights.values.CheckShapes(config_);
+  if (!status.ok()) return status;
+  for (int i = 0; i < kNumWeights; ++i) {
+    const std::vector<float>& values = weights.values.tensors[i];
+    for (std::size_t j = 0; j < values.size(); ++j) {
+      if (!std::isfinite(values[j])) {
+        return absl::InvalidArgumentError(absl::StrCat(WeightModuleName(i), ": element ", j,
+                                                       " is not finite"));
+      }
+    }
+  }
+  weights.config = config_;
+  auto shared = std::make_shared<const LayerWeights>(std::move(weights));
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (expected_version != 0 && expected_version != weights_version_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "expected_weights_version: the upload expects to replace version ", expected_version,
+        " but the server has version ", weights_version_));
+  }
+  ++weights_version_;
+  weights_ = shared;
+  for (auto& worker : workers_) worker->SubmitControl(WorkerControl{shared, false, false, nullptr});
+  metrics_->weights_version().Set(static_cast<double>(weights_version_));
+  return weights_version_;
+}
+
+void GradientCore::Collect(bool read, bool zero,
+                           std::function<void(absl::Status, AccumulatorSnapshot)> done) {
+  struct Gather {
+    std::mutex mutex;
+    std::size_t remaining;
+    absl::Status status;
+    AccumulatorSnapshot sum;
+    bool first = true;
+    std::function<void(absl::Status, AccumulatorSnapshot)> done;
+  };
+  auto gather = std::make_shared<Gather>();
+  gather->remaining = workers_.size();
+  gather->done = std::move(done);
+  for (auto& worker : workers_) {
+    WorkerControl control;
+    control.read_accumulators = read;
+    control.zero_accumulators = zero;
+    control.on_done = [gather](absl::Status status, AccumulatorSnapshot snapshot) {
+      bool last;
+      {
+        std::lock_guard<std::mutex> lock(gather->mutex);
+        gather->status.Update(status);
+        if (status.ok()) {
+          if (gather->first) {
+            gather->sum = std::move(snapshot);
+            gather->first = false;
+          } else {
+            // Host-side sum across devices (NCCL is not used).
+            for (int i = 0; i < kNumWeights; ++i) {
+              std::vector<float>& into = gather->sum.gradients.tensors[i];
+              const std::vector<float>& from = snapshot.gradients.tensors[i];
+              for (std::size_t j = 0; j < into.size() && j < from.size(); ++j) into[j] += from[j];
+            }
+            gather->sum.batches += snapshot.batches;
+            gather->sum.tokens += snapshot.tokens;
+          }
+        }
+        last = --gather->remaining == 0;
+      }
+      if (last) gather->done(gather->status, std::move(gather->sum));
+    };
+    worker->SubmitControl(std::move(control));
+  }
+}
+
+void GradientCore::Fetch(bool zero_after_fetch, std::uint64_t expected_window_id,
+                         std::function<void(absl::StatusOr<FetchResult>)> done) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (expected_window_id != 0 && expected_window_id != window_->id) {
+    const std::uint64_t current = window_->id;
+    lock.unlock();
+    done(absl::FailedPreconditionError(absl::StrCat(
+        "expected_window_id: the fetch names window ", expected_window_id,
+        " but the current window is ", current, " of server instance ", instance_id_)));
+    return;
+  }
+  WindowState state;
+  state.server_instance_id = instance_id_;
+  state.window_id = window_->id;
+  state.weights_version = window_->batch_ids.empty() ? weights_version_ : window_->weights_version;
+  if (zero_after_fetch) StartWindowLocked();
+  // Queued under the lock: every batch admitted to this window before is ahead of it on its worker.
+  Collect(/*read=*/true, zero_after_fetch,
+          [state, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
+            if (!status.ok()) {
+              done(std::move(status));
+              return;
+            }
+            FetchResult result;
+            result.state = state;
+            result.state.batches = snapshot.batches;
+            result.state.tokens = snapshot.tokens;
+            result.gradients = std::move(snapshot.gradients);
+            done(std::move(result));
+          });
+}
+
+void GradientCore::Zero(std::uint64_t expected_window_id,
+                        std::function<void(absl::StatusOr<ZeroResult>)> done) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (expected_window_id != 0 && expected_window_id != window_->id) {
+    const std::uint64_t current = window_->id;
+    lock.unlock();
+    done(absl::FailedPreconditionError(absl::StrCat(
+        "expected_window_id: the request names window ", expected_window_id,
+        " but the current window is ", current, " of server instance ", instance_id_)));
+    return;
+  }
+  ZeroResult result;
+  result.previous.server_instance_id = instance_id_;
+  result.previous.window_id = window_->id;
+  result.previous.weights_version =
+      window_->batch_ids.empty() ? weights_version_ : window_->weights_version;
+  StartWindowLocked();
+  result.current.server_instance_id = instance_id_;
+  result.current.window_id = window_->id;
+  result.current.weights_version = weights_version_;
+  Collect(/*read=*/false, /*zero=*/true,
+          [result, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
+            if (!status.ok()) {
+              done(std::move(status));
+              return;
+            }
+            result.previous.batches = snapshot.batches;
+            result.previous.tokens = snapshot.tokens;
+            done(std::move(result));
+          });
+}
+
+}  // namespace attngrad::server

@@ -1,0 +1,561 @@
+// The reactors of attngrad.v1.AttentionGradient.
+#include "gradient_service.h"
+
+#include <chrono>
+#include <deque>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "tensor_codec.h"
+
+namespace attngrad::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::int64_t kDefaultChunkBytes = 1 << 20;
+
+void FillState(const WindowState& state, v1::AccumulationState* out) {
+  out->set_server_instance_id(state.server_instance_id);
+  out->set_window_id(state.window_id);
+  out->set_weights_version(state.weights_version);
+  out->set_batches(state.batches);
+  out->set_tokens(state.tokens);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: one batch per request; answers in order of completion. At most `stream_window`
+// batches of a stream are queued or waiting to be written; beyond that the stream stops reading
+// (gRPC flow control then pushes back on the client).
+class BackwardReactor final
+    : public grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse> {
+ public:
+  BackwardReactor(GradientService* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context), start_(Clock::now()) {
+    const int open = ++service_->open_streams();
+    if (open > service_->limits().max_concurrent_streams) {
+      finished_ = true;
+      finish_code_ = grpc::StatusCode::RESOURCE_EXHAUSTED;
+      service_->metrics().CountError("Backward", "RESOURCE_EXHAUSTED");
+      Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("Backward: the server already has ",
+                                       service_->limits().max_concurrent_streams,
+                                       " streams open (--max_concurrent_streams); retry later or "
+                                       "send more batches per stream")));
+      return;
+    }
+    read_in_flight_ = true;
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (ok) HandleRequest();
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      read_in_flight_ = false;
+      if (!ok) reads_done_ = true;
+      actions = NextLocked();
+    }
+    Do(actions);
+  }
+
+  void OnWriteDone(bool ok) override {
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      write_in_flight_ = false;
+      if (ok) service_->metrics().AddSentBytes("Backward", static_cast<double>(PayloadBytes(*writes_.front())));
+      writes_.pop_front();
+      if (!ok) {  // the client is gone: drop what is left to write
+        broken_ = true;
+        writes_.clear();
+      }
+      actions = NextLocked();
+    }
+    Do(actions);
+  }
+
+  void OnCancel() override {
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      broken_ = true;
+      // Keep the response being written (gRPC holds a pointer to it) and drop the others.
+      while (writes_.size() > (write_in_flight_ ? 1u : 0u)) writes_.pop_back();
+      actions = NextLocked();
+    }
+    Do(actions);
+  }
+
+  void OnDone() override {
+    service_->metrics().ObserveRpc("Backward", StatusCodeName(static_cast<int>(finish_code_)),
+                                   std::chrono::duration<double>(Clock::now() - start_).count());
+    --service_->open_streams();
+    delete this;
+  }
+
+ private:
+  struct Actions {
+    const v1::BackwardResponse* write = nullptr;
+    bool read = false;
+    bool finish = false;
+    grpc::Status status;
+  };
+
+  // What to start next; the caller performs it after releasing the mutex.
+  Actions NextLocked() {
+    Actions actions;
+    if (finished_) return actions;
+    if (!broken_ && !write_in_flight_ && !writes_.empty()) {
+      write_in_flight_ = true;
+      actions.write = writes_.front().get();
+    }
+    const std::size_t pending = static_cast<std::size_t>(jobs_outstanding_) + writes_.size();
+    if (!broken_ && !reads_done_ && !read_in_flight_ &&
+        pending < static_cast<std::size_t>(service_->limits().stream_window)) {
+      read_in_flight_ = true;
+      actions.read = true;
+    }
+    if (!read_in_flight_ && !write_in_flight_ && jobs_outstanding_ == 0 &&
+        (broken_ || (reads_done_ && writes_.empty()))) {
+      finished_ = true;
+      actions.finish = true;
+      if (broken_) {
+        finish_code_ = grpc::StatusCode::CANCELLED;
+        actions.status = grpc::Status(grpc::StatusCode::CANCELLED, "Backward: stream cancelled");
+      } else {
+        finish_code_ = grpc::StatusCode::OK;
+        actions.status = grpc::Status::OK;
+      }
+    }
+    return actions;
+  }
+
+  void Do(const Actions& actions) {
+    if (actions.write != nullptr) StartWrite(actions.write);
+    if (actions.read) StartRead(&request_);
+    if (actions.finish) Finish(actions.status);
+  }
+
+  void QueueResponse(std::unique_ptr<v1::BackwardResponse> response, bool job_finished) {
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (job_finished) --jobs_outstanding_;
+      if (!broken_) writes_.push_back(std::move(response));
+      actions = NextLocked();
+    }
+    Do(actions);
+  }
+
+  std::unique_ptr<v1::BackwardResponse> ErrorResponse(std::uint64_t batch_id,
+                                                      const absl::Status& status) {
+    service_->metrics().CountError("Backward", StatusCodeName(static_cast<int>(status.code())));
+    auto response = std::make_unique<v1::BackwardResponse>();
+    response->set_batch_id(batch_id);
+    response->mutable_error()->set_code(static_cast<int>(status.code()));
+    response->mutable_error()->set_message(std::string(status.message()));
+    response->set_server_instance_id(service_->core().instance_id());
+    return response;
+  }
+
+  // Runs with read_in_flight_ still set, so request_ is ours alone.
+  void HandleRequest() {
+    service_->metrics().AddReceivedBytes("Backward", static_cast<double>(PayloadBytes(request_)));
+    const std::uint64_t batch_id = request_.batch_id();
+    absl::StatusOr<ParsedBackward> parsed =
+        ParseBackwardRequest(request_, service_->core().config(), service_->limits().batch);
+    if (!parsed.ok()) {
+      QueueResponse(ErrorResponse(batch_id, parsed.status()), /*job_finished=*/false);
+      return;
+    }
+    const int response_dtype = parsed->response_dtype;
+    const std::string instance_id = service_->core().instance_id();
+    parsed->job->on_done = [this, batch_id, response_dtype,
+                            instance_id](std::unique_ptr<BatchJob> job) {
+      std::unique_ptr<v1::BackwardResponse> response;
+      if (!job->status.ok()) {
+        response = ErrorResponse(batch_id, job->status);
+      } else {
+        response = std::make_unique<v1::BackwardResponse>();
+        response->set_batch_id(batch_id);
+        FillBackwardResponse(*job, response_dtype, response.get());
+        response->set_server_instance_id(instance_id);
+      }
+      response->set_weights_version(job->weights_version);
+      response->set_accumulation_window_id(job->window_id);
+      response->set_duplicate(job->duplicate);
+      QueueResponse(std::move(response), /*job_finished=*/true);
+    };
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++jobs_outstanding_;  // before queueing: the job may finish at once
+    }
+    absl::StatusOr<Admission> admission =
+        service_->core().Admit(std::move(parsed->job), batch_id,
+                               request_.expected_weights_version(),
+                               request_.accumulation_window_id());
+    if (!admission.ok()) {
+      QueueResponse(ErrorResponse(batch_id, admission.status()), /*job_finished=*/true);
+    }
+  }
+
+  GradientService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const Clock::time_point start_;
+  v1::BackwardRequest request_;
+
+  std::mutex mutex_;
+  std::deque<std::unique_ptr<v1::BackwardResponse>> writes_;  // front is being written
+  int jobs_outstanding_ = 0;
+  bool read_in_flight_ = false;
+  bool write_in_flight_ = false;
+  bool reads_done_ = false;
+  bool broken_ = false;    // cancelled or a write failed
+  bool finished_ = false;
+  grpc::StatusCode finish_code_ = grpc::StatusCode::OK;
+};
+
+// ---------------------------------------------------------------------------------------------
+// LoadWeights: chunks of each weight in order (offset = elements received so far); committed when
+// the client half-closes with every weight complete.
+class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsRequest> {
+ public:
+  LoadWeightsReactor(GradientService* service, grpc::CallbackServerContext* context,
+                     v1::LoadWeightsResponse* response)
+      : service_(service),
+        context_(context),
+        response_(response),
+        start_(Clock::now()),
+        config_(service->core().config()),
+        staging_(LayerTensors::Zeros(config_)) {
+    received_.fill(0);
+    dtypes_.fill(v1::DTYPE_UNSPECIFIED);
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (context_->IsCancelled()) {
+        FinishWith(absl::CancelledError("LoadWeights: cancelled; nothing was changed"));
+        return;
+      }
+      FinishWith(Commit());
+      return;
+    }
+    absl::Status status = HandleChunk();
+    if (!status.ok()) {
+      FinishWith(status);
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnDone() override {
+    service_->metrics().ObserveRpc("LoadWeights", StatusCodeName(finish_code_),
+                                   std::chrono::duration<double>(Clock::now() - start_).count());
+    delete this;
+  }
+
+ private:
+  absl::Status HandleChunk() {
+    service_->metrics().AddReceivedBytes("LoadWeights", static_cast<double>(request_.data().size()));
+    const int index = WeightIndexOf(request_.name());
+    if (index < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "name: unknown weight ", request_.name(),
+          "; expected WEIGHT_NAME_Q_PROJ, K_PROJ, V_PROJ, O_PROJ, Q_NORM or K_NORM"));
+    }
+    const std::string field = WeightModuleName(index);
+    if (request_.expected_weights_version() != 0) {
+      if (expected_version_ != 0 && expected_version_ != request_.expected_weights_version()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "expected_weights_version: chunks disagree (", expected_version_, " and ",
+            request_.expected_weights_version(), ")"));
+      }
+      expected_version_ = request_.expected_weights_version();
+    }
+    const std::vector<std::int64_t> expected_shape = WeightShape(config_, index);
+    const std::vector<std::int64_t> shape(request_.shape().begin(), request_.shape().end());
+    if (dtypes_[index] == v1::DTYPE_UNSPECIFIED) {  // first chunk of this weight
+      if (!IsSupportedWireDType(request_.dtype())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".dtype: ", DTypeName(request_.dtype()),
+            " is not supported; the first chunk of a weight must name FLOAT32, FLOAT16 or BFLOAT16"));
+      }
+      if (shape != expected_shape) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ", ShapeString(shape),
+                                                       ", expected ", ShapeString(expected_shape)));
+      }
+      dtypes_[index] = request_.dtype();
+    } else {
+      if (request_.dtype() != v1::DTYPE_UNSPECIFIED && request_.dtype() != dtypes_[index]) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(request_.dtype()),
+                                                       " differs from the weight's first chunk (",
+                                                       DTypeName(dtypes_[index]), ")"));
+      }
+      if (!shape.empty() && shape != expected_shape) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ", ShapeString(shape),
+                                                       ", expected ", ShapeString(expected_shape)));
+      }
+    }
+    const std::size_t element_size = DTypeSize(dtypes_[index]);
+    const std::size_t total = staging_.tensors[index].size();
+    if (request_.offset() != static_cast<std::int64_t>(received_[index])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".offset: got ", request_.offset(), ", expected ", received_[index],
+          " (the chunks of a weight must come in order, without gaps or overlaps)"));
+    }
+    if (request_.data().size() % element_size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", request_.data().size(),
+                                                     " bytes is not a whole number of ",
+                                                     DTypeName(dtypes_[index]), " elements"));
+    }
+    const std::size_t count = request_.data().size() / element_size;
+    if (count > total - received_[index]) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", count, " elements at offset ",
+                                                     received_[index], " overflow the ", total,
+                                                     " elements of ", ShapeString(expected_shape)));
+    }
+    absl::Status status = DecodeToFloat(
+        request_.data(), dtypes_[index], field + ".data", /*require_finite=*/true,
+        absl::MakeSpan(staging_.tensors[index].data() + received_[index], count));
+    if (!status.ok()) return status;
+    received_[index] += count;
+    return absl::OkStatus();
+  }
+
+  absl::Status Commit() {
+    for (int i = 0; i < kNumWeights; ++i) {
+      if (received_[i] != staging_.tensors[i].size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            WeightModuleName(i), ": got ", received_[i], " of ", staging_.tensors[i].size(),
+            " elements; every weight must be sent in full; nothing was changed"));
+      }
+    }
+    LayerWeights weights;
+    weights.config = config_;
+    weights.values = std::move(staging_);
+    weights.source = "upload";
+    absl::StatusOr<std::uint64_t> version =
+        service_->core().ReplaceWeights(std::move(weights), expected_version_);
+    if (!version.ok()) return version.status();
+    response_->set_weights_version(*version);
+    return absl::OkStatus();
+  }
+
+  void FinishWith(const absl::Status& status) {
+    finish_code_ = static_cast<int>(status.code());
+    if (!status.ok()) service_->metrics().CountError("LoadWeights", StatusCodeName(finish_code_));
+    Finish(ToGrpcStatus(status));
+  }
+
+  GradientService* const service_;
+  grpc::CallbackServerContext* const context_;
+  v1::LoadWeightsResponse* const response_;
+  const Clock::time_point start_;
+  const LayerConfig config_;
+  LayerTensors staging_;
+  std::array<std::size_t, kNumWeights> received_;
+  std::array<int, kNumWeights> dtypes_;
+  std::uint64_t expected_version_ = 0;
+  v1::LoadWeightsRequest request_;
+  int finish_code_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// FetchGradients: the summed accumulators, each weight in chunks of at most chunk_bytes.
+class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
+ public:
+  FetchReactor(GradientService* service, const v1::FetchGradientsRequest& request)
+      : service_(service), start_(Clock::now()) {
+    dtype_ = request.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.dtype();
+    if (!IsSupportedWireDType(dtype_)) {
+      FinishWith(absl::InvalidArgumentError(absl::StrCat(
+          "dtype: ", DTypeName(dtype_), " is not supported; expected FLOAT32, FLOAT16 or BFLOAT16")));
+      return;
+    }
+    if (request.chunk_bytes() < 0) {
+      FinishWith(absl::InvalidArgumentError(absl::StrCat(
+          "chunk_bytes: ", request.chunk_bytes(), " is negative; expected 0 (default 1 MiB) or more")));
+      return;
+    }
+    std::int64_t chunk_bytes = request.chunk_bytes() == 0 ? kDefaultChunkBytes : request.chunk_bytes();
+    chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
+    chunk_bytes = std::min<std::int64_t>(chunk_bytes,
+                                         service_->limits().batch.max_message_bytes - 65536);
+    chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
+    elements_per_chunk_ = static_cast<std::size_t>(chunk_bytes) / DTypeSize(dtype_);
+    service_->core().Fetch(request.zero_after_fetch(), request.expected_window_id(),
+                           [this](absl::StatusOr<FetchResult> result) {
+                             if (!result.ok()) {
+                               FinishWith(result.status());
+                               return;
+                             }
+                             result_ = *std::move(result);
+                             WriteNext();
+                           });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      FinishWith(absl::CancelledError("FetchGradients: the client went away"));
+      return;
+    }
+    service_->metrics().AddSentBytes("FetchGradients", static_cast<double>(chunk_.data().size()));
+    WriteNext();
+  }
+
+  void OnDone() override {
+    service_->metrics().ObserveRpc("FetchGradients", StatusCodeName(finish_code_),
+                                   std::chrono::duration<double>(Clock::now() - start_).count());
+    delete this;
+  }
+
+ private:
+  void WriteNext() {
+    if (weight_ == kNumWeights) {
+      FinishWith(absl::OkStatus());
+      return;
+    }
+    const std::vector<float>& values = result_.gradients.tensors[weight_];
+    const std::size_t count = std::min(elements_per_chunk_, values.size() - offset_);
+    chunk_.Clear();
+    if (first_) {
+      FillState(result_.state, chunk_.mutable_state());
+      first_ = false;
+    }
+    chunk_.set_name(WireWeightName(weight_));
+    chunk_.set_dtype(static_cast<v1::DType>(dtype_));
+    if (offset_ == 0) {
+      for (std::int64_t dim : WeightShape(service_->core().config(), weight_)) chunk_.add_shape(dim);
+    }
+    chunk_.set_offset(static_cast<std::int64_t>(offset_));
+    EncodeFromFloat(absl::MakeConstSpan(values.data() + offset_, count), dtype_,
+                    chunk_.mutable_data());
+    offset_ += count;
+    if (offset_ == values.size()) {
+      ++weight_;
+      offset_ = 0;
+    }
+    StartWrite(&chunk_);
+  }
+
+  void FinishWith(const absl::Status& status) {
+    finish_code_ = static_cast<int>(status.code());
+    if (!status.ok()) service_->metrics().CountError("FetchGradients", StatusCodeName(finish_code_));
+    Finish(ToGrpcStatus(status));
+  }
+
+  GradientService* const service_;
+  const Clock::time_point start_;
+  int dtype_ = v1::DTYPE_FLOAT32;
+  std::size_t elements_per_chunk_ = 0;
+  FetchResult result_;
+  v1::GradientChunk chunk_;
+  int weight_ = 0;
+  std::size_t offset_ = 0;
+  bool first_ = true;
+  int finish_code_ = 0;
+};
+
+}  // namespace
+
+std::string StatusCodeName(int code) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
+                                 std::string server_version)
+    : core_(core), metrics_(metrics), limits_(limits), server_version_(std::move(server_version)) {}
+
+grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                        const v1::GetModelInfoRequest*,
+                                                        v1::GetModelInfoResponse* response) {
+  const auto start = Clock::now();
+  const LayerConfig& config = core_->config();
+  v1::LayerConfig* out = response->mutable_config();
+  out->set_hidden_size(config.hidden_size);
+  out->set_num_heads(config.num_heads);
+  out->set_num_kv_heads(config.num_kv_heads);
+  out->set_head_dim(config.head_dim);
+  response->set_weights_version(core_->weights_version());
+  response->set_weights_source(core_->weights_source());
+  response->set_server_instance_id(core_->instance_id());
+  bool any_gpu = false;
+  for (const DeviceDescription& device : core_->Devices()) {
+    v1::DeviceInfo* info = response->add_devices();
+    info->set_index(device.index);
+    info->set_name(device.name);
+    info->set_backend(device.backend);
+    info->set_memory_total_bytes(device.memory_total_bytes);
+    info->set_memory_used_bytes(device.memory_used_bytes);
+    any_gpu |= device.backend == "cuda";
+  }
+  response->add_supported_precisions(v1::PRECISION_AUTO);
+  response->add_supported_precisions(v1::PRECISION_FP32);
+  if (any_gpu) {
+    response->add_supported_precisions(v1::PRECISION_TF32);
+    response->add_supported_precisions(v1::PRECISION_FP16);
+  }
+  response->add_supported_wire_dtypes(v1::DTYPE_FLOAT32);
+  response->add_supported_wire_dtypes(v1::DTYPE_FLOAT16);
+  response->add_supported_wire_dtypes(v1::DTYPE_BFLOAT16);
+  response->set_max_message_bytes(limits_.batch.max_message_bytes);
+  response->set_max_batch_tokens(limits_.batch.max_batch_tokens);
+  response->set_accumulation_window_id(core_->window_id());
+  response->set_server_version(server_version_);
+  const Scalars defaults;
+  response->set_default_scaling(1.0f / std::sqrt(static_cast<float>(config.head_dim)));
+  response->set_default_softcap(defaults.softcap);
+  response->set_default_eps(defaults.eps);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  metrics_->ObserveRpc("GetModelInfo", "OK",
+                       std::chrono::duration<double>(Clock::now() - start).count());
+  return reactor;
+}
+
+grpc::ServerReadReactor<v1::LoadWeightsRequest>* GradientService::LoadWeights(
+    grpc::CallbackServerContext* context, v1::LoadWeightsResponse* response) {
+  return new LoadWeightsReactor(this, context, response);
+}
+
+grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* GradientService::Backward(
+    grpc::CallbackServerContext* context) {
+  return new BackwardReactor(this, context);
+}
+
+grpc::ServerWriteReactor<v1::GradientChunk>* GradientService::FetchGradients(
+    grpc::CallbackServerContext*, const v1::FetchGradientsRequest* request) {
+  return new FetchReactor(this, *request);
+}
+
+grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerContext* context,
+                                                         const v1::ZeroGradientsRequest* request,
+                                                         v1::ZeroGradientsResponse* response) {
+  const auto start = Clock::now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  core_->Zero(request->expected_window_id(),
+              [this, reactor, response, start](absl::StatusOr<ZeroResult> result) {
+                const std::string code = StatusCodeName(static_cast<int>(result.status().code()));
+                if (result.ok()) {
+                  FillState(result->previous, response->mutable_previous());
+                  FillState(result->current, response->mutable_current());
+                } else {
+                  metrics_->CountError("ZeroGradients", code);
+                }
+                metrics_->ObserveRpc("ZeroGradients", code,
+                                     std::chrono::duration<double>(Clock::now() - start).count());
+                reactor->Finish(ToGrpcStatus(result.status()));
+              });
+  return reactor;
+}
+
+}  // namespace attngrad::server

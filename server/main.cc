@@ -1,0 +1,89 @@
+// attngrad-server: serves attngrad.v1.AttentionGradient (plus grpc.health.v1 and reflection) and
+// Prometheus metrics. SIGTERM/SIGINT: stop accepting, let in-flight batches finish within
+// --shutdown_grace_seconds, exit 0.
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "server.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address (host:port)");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
+          "Prometheus /metrics listen address (host:port); empty = no metrics endpoint");
+ABSL_FLAG(std::string, devices, "",
+          "Devices to serve on: empty = every GPU (the CPU when there is none), \"cpu\" = the CPU "
+          "backend, or CUDA device indices like \"0,1\"");
+ABSL_FLAG(std::string, weights, "random",
+          "\"random\" (SPEC section 3 distribution from --weights_seed) or a Gemma-3 .safetensors "
+          "file (or a sharded checkpoint's model.safetensors.index.json)");
+ABSL_FLAG(uint64_t, weights_seed, 0, "Seed of the random weights");
+ABSL_FLAG(int, weights_layer, 0, "Decoder layer to load from --weights");
+ABSL_FLAG(int64_t, max_batch_tokens, 65536,
+          "Largest batch (B*S tokens) accepted; larger ones are refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_message_bytes, 1073741824, "Largest gRPC message, received or sent");
+ABSL_FLAG(int, max_concurrent_streams, 64,
+          "Backward streams open at once (server-wide) and HTTP/2 streams per connection");
+ABSL_FLAG(int, queue_depth, 4,
+          "Batches one Backward stream may have in the server at once; also each GPU's pipeline "
+          "depth (at least 3)");
+ABSL_FLAG(int, shutdown_grace_seconds, 30,
+          "On SIGTERM/SIGINT: how long running RPCs may take to finish before they are cancelled");
+ABSL_FLAG(int, cpu_threads, 0, "Threads of the CPU backend (0 = all cores)");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "attngrad-server: gradients of a Gemma-3 attention layer over gRPC.\n"
+      "  attngrad-server --listen=0.0.0.0:50051 --metrics_listen=0.0.0.0:9464 --devices=cpu");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the stop signals in every thread (threads inherit the mask), then wait for them here.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  attngrad::server::ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.devices = absl::GetFlag(FLAGS_devices);
+  options.weights = absl::GetFlag(FLAGS_weights);
+  options.weights_seed = absl::GetFlag(FLAGS_weights_seed);
+  options.weights_layer = absl::GetFlag(FLAGS_weights_layer);
+  options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.queue_depth = absl::GetFlag(FLAGS_queue_depth);
+  options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  if (grace_seconds < 0) {
+    std::cerr << "attngrad-server: --shutdown_grace_seconds must be >= 0\n";
+    return 2;
+  }
+
+  absl::StatusOr<std::unique_ptr<attngrad::server::GradientServer>> server =
+      attngrad::server::GradientServer::Start(options);
+  if (!server.ok()) {
+    std::cerr << "attngrad-server: " << server.status() << "\n";
+    return 1;
+  }
+  std::cerr << "attngrad-server: serving on port " << (*server)->port()
+            << ((*server)->metrics_port() != 0
+                    ? absl::StrCat(", metrics on port ", (*server)->metrics_port())
+                    : std::string(", metrics off"))
+            << ", instance " << (*server)->instance_id() << std::endl;
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  std::cerr << "attngrad-server: signal " << signal_number << ", shutting down (grace "
+            << grace_seconds << " s)" << std::endl;
+  (*server)->Shutdown(absl::Seconds(grace_seconds));
+  server->reset();
+  std::cerr << "attngrad-server: stopped" << std::endl;
+  return 0;
+}

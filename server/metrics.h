@@ -1,0 +1,71 @@
+// The server's Prometheus metrics (names and labels as in the team conventions; bounded labels
+// only: method, code, mode, stage, device, version). One ServerMetrics per server; thread-safe.
+#ifndef ATTNGRAD_SERVER_METRICS_H_
+#define ATTNGRAD_SERVER_METRICS_H_
+
+#include <memory>
+#include <string>
+
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace attngrad::server {
+
+struct StageSeconds {
+  double queue = 0, copy_in = 0, compute = 0, copy_out = 0, total = 0;
+};
+
+class ServerMetrics {
+ public:
+  explicit ServerMetrics(const std::string& version);
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // One finished batch on `device` ("cpu", "cuda:0", ...); mode "return" or "accumulate".
+  void ObserveBatch(const std::string& mode, const std::string& device, long long tokens,
+                    const StageSeconds& stages);
+  // One finished RPC (method "Backward", "GetModelInfo", ...; code a gRPC code name).
+  void ObserveRpc(const std::string& method, const std::string& code, double seconds);
+  void CountError(const std::string& method, const std::string& code);
+  void AddReceivedBytes(const std::string& method, double bytes);
+  void AddSentBytes(const std::string& method, double bytes);
+
+  // Per-device gauges (created on first use).
+  prometheus::Gauge& Inflight(const std::string& device);
+  prometheus::Gauge& QueueDepth(const std::string& device);
+  prometheus::Gauge& QueueCapacity(const std::string& device);
+  prometheus::Gauge& DeviceMemoryUsed(const std::string& device);
+  prometheus::Gauge& DeviceMemoryTotal(const std::string& device);
+
+  prometheus::Gauge& weights_version() { return *weights_version_; }
+  prometheus::Gauge& accumulated_batches() { return *accumulated_batches_; }
+  prometheus::Gauge& accumulated_tokens() { return *accumulated_tokens_; }
+  prometheus::Gauge& accumulation_window_id() { return *accumulation_window_id_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Histogram>* batch_duration_;
+  prometheus::Family<prometheus::Histogram>* stage_duration_;
+  prometheus::Family<prometheus::Histogram>* rpc_duration_;
+  prometheus::Family<prometheus::Counter>* batches_;
+  prometheus::Family<prometheus::Counter>* tokens_;
+  prometheus::Family<prometheus::Counter>* received_bytes_;
+  prometheus::Family<prometheus::Counter>* sent_bytes_;
+  prometheus::Family<prometheus::Counter>* errors_;
+  prometheus::Family<prometheus::Gauge>* inflight_;
+  prometheus::Family<prometheus::Gauge>* queue_depth_;
+  prometheus::Family<prometheus::Gauge>* queue_capacity_;
+  prometheus::Family<prometheus::Gauge>* memory_used_;
+  prometheus::Family<prometheus::Gauge>* memory_total_;
+  prometheus::Gauge* weights_version_;
+  prometheus::Gauge* accumulated_batches_;
+  prometheus::Gauge* accumulated_tokens_;
+  prometheus::Gauge* accumulation_window_id_;
+};
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_METRICS_H_

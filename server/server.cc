@@ -1,0 +1,174 @@
+// Server assembly: weights, workers, service, gRPC builder, health, reflection, metrics exposer.
+#include "server.h"
+
+#include <algorithm>
+#include <climits>
+#include <exception>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "cpu_worker.h"
+#include "gpu_worker.h"
+#include "gradient_core.h"
+#include "gradient_service.h"
+#include "metrics.h"
+#include "prometheus/exposer.h"
+#include "safetensors.h"
+
+#ifndef ATTNGRAD_VERSION
+#define ATTNGRAD_VERSION "unknown"
+#endif
+
+namespace attngrad::server {
+
+absl::StatusOr<DeviceSelection> ParseDevices(const std::string& devices, int gpu_count) {
+  DeviceSelection selection;
+  if (devices.empty()) {
+    if (gpu_count == 0) {
+      selection.cpu = true;
+    } else {
+      for (int i = 0; i < gpu_count; ++i) selection.gpus.push_back(i);
+    }
+    return selection;
+  }
+  if (devices == "cpu") {
+    selection.cpu = true;
+    return selection;
+  }
+  for (absl::string_view part : absl::StrSplit(devices, ',')) {
+    int index;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &index) || index < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--devices: '", part, "' is not a device index; expected \"\" (all GPUs, or the CPU "
+          "when there is none), \"cpu\" or a list like \"0,1\""));
+    }
+    if (index >= gpu_count) {
+      return absl::InvalidArgumentError(absl::StrCat("--devices: CUDA device ", index,
+                                                     " does not exist (", gpu_count,
+                                                     " usable by this build)"));
+    }
+    if (std::find(selection.gpus.begin(), selection.gpus.end(), index) != selection.gpus.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("--devices: device ", index, " is listed twice"));
+    }
+    selection.gpus.push_back(index);
+  }
+  return selection;
+}
+
+absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const ServerOptions& options) {
+  if (options.max_batch_tokens < 1) {
+    return absl::InvalidArgumentError("--max_batch_tokens must be >= 1");
+  }
+  if (options.max_message_bytes < (1 << 20) || options.max_message_bytes > INT_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes must be in [1 MiB, ",
+                                                   INT_MAX, "] (gRPC's limit)"));
+  }
+  if (options.max_concurrent_streams < 1) {
+    return absl::InvalidArgumentError("--max_concurrent_streams must be >= 1");
+  }
+  if (options.queue_depth < 1) return absl::InvalidArgumentError("--queue_depth must be >= 1");
+  if (options.cpu_threads < 0) return absl::InvalidArgumentError("--cpu_threads must be >= 0");
+
+  absl::StatusOr<DeviceSelection> devices = ParseDevices(options.devices, DeviceCount());
+  if (!devices.ok()) return devices.status();
+
+  // Weights.
+  absl::StatusOr<LayerWeights> weights;
+  if (options.weights == "random") {
+    weights = RandomLayerWeights(LayerConfig::Gemma3_4B(), options.weights_seed);
+  } else {
+    weights = LoadSafetensorsLayer(options.weights, options.weights_layer);
+    if (!weights.ok()) {
+      return absl::Status(weights.status().code(),
+                          absl::StrCat("--weights: ", weights.status().message()));
+    }
+  }
+  auto shared_weights = std::make_shared<const LayerWeights>(*std::move(weights));
+
+  std::unique_ptr<GradientServer> server(new GradientServer());
+  server->metrics_ = std::make_unique<ServerMetrics>(ATTNGRAD_VERSION);
+
+  // Workers.
+  std::vector<std::unique_ptr<DeviceWorker>> workers;
+  if (devices->cpu) {
+    auto worker = std::make_unique<CpuWorker>(shared_weights, options.cpu_threads,
+                                              server->metrics_.get());
+    absl::Status status = worker->Start();
+    if (!status.ok()) return status;
+    workers.push_back(std::move(worker));
+  } else {
+    absl::StatusOr<std::vector<std::unique_ptr<DeviceWorker>>> gpu_workers = CreateGpuWorkers(
+        devices->gpus, shared_weights, options.queue_depth, server->metrics_.get());
+    if (!gpu_workers.ok()) return gpu_workers.status();
+    workers = *std::move(gpu_workers);
+  }
+  server->core_ = std::make_unique<GradientCore>(shared_weights, std::move(workers),
+                                                 server->metrics_.get());
+
+  ServiceLimits limits;
+  limits.batch.max_batch_tokens = options.max_batch_tokens;
+  limits.batch.max_message_bytes = options.max_message_bytes;
+  limits.max_concurrent_streams = options.max_concurrent_streams;
+  limits.stream_window = options.queue_depth;
+  server->service_ = std::make_unique<GradientService>(server->core_.get(), server->metrics_.get(),
+                                                       limits, ATTNGRAD_VERSION);
+
+  // Metrics.
+  if (!options.metrics_listen.empty()) {
+    try {
+      server->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics_listen);
+      server->exposer_->RegisterCollectable(server->metrics_->registry());
+      const std::vector<int> ports = server->exposer_->GetListeningPorts();
+      server->metrics_port_ = ports.empty() ? 0 : ports.front();
+    } catch (const std::exception& error) {
+      return absl::UnavailableError(absl::StrCat("--metrics_listen: cannot listen on ",
+                                                 options.metrics_listen, ": ", error.what()));
+    }
+  }
+
+  // gRPC.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.RegisterService(server->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    server->server_.reset();
+    return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", options.listen));
+  }
+  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  server->instance_id_ = server->core_->instance_id();
+  return server;
+}
+
+void GradientServer::Shutdown(absl::Duration grace) {
+  if (stopped_) return;
+  stopped_ = true;
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    // Refuses new RPCs at once; running ones may finish until the deadline, then are cancelled.
+    // Returns when every RPC is done (a Backward stream finishes only after its batches).
+    server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));
+    server_->Wait();
+  }
+  core_.reset();  // drains and stops the workers
+}
+
+GradientServer::~GradientServer() {
+  Shutdown(absl::ZeroDuration());
+  server_.reset();
+  service_.reset();
+  exposer_.reset();
+}
+
+}  // namespace attngrad::server

@@ -1,0 +1,64 @@
+// A running attngrad server: the device workers, the gRPC server (AttentionGradient, grpc.health.v1
+// and reflection) and the Prometheus exposer. Used by main.cc and, in-process, by the tests.
+#ifndef ATTNGRAD_SERVER_SERVER_H_
+#define ATTNGRAD_SERVER_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server_options.h"
+
+namespace grpc {
+class Server;
+}
+namespace prometheus {
+class Exposer;
+}
+
+namespace attngrad::server {
+
+class GradientCore;
+class GradientService;
+class ServerMetrics;
+
+// The --devices value resolved: GPU indices, or none for the CPU backend.
+struct DeviceSelection {
+  bool cpu = false;
+  std::vector<int> gpus;
+};
+absl::StatusOr<DeviceSelection> ParseDevices(const std::string& devices, int gpu_count);
+
+class GradientServer {
+ public:
+  // Loads the weights, starts the workers, binds the ports and starts serving.
+  static absl::StatusOr<std::unique_ptr<GradientServer>> Start(const ServerOptions& options);
+  ~GradientServer();  // Shutdown(0) if not done
+
+  int port() const { return port_; }                   // the bound gRPC port
+  int metrics_port() const { return metrics_port_; }   // 0 when metrics are off
+  const std::string& instance_id() const { return instance_id_; }
+
+  // Stops accepting RPCs, marks health NOT_SERVING, lets running RPCs (and their batches) finish
+  // for up to `grace`, then cancels the rest, drains the workers and stops. Idempotent.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  GradientServer() = default;
+
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<GradientCore> core_;
+  std::unique_ptr<GradientService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  int metrics_port_ = 0;
+  std::string instance_id_;
+  bool stopped_ = false;
+};
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_SERVER_H_

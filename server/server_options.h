@@ -1,0 +1,27 @@
+// Everything the server is started with (main.cc fills it from the command-line flags; tests fill
+// it directly). Defaults match the flags' defaults.
+#ifndef ATTNGRAD_SERVER_SERVER_OPTIONS_H_
+#define ATTNGRAD_SERVER_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace attngrad::server {
+
+struct ServerOptions {
+  std::string listen = "0.0.0.0:50051";        // gRPC address (port 0: any free port)
+  std::string metrics_listen = "0.0.0.0:9464";  // Prometheus /metrics address; empty = off
+  std::string devices;                          // "" = all GPUs, else CPU; "cpu"; "0,1"
+  std::string weights = "random";               // "random" or a .safetensors / index .json path
+  std::uint64_t weights_seed = 0;
+  int weights_layer = 0;
+  std::int64_t max_batch_tokens = 65536;
+  std::int64_t max_message_bytes = 1073741824;
+  int max_concurrent_streams = 64;
+  int queue_depth = 4;  // batches per stream in flight; GPU pipeline depth (at least 3)
+  int cpu_threads = 0;  // CPU backend threads (0 = all cores)
+};
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_SERVER_OPTIONS_H_
