@@ -134,6 +134,27 @@ INSTANTIATE_TEST_SUITE_P(CpuBackend, Gemma4BTest,
                                   std::to_string(info.param.seq_len);
                          });
 
+// cos/sin differ per sequence: the backend must use each sequence's own tables. The check is not
+// vacuous: the reference with sequence 0's tables broadcast over the batch is detectably different.
+TEST(CpuBackendRope, UsesEachSequencesOwnCosSin) {
+  const LayerConfig config = Config(64, 6, 2, 16);
+  const int batch = 3, seq_len = 12;
+  const Problem problem = MakeProblem(config, batch, seq_len, DefaultScalarsFor(16), 82);
+  Gradients<float> got = MakeOutputBuffers(config, batch, seq_len, kNaN);
+  ASSERT_EQ(RunHost(problem, false, got), ATTNGRAD_OK);
+  const Inputs64 own = problem.Widened();
+  EXPECT_TRUE(AllMatch("own cos/sin", got, ReferenceBackward(own), Tolerance()));
+  Inputs64 shared = own;
+  const std::size_t per_sequence = static_cast<std::size_t>(seq_len) * config.head_dim;
+  for (int b = 1; b < batch; ++b)
+    for (std::size_t e = 0; e < per_sequence; ++e) {
+      shared.cos[b * per_sequence + e] = own.cos[e];
+      shared.sin[b * per_sequence + e] = own.sin[e];
+    }
+  EXPECT_FALSE(AllMatch("sequence 0's cos/sin for all", got, ReferenceBackward(shared), Tolerance()))
+      << "the draw does not tell per-sequence cos/sin from shared ones";
+}
+
 // |x| * 2^-23: one unit in the last place of an fp32 number of magnitude |x| (upper bound).
 double Ulp(double x) { return std::ldexp(std::fabs(x), -23); }
 

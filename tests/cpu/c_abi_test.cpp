@@ -62,11 +62,32 @@ const char* const kInputNames[10] = {"grad_output", "hidden_states", "cos", "sin
                                      "k_weight", "v_weight", "o_weight", "q_norm_weight",
                                      "k_norm_weight"};
 
-// The 4B buffers for B=1, S=2 (about 100 MB of weights), shared by the argument tests.
+// Full-size 4B buffers for B=1, S=2 (about 100 MB of weights), shared by the argument tests, so that
+// a call that wrongly went ahead would still touch valid memory. The values do not matter here.
+Problem ConstantProblem(const LayerConfig& config, int batch, int seq_len) {
+  Problem p;
+  p.config = config;
+  p.batch = batch;
+  p.seq_len = seq_len;
+  const auto sizes = GradientSizes(config, batch, seq_len);
+  const std::size_t rotary = static_cast<std::size_t>(batch) * seq_len * config.head_dim;
+  p.grad_output.assign(sizes[0], 0.5f);
+  p.hidden_states.assign(sizes[0], 0.01f);
+  p.cos.assign(rotary, 1.0f);
+  p.sin.assign(rotary, 0.0f);
+  p.q_weight.assign(sizes[1], 0.02f);
+  p.k_weight.assign(sizes[2], -0.02f);
+  p.v_weight.assign(sizes[3], 0.03f);
+  p.o_weight.assign(sizes[4], 0.01f);
+  p.q_norm_weight.assign(sizes[5], 0.1f);
+  p.k_norm_weight.assign(sizes[6], -0.1f);
+  return p;
+}
+
 class CAbiArguments : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    problem_ = new Problem(MakeProblem(LayerConfig::Gemma3_4B(), 1, 2, attngrad::Scalars(), 4242));
+    problem_ = new Problem(ConstantProblem(LayerConfig::Gemma3_4B(), 1, 2));
     out_ = new Gradients<float>(MakeOutputBuffers(LayerConfig::Gemma3_4B(), 1, 2, 3.0f));
   }
   static void TearDownTestSuite() {

@@ -79,13 +79,16 @@ Problem MakeProblem(const attngrad::LayerConfig& config, int batch, int seq_len,
 
   const int dim = config.head_dim;
   const int half = dim / 2;
+  // RoPE only sees position differences, so a shifted 0..S-1 per sequence would give the same
+  // gradients as shared cos/sin: distinct sequences get a random start AND random gaps (1..4).
   std::uniform_int_distribution<int> start_position(0, 8191);
+  std::uniform_int_distribution<int> gap(1, 4);
   p.cos.resize(static_cast<std::size_t>(batch) * seq_len * dim);
   p.sin.resize(p.cos.size());
   for (int b = 0; b < batch; ++b) {
-    const int start = options.distinct_positions ? start_position(rng) : 0;
+    double position = options.distinct_positions ? start_position(rng) : 0;
     for (int s = 0; s < seq_len; ++s) {
-      const double position = start + s;
+      if (s > 0) position += options.distinct_positions ? gap(rng) : 1;
       for (int i = 0; i < half; ++i) {
         const double inv_freq = std::pow(options.rope_theta, -2.0 * i / dim);
         const double angle = position * inv_freq;

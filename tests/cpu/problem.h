@@ -16,7 +16,9 @@ namespace attngrad_test {
 
 struct ProblemOptions {
   double norm_weight_std = 0.02;  // SPEC: randn * 0.02
-  bool distinct_positions = true;  // each sequence gets its own random start position (cos/sin differ)
+  // true: each sequence its own random positions (random start, random gaps), so cos/sin differ
+  // across the batch in a way RoPE's shift invariance does not hide; false: 0..S-1 for all.
+  bool distinct_positions = true;
   double rope_theta = 10000.0;
 };
 
@@ -36,7 +38,7 @@ struct Problem {
 
 // SPEC section 3's distribution with `hidden_size` in place of 3072: hidden_states randn/sqrt(H),
 // grad_output randn, projection weights randn*sqrt(2/H), norm weights randn*norm_weight_std,
-// cos/sin of rotate-half RoPE at positions start_b + 0..S-1 (start_b random per sequence, or 0).
+// cos/sin of rotate-half RoPE at each sequence's positions (see ProblemOptions).
 Problem MakeProblem(const attngrad::LayerConfig& config, int batch, int seq_len,
                     const attngrad::Scalars& scalars, std::uint64_t seed,
                     const ProblemOptions& options = ProblemOptions());
