@@ -4,7 +4,7 @@ the CPU reference through the C ABI; ACCUMULATE + fetch with dedup of retried ba
 version and accumulation window mismatches; bad input raises with the server's message and the
 stream and accumulators stay usable.
 
-The server runs with small limits (--max_message_bytes=524288, --max_batch_tokens=24) so that
+The server runs with small limits (--max_message_bytes=134217728, --max_batch_tokens=16) so that
 [3,8] batches are split in two requests along B by the client."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import attngrad_testing as t
 
 import attngrad  # noqa: E402  (attngrad_testing puts client/python on sys.path)
 
-MAX_MESSAGE_BYTES = 524288
-MAX_BATCH_TOKENS = 24
+MAX_MESSAGE_BYTES = 128 << 20
+MAX_BATCH_TOKENS = 16
 
 
 class ClientAgainstServer(unittest.TestCase):
@@ -276,6 +276,30 @@ class ClientAgainstServer(unittest.TestCase):
                 nobody.info()
         self.assertIn(caught.exception.code, (grpc.StatusCode.UNAVAILABLE,
                                               grpc.StatusCode.DEADLINE_EXCEEDED))
+
+
+class SplitPlanning(unittest.TestCase):
+    """attngrad.client.sequences_per_part: the client's split along B under the server's limits."""
+
+    def limits(self, tokens, message_bytes):
+        import types
+        return types.SimpleNamespace(max_batch_tokens=tokens, max_message_bytes=message_bytes)
+
+    def test_token_limit(self):
+        plan = attngrad.client.sequences_per_part
+        self.assertEqual(plan(self.limits(16, 0), 3, 8, 1), 2)
+        self.assertEqual(plan(self.limits(16, 0), 1, 8, 1), 1)
+        self.assertEqual(plan(self.limits(0, 0), 64, 256, 1), 64)
+        self.assertEqual(plan(self.limits(16, 0), 3, 32, 1), 1, "one sequence always goes")
+
+    def test_message_limit_on_requests_and_answers(self):
+        plan = attngrad.client.sequences_per_part
+        per_request = 2 * 8 * 3072 * 4
+        limit = (1 << 20) + 65536
+        self.assertEqual(plan(self.limits(0, limit), 10, 8, per_request), (1 << 20) // per_request)
+        # RETURN answers: the weight gradients leave room for fewer sequences.
+        fixed = (1 << 20) - 3 * 8 * 3072 * 4
+        self.assertEqual(plan(self.limits(0, limit), 10, 8, per_request, 8 * 3072 * 4, fixed), 3)
 
 
 if __name__ == "__main__":

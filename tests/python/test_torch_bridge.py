@@ -26,7 +26,7 @@ class TorchBridgeAgainstServer(unittest.TestCase):
         import attngrad.torch as bridge
         cls.bridge = bridge
         cls.server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"),
-                                     "--max_message_bytes=524288", "--max_batch_tokens=24")
+                                     "--max_batch_tokens=16")
         try:
             cls.client = attngrad.Client(cls.server.target, timeout=120)
             cls.server.wait_ready(cls.client)

@@ -392,6 +392,30 @@ def _read_varint(data: bytes, position: int) -> Tuple[int, int]:
 _END = object()
 
 
+def _weight_gradient_bytes(hidden_size: int, info: "ModelInfo", dtype_name: str) -> int:
+    """Bytes of the six weight gradients of a RETURN answer."""
+    q_out = info.num_heads * info.head_dim
+    kv_out = info.num_kv_heads * info.head_dim
+    elements = 2 * q_out * hidden_size + 2 * kv_out * hidden_size + 2 * info.head_dim
+    return elements * tensors.itemsize(dtype_name)
+
+
+def sequences_per_part(limits: "ModelInfo", batch: int, seq_len: int, request_per_sequence: int,
+                       response_per_sequence: int = 0, response_fixed: int = 0) -> int:
+    """How many sequences one request may carry under the server's max_batch_tokens and
+    max_message_bytes (which bounds requests and answers alike). At least 1: a single sequence
+    over the limits is sent as is, and the server's refusal says why."""
+    most = batch
+    if limits.max_batch_tokens > 0:
+        most = min(most, limits.max_batch_tokens // seq_len)
+    if limits.max_message_bytes > 0:
+        room = limits.max_message_bytes - _REQUEST_OVERHEAD_BYTES
+        most = min(most, room // max(1, request_per_sequence))
+        if response_per_sequence:
+            most = min(most, (room - response_fixed) // response_per_sequence)
+    return max(1, most)
+
+
 # ------------------------------------------------------------------------------------------------
 # The client
 
@@ -531,7 +555,9 @@ class Client:
         if batch < 1 or seq_len < 1:
             raise ValueError(f"hidden_states must have B >= 1 and S >= 1, got {list(hidden.shape)}")
         wire = tensors.wire_dtype_name(wire_dtype)
+        answer = tensors.wire_dtype_name(response_dtype)
         per_sequence_bytes = 2 * seq_len * hidden.shape[2] * tensors.itemsize(wire)
+        response_per_sequence = seq_len * hidden.shape[2] * tensors.itemsize(answer)
         if (cos is None) != (sin is None):
             raise ValueError("pass both cos and sin, or neither (and position_ids)")
         if cos is not None:
@@ -559,6 +585,9 @@ class Client:
                                  f"{list(ids.shape)}")
             per_sequence_bytes += 10 * seq_len
         mode_value = _enum(_MODE_ENUM, mode, "mode")
+        # RETURN answers carry the six weight gradients too: a fixed ~100 MB at the real config.
+        response_fixed = 0 if mode_value == pb.GRADIENT_MODE_ACCUMULATE else \
+            _weight_gradient_bytes(hidden.shape[2], self._limits or self.info(), answer)
         return _Batch(
             batch_id=int(batch_id) if batch_id is not None else next(self._batch_ids),
             hidden_states=hidden, grad_output=grad, cos=cos_array, sin=sin_array, position_ids=ids,
@@ -566,20 +595,11 @@ class Client:
             precision=_enum(_PRECISION_ENUM, precision, "precision"), scaling=scaling,
             softcap=softcap, eps=eps, expected_weights_version=int(expected_weights_version),
             accumulation_window_id=int(accumulation_window_id), wire_dtype=wire,
-            response_dtype=tensors.wire_dtype_name(response_dtype),
-            sequences_per_part=self._sequences_per_part(batch, seq_len, per_sequence_bytes),
+            response_dtype=answer,
+            sequences_per_part=sequences_per_part(
+                self._limits or self.info(), batch, seq_len, per_sequence_bytes,
+                response_per_sequence, response_fixed),
             like=like)
-
-    def _sequences_per_part(self, batch: int, seq_len: int, per_sequence_bytes: int) -> int:
-        """How many sequences one request may carry under the server's limits (at least 1: a single
-        sequence over the limits is sent as is and the server's refusal says why)."""
-        limits = self._limits or self.info()
-        most = batch
-        if limits.max_batch_tokens > 0:
-            most = min(most, limits.max_batch_tokens // seq_len)
-        if limits.max_message_bytes > 0:
-            most = min(most, (limits.max_message_bytes - _REQUEST_OVERHEAD_BYTES) // per_sequence_bytes)
-        return max(1, most)
 
     def _run(self, batches: Iterable[_Batch], *, timeout: Optional[float]) -> Iterator[BackwardResult]:
         """Sends the parts of BATCHES over one stream with at most max_in_flight outstanding and

@@ -18,10 +18,11 @@ Modes:
 Memory saved on the trainer: RemoteAttentionBackward.forward runs under no_grad and saves only
 hidden_states [B,S,H] and cos/sin [B,S,D] for the backward, i.e. (H + 2·D)·4 bytes per token, and
 hidden_states is usually already kept by the layer before (a norm), so the marginal cost is ~2·D·4
-bytes per token. Eager autograd of the same layer keeps the projections, the normalised and rotated
-q/k (k and v expanded to the 24 query heads), the attention output and, per query head, the tanh
-of the soft-capped scores and the softmax probabilities: about 14·3072 + 2·24·S floats per token, e.g.
-~0.59 MB per token at S=2048 (1.2 GB for one 2048-token sequence in one layer) against 13 KB for the
+bytes per token. Eager autograd of the same layer (gemma3_attention below) keeps the projections,
+the normalised and rotated q/k, k and v expanded to the 24 query heads, the attention output and,
+per query head, the tanh of the soft-capped scores and the softmax probabilities: measured with
+saved-tensor hooks, about 27,900 + 48·S floats per token (34.1k at S=128, 40.3k at S=256), i.e.
+~0.5 MB per token at S=2048 (1.04 GB for one 2048-token sequence in one layer) against 13.3 KB for the
 bridge. check_autograd.py measures both with saved-tensor hooks. The local forward's transient
 working set is bounded by processing one key-value head group (3 query heads) at a time.
 
