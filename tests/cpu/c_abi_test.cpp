@@ -165,7 +165,8 @@ TEST_F(CAbiArguments, BadScalarsReturnInvalidArgument) {
 }
 
 // attngrad_backward: bad arguments are INVALID_ARGUMENT whether or not CUDA is built in; a valid call
-// with too small a workspace is WORKSPACE_TOO_SMALL with a device, UNSUPPORTED without one.
+// with too small a workspace is WORKSPACE_TOO_SMALL in a build with the CUDA backend (checked before
+// any device work, so also on a machine without a GPU), UNSUPPORTED in a build without it.
 TEST_F(CAbiArguments, DeviceEntryPointArgumentsAndWorkspace) {
   const int devices = attngrad_device_count();
   EXPECT_GE(devices, 0);
@@ -194,15 +195,24 @@ TEST_F(CAbiArguments, DeviceEntryPointArgumentsAndWorkspace) {
           << "precision " << precision;
     }
   }
+  // A build with the CUDA backend reports a positive workspace size (with or without a device);
+  // a build without it reports 0, no device, and UNSUPPORTED.
   AbiCall c = Call();
-  if (devices > 0) {
-    const size_t need = attngrad_workspace_size(1, 2, ATTNGRAD_PRECISION_FP32);
-    ASSERT_GT(need, 0u) << "a device is present but attngrad_workspace_size says 0";
+  const size_t need = attngrad_workspace_size(1, 2, ATTNGRAD_PRECISION_FP32);
+  if (need > 0) {
     EXPECT_EQ(c.Device(ATTNGRAD_PRECISION_FP32, nullptr, need - 1), ATTNGRAD_WORKSPACE_TOO_SMALL);
     EXPECT_EQ(c.Device(ATTNGRAD_PRECISION_FP32, nullptr, 0), ATTNGRAD_WORKSPACE_TOO_SMALL);
+    const size_t need_fp16 = attngrad_workspace_size(1, 2, ATTNGRAD_PRECISION_FP16);
+    ASSERT_GT(need_fp16, 0u);
+    EXPECT_EQ(c.Device(ATTNGRAD_PRECISION_FP16, nullptr, need_fp16 - 1),
+              ATTNGRAD_WORKSPACE_TOO_SMALL);
   } else {
+    EXPECT_EQ(devices, 0) << "devices reported, but attngrad_workspace_size says 0";
     EXPECT_EQ(c.Device(ATTNGRAD_PRECISION_FP32, nullptr, 0), ATTNGRAD_UNSUPPORTED);
     EXPECT_EQ(c.Device(ATTNGRAD_PRECISION_AUTO, nullptr, 0), ATTNGRAD_UNSUPPORTED);
+    std::vector<unsigned char> workspace(1 << 20);
+    EXPECT_EQ(c.Device(ATTNGRAD_PRECISION_TF32, workspace.data(), workspace.size()),
+              ATTNGRAD_UNSUPPORTED);
   }
   ExpectOutputsUntouched();
 }
@@ -214,7 +224,7 @@ TEST(CAbiWorkspace, SizeIsZeroForBadArguments) {
   EXPECT_EQ(attngrad_workspace_size(1, 128, -1), 0u);
   EXPECT_EQ(attngrad_workspace_size(1, 128, 4), 0u);
   EXPECT_EQ(attngrad_workspace_size(INT_MAX, INT_MAX, ATTNGRAD_PRECISION_FP32), 0u);
-  if (attngrad_device_count() > 0) {
+  if (attngrad_workspace_size(1, 1, ATTNGRAD_PRECISION_FP32) > 0) {  // built with CUDA
     for (int precision : {ATTNGRAD_PRECISION_AUTO, ATTNGRAD_PRECISION_FP32,
                           ATTNGRAD_PRECISION_TF32, ATTNGRAD_PRECISION_FP16}) {
       EXPECT_GT(attngrad_workspace_size(2, 541, precision), 0u) << "precision " << precision;

@@ -1,6 +1,8 @@
 #include "problem.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -76,6 +78,12 @@ Problem MakeProblem(const attngrad::LayerConfig& config, int batch, int seq_len,
   p.o_weight = RandomNormal(rng, sizes[4], weight_scale);
   p.q_norm_weight = RandomNormal(rng, sizes[5], options.norm_weight_std);
   p.k_norm_weight = RandomNormal(rng, sizes[6], options.norm_weight_std);
+
+  if (options.zero_token >= 0) {
+    const std::size_t row = static_cast<std::size_t>(options.zero_token) * config.hidden_size;
+    std::fill(p.hidden_states.begin() + static_cast<std::ptrdiff_t>(row),
+              p.hidden_states.begin() + static_cast<std::ptrdiff_t>(row + config.hidden_size), 0.0f);
+  }
 
   const int dim = config.head_dim;
   const int half = dim / 2;

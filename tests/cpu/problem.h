@@ -20,6 +20,9 @@ struct ProblemOptions {
   // across the batch in a way RoPE's shift invariance does not hide; false: 0..S-1 for all.
   bool distinct_positions = true;
   double rope_theta = 10000.0;
+  // >= 0: this token's hidden_states row (token = b*S + s) is all zeros, like a padding token:
+  // q = k = v = 0 there, so RMSNorm runs on eps alone (r = 1/sqrt(eps)).
+  int zero_token = -1;
 };
 
 // One backward call's fp32 inputs, shape and scalars.
