@@ -210,7 +210,7 @@ int RunBackward() {
     batch.precision = *precision;
     batch.response_dtype = *response_dtype;
     batch.expected_weights_version = pinned_version;
-    batch.accumulation_window_id = absl::GetFlag(FLAGS_window);
+    if (*mode == v1::GRADIENT_MODE_ACCUMULATE) batch.accumulation_window_id = absl::GetFlag(FLAGS_window);
     if (absl::GetFlag(FLAGS_batch_id) != 0) batch.batch_id = absl::GetFlag(FLAGS_batch_id) + i;
     auto id = (*stream)->Submit(batch);
     if (!id.ok()) return Fail(command, id.status());

@@ -214,10 +214,11 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
         (2 * layer_.q_out * H + 2 * layer_.kv_out * H + 2 * D) * response_element;
   }
   sizes.response_per_sequence = S * H * response_element;
-  int64_t max_request = options.max_message_bytes;
-  if (info.max_message_bytes() > 0) max_request = std::min(max_request, info.max_message_bytes());
-  absl::StatusOr<SplitPlan> plan = PlanSplit(B, S, sizes, max_request, options.max_message_bytes,
-                                             info.max_batch_tokens());
+  // The server's max_message_bytes bounds what it receives and what it sends.
+  int64_t max_message = options.max_message_bytes;
+  if (info.max_message_bytes() > 0) max_message = std::min(max_message, info.max_message_bytes());
+  absl::StatusOr<SplitPlan> plan =
+      PlanSplit(B, S, sizes, max_message, max_message, info.max_batch_tokens());
   if (!plan.ok()) return plan.status();
   const int64_t parts = static_cast<int64_t>(plan->size());
   if (parts > 1) {

@@ -255,6 +255,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   arguments.SetMaxSendMessageSize(limit);
   // Connection errors are surfaced promptly; retries are ours.
   arguments.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  // Reconnect quickly after an outage (gRPC's default first backoff is 1 s, growing to 120 s), so
+  // that our retries find the server soon after it is back.
+  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
   auto channel = grpc::CreateCustomChannel(target, credentials, arguments);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {

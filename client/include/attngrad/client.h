@@ -37,8 +37,8 @@ struct ClientOptions {
   // Deadline of a BackwardStream as a whole (infinite: a session may last a training run).
   absl::Duration stream_deadline = absl::InfiniteDuration();
   // Attempts of an idempotent call (GetModelInfo, health, FetchGradients without zeroing, and
-  // Client::Backward, whose batch id makes a retried ACCUMULATE batch count once) on UNAVAILABLE,
-  // DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED from the transport; 1 = no retry. Exponential backoff with jitter.
+  // Client::Backward, whose batch id makes a retried ACCUMULATE batch count once) on UNAVAILABLE or
+  // DEADLINE_EXCEEDED; 1 = no retry. Exponential backoff with jitter.
   int max_attempts = 4;
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
