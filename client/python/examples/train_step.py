@@ -3,7 +3,8 @@
 an attngrad server; prints the loss going down (exit status 1 if it did not).
 
 The model: token embedding [vocab, 3072] -> x + RemoteGemma3Attention(x) -> RMSNorm -> linear head.
-The task: predict the token one position back (only attention can see it), on random tokens.
+The task: predict the token one position back (only attention can see it), on a fixed batch of
+random tokens (so the loss goes down step after step).
 
     # against a running server
     python3 client/python/examples/train_step.py --target localhost:50051
@@ -73,7 +74,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
@@ -90,10 +91,10 @@ def main() -> int:
         model = TinyModel(client, args.vocab, args.mode, args.precision).to(args.device)
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
         generator = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len),
+                               generator=generator).to(args.device)
         losses = []
         for step in range(args.steps):
-            tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len),
-                                   generator=generator).to(args.device)
             started = time.perf_counter()
             logits = model(tokens)
             # position i predicts token i-1 (position 0 has nothing to copy)
