@@ -1,0 +1,424 @@
+// SPEC section 2 step 6: the attention backward, flash style and deterministic (no atomics).
+//   1. DeltaKernel: Delta = rowsum(dO * O) per row and query head (into the workspace).
+//   2. KeyValueGradientKernel: one block per (64-key tile, key-value head, batch) keeps dK and dV of
+//      its keys in registers and loops over the query heads of its group and the 32-row query tiles
+//      that can see those keys, recomputing S^T = K Q^T and dP^T = V dO^T on tensor cores:
+//      dV += P^T dO, dK += dS^T Q. Each dK/dV element is summed in one fixed order.
+//   3. QueryGradientKernel: one block per (64-query tile, query head, batch) loops over the visible
+//      key tiles: dQ += dS K.
+// P = exp(c - lse), dS = P (dP - Delta) (1 - t^2) scaling with t = tanh(s / cap) from the unmasked
+// score (masked entries get P = 0, so dS = 0 and nothing is NaN). In the FP16 mode dS is multiplied
+// by a power of two (2^ceil(log2 S), sigma) before it is rounded to fp16, and dK, dQ are divided by
+// it at the end (exact).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/attention.h"
+#include "cuda/attention_common.cuh"
+
+namespace attngrad::cuda {
+namespace attention_detail {
+namespace {
+
+constexpr int kKvWarps = 4;
+constexpr int kKvBlockN = 16 * kKvWarps;  // keys per block
+constexpr int kKvBlockM = 32;             // query rows per step
+constexpr int kQWarps = 4;
+constexpr int kQBlockM = 16 * kQWarps;    // query rows per block
+constexpr int kQBlockN = 64;              // keys per step
+constexpr float kHalfMax = 65504.f;
+
+std::size_t DeltaBytes(const AttentionProblem& problem) {
+  const std::size_t bytes = static_cast<std::size_t>(problem.batch) * problem.num_heads *
+                            problem.seq_len * sizeof(float);
+  return (bytes + 255) / 256 * 256;
+}
+
+template <class Op>
+constexpr std::size_t KeyValueSharedBytes() {
+  return static_cast<std::size_t>(2 * kKvBlockN + 4 * kKvBlockM) * Op::kPitch *
+             sizeof(typename Op::Elem) +
+         4 * kKvBlockM * sizeof(float);
+}
+
+template <class Op>
+constexpr std::size_t QuerySharedBytes() {
+  return static_cast<std::size_t>(2 * kQBlockM + 4 * kQBlockN) * Op::kPitch *
+         sizeof(typename Op::Elem);
+}
+
+// One warp per (token, query head).
+template <class Op>
+__global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
+  using Elem = typename Op::Elem;
+  const long long warp_index = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const long long total = static_cast<long long>(p.batch) * p.seq_len * p.num_heads;
+  if (warp_index >= total) return;
+  const int lane = threadIdx.x & 31;
+  const long long token = warp_index / p.num_heads;
+  const int head = static_cast<int>(warp_index % p.num_heads);
+  const Elem* grad_out =
+      static_cast<const Elem*>(p.grad_out) + token * p.ldo + head * kHeadDim + lane * 4;
+  const float4 o = *reinterpret_cast<const float4*>(
+      p.out_in + token * (p.num_heads * kHeadDim) + head * kHeadDim + lane * 4);
+  float d0, d1, d2, d3;
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(grad_out);
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+    d0 = lo.x, d1 = lo.y, d2 = hi.x, d3 = hi.y;
+  } else {
+    const float4 raw = *reinterpret_cast<const float4*>(grad_out);
+    d0 = raw.x, d1 = raw.y, d2 = raw.z, d3 = raw.w;
+  }
+  float sum = fmaf(d0, o.x, fmaf(d1, o.y, fmaf(d2, o.z, d3 * o.w)));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) {
+    const long long batch = token / p.seq_len, position = token % p.seq_len;
+    p.delta[(batch * p.num_heads + head) * p.seq_len + position] = sum;
+  }
+}
+
+template <class Op>
+__device__ __forceinline__ float ClampForOperand(float x) {
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    return fminf(fmaxf(x, -kHalfMax), kHalfMax);
+  } else {
+    return x;
+  }
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kKvWarps * 32)
+    KeyValueGradientKernel(const AttentionParams p) {
+  using Elem = typename Op::Elem;
+  constexpr int kThreads = kKvWarps * 32;
+  constexpr int kBN = kKvBlockN, kBM = kKvBlockM, kP = Op::kPitch;
+  constexpr int kNT = kBM / 8;  // n-tiles (queries) of S^T per warp
+
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  Elem* k_tile = reinterpret_cast<Elem*>(shared_raw);
+  Elem* v_tile = k_tile + kBN * kP;
+  Elem* q_tiles = v_tile + kBN * kP;        // [2][kBM][kP]
+  Elem* do_tiles = q_tiles + 2 * kBM * kP;  // [2][kBM][kP]
+  float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * kBM * kP);  // [2][kBM], log2 units
+  float* delta_tiles = lse_tiles + 2 * kBM;                                // [2][kBM]
+
+  const int seq_len = p.seq_len;
+  const int num_kv_tiles = (seq_len + kBN - 1) / kBN;
+  const WorkItem item = DecodeBlock(num_kv_tiles, p.num_kv_heads, p.batch, /*heavy_last=*/false);
+  const int key0 = item.tile * kBN;
+  const int kv_head = item.head;
+  const long long token0 = static_cast<long long>(item.batch) * seq_len;
+
+  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* q_base0 = static_cast<const Elem*>(p.q) + token0 * p.ldq;
+  const Elem* do_base0 = static_cast<const Elem*>(p.grad_out) + token0 * p.ldo;
+
+  const int num_q_tiles = (seq_len + kBM - 1) / kBM;
+  const int first_q_tile = key0 / kBM;
+  const int q_tiles_per_head = num_q_tiles - first_q_tile;
+  const int steps = p.group * q_tiles_per_head;
+
+  auto load_step = [&](int step, int stage) {
+    const int head = kv_head * p.group + step / q_tiles_per_head;
+    const int q0 = (first_q_tile + step % q_tiles_per_head) * kBM;
+    LoadTileAsync<Op, kBM, kThreads>(q_tiles + stage * kBM * kP, q_base0 + head * kHeadDim, p.ldq,
+                                     q0, seq_len);
+    LoadTileAsync<Op, kBM, kThreads>(do_tiles + stage * kBM * kP, do_base0 + head * kHeadDim,
+                                     p.ldo, q0, seq_len);
+    if (threadIdx.x < kBM) {
+      const int row = q0 + threadIdx.x;
+      const long long stat = (static_cast<long long>(item.batch) * p.num_heads + head) * seq_len + row;
+      lse_tiles[stage * kBM + threadIdx.x] = row < seq_len ? p.lse_in[stat] * kLog2e : INFINITY;
+      delta_tiles[stage * kBM + threadIdx.x] = row < seq_len ? p.delta[stat] : 0.f;
+    }
+  };
+
+  LoadTileAsync<Op, kBN, kThreads>(k_tile, k_base, p.ldkv, key0, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, key0, seq_len);
+  load_step(0, 0);
+  CpAsyncCommit();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int key_a = key0 + warp * 16 + g, key_b = key_a + 8;
+  const float ds_factor = p.scaling * p.ds_scale;
+
+  float acc_dk[16][4], acc_dv[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[n][e] = acc_dv[n][e] = 0.f;
+  }
+
+  for (int step = 0; step < steps; ++step) {
+    const int stage = step & 1;
+    if (step + 1 < steps) load_step(step + 1, stage ^ 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    Elem* q_tile = q_tiles + stage * kBM * kP;
+    Elem* do_tile = do_tiles + stage * kBM * kP;
+    if (step == 0) {
+      RoundTileTf32<Op, kBN, kThreads>(k_tile);
+      RoundTileTf32<Op, kBN, kThreads>(v_tile);
+    }
+    RoundTileTf32<Op, kBM, kThreads>(q_tile);
+    RoundTileTf32<Op, kBM, kThreads>(do_tile);
+    __syncthreads();
+
+    const int q0 = (first_q_tile + step % q_tiles_per_head) * kBM;
+    // Skip a warp whose keys all follow this tile's queries (fully masked for it).
+    if (q0 + kBM - 1 >= key0 + warp * 16) {
+      float s[kNT][4], dp[kNT][4];
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+      }
+      WarpProductNk<Op, kNT>(s, k_tile, warp * 16, q_tile);
+      WarpProductNk<Op, kNT>(dp, v_tile, warp * 16, do_tile);
+      const float* lse_tile = lse_tiles + stage * kBM;
+      const float* delta_tile = delta_tiles + stage * kBM;
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int column = n * 8 + 2 * t + (e & 1);
+          const int key = e < 2 ? key_a : key_b;
+          float tanh_value;
+          const float c = CappedLog2<Op>(p, s[n][e], tanh_value);
+          float prob = FastExp2(c - lse_tile[column]);
+          if (q0 + column < key) prob = 0.f;
+          const float ds = prob * (dp[n][e] - delta_tile[column]) *
+                           fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
+          s[n][e] = prob;
+          dp[n][e] = ClampForOperand<Op>(ds);
+        }
+      }
+      AccumulatorA<Op, kNT> prob_a, ds_a;
+      AccumulatorToA<Op, kNT>(s, 1.f, prob_a);
+      AccumulatorToA<Op, kNT>(dp, 1.f, ds_a);
+      WarpProductKn<Op, kNT>(acc_dv, prob_a, do_tile);
+      WarpProductKn<Op, kNT>(acc_dk, ds_a, q_tile);
+    }
+    __syncthreads();
+  }
+
+  const int out_ld = p.num_kv_heads * kHeadDim;
+#pragma unroll
+  for (int half_rows = 0; half_rows < 2; ++half_rows) {
+    const int key = half_rows == 0 ? key_a : key_b;
+    if (key >= seq_len) continue;
+    const long long offset = (token0 + key) * out_ld + kv_head * kHeadDim + 2 * t;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      *reinterpret_cast<float2*>(p.grad_k + offset + n * 8) =
+          make_float2(acc_dk[n][2 * half_rows] * p.inv_ds_scale,
+                      acc_dk[n][2 * half_rows + 1] * p.inv_ds_scale);
+      *reinterpret_cast<float2*>(p.grad_v + offset + n * 8) =
+          make_float2(acc_dv[n][2 * half_rows], acc_dv[n][2 * half_rows + 1]);
+    }
+  }
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kQWarps * 32) QueryGradientKernel(const AttentionParams p) {
+  using Elem = typename Op::Elem;
+  constexpr int kThreads = kQWarps * 32;
+  constexpr int kBM = kQBlockM, kBN = kQBlockN, kP = Op::kPitch;
+  constexpr int kNT = kBN / 8;
+
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  Elem* q_tile = reinterpret_cast<Elem*>(shared_raw);
+  Elem* do_tile = q_tile + kBM * kP;
+  Elem* k_tiles = do_tile + kBM * kP;      // [2][kBN][kP]
+  Elem* v_tiles = k_tiles + 2 * kBN * kP;  // [2][kBN][kP]
+
+  const int seq_len = p.seq_len;
+  const int num_q_tiles = (seq_len + kBM - 1) / kBM;
+  const WorkItem item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
+  const int q0 = item.tile * kBM;
+  const int kv_head = item.head / p.group;
+  const long long token0 = static_cast<long long>(item.batch) * seq_len;
+
+  const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
+  const Elem* do_base =
+      static_cast<const Elem*>(p.grad_out) + token0 * p.ldo + item.head * kHeadDim;
+  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+
+  const int last_key = min(seq_len, q0 + kBM);
+  const int num_kv_tiles = (last_key + kBN - 1) / kBN;
+
+  LoadTileAsync<Op, kBM, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
+  LoadTileAsync<Op, kBM, kThreads>(do_tile, do_base, p.ldo, q0, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, 0, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(v_tiles, v_base, p.ldkv, 0, seq_len);
+  CpAsyncCommit();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const long long stat0 = (static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len;
+  const float lse_a = row_a < seq_len ? p.lse_in[stat0 + row_a] * kLog2e : INFINITY;
+  const float lse_b = row_b < seq_len ? p.lse_in[stat0 + row_b] * kLog2e : INFINITY;
+  const float delta_a = row_a < seq_len ? p.delta[stat0 + row_a] : 0.f;
+  const float delta_b = row_b < seq_len ? p.delta[stat0 + row_b] : 0.f;
+  const float ds_factor = p.scaling * p.ds_scale;
+
+  float acc_dq[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc_dq[n][0] = acc_dq[n][1] = acc_dq[n][2] = acc_dq[n][3] = 0.f;
+
+  for (int j = 0; j < num_kv_tiles; ++j) {
+    const int stage = j & 1;
+    if (j + 1 < num_kv_tiles) {
+      LoadTileAsync<Op, kBN, kThreads>(k_tiles + (stage ^ 1) * kBN * kP, k_base, p.ldkv,
+                                       (j + 1) * kBN, seq_len);
+      LoadTileAsync<Op, kBN, kThreads>(v_tiles + (stage ^ 1) * kBN * kP, v_base, p.ldkv,
+                                       (j + 1) * kBN, seq_len);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    Elem* k_tile = k_tiles + stage * kBN * kP;
+    Elem* v_tile = v_tiles + stage * kBN * kP;
+    if (j == 0) {
+      RoundTileTf32<Op, kBM, kThreads>(q_tile);
+      RoundTileTf32<Op, kBM, kThreads>(do_tile);
+    }
+    RoundTileTf32<Op, kBN, kThreads>(k_tile);
+    RoundTileTf32<Op, kBN, kThreads>(v_tile);
+    __syncthreads();
+
+    const int key0 = j * kBN;
+    if (key0 <= q0 + warp * 16 + 15) {
+      float s[kNT][4], dp[kNT][4];
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+      }
+      WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
+      WarpProductNk<Op, kNT>(dp, do_tile, warp * 16, v_tile);
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + n * 8 + 2 * t + (e & 1);
+          const int row = e < 2 ? row_a : row_b;
+          float tanh_value;
+          const float c = CappedLog2<Op>(p, s[n][e], tanh_value);
+          float prob = FastExp2(c - (e < 2 ? lse_a : lse_b));
+          if (key > row) prob = 0.f;
+          const float ds = prob * (dp[n][e] - (e < 2 ? delta_a : delta_b)) *
+                           fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
+          dp[n][e] = ClampForOperand<Op>(ds);
+        }
+      }
+      AccumulatorA<Op, kNT> ds_a;
+      AccumulatorToA<Op, kNT>(dp, 1.f, ds_a);
+      WarpProductKn<Op, kNT>(acc_dq, ds_a, k_tile);
+    }
+    __syncthreads();
+  }
+
+  const int out_ld = p.num_heads * kHeadDim;
+#pragma unroll
+  for (int half_rows = 0; half_rows < 2; ++half_rows) {
+    const int row = half_rows == 0 ? row_a : row_b;
+    if (row >= seq_len) continue;
+    float* out_row = p.grad_q + (token0 + row) * out_ld + item.head * kHeadDim + 2 * t;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      *reinterpret_cast<float2*>(out_row + n * 8) =
+          make_float2(acc_dq[n][2 * half_rows] * p.inv_ds_scale,
+                      acc_dq[n][2 * half_rows + 1] * p.inv_ds_scale);
+    }
+  }
+}
+
+template <class Op>
+attngrad_status LaunchBackward(const AttentionParams& params, cudaStream_t stream) {
+  const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
+  const long long delta_blocks = (rows * 32 + 255) / 256;
+  const long long kv_blocks = static_cast<long long>((params.seq_len + kKvBlockN - 1) / kKvBlockN) *
+                              params.num_kv_heads * params.batch;
+  const long long q_blocks = static_cast<long long>((params.seq_len + kQBlockM - 1) / kQBlockM) *
+                             params.num_heads * params.batch;
+  if (delta_blocks > 0x7fffffffLL || kv_blocks > 0x7fffffffLL || q_blocks > 0x7fffffffLL) {
+    return ATTNGRAD_UNSUPPORTED;
+  }
+  constexpr std::size_t kKvShared = KeyValueSharedBytes<Op>();
+  constexpr std::size_t kQShared = QuerySharedBytes<Op>();
+  if (cudaFuncSetAttribute(KeyValueGradientKernel<Op>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kKvShared)) != cudaSuccess ||
+      cudaFuncSetAttribute(QueryGradientKernel<Op>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kQShared)) != cudaSuccess) {
+    return ATTNGRAD_CUDA_ERROR;
+  }
+  DeltaKernel<Op><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(params);
+  if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  KeyValueGradientKernel<Op>
+      <<<static_cast<unsigned>(kv_blocks), kKvWarps * 32, kKvShared, stream>>>(params);
+  if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  QueryGradientKernel<Op><<<static_cast<unsigned>(q_blocks), kQWarps * 32, kQShared, stream>>>(
+      params);
+  if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  return ATTNGRAD_OK;
+}
+
+}  // namespace
+}  // namespace attention_detail
+
+std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem) {
+  if (problem.batch < 1 || problem.seq_len < 1 || problem.num_heads < 1) return 0;
+  return attention_detail::DeltaBytes(problem);
+}
+
+attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q, int ldq,
+                                  const void* k, const void* v, int ldkv, const float* out,
+                                  const void* grad_out, int ldo, const float* lse, float* grad_q,
+                                  float* grad_k, float* grad_v, void* workspace,
+                                  std::size_t workspace_size, cudaStream_t stream) {
+  using namespace attention_detail;
+  AttentionParams params;
+  attngrad_status status = MakeParams(problem, q, ldq, k, v, ldkv, &params);
+  if (status != ATTNGRAD_OK) return status;
+  const int per_16_bytes = 16 / ElementBytes(problem.operand);
+  if (out == nullptr || lse == nullptr || grad_out == nullptr || grad_q == nullptr ||
+      grad_k == nullptr || grad_v == nullptr || !Aligned16(out) || !Aligned16(grad_out) ||
+      !Aligned16(grad_q) || !Aligned16(grad_k) || !Aligned16(grad_v) ||
+      ldo < problem.num_heads * kHeadDim || ldo % per_16_bytes != 0) {
+    return ATTNGRAD_INVALID_ARGUMENT;
+  }
+  if (workspace_size < DeltaBytes(problem)) return ATTNGRAD_WORKSPACE_TOO_SMALL;
+  if (workspace == nullptr || !Aligned16(workspace)) return ATTNGRAD_INVALID_ARGUMENT;
+  params.grad_out = grad_out;
+  params.ldo = ldo;
+  params.out_in = out;
+  params.lse_in = lse;
+  params.delta = static_cast<float*>(workspace);
+  params.grad_q = grad_q;
+  params.grad_k = grad_k;
+  params.grad_v = grad_v;
+  if (problem.operand == AttentionOperand::kFp16) {
+    int exponent = 0;
+    while ((1 << exponent) < problem.seq_len && exponent < 30) ++exponent;
+    params.ds_scale = std::ldexp(1.f, exponent);
+    params.inv_ds_scale = std::ldexp(1.f, -exponent);
+  }
+  switch (problem.operand) {
+    case AttentionOperand::kFp16: return LaunchBackward<OpFp16>(params, stream);
+    case AttentionOperand::kTf32: return LaunchBackward<OpTf32>(params, stream);
+    case AttentionOperand::kFp32: return LaunchBackward<OpFp32>(params, stream);
+  }
+  return ATTNGRAD_INVALID_ARGUMENT;
+}
+
+}  // namespace attngrad::cuda

@@ -1,0 +1,449 @@
+// Building blocks shared by the flash-style attention kernels (attention_forward.cu, SPEC section 2
+// step 4; attention_backward.cu, step 6): operand traits per AttentionOperand mode, warp-level tensor-core
+// tile products on shared-memory tiles, the soft-cap, and the cp.async tile loads. Internal to kernels/.
+//
+// Warp tiles follow the mma.sync fragment layouts (sm_80+): a warp owns 16 rows; g = lane / 4 and
+// t = lane % 4; an fp32 accumulator tile of 16 x 8 holds (row g, cols 2t, 2t+1) in c[0..1] and
+// (row g + 8, same cols) in c[2..3].
+//   kFp16: mma.m16n8k16 with fp16 operands (ldmatrix from padded shared memory), fp32 accumulation.
+//   kTf32: mma.m16n8k8 with tf32 operands (tiles rounded to tf32 in shared memory), fp32 accumulation.
+//   kFp32: the same m16n8k8 fragments, the product done exactly with fp32 FMA through warp shuffles.
+// An A operand built from an accumulator tile (P, dS) keeps the accumulator's column order. For the
+// 8-wide k-step of tf32/fp32 this permutes the k index (logical k = t <-> column 2t, k = t + 4 <->
+// column 2t + 1); the B operand that pairs with such an A (always one stored [k][n] in shared memory)
+// is loaded with the same permutation, so the product is unchanged.
+#ifndef ATTNGRAD_KERNELS_CUDA_ATTENTION_COMMON_CUH_
+#define ATTNGRAD_KERNELS_CUDA_ATTENTION_COMMON_CUH_
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/attention.h"
+
+namespace attngrad::cuda::attention_detail {
+
+inline constexpr int kHeadDim = 128;
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- Operand traits ---------------------------------------------------------------------------
+struct OpFp16 {
+  using Elem = __half;
+  static constexpr int kK = 16;         // k per mma
+  static constexpr int kPitch = 136;    // shared-memory row pitch in elements (272 bytes)
+  static constexpr bool kRoundTf32 = false;
+  static constexpr bool kEmulated = false;
+  static constexpr bool kPreciseTanh = false;
+};
+struct OpTf32 {
+  using Elem = float;
+  static constexpr int kK = 8;
+  static constexpr int kPitch = 132;    // 528 bytes: conflict-free scalar fragment loads
+  static constexpr bool kRoundTf32 = true;
+  static constexpr bool kEmulated = false;
+  static constexpr bool kPreciseTanh = false;
+};
+struct OpFp32 {
+  using Elem = float;
+  static constexpr int kK = 8;
+  static constexpr int kPitch = 132;
+  static constexpr bool kRoundTf32 = false;
+  static constexpr bool kEmulated = true;
+  static constexpr bool kPreciseTanh = true;
+};
+
+// Everything the kernels need, by value.
+struct AttentionParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* grad_out = nullptr;
+  int ldq = 0, ldkv = 0, ldo = 0;
+  float* out = nullptr;
+  __half* out_half = nullptr;
+  float* lse = nullptr;
+  const float* out_in = nullptr;
+  const float* lse_in = nullptr;
+  float* delta = nullptr;
+  float* grad_q = nullptr;
+  float* grad_k = nullptr;
+  float* grad_v = nullptr;
+  int batch = 0, seq_len = 0, num_heads = 0, num_kv_heads = 0, group = 1;
+  float scaling = 0.f;
+  bool has_cap = true;
+  float score_scale = 0.f;  // s * score_scale is tanh's argument (scaling / cap), or c*log2e (no cap)
+  float cap_log2e = 0.f;    // cap * log2(e)
+  float ds_scale = 1.f;     // power of two applied to dS before it becomes an fp16 operand
+  float inv_ds_scale = 1.f;
+};
+
+// ---- Small device helpers ---------------------------------------------------------------------
+__device__ __forceinline__ std::uint32_t SmemAddress(const void* pointer) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ std::uint32_t RoundToTf32(float x) {
+  std::uint32_t y;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ std::uint32_t PackHalf2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<std::uint32_t*>(&h);
+}
+
+// tanh accurate to a few fp32 ulps in absolute terms (what the softmax sees), two special-function
+// operations at most: odd Taylor polynomial for |x| < 0.25 (truncation error < 3e-9), else
+// 1 - 2 / (1 + exp(2|x|)).
+template <bool kPrecise>
+__device__ __forceinline__ float Tanh(float x) {
+  if constexpr (kPrecise) {
+    return tanhf(x);
+  } else {
+    const float ax = fabsf(x);
+    if (ax < 0.25f) {
+      const float x2 = x * x;
+      float p = fmaf(x2, 62.f / 2835.f, -17.f / 315.f);
+      p = fmaf(p, x2, 2.f / 15.f);
+      p = fmaf(p, x2, -1.f / 3.f);
+      return fmaf(x * x2, p, x);
+    }
+    const float e = FastExp2(ax * (2.f * kLog2e));
+    const float t = 1.f - __fdividef(2.f, 1.f + e);
+    return copysignf(t, x);
+  }
+}
+
+// Soft-capped score in log2 units: returns c * log2(e) and t = tanh(s * scaling / cap) (t = 0 when
+// there is no cap; the backward's factor is then 1 - t^2 = 1).
+template <class Op>
+__device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, float& t) {
+  if (p.has_cap) {
+    t = Tanh<Op::kPreciseTanh>(s * p.score_scale);
+    return t * p.cap_log2e;
+  }
+  t = 0.f;
+  return s * p.score_scale;
+}
+
+// ---- mma ------------------------------------------------------------------------------------------
+template <class Op>
+__device__ __forceinline__ void Mma(float (&c)[4], const std::uint32_t (&a)[4],
+                                    const std::uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else if constexpr (!Op::kEmulated) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    // Exact fp32: C[g][2t+j] += sum_k A[g][k] B[k][2t+j] with the m16n8k8 fragment layout
+    // (a: (g,t) (g+8,t) (g,t+4) (g+8,t+4); b: (k=t, n=g) (k=t+4, n=g)).
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int src_a = g * 4 + kk;
+      const int src_b0 = (2 * t) * 4 + kk;
+      const int src_b1 = (2 * t + 1) * 4 + kk;
+      const float a0 = __uint_as_float(__shfl_sync(0xffffffffu, a[0], src_a));
+      const float a1 = __uint_as_float(__shfl_sync(0xffffffffu, a[1], src_a));
+      const float a2 = __uint_as_float(__shfl_sync(0xffffffffu, a[2], src_a));
+      const float a3 = __uint_as_float(__shfl_sync(0xffffffffu, a[3], src_a));
+      const float b00 = __uint_as_float(__shfl_sync(0xffffffffu, b[0], src_b0));
+      const float b01 = __uint_as_float(__shfl_sync(0xffffffffu, b[1], src_b0));
+      const float b10 = __uint_as_float(__shfl_sync(0xffffffffu, b[0], src_b1));
+      const float b11 = __uint_as_float(__shfl_sync(0xffffffffu, b[1], src_b1));
+      c[0] = fmaf(a2, b01, fmaf(a0, b00, c[0]));
+      c[1] = fmaf(a2, b11, fmaf(a0, b10, c[1]));
+      c[2] = fmaf(a3, b01, fmaf(a1, b00, c[2]));
+      c[3] = fmaf(a3, b11, fmaf(a1, b10, c[3]));
+    }
+  }
+}
+
+// ---- Fragment loads from shared memory (tiles of 128 columns, row pitch Op::kPitch) ----------------
+// A: rows [row0, row0 + 16), k-step at k0, stored [row][k].
+template <class Op>
+__device__ __forceinline__ void LoadA(std::uint32_t (&a)[4], const typename Op::Elem* tile,
+                                      int row0, int k0) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    const int mi = lane >> 3, r = lane & 7;
+    const __half* address = tile + (row0 + (mi & 1) * 8 + r) * Op::kPitch + k0 + (mi >> 1) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(SmemAddress(address)));
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+    const float* base = tile + (row0 + g) * Op::kPitch + k0 + t;
+    a[0] = __float_as_uint(base[0]);
+    a[1] = __float_as_uint(base[8 * Op::kPitch]);
+    a[2] = __float_as_uint(base[4]);
+    a[3] = __float_as_uint(base[8 * Op::kPitch + 4]);
+  }
+}
+
+// B for two n-tiles (n0, n0 + 8), k-step at k0, stored [n][k] (e.g. K for S = Q K^T).
+template <class Op>
+__device__ __forceinline__ void LoadBnk2(std::uint32_t (&b)[2][2], const typename Op::Elem* tile,
+                                         int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    const int mi = lane >> 3, r = lane & 7;
+    const __half* address = tile + (n0 + (mi >> 1) * 8 + r) * Op::kPitch + k0 + (mi & 1) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0][0]), "=r"(b[0][1]), "=r"(b[1][0]), "=r"(b[1][1])
+                 : "r"(SmemAddress(address)));
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+    const float* base = tile + (n0 + g) * Op::kPitch + k0 + t;
+    b[0][0] = __float_as_uint(base[0]);
+    b[0][1] = __float_as_uint(base[4]);
+    b[1][0] = __float_as_uint(base[8 * Op::kPitch]);
+    b[1][1] = __float_as_uint(base[8 * Op::kPitch + 4]);
+  }
+}
+
+// B for two n-tiles (n0, n0 + 8), k-step at k0, stored [k][n] (e.g. V for O = P V). Pairs with an A
+// made by AccumulatorToA (permuted k for the 8-wide steps, see the file comment).
+template <class Op>
+__device__ __forceinline__ void LoadBkn2(std::uint32_t (&b)[2][2], const typename Op::Elem* tile,
+                                         int k0, int n0) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    const int mi = lane >> 3, r = lane & 7;
+    const __half* address = tile + (k0 + (mi & 1) * 8 + r) * Op::kPitch + n0 + (mi >> 1) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0][0]), "=r"(b[0][1]), "=r"(b[1][0]), "=r"(b[1][1])
+                 : "r"(SmemAddress(address)));
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+    const float* base = tile + (k0 + 2 * t) * Op::kPitch + n0 + g;
+    b[0][0] = __float_as_uint(base[0]);
+    b[0][1] = __float_as_uint(base[Op::kPitch]);
+    b[1][0] = __float_as_uint(base[8]);
+    b[1][1] = __float_as_uint(base[Op::kPitch + 8]);
+  }
+}
+
+// A operand (k = the accumulator's columns) from kNT accumulator tiles, each value times `scale`.
+template <class Op, int kNT>
+struct AccumulatorA {
+  static constexpr int kSteps = kNT * 8 / Op::kK;
+  std::uint32_t a[kSteps][4];
+};
+
+template <class Op, int kNT>
+__device__ __forceinline__ void AccumulatorToA(const float (&c)[kNT][4], float scale,
+                                               AccumulatorA<Op, kNT>& out) {
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+#pragma unroll
+    for (int kk = 0; kk < kNT / 2; ++kk) {
+      out.a[kk][0] = PackHalf2(c[2 * kk][0] * scale, c[2 * kk][1] * scale);
+      out.a[kk][1] = PackHalf2(c[2 * kk][2] * scale, c[2 * kk][3] * scale);
+      out.a[kk][2] = PackHalf2(c[2 * kk + 1][0] * scale, c[2 * kk + 1][1] * scale);
+      out.a[kk][3] = PackHalf2(c[2 * kk + 1][2] * scale, c[2 * kk + 1][3] * scale);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < kNT; ++kk) {
+      const float v0 = c[kk][0] * scale, v1 = c[kk][1] * scale;
+      const float v2 = c[kk][2] * scale, v3 = c[kk][3] * scale;
+      if constexpr (Op::kRoundTf32) {
+        out.a[kk][0] = RoundToTf32(v0);
+        out.a[kk][1] = RoundToTf32(v2);
+        out.a[kk][2] = RoundToTf32(v1);
+        out.a[kk][3] = RoundToTf32(v3);
+      } else {
+        out.a[kk][0] = __float_as_uint(v0);
+        out.a[kk][1] = __float_as_uint(v2);
+        out.a[kk][2] = __float_as_uint(v1);
+        out.a[kk][3] = __float_as_uint(v3);
+      }
+    }
+  }
+}
+
+// ---- Warp tile products --------------------------------------------------------------------------
+// acc[16 x 8*kNT] += A[16 x 128] B[8*kNT x 128]^T; A rows [a_row0, +16) of a_tile; B rows [0, 8*kNT).
+template <class Op, int kNT>
+__device__ __forceinline__ void WarpProductNk(float (&acc)[kNT][4], const typename Op::Elem* a_tile,
+                                              int a_row0, const typename Op::Elem* b_tile) {
+#pragma unroll
+  for (int k0 = 0; k0 < kHeadDim; k0 += Op::kK) {
+    std::uint32_t a[4];
+    LoadA<Op>(a, a_tile, a_row0, k0);
+#pragma unroll
+    for (int n = 0; n < kNT; n += 2) {
+      std::uint32_t b[2][2];
+      LoadBnk2<Op>(b, b_tile, n * 8, k0);
+      Mma<Op>(acc[n], a, b[0]);
+      Mma<Op>(acc[n + 1], a, b[1]);
+    }
+  }
+}
+
+// acc[16 x 128] += A[16 x 8*kNT] B[8*kNT x 128]; A from AccumulatorToA, B stored [k][n] rows [0, 8*kNT).
+template <class Op, int kNT>
+__device__ __forceinline__ void WarpProductKn(float (&acc)[16][4], const AccumulatorA<Op, kNT>& a,
+                                              const typename Op::Elem* b_tile) {
+#pragma unroll
+  for (int ks = 0; ks < AccumulatorA<Op, kNT>::kSteps; ++ks) {
+#pragma unroll
+    for (int n = 0; n < 16; n += 2) {
+      std::uint32_t b[2][2];
+      LoadBkn2<Op>(b, b_tile, ks * Op::kK, n * 8);
+      Mma<Op>(acc[n], a.a[ks], b[0]);
+      Mma<Op>(acc[n + 1], a.a[ks], b[1]);
+    }
+  }
+}
+
+// ---- Tile loads (cp.async, 16 bytes per copy; rows >= seq_len are zero-filled) ---------------------
+__device__ __forceinline__ void CpAsync16(void* shared_destination, const void* global_source,
+                                          bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   SmemAddress(shared_destination)),
+               "l"(global_source), "r"(bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Rows [row0, row0 + kRows) of one head (128 columns at `head_base`, row stride ld) into `tile`.
+template <class Op, int kRows, int kThreads>
+__device__ __forceinline__ void LoadTileAsync(typename Op::Elem* tile,
+                                              const typename Op::Elem* head_base, int ld, int row0,
+                                              int seq_len) {
+  using Elem = typename Op::Elem;
+  constexpr int kPerChunk = 16 / sizeof(Elem);
+  constexpr int kChunksPerRow = kHeadDim / kPerChunk;
+#pragma unroll
+  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+    const int r = c / kChunksPerRow, cc = c % kChunksPerRow;
+    const int row = row0 + r;
+    const bool valid = row < seq_len;
+    const Elem* source = head_base + static_cast<long long>(valid ? row : 0) * ld + cc * kPerChunk;
+    CpAsync16(tile + r * Op::kPitch + cc * kPerChunk, source, valid);
+  }
+}
+
+// TF32 mode: round the chunks this thread copied (after its cp.async group completed).
+template <class Op, int kRows, int kThreads>
+__device__ __forceinline__ void RoundTileTf32(typename Op::Elem* tile) {
+  if constexpr (Op::kRoundTf32) {
+    constexpr int kChunksPerRow = kHeadDim / 4;
+#pragma unroll
+    for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+      const int r = c / kChunksPerRow, cc = c % kChunksPerRow;
+      float4* address = reinterpret_cast<float4*>(tile + r * Op::kPitch + cc * 4);
+      float4 v = *address;
+      v.x = __uint_as_float(RoundToTf32(v.x));
+      v.y = __uint_as_float(RoundToTf32(v.y));
+      v.z = __uint_as_float(RoundToTf32(v.z));
+      v.w = __uint_as_float(RoundToTf32(v.w));
+      *address = v;
+    }
+  }
+}
+
+template <class Op>
+__device__ __forceinline__ float ElemToFloat(typename Op::Elem x) {
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    return __half2float(x);
+  } else {
+    return x;
+  }
+}
+
+// Work item of a 1-D grid of num_tiles * num_heads * batch blocks, heaviest tiles first (causal load
+// balance): heavy_last means the last tile index has the most work.
+struct WorkItem {
+  int tile, head, batch;
+};
+__device__ __forceinline__ WorkItem DecodeBlock(int num_tiles, int num_heads, int batch,
+                                                bool heavy_last) {
+  const int per_rank = num_heads * batch;
+  const int block = static_cast<int>(blockIdx.x);
+  const int rank = block / per_rank, rest = block % per_rank;
+  WorkItem item;
+  item.head = rest % num_heads;
+  item.batch = rest / num_heads;
+  item.tile = heavy_last ? num_tiles - 1 - rank : rank;
+  return item;
+}
+
+// ---- Host-side argument checks shared by the forward and the backward ---------------------------
+inline bool Aligned16(const void* pointer) {
+  return (reinterpret_cast<std::uintptr_t>(pointer) & 15u) == 0;
+}
+
+inline int ElementBytes(AttentionOperand operand) {
+  return operand == AttentionOperand::kFp16 ? 2 : 4;
+}
+
+// Checks the shape, the scalars and the q/k/v operands (non-null, 16-byte aligned, row strides that
+// keep every row 16-byte aligned and wide enough), and fills the common part of the parameters.
+inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q, int ldq,
+                                  const void* k, const void* v, int ldkv,
+                                  AttentionParams* params) {
+  if (problem.batch < 1 || problem.seq_len < 1 || problem.num_heads < 1 ||
+      problem.num_kv_heads < 1 || problem.num_heads % problem.num_kv_heads != 0) {
+    return ATTNGRAD_INVALID_ARGUMENT;
+  }
+  if (!std::isfinite(problem.scaling) || !std::isfinite(problem.softcap) || problem.softcap < 0.f) {
+    return ATTNGRAD_INVALID_ARGUMENT;
+  }
+  if (problem.operand != AttentionOperand::kFp16 && problem.operand != AttentionOperand::kTf32 &&
+      problem.operand != AttentionOperand::kFp32) {
+    return ATTNGRAD_INVALID_ARGUMENT;
+  }
+  const int per_16_bytes = 16 / ElementBytes(problem.operand);
+  if (q == nullptr || k == nullptr || v == nullptr || !Aligned16(q) || !Aligned16(k) ||
+      !Aligned16(v) || ldq < problem.num_heads * kHeadDim ||
+      ldkv < problem.num_kv_heads * kHeadDim || ldq % per_16_bytes != 0 ||
+      ldkv % per_16_bytes != 0) {
+    return ATTNGRAD_INVALID_ARGUMENT;
+  }
+  params->q = q;
+  params->k = k;
+  params->v = v;
+  params->ldq = ldq;
+  params->ldkv = ldkv;
+  params->batch = problem.batch;
+  params->seq_len = problem.seq_len;
+  params->num_heads = problem.num_heads;
+  params->num_kv_heads = problem.num_kv_heads;
+  params->group = problem.num_heads / problem.num_kv_heads;
+  params->scaling = problem.scaling;
+  params->has_cap = problem.softcap > 0.f;
+  params->score_scale =
+      params->has_cap ? problem.scaling / problem.softcap : problem.scaling * kLog2e;
+  params->cap_log2e = params->has_cap ? problem.softcap * kLog2e : 0.f;
+  return ATTNGRAD_OK;
+}
+
+}  // namespace attngrad::cuda::attention_detail
+
+#endif  // ATTNGRAD_KERNELS_CUDA_ATTENTION_COMMON_CUH_

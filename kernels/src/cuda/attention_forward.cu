@@ -1,0 +1,222 @@
+// SPEC section 2 step 4: the attention forward, flash style. Per query head, scores s = q' k'^T *
+// scaling, soft-cap c = cap * tanh(s / cap), causal mask, P = softmax(c), O = P v; writes O (= A, fp32
+// and optionally fp16) and the log-sum-exp of every row, never materialising S x S. One block per
+// (64-query tile, query head, batch); key/value tiles of 64 stream through shared memory
+// (double-buffered cp.async), fully masked tiles are never loaded; online softmax in registers.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/attention.h"
+#include "cuda/attention_common.cuh"
+
+namespace attngrad::cuda {
+namespace attention_detail {
+namespace {
+
+constexpr int kForwardWarps = 4;
+constexpr int kForwardBlockM = 16 * kForwardWarps;  // query rows per block
+constexpr int kForwardBlockN = 64;                  // keys per tile
+
+template <class Op>
+constexpr std::size_t ForwardSharedBytes() {
+  return static_cast<std::size_t>(kForwardBlockM + 4 * kForwardBlockN) * Op::kPitch *
+         sizeof(typename Op::Elem);
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kForwardWarps * 32)
+    AttentionForwardKernel(const AttentionParams p) {
+  using Elem = typename Op::Elem;
+  constexpr int kThreads = kForwardWarps * 32;
+  constexpr int kBM = kForwardBlockM, kBN = kForwardBlockN, kP = Op::kPitch;
+  constexpr int kNT = kBN / 8;  // score n-tiles per warp
+
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  Elem* q_tile = reinterpret_cast<Elem*>(shared_raw);
+  Elem* k_tiles = q_tile + kBM * kP;       // [2][kBN][kP]
+  Elem* v_tiles = k_tiles + 2 * kBN * kP;  // [2][kBN][kP]
+
+  const int seq_len = p.seq_len;
+  const int num_q_tiles = (seq_len + kBM - 1) / kBM;
+  const WorkItem item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
+  const int q0 = item.tile * kBM;
+  const int kv_head = item.head / p.group;
+  const long long token0 = static_cast<long long>(item.batch) * seq_len;
+
+  const Elem* q_base =
+      static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
+  const Elem* k_base =
+      static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* v_base =
+      static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+
+  // Keys [0, q0 + kBM) can be visible to this tile's rows.
+  const int last_key = min(seq_len, q0 + kBM);
+  const int num_kv_tiles = (last_key + kBN - 1) / kBN;
+
+  LoadTileAsync<Op, kBM, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, 0, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(v_tiles, v_base, p.ldkv, 0, seq_len);
+  CpAsyncCommit();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+
+  float acc_o[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc_o[n][0] = acc_o[n][1] = acc_o[n][2] = acc_o[n][3] = 0.f;
+  float max_a = -INFINITY, max_b = -INFINITY;  // running max of c*log2e
+  float sum_a = 0.f, sum_b = 0.f;              // this thread's part of the row sums
+
+  for (int j = 0; j < num_kv_tiles; ++j) {
+    const int stage = j & 1;
+    if (j + 1 < num_kv_tiles) {
+      LoadTileAsync<Op, kBN, kThreads>(k_tiles + (stage ^ 1) * kBN * kP, k_base, p.ldkv,
+                                       (j + 1) * kBN, seq_len);
+      LoadTileAsync<Op, kBN, kThreads>(v_tiles + (stage ^ 1) * kBN * kP, v_base, p.ldkv,
+                                       (j + 1) * kBN, seq_len);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    Elem* k_tile = k_tiles + stage * kBN * kP;
+    Elem* v_tile = v_tiles + stage * kBN * kP;
+    if (j == 0) RoundTileTf32<Op, kBM, kThreads>(q_tile);
+    RoundTileTf32<Op, kBN, kThreads>(k_tile);
+    RoundTileTf32<Op, kBN, kThreads>(v_tile);
+    __syncthreads();
+
+    const int key0 = j * kBN;
+    // A warp whose 16 rows all precede this tile's keys has nothing to add (diagonal tiles only).
+    if (key0 <= q0 + warp * 16 + 15) {
+    float s[kNT][4];
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
+
+    const bool needs_mask = key0 + kBN - 1 > q0 + warp * 16 || key0 + kBN > seq_len;
+    float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float tanh_value;
+        float c = CappedLog2<Op>(p, s[n][e], tanh_value);
+        if (needs_mask) {
+          const int key = key0 + n * 8 + 2 * t + (e & 1);
+          const int row = e < 2 ? row_a : row_b;
+          if (key > row || key >= seq_len) c = -INFINITY;
+        }
+        s[n][e] = c;
+      }
+      tile_max_a = fmaxf(tile_max_a, fmaxf(s[n][0], s[n][1]));
+      tile_max_b = fmaxf(tile_max_b, fmaxf(s[n][2], s[n][3]));
+    }
+    tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 1));
+    tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 2));
+    tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 1));
+    tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 2));
+    // Key 0 is visible to every row, so the running max is finite from the first tile on.
+    const float new_max_a = fmaxf(max_a, tile_max_a), new_max_b = fmaxf(max_b, tile_max_b);
+    const float alpha_a = FastExp2(max_a - new_max_a), alpha_b = FastExp2(max_b - new_max_b);
+    max_a = new_max_a;
+    max_b = new_max_b;
+    float part_a = 0.f, part_b = 0.f;
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+      s[n][0] = FastExp2(s[n][0] - max_a);
+      s[n][1] = FastExp2(s[n][1] - max_a);
+      s[n][2] = FastExp2(s[n][2] - max_b);
+      s[n][3] = FastExp2(s[n][3] - max_b);
+      part_a += s[n][0] + s[n][1];
+      part_b += s[n][2] + s[n][3];
+    }
+    sum_a = sum_a * alpha_a + part_a;
+    sum_b = sum_b * alpha_b + part_b;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      acc_o[n][0] *= alpha_a;
+      acc_o[n][1] *= alpha_a;
+      acc_o[n][2] *= alpha_b;
+      acc_o[n][3] *= alpha_b;
+    }
+    AccumulatorA<Op, kNT> prob;
+    AccumulatorToA<Op, kNT>(s, 1.f, prob);
+    WarpProductKn<Op, kNT>(acc_o, prob, v_tile);
+    }
+    __syncthreads();  // the next iteration's loads overwrite the other stage only; this guards reuse
+  }
+
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+  const float inv_a = 1.f / sum_a, inv_b = 1.f / sum_b;
+  const int out_ld = p.num_heads * kHeadDim;
+#pragma unroll
+  for (int half_rows = 0; half_rows < 2; ++half_rows) {
+    const int row = half_rows == 0 ? row_a : row_b;
+    if (row >= seq_len) continue;
+    const float inv = half_rows == 0 ? inv_a : inv_b;
+    const long long offset = (token0 + row) * out_ld + item.head * kHeadDim + 2 * t;
+    float* out_row = p.out + offset;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const float o0 = acc_o[n][2 * half_rows] * inv, o1 = acc_o[n][2 * half_rows + 1] * inv;
+      *reinterpret_cast<float2*>(out_row + n * 8) = make_float2(o0, o1);
+      if (p.out_half != nullptr) {
+        *reinterpret_cast<__half2*>(p.out_half + offset + n * 8) = __floats2half2_rn(o0, o1);
+      }
+    }
+    if (t == 0) {
+      const float row_max = half_rows == 0 ? max_a : max_b;
+      const float row_sum = half_rows == 0 ? sum_a : sum_b;
+      p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
+          (row_max + log2f(row_sum)) * kLn2;
+    }
+  }
+}
+
+template <class Op>
+attngrad_status LaunchForward(const AttentionParams& params, cudaStream_t stream) {
+  constexpr std::size_t kShared = ForwardSharedBytes<Op>();
+  cudaError_t error = cudaFuncSetAttribute(AttentionForwardKernel<Op>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kShared));
+  if (error != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  const long long num_q_tiles = (params.seq_len + kForwardBlockM - 1) / kForwardBlockM;
+  const long long blocks = num_q_tiles * params.num_heads * params.batch;
+  if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
+  AttentionForwardKernel<Op><<<static_cast<unsigned>(blocks), kForwardWarps * 32, kShared, stream>>>(
+      params);
+  return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
+}
+
+}  // namespace
+}  // namespace attention_detail
+
+attngrad_status AttentionForward(const AttentionProblem& problem, const void* q, int ldq,
+                                 const void* k, const void* v, int ldkv, float* out,
+                                 void* out_half, float* lse, cudaStream_t stream) {
+  using namespace attention_detail;
+  AttentionParams params;
+  attngrad_status status = MakeParams(problem, q, ldq, k, v, ldkv, &params);
+  if (status != ATTNGRAD_OK) return status;
+  if (out == nullptr || lse == nullptr || !Aligned16(out) || !Aligned16(out_half)) {
+    return ATTNGRAD_INVALID_ARGUMENT;
+  }
+  params.out = out;
+  params.out_half = static_cast<__half*>(out_half);
+  params.lse = lse;
+  switch (problem.operand) {
+    case AttentionOperand::kFp16: return LaunchForward<OpFp16>(params, stream);
+    case AttentionOperand::kTf32: return LaunchForward<OpTf32>(params, stream);
+    case AttentionOperand::kFp32: return LaunchForward<OpFp32>(params, stream);
+  }
+  return ATTNGRAD_INVALID_ARGUMENT;
+}
+
+}  // namespace attngrad::cuda
