@@ -82,15 +82,20 @@ def saved_bytes(function):
     return seen
 
 
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed_backward(run_forward, grad, repeats=3):
     """Median wall time (s) of forward-then-backward's backward part."""
     times = []
     for _ in range(repeats):
         out = run_forward()
-        torch.cuda.synchronize()
+        synchronize(grad.device)
         started = time.perf_counter()
         out.backward(grad)
-        torch.cuda.synchronize()
+        synchronize(grad.device)
         times.append(time.perf_counter() - started)
     return float(np.median(times))
 
@@ -117,11 +122,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="fresh draws per workload")
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--no-train", action="store_true")
+    parser.add_argument("--device", default="cuda",
+                        help="where the local forward and the float64 reference run (cpu: a dry run)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("check_autograd.py needs a CUDA GPU for the local forward and the reference")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("check_autograd.py: no CUDA GPU here (use --device cpu for a dry run)")
         return 2
-    device = torch.device("cuda")
     workloads = [tuple(int(v) for v in w.split("x")) for w in args.workloads.split(",")]
 
     process = None
@@ -136,7 +143,8 @@ def main() -> int:
         devices = ", ".join(f"{d.name} ({d.backend})" for d in info.devices)
         print(f"server {target}: {info.server_version} on {devices}; precision={args.precision}")
         lines.append(f"Server on {devices}, bridge precision `{args.precision}`, torch "
-                     f"{torch.__version__} on {torch.cuda.get_device_name()}.")
+                     f"{torch.__version__} on "
+                     f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}.")
         lines.append("")
         lines.append("| B×S | min matched fraction over the 7 outputs (norm-grad misses) | bridge backward "
                      "| eager fp32 backward | eager TF32 backward | saved/token bridge | saved/token eager |")
@@ -184,10 +192,11 @@ def main() -> int:
             print(line, flush=True)
             lines.append(line)
             del module, hidden, grad, cos, sin
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
         # ACCUMULATE: two batches, fetched into .grad, against the float64 sum.
-        batch, seq_len = 2, 256
+        batch, seq_len = (2, 256) if device.type == "cuda" else (1, 8)
         generator.manual_seed(7)
         module = bridge.RemoteGemma3Attention(client, mode="accumulate",
                                               precision=args.precision).to(device)
@@ -212,7 +221,7 @@ def main() -> int:
 
         if not args.no_train:
             command = [sys.executable, str(HERE / "train_step.py"), "--target", target,
-                       "--device", "cuda", "--batch", "8", "--seq-len", "128", "--steps", "10"]
+                       "--device", args.device, "--batch", "8", "--seq-len", "128", "--steps", "10"]
             print("$", " ".join(command), flush=True)
             trained = subprocess.run(command, capture_output=True, text=True)
             print(trained.stdout + trained.stderr)
