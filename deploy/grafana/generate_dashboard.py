@@ -182,8 +182,9 @@ def panels():
                              [(f"sum by (instance, device) (attngrad_inflight_batches{{{DEVICE}}})",
                                "{{instance}} {{device}}")], "short"))
     result.append(timeseries(layout, "Queue depth and capacity",
-                             "attngrad_queue_depth against attngrad_queue_capacity (--queue_depth) per "
-                             "device; a queue that stays full is the AttngradQueueSaturated alert.",
+                             "Batches waiting for each device (attngrad_queue_depth) against the batches "
+                             "it computes at once (attngrad_queue_capacity); a backlog that stays at or "
+                             "above capacity is the AttngradQueueSaturated alert.",
                              [(f"sum by (instance, device) (attngrad_queue_depth{{{DEVICE}}})",
                                "depth {{instance}} {{device}}"),
                               (f"sum by (instance, device) (attngrad_queue_capacity{{{DEVICE}}})",
