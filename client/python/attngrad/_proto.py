@@ -12,6 +12,12 @@ Nothing generated is committed. The stubs live in the subpackage ``attngrad.v1``
 Generators, in order: ``grpc_tools.protoc`` (grpcio-tools) when importable, else Debian's ``protoc``
 with ``grpc_python_plugin`` (packages protobuf-compiler and protobuf-compiler-grpc).
 
+Next to the stubs the generator also writes the protos' serialized FileDescriptorSet
+(``attngrad_v1.fds``). Should the generated modules fail to import under another protobuf runtime
+than the one they were generated for (stubs carried to a machine with no generator), the message
+classes and the service stub are built from that descriptor set with the runtime's own API instead
+(with a warning). ``ATTNGRAD_STUBS=descriptors`` forces that path (for tests).
+
 Run as a script (``python attngrad/_proto.py OUT_DIR``) it generates into OUT_DIR/attngrad/v1.
 This module imports nothing from the rest of the package.
 """
@@ -31,6 +37,7 @@ from typing import Optional, Tuple
 PROTO_FILES = ("attngrad/v1/tensor.proto", "attngrad/v1/attngrad.proto")
 GENERATED_MODULES = ("tensor_pb2", "attngrad_pb2", "attngrad_pb2_grpc")
 STAMP_NAME = "_source_hash"
+DESCRIPTOR_SET_NAME = "attngrad_v1.fds"
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -71,11 +78,17 @@ def _generator() -> Tuple[str, list]:
 
 
 def source_hash(proto_root: Path) -> str:
-    """A hash of the .proto files, the generator kind and the protobuf runtime's version."""
+    """A hash of the .proto files (the stamp of generated stubs: stale when proto/ changed)."""
     digest = hashlib.sha256()
     for name in PROTO_FILES:
         digest.update(name.encode())
         digest.update((proto_root / name).read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def cache_key(proto_root: Path) -> str:
+    """The cache directory's name: the protos, the generator kind and the protobuf runtime."""
+    digest = hashlib.sha256(source_hash(proto_root).encode())
     try:
         from google.protobuf import __version__ as protobuf_version
     except ImportError:  # pragma: no cover - grpc needs protobuf anyway
@@ -102,14 +115,17 @@ def generate(out_dir, proto_root: Optional[Path] = None) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     _, command = _generator()
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".attngrad-stubs-") as scratch:
+        generated = Path(scratch) / "attngrad" / "v1"
+        generated.mkdir(parents=True)
         result = subprocess.run(
             command + [f"--proto_path={proto_root}", f"--python_out={scratch}",
-                       f"--grpc_python_out={scratch}"] + [str(proto_root / n) for n in PROTO_FILES],
+                       f"--grpc_python_out={scratch}", "--include_imports",
+                       f"--descriptor_set_out={generated / DESCRIPTOR_SET_NAME}"]
+            + [str(proto_root / n) for n in PROTO_FILES],
             capture_output=True, text=True)
         if result.returncode != 0:
             raise StubGenerationError(
                 f"generating the attngrad stubs failed ({' '.join(command)}): {result.stderr.strip()}")
-        generated = Path(scratch) / "attngrad" / "v1"
         for module in GENERATED_MODULES:
             if not (generated / f"{module}.py").is_file():
                 raise StubGenerationError(f"the stub generator did not write {module}.py")
@@ -123,7 +139,8 @@ def generate(out_dir, proto_root: Optional[Path] = None) -> Path:
 
 def _stamp_matches(directory: Path, proto_root: Optional[Path]) -> bool:
     stamp = directory / STAMP_NAME
-    if not all((directory / f"{m}.py").is_file() for m in GENERATED_MODULES) or not stamp.is_file():
+    if not all((directory / f"{m}.py").is_file() for m in GENERATED_MODULES) or not stamp.is_file() \
+            or not (directory / DESCRIPTOR_SET_NAME).is_file():
         return False
     if proto_root is None:  # an installed package without the sources: trust what was built
         return True
@@ -147,7 +164,7 @@ def load() -> Tuple[ModuleType, ModuleType, ModuleType]:
             raise StubGenerationError(
                 "the attngrad gRPC stubs were not generated and the .proto files are not found: run "
                 "client/python/generate_stubs.sh, pip install client/python, or set ATTNGRAD_PROTO_DIR")
-        cache_dir = _cache_root() / source_hash(proto_root)
+        cache_dir = _cache_root() / cache_key(proto_root)
         if not _stamp_matches(cache_dir / "attngrad" / "v1", proto_root):
             cache_dir.mkdir(parents=True, exist_ok=True)
             generate(cache_dir, proto_root)
@@ -157,10 +174,85 @@ def load() -> Tuple[ModuleType, ModuleType, ModuleType]:
             package.__path__.insert(0, extra)
         elif extra not in package.__path__:
             package.__path__.append(extra)
-    tensor_pb2 = importlib.import_module("attngrad.v1.tensor_pb2")
-    attngrad_pb2 = importlib.import_module("attngrad.v1.attngrad_pb2")
-    attngrad_pb2_grpc = importlib.import_module("attngrad.v1.attngrad_pb2_grpc")
+    v1 = importlib.import_module("attngrad.v1")
+    if os.environ.get("ATTNGRAD_STUBS") == "descriptors":
+        return _from_descriptor_set(Path(v1.__path__[0]) / DESCRIPTOR_SET_NAME)
+    try:
+        tensor_pb2 = importlib.import_module("attngrad.v1.tensor_pb2")
+        attngrad_pb2 = importlib.import_module("attngrad.v1.attngrad_pb2")
+        attngrad_pb2_grpc = importlib.import_module("attngrad.v1.attngrad_pb2_grpc")
+    except Exception as error:  # noqa: BLE001 - gencode of another protobuf generation
+        import warnings
+        warnings.warn(f"the generated attngrad stubs do not import under protobuf "
+                      f"{_protobuf_version()} ({error!r}); building them from {DESCRIPTOR_SET_NAME}")
+        return _from_descriptor_set(Path(v1.__path__[0]) / DESCRIPTOR_SET_NAME)
     return tensor_pb2, attngrad_pb2, attngrad_pb2_grpc
+
+
+def _protobuf_version() -> str:
+    try:
+        from google.protobuf import __version__
+        return __version__
+    except ImportError:  # pragma: no cover
+        return "none"
+
+
+def _from_descriptor_set(path: Path) -> Tuple[ModuleType, ModuleType, ModuleType]:
+    """Module-like namespaces equivalent to the generated ones (messages, enum values, the service
+    stub), built from the serialized FileDescriptorSet with the runtime protobuf's own API."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    files = descriptor_pb2.FileDescriptorSet.FromString(path.read_bytes())
+    pool = descriptor_pool.DescriptorPool()
+    for file_proto in files.file:
+        pool.Add(file_proto)
+
+    def message_class(descriptor):
+        if hasattr(message_factory, "GetMessageClass"):  # protobuf >= 4.22
+            return message_factory.GetMessageClass(descriptor)
+        return message_factory.MessageFactory(pool).GetPrototype(descriptor)
+
+    modules = {}
+    for file_proto in files.file:
+        file_descriptor = pool.FindFileByName(file_proto.name)
+        module = ModuleType(file_proto.name.replace("/", ".").replace(".proto", "_pb2"))
+        module.DESCRIPTOR = file_descriptor
+        for name, message in file_descriptor.message_types_by_name.items():
+            setattr(module, name, message_class(message))
+        for name, enum in file_descriptor.enum_types_by_name.items():
+            for value in enum.values:
+                setattr(module, value.name, value.number)
+            setattr(module, name, enum)
+        modules[file_proto.name] = module
+    tensor_pb2 = modules["attngrad/v1/tensor.proto"]
+    attngrad_pb2 = modules["attngrad/v1/attngrad.proto"]
+    service = attngrad_pb2.DESCRIPTOR.services_by_name["AttentionGradient"]
+
+    class AttentionGradientStub:
+        """The AttentionGradient service's stub, as grpc_python_plugin would write it."""
+
+        def __init__(self, channel):
+            for method in service.methods:
+                kind = _kind_from_proto(files, method.name, channel)
+                setattr(self, method.name, kind(
+                    f"/{service.full_name}/{method.name}",
+                    request_serializer=lambda message: message.SerializeToString(),
+                    response_deserializer=message_class(method.output_type).FromString))
+
+    grpc_module = ModuleType("attngrad.v1.attngrad_pb2_grpc")
+    grpc_module.AttentionGradientStub = AttentionGradientStub
+    return tensor_pb2, attngrad_pb2, grpc_module
+
+
+def _kind_from_proto(files, method_name: str, channel):
+    for file_proto in files.file:
+        for service in file_proto.service:
+            for method in service.method:
+                if method.name == method_name:
+                    return {(False, False): channel.unary_unary, (True, False): channel.stream_unary,
+                            (False, True): channel.unary_stream, (True, True): channel.stream_stream}[
+                        (method.client_streaming, method.server_streaming)]
+    raise StubGenerationError(f"method {method_name} not in the descriptor set")
 
 
 if __name__ == "__main__":
