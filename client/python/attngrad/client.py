@@ -24,7 +24,7 @@ import queue
 import random
 import time
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -427,7 +427,8 @@ class Client:
       target: "host:port".
       credentials: grpc.ChannelCredentials for TLS (e.g. grpc.ssl_channel_credentials()); None for a
         plaintext channel.
-      timeout: the deadline of every call in seconds (per call; overridable per method).
+      timeout: the deadline of every call in seconds (per call; overridable per method; None, 0 or
+        inf: no deadline).
       max_in_flight: requests one backward stream keeps outstanding (pipelining split batches).
       options: extra grpc channel options.
     """
@@ -463,7 +464,11 @@ class Client:
         self.close()
 
     def _timeout(self, timeout):
-        return self.timeout if timeout is None else timeout
+        """The deadline of one call: TIMEOUT, else the client's; 0 or inf = none (a long stream)."""
+        value = self.timeout if timeout is None else timeout
+        if value is None or value <= 0 or math.isinf(value):
+            return None
+        return value
 
     def _unary(self, method: str, call, request, timeout, *, retries: int = 0):
         attempt = 0
@@ -533,7 +538,8 @@ class Client:
     def backward_many(self, batches: Iterable[Mapping[str, Any]], *,
                       timeout: Optional[float] = None) -> Iterator[BackwardResult]:
         """Streams many batches over one Backward stream, pipelined (max_in_flight requests
-        outstanding). Each item is a dict of backward()'s arguments; results come in input order."""
+        outstanding). Each item is a dict of backward()'s arguments; results come in input order.
+        TIMEOUT bounds the whole stream (float("inf") for none)."""
         prepared = (self._prepare(**dict(kwargs)) for kwargs in batches)
         return self._run(prepared, timeout=timeout)
 
