@@ -728,7 +728,9 @@ def command_entrypoint(arguments):
         "ATTNGRAD_DEVICES": "cpu",
         "ATTNGRAD_WEIGHTS": "random",
         "ATTNGRAD_CPU_THREADS": "1",
-        "ATTNGRAD_QUEUE_DEPTH": "3",  # visible as attngrad_queue_capacity
+        "ATTNGRAD_WEIGHTS_SEED": "11",         # visible in `attngrad-cli info` (weights source)
+        "ATTNGRAD_MAX_BATCH_TOKENS": "4096",   # visible in `attngrad-cli info` (limits)
+        "ATTNGRAD_QUEUE_DEPTH": "3",
         "ATTNGRAD_SHUTDOWN_GRACE_SECONDS": "10",
     })
     # The command line the entrypoint builds: mapped variables, extra args, then container args last.
@@ -739,9 +741,12 @@ def command_entrypoint(arguments):
     check("--devices=cpu" in lines and f"--listen=127.0.0.1:{grpc_port}" in lines, f"entrypoint flags: {lines}")
     check(lines[-3:] == ["--weights_seed=5", "--weights_layer=0", "--queue_depth=6"],
           f"entrypoint order (extra args, then container args, last): {lines}")
-    unset = {key: value for key, value in dry.items() if key != "ATTNGRAD_WEIGHTS_SEED"}
-    check(not any(line.startswith("--weights_seed=0") for line in run(["bash", ENTRYPOINT], env=unset).stdout.splitlines()),
-          "an unset variable produced a flag")
+    unset = {key: value for key, value in dry.items() if key not in ("ATTNGRAD_WEIGHTS_SEED", "ATTNGRAD_EXTRA_ARGS")}
+    unset_lines = run(["bash", ENTRYPOINT], env=unset).stdout.splitlines()
+    check(unset_lines and not any(line.startswith("--weights_seed") for line in unset_lines),
+          f"an unset variable produced a flag: {unset_lines}")
+    empty_lines = run(["bash", ENTRYPOINT], env=dict(unset, ATTNGRAD_DEVICES="")).stdout.splitlines()
+    check("--devices=" in empty_lines, f"a variable set to '' was not passed as an empty flag: {empty_lines}")
     newline = dict(dry, ATTNGRAD_WEIGHTS="random\n--devices=0")
     check(run(["bash", ENTRYPOINT], env=newline).returncode != 0, "a value with a newline was accepted")
 
@@ -753,14 +758,15 @@ def command_entrypoint(arguments):
                 result = run(["bash", HEALTHCHECK], env=environment, timeout=30)
                 print(result.stdout + result.stderr)
                 check(result.returncode == 0, f"healthcheck.sh against a serving server exited {result.returncode}")
-                families = parse_exposition(scrape(metrics_port))
-                capacity = families.get("attngrad_queue_capacity", {}).get("values", {})
-                text = scrape(metrics_port)
-                match = re.search(r'^attngrad_queue_capacity\{[^}]*device="cpu"[^}]*\} (\S+)$', text, re.M)
-                check(match and float(match.group(1)) == 3.0,
-                      f"ATTNGRAD_QUEUE_DEPTH=3 did not reach the server (attngrad_queue_capacity: "
-                      f"{match.group(1) if match else capacity})")
-                # The server is PID of the exec'd entrypoint: SIGTERM goes straight to it.
+                result = run([arguments.cli, "info", f"--target=127.0.0.1:{grpc_port}"], timeout=60)
+                print(result.stdout + result.stderr)
+                check(re.search(r"random:seed=11\b", result.stdout),
+                      "ATTNGRAD_WEIGHTS_SEED=11 did not reach the server (attngrad-cli info)")
+                check(re.search(r"max_batch_tokens=4096\b", result.stdout),
+                      "ATTNGRAD_MAX_BATCH_TOKENS=4096 did not reach the server (attngrad-cli info)")
+                check("attngrad_build_info" in scrape(metrics_port),
+                      "ATTNGRAD_METRICS_LISTEN did not reach the server (no /metrics there)")
+                # The entrypoint's process became the server (exec): SIGTERM goes straight to it.
                 with open(f"/proc/{server.process.pid}/cmdline", "rb") as handle:
                     argv0 = handle.read().split(b"\0")[0].decode()
                 check(argv0 == str(arguments.server), f"the entrypoint did not exec the server (pid runs {argv0})")
