@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 
 namespace attngrad::server {
 
@@ -20,6 +21,7 @@ absl::Status CpuWorker::Initialize() {
   const long page_size = sysconf(_SC_PAGESIZE);
   memory_total_bytes_ = pages > 0 && page_size > 0 ? static_cast<long long>(pages) * page_size : 0;
   metrics()->DeviceMemoryTotal(device()).Set(static_cast<double>(memory_total_bytes_));
+  metrics()->DeviceMemoryUsed(device()).Set(0);
   return absl::OkStatus();
 }
 
@@ -79,6 +81,16 @@ void CpuWorker::Compute(BatchJob& job) {
     accumulated_tokens_ += job.tokens();
   }
   job.stages.compute = SecondsSince(start);
+  // "Device memory used" of the CPU backend: this process's resident set.
+  std::FILE* statm = std::fopen("/proc/self/statm", "r");
+  long long total_pages = 0, resident_pages = 0;
+  if (statm != nullptr) {
+    if (std::fscanf(statm, "%lld %lld", &total_pages, &resident_pages) == 2) {
+      metrics()->DeviceMemoryUsed(device()).Set(static_cast<double>(resident_pages) *
+                                                static_cast<double>(sysconf(_SC_PAGESIZE)));
+    }
+    std::fclose(statm);
+  }
 }
 
 void CpuWorker::Control(WorkerControl& control) {

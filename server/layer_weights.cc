@@ -70,10 +70,19 @@ LayerWeights RandomLayerWeights(const LayerConfig& config, std::uint64_t seed) {
   std::mt19937_64 engine(seed);
   constexpr double kTwoPi = 6.283185307179586476925286766559;
   auto uniform = [&engine] { return static_cast<double>(engine() >> 11) * 0x1.0p-53; };
+  // Box-Muller: both deviates of each pair are used (cosine first, then sine).
+  bool have_spare = false;
+  double spare = 0.0;
   auto normal = [&] {
-    const double u1 = uniform();
-    const double u2 = uniform();
-    return std::sqrt(-2.0 * std::log(1.0 - u1)) * std::cos(kTwoPi * u2);
+    if (have_spare) {
+      have_spare = false;
+      return spare;
+    }
+    const double radius = std::sqrt(-2.0 * std::log(1.0 - uniform()));
+    const double angle = kTwoPi * uniform();
+    spare = radius * std::sin(angle);
+    have_spare = true;
+    return radius * std::cos(angle);
   };
   LayerWeights weights;
   weights.config = config;

@@ -49,10 +49,10 @@ struct LayerWeights {
 
 // Random weights as in SPEC section 3: each projection weight randn * sqrt(2 / hidden_size), the
 // norm weights randn * 0.02. The generator is fixed so that a seed always gives the same weights
-// on every platform: std::mt19937_64(seed); each normal deviate is Box-Muller's cosine branch,
-// z = sqrt(-2 ln(1 - u1)) * cos(2 pi u2), from two consecutive 53-bit uniforms
-// u = (draw >> 11) * 2^-53, computed in double; weights are filled in the order q, k, v, o, q_norm,
-// k_norm, each row-major.
+// on every platform (up to the libm's log/sin/cos): std::mt19937_64(seed); normal deviates come in
+// Box-Muller pairs r*cos(2 pi u2), r*sin(2 pi u2) with r = sqrt(-2 ln(1 - u1)), from two consecutive
+// 53-bit uniforms u = (draw >> 11) * 2^-53, computed in double, the pair continuing across weights;
+// weights are filled in the order q, k, v, o, q_norm, k_norm, each row-major.
 LayerWeights RandomLayerWeights(const LayerConfig& config, std::uint64_t seed);
 
 }  // namespace attngrad::server

@@ -1,0 +1,201 @@
+// The service around the math: model info, grpc.health.v1, reflection, Prometheus metrics, the
+// stream limit and a graceful shutdown that finishes the batch in flight.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include <grpcpp/generic/generic_stub.h>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "server_test_util.h"
+
+namespace attngrad::server::testing {
+namespace {
+
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<std::uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string body;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
+    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[65536];
+      ssize_t n;
+      while ((n = read(fd, buffer, sizeof buffer)) > 0) body.append(buffer, static_cast<std::size_t>(n));
+    }
+  }
+  close(fd);
+  return body;
+}
+
+class ServiceTest : public ServerTest {};
+
+TEST_F(ServiceTest, ModelInfoDescribesTheServer) {
+  v1::GetModelInfoResponse info;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub().GetModelInfo(&context, {}, &info).ok());
+  EXPECT_EQ(info.config().hidden_size(), 3072);
+  EXPECT_EQ(info.config().num_heads(), 24);
+  EXPECT_EQ(info.config().num_kv_heads(), 8);
+  EXPECT_EQ(info.config().head_dim(), 128);
+  EXPECT_EQ(info.weights_version(), 1u);
+  EXPECT_EQ(info.weights_source(), "random:seed=11");
+  EXPECT_EQ(info.server_instance_id(), server().instance_id());
+  EXPECT_EQ(info.server_instance_id().size(), 32u);
+  ASSERT_EQ(info.devices_size(), 1);
+  EXPECT_EQ(info.devices(0).backend(), "cpu");
+  EXPECT_EQ(info.supported_wire_dtypes_size(), 3);
+  EXPECT_EQ(info.max_batch_tokens(), 65536);
+  EXPECT_EQ(info.max_message_bytes(), 1073741824);
+  EXPECT_GT(info.accumulation_window_id(), 0u);
+  EXPECT_NEAR(info.default_scaling(), 0.08838834764831845, 1e-7);
+  EXPECT_EQ(info.default_softcap(), 50.f);
+  EXPECT_EQ(info.default_eps(), 1e-6f);
+}
+
+TEST_F(ServiceTest, HealthCheckAndReflection) {
+  auto health = grpc::health::v1::Health::NewStub(channel());
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(health->Check(&context, request, &response).ok());
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  }
+
+  // grpc.reflection.v1alpha ListServices, encoded by hand: ServerReflectionRequest field 7
+  // (list_services, a string) empty = bytes 0x3a 0x00.
+  grpc::GenericStub generic(channel());
+  grpc::CompletionQueue queue;
+  grpc::ClientContext context;
+  auto call = generic.PrepareCall(&context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &queue);
+  auto wait = [&queue](std::intptr_t expected) {
+    void* tag;
+    bool ok;
+    EXPECT_TRUE(queue.Next(&tag, &ok));
+    EXPECT_EQ(reinterpret_cast<std::intptr_t>(tag), expected);
+    return ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(wait(1));
+  const char bytes[] = {0x3a, 0x00};
+  grpc::Slice slice(bytes, sizeof bytes);
+  grpc::ByteBuffer message(&slice, 1);
+  call->Write(message, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(wait(2));
+  call->WritesDone(reinterpret_cast<void*>(3));
+  ASSERT_TRUE(wait(3));
+  grpc::ByteBuffer reply;
+  call->Read(&reply, reinterpret_cast<void*>(4));
+  ASSERT_TRUE(wait(4));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(reply.Dump(&slices).ok());
+  std::string text;
+  for (const grpc::Slice& part : slices) text.append(reinterpret_cast<const char*>(part.begin()), part.size());
+  EXPECT_NE(text.find("attngrad.v1.AttentionGradient"), std::string::npos);
+  EXPECT_NE(text.find("grpc.health.v1.Health"), std::string::npos);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  wait(5);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  queue.Shutdown();
+  void* tag;
+  bool ok;
+  while (queue.Next(&tag, &ok)) {
+  }
+}
+
+TEST_F(ServiceTest, MetricsAreExported) {
+  ASSERT_GT(server().metrics_port(), 0);
+  const Batch batch = MakeBatch(config(), 1, 2, 1300);
+  ASSERT_FALSE(RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
+  v1::BackwardRequest bad = MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE);
+  bad.clear_grad_output();
+  ASSERT_TRUE(RunOne(stub(), bad).has_error());
+  const std::string text = HttpGet(server().metrics_port(), "/metrics");
+  for (const char* expected : {
+           "attngrad_batch_duration_seconds_bucket{device=\"cpu\",mode=\"accumulate\"",
+           "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"compute\"} 1",
+           "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"queue\"} 1",
+           "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"copy_in\"} 1",
+           "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"copy_out\"} 1",
+           "attngrad_rpc_duration_seconds_count{code=\"OK\",method=\"Backward\"} 2",
+           "attngrad_rpc_duration_seconds_count{code=\"OK\",method=\"GetModelInfo\"} 1",
+           "attngrad_batches_total{device=\"cpu\",mode=\"accumulate\"} 1",
+           "attngrad_tokens_total{device=\"cpu\",mode=\"accumulate\"} 2",
+           "attngrad_received_bytes_total{method=\"Backward\"}",
+           "attngrad_sent_bytes_total{method=\"Backward\"} 24576",
+           "attngrad_errors_total{code=\"INVALID_ARGUMENT\",method=\"Backward\"} 1",
+           "attngrad_inflight_batches{device=\"cpu\"} 0",
+           "attngrad_queue_depth{device=\"cpu\"} 0",
+           "attngrad_queue_capacity{device=\"cpu\"}",
+           "attngrad_device_memory_used_bytes{device=\"cpu\"}",
+           "attngrad_device_memory_total_bytes{device=\"cpu\"}",
+           "attngrad_weights_version 1",
+           "attngrad_accumulated_batches 1",
+           "attngrad_accumulated_tokens 2",
+           "attngrad_accumulation_window_id ",
+           "attngrad_build_info{version=\"",
+       }) {
+    EXPECT_NE(text.find(expected), std::string::npos) << "missing: " << expected;
+  }
+  if (HasFailure()) std::cerr << text << "\n";
+}
+
+class StreamLimitTest : public ServerTest {
+ protected:
+  void Customize(ServerOptions& options) override { options.max_concurrent_streams = 1; }
+};
+
+TEST_F(StreamLimitTest, StreamsBeyondTheLimitAreRefused) {
+  const Batch batch = MakeBatch(config(), 1, 1, 1400);
+  grpc::ClientContext context;
+  auto open = stub().Backward(&context);
+  ASSERT_TRUE(open->Write(MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)));
+  v1::BackwardResponse response;
+  ASSERT_TRUE(open->Read(&response));  // the first stream is established
+
+  auto other_stub = NewStub();
+  grpc::ClientContext other_context;
+  auto refused = other_stub->Backward(&other_context);
+  EXPECT_FALSE(refused->Read(&response));
+  const grpc::Status status = refused->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(status.error_message().find("--max_concurrent_streams"), std::string::npos);
+
+  open->WritesDone();
+  EXPECT_TRUE(open->Finish().ok());
+  // Once the first stream is done, a new one is accepted.
+  EXPECT_FALSE(RunOne(*other_stub, MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
+}
+
+TEST_F(ServiceTest, ShutdownFinishesTheBatchInFlight) {
+  const Batch batch = MakeBatch(config(), 2, 8, 1500);
+  grpc::ClientContext context;
+  auto stream = stub().Backward(&context);
+  ASSERT_TRUE(stream->Write(MakeRequest(config(), batch, 5, v1::GRADIENT_MODE_ACCUMULATE)));
+  ASSERT_TRUE(stream->WritesDone());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::thread stopper([this] { server().Shutdown(absl::Seconds(20)); });
+  v1::BackwardResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_FALSE(response.has_error()) << response.error().message();
+  EXPECT_EQ(response.batch_id(), 5u);
+  EXPECT_FALSE(stream->Read(&response));
+  EXPECT_TRUE(stream->Finish().ok());
+  stopper.join();
+  // The server is gone: new calls fail.
+  grpc::ClientContext late;
+  late.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::GetModelInfoResponse info;
+  EXPECT_FALSE(stub().GetModelInfo(&late, {}, &info).ok());
+}
+
+}  // namespace
+}  // namespace attngrad::server::testing
