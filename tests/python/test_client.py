@@ -278,6 +278,38 @@ class ClientAgainstServer(unittest.TestCase):
                                               grpc.StatusCode.DEADLINE_EXCEEDED))
 
 
+class WireEncoding(unittest.TestCase):
+    """The client's one-copy BackwardRequest serialisation parses to the same message as protobuf's."""
+
+    def test_one_copy_request_equals_the_protobuf_message(self):
+        from attngrad import client as c
+        rng = np.random.default_rng(3)
+        for wire_dtype in ("float32", "float16", "bfloat16"):
+            with self.subTest(wire_dtype=wire_dtype):
+                hidden, grad, cos, sin = t.random_batch(rng, 3, 5)
+                batch = c._Batch(
+                    batch_id=9, hidden_states=hidden, grad_output=grad, cos=cos, sin=sin,
+                    position_ids=None, rope_theta=None, mode=c.pb.GRADIENT_MODE_ACCUMULATE,
+                    precision=c.pb.PRECISION_FP32, scaling=0.5, softcap=None, eps=1e-5,
+                    expected_weights_version=4, accumulation_window_id=2, wire_dtype=wire_dtype,
+                    response_dtype="float16", sequences_per_part=2, like=None)
+                parsed = batch.request(1).to_message()  # the second part: sequence 2 only
+                expected = c.pb.BackwardRequest(
+                    batch_id=batch.parts[1][0], mode=c.pb.GRADIENT_MODE_ACCUMULATE,
+                    precision=c.pb.PRECISION_FP32, expected_weights_version=4,
+                    accumulation_window_id=2, response_dtype=c.tensor_pb2.DTYPE_FLOAT16,
+                    scaling=0.5, eps=1e-5)
+                c._fill_tensor(expected.hidden_states, hidden[2:3], wire_dtype)
+                c._fill_tensor(expected.grad_output, grad[2:3], wire_dtype)
+                c._fill_tensor(expected.rotary_tables.cos, cos[2:3], wire_dtype)
+                c._fill_tensor(expected.rotary_tables.sin, sin[2:3], wire_dtype)
+                self.assertEqual(parsed, expected)
+                self.assertFalse(parsed.HasField("softcap"))
+                decoded = c._decode(parsed.grad_output, "grad_output").astype(np.float32)
+                tolerance = {"float32": 0, "float16": 1e-2, "bfloat16": 1e-1}[wire_dtype]
+                np.testing.assert_allclose(decoded, grad[2:3], rtol=tolerance, atol=tolerance)
+
+
 class SplitPlanning(unittest.TestCase):
     """attngrad.client.sequences_per_part: the client's split along B under the server's limits."""
 

@@ -235,18 +235,19 @@ class _Batch:
         self.tokens = batch * seq_len
         self._responses: Dict[int, Any] = {}
 
-    def request(self, part_index: int):
+    def request(self, part_index: int) -> "_WireRequest":
         part_id, (b0, b1) = self.parts[part_index]
-        message = pb.BackwardRequest(
+        wire = _WireRequest()
+        message = wire.head = pb.BackwardRequest(
             batch_id=part_id, mode=self.mode, precision=self.precision,
             expected_weights_version=self.expected_weights_version,
             accumulation_window_id=self.accumulation_window_id,
             response_dtype=_DTYPE_ENUM[self.response_dtype])
-        _fill_tensor(message.hidden_states, self.hidden_states[b0:b1], self.wire_dtype)
-        _fill_tensor(message.grad_output, self.grad_output[b0:b1], self.wire_dtype)
+        wire.add(message.hidden_states, (5,), self.hidden_states[b0:b1], self.wire_dtype)
+        wire.add(message.grad_output, (6,), self.grad_output[b0:b1], self.wire_dtype)
         if self.cos is not None:
-            _fill_tensor(message.rotary_tables.cos, self.cos[b0:b1], self.wire_dtype)
-            _fill_tensor(message.rotary_tables.sin, self.sin[b0:b1], self.wire_dtype)
+            wire.add(message.rotary_tables.cos, (7, 1), self.cos[b0:b1], self.wire_dtype)
+            wire.add(message.rotary_tables.sin, (7, 2), self.sin[b0:b1], self.wire_dtype)
         else:
             ids = self.position_ids if self.position_ids.ndim == 1 else self.position_ids[b0:b1]
             message.positions.position_ids.extend(int(i) for i in ids.reshape(-1))
@@ -257,7 +258,7 @@ class _Batch:
             message.softcap = float(self.softcap)
         if self.eps is not None:
             message.eps = float(self.eps)
-        return message
+        return wire
 
     def add(self, response) -> None:
         self._responses[response.batch_id] = response
@@ -306,6 +307,61 @@ class _Batch:
         if self.like is not None:
             _to_torch_like(result, self.like)
         return result
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _length_delimited_header(field_number: int, length: int) -> bytes:
+    return _varint((field_number << 3) | 2) + _varint(length)
+
+
+class _WireRequest:
+    """A BackwardRequest serialised with one copy of the tensors' bytes.
+
+    `head` is the message with every field but the tensors' raw_data (their dtype and shape are in
+    it); each raw_data is appended as a further occurrence of its enclosing message fields, which
+    protobuf parsers merge into the same sub-message (the wire format's rule for a message field
+    that appears more than once). serialize() joins the head and the arrays' buffers directly, instead
+    of tobytes() + a copy into the message + a copy when serialising."""
+
+    def __init__(self):
+        self.head = None
+        self._tensors = []  # (field path, contiguous array)
+
+    def add(self, message, path: Tuple[int, ...], array: np.ndarray, dtype_name: str) -> None:
+        contiguous = tensors.contiguous(array, dtype_name)
+        message.dtype = _DTYPE_ENUM[dtype_name]
+        message.shape.extend(int(d) for d in array.shape)
+        self._tensors.append((path, contiguous))
+
+    def serialize(self) -> bytes:
+        pieces = [self.head.SerializeToString()]
+        for path, array in self._tensors:
+            raw = memoryview(array).cast("B")
+            headers = []
+            length = len(raw)
+            inner = _length_delimited_header(3, length)  # Tensor.raw_data
+            headers.append(inner)
+            length += len(inner)
+            for field_number in reversed(path):
+                header = _length_delimited_header(field_number, length)
+                headers.append(header)
+                length += len(header)
+            pieces.extend(reversed(headers))
+            pieces.append(raw)
+        return b"".join(pieces)
+
+    def to_message(self):
+        """The equivalent parsed message (for tests)."""
+        return pb.BackwardRequest.FromString(self.serialize())
 
 
 def _fill_tensor(message, array: np.ndarray, dtype_name: str) -> None:
@@ -446,6 +502,10 @@ class Client:
         self.timeout = timeout
         self.max_in_flight = max(1, int(max_in_flight))
         self._stub = pb_grpc.AttentionGradientStub(self._channel)
+        service = pb.DESCRIPTOR.services_by_name["AttentionGradient"].full_name
+        self._backward = self._channel.stream_stream(  # one-copy request serialisation
+            f"/{service}/Backward", request_serializer=_WireRequest.serialize,
+            response_deserializer=pb.BackwardResponse.FromString)
         self._health = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
             response_deserializer=_decode_health_response)
@@ -619,7 +679,7 @@ class Client:
                     return
                 yield item
 
-        call = self._stub.Backward(requests(), timeout=self._timeout(timeout))
+        call = self._backward(requests(), timeout=self._timeout(timeout))
         finished = False
         try:
             source = iter(batches)

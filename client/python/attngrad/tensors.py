@@ -46,13 +46,13 @@ def wire_dtype_name(dtype_name: str) -> str:
     return name
 
 
-def encode(array: np.ndarray, dtype_name: str) -> Tuple[bytes, Tuple[int, ...]]:
-    """(raw little-endian bytes in DTYPE_NAME, shape) of ARRAY."""
-    shape = tuple(int(d) for d in array.shape)
+def contiguous(array: np.ndarray, dtype_name: str) -> np.ndarray:
+    """ARRAY as a C-contiguous little-endian array whose bytes are the wire encoding in DTYPE_NAME
+    (no copy when it already is one, e.g. a slice along B of a contiguous float32 array)."""
     if dtype_name == "float32":
-        return np.ascontiguousarray(array, dtype="<f4").tobytes(), shape
+        return np.ascontiguousarray(array, dtype="<f4")
     if dtype_name == "float16":
-        return np.ascontiguousarray(array, dtype="<f2").tobytes(), shape
+        return np.ascontiguousarray(array, dtype="<f2")
     if dtype_name == "bfloat16":
         bits = np.ascontiguousarray(array, dtype="<f4").view("<u4")
         # Round to nearest even; NaNs stay NaNs (quiet bit kept in the top half).
@@ -61,8 +61,13 @@ def encode(array: np.ndarray, dtype_name: str) -> Tuple[bytes, Tuple[int, ...]]:
         nan = np.isnan(bits.view("<f4"))
         if nan.any():
             rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype("<u2")
-        return rounded.tobytes(), shape
+        return rounded.reshape(np.shape(array))
     raise ValueError(f"unknown wire dtype {dtype_name!r}")
+
+
+def encode(array: np.ndarray, dtype_name: str) -> Tuple[bytes, Tuple[int, ...]]:
+    """(raw little-endian bytes in DTYPE_NAME, shape) of ARRAY."""
+    return contiguous(array, dtype_name).tobytes(), tuple(int(d) for d in np.shape(array))
 
 
 def decode(raw: bytes, dtype_name: str, shape, *, field: str) -> np.ndarray:
