@@ -9,6 +9,10 @@ Subcommands (each one ctest test; see tests/deploy/CMakeLists.txt):
   manifests    compose files and Kubernetes manifests parse, render (kubectl kustomize when present),
                and reference the image, the ports and only flags that `attngrad-server --helpfull`
                lists; the entrypoint's variable->flag table has only real flags.
+  prometheus   Debian's Prometheus scrapes the real server with deploy/prometheus's job and alert
+               rules: every dashboard query returns data (quantiles not all NaN), every rule
+               evaluates with health "ok", AttngradErrorRatioHigh goes pending after failed batches
+               and AttngradServerDown once the server is stopped.
   metrics      starts the real attngrad-server (CPU backend, loopback, free ports), sends one batch
                and one bad request with attngrad-cli, scrapes /metrics and checks that every metric
                family, label and legend the dashboard and the alert rules use is exported.
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 
 import yaml
@@ -781,6 +786,140 @@ def command_entrypoint(arguments):
     return finish("entrypoint")
 
 
+def substitute_variables(expression):
+    """A dashboard query as Grafana would send it with job=attngrad and every instance and device."""
+    expression = expression.replace('"$job"', '"attngrad"').replace('"$instance"', '".*"')
+    expression = expression.replace('"$device"', '".*"').replace("$__rate_interval", "1m")
+    match = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\)\s*", expression, re.S)
+    if match:
+        expression = f"group by ({match.group(2)}) ({match.group(1)})"
+    return expression
+
+
+def prometheus_get(port, path, **parameters):
+    query = urllib.parse.urlencode(parameters)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}?{query}", timeout=10) as response:
+        return json.loads(response.read().decode())
+
+
+def wait_for(description, predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    check(False, f"timed out after {timeout} s waiting for {description}")
+    return False
+
+
+def command_prometheus(arguments):
+    """A real Prometheus (Debian's) scrapes the real server with deploy/prometheus's scrape job and
+    alert rules; every dashboard query must return data and every rule must evaluate cleanly."""
+    prometheus = arguments.prometheus
+    if not prometheus or not shutil.which(prometheus):
+        check(False, f"prometheus not found ({prometheus!r}): install Debian's 'prometheus' package")
+        return finish("prometheus")
+    grpc_port, metrics_port, web_port = free_port(), free_port(), free_port()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="attngrad-deploy-prometheus-"))
+    # deploy/prometheus/prometheus.yml, pointed at loopback and scraping every second.
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    config["global"].update({"scrape_interval": "1s", "evaluation_interval": "1s"})
+    config["rule_files"] = [str((DEPLOY / "prometheus" / path).resolve()) for path in config["rule_files"]]
+    jobs = [job for job in config["scrape_configs"] if job["job_name"] == "attngrad"]
+    check(len(jobs) == 1, "prometheus.yml has no attngrad job")
+    jobs[0].update({"scrape_interval": "1s", "scrape_timeout": "1s"})
+    jobs[0]["static_configs"][0]["targets"] = [f"127.0.0.1:{metrics_port}"]
+    config["scrape_configs"] = jobs
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    instance = f"127.0.0.1:{metrics_port}"
+
+    with tempfile.TemporaryFile("w+") as log, tempfile.TemporaryFile("w+") as prometheus_log:
+        prometheus_process = subprocess.Popen(
+            [prometheus, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+             f"--web.listen-address=127.0.0.1:{web_port}"],
+            stdout=prometheus_log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for("Prometheus to be ready", lambda: urllib.request.urlopen(
+                f"http://127.0.0.1:{web_port}/-/ready", timeout=2).status == 200, 60)
+            server = RunningServer(
+                [arguments.server, f"--listen=127.0.0.1:{grpc_port}", f"--metrics_listen={instance}",
+                 "--devices=cpu", "--weights=random", "--cpu_threads=2", "--shutdown_grace_seconds=10"],
+                server_environment(), metrics_port, arguments.cli, grpc_port, log)
+            with server:
+                def up():
+                    result = prometheus_get(web_port, "/api/v1/query", query='up{job="attngrad"}')["data"]["result"]
+                    return result and result[0]["value"][1] == "1"
+                wait_for("Prometheus to scrape the server", up, 60)
+                # Two rounds of traffic a few scrapes apart, so that rate() over the new series is > 0.
+                drive_traffic(arguments.cli, grpc_port)
+                time.sleep(3)
+                drive_traffic(arguments.cli, grpc_port)
+                time.sleep(3)
+
+                dashboard = json.loads(DASHBOARD.read_text())
+                queried = 0
+                for where, expression, _ in dashboard_expressions(dashboard):
+                    if where.startswith("annotation"):
+                        continue  # weights changes: none happened
+                    queried += 1
+                    query = substitute_variables(expression)
+                    answer = prometheus_get(web_port, "/api/v1/query", query=query)
+                    result = answer.get("data", {}).get("result", [])
+                    check(answer.get("status") == "success", f"dashboard {where}: {answer.get('error')}")
+                    check(result, f"dashboard {where} shows no data from a real server: {query}")
+                    if "histogram_quantile" in expression and result:
+                        finite = [series for series in result if series["value"][1] not in ("NaN", "+Inf", "-Inf")]
+                        check(finite, f"dashboard {where}: every quantile is NaN: {query}")
+
+                print(f"{queried} dashboard queries answered by Prometheus")
+                check(queried >= 25, f"only {queried} dashboard queries were tried")
+
+                def evaluated():
+                    groups = prometheus_get(web_port, "/api/v1/rules")["data"]["groups"]
+                    return groups and all(group["lastEvaluation"] > "2000" for group in groups)
+                wait_for("the rules to be evaluated", evaluated, 30)
+                time.sleep(2)
+                groups = prometheus_get(web_port, "/api/v1/rules")["data"]["groups"]
+                for group in groups:
+                    for rule in group["rules"]:
+                        check(rule["health"] == "ok", f"rule {rule['name']}: {rule['health']} {rule.get('lastError')}")
+                alerts = prometheus_get(web_port, "/api/v1/alerts")["data"]["alerts"]
+                print("alerts with the server up:", [(a["labels"]["alertname"], a["state"]) for a in alerts])
+                # One batch in three failed (the stale-version batch of each round): the error ratio
+                # alert is pending for this instance; no availability alert.
+                check(any(alert["labels"]["alertname"] == "AttngradErrorRatioHigh" and
+                          alert["labels"].get("instance") == instance for alert in alerts),
+                      "AttngradErrorRatioHigh is not pending although 1 in 3 batches failed")
+                check(not any(alert["labels"]["alertname"] in ("AttngradServerDown", "AttngradNoTargets")
+                              for alert in alerts), "an availability alert with the server up")
+            check(server.exit_code == 0, f"server exit code after SIGTERM: {server.exit_code}")
+
+            def down_alert():
+                alerts = prometheus_get(web_port, "/api/v1/alerts")["data"]["alerts"]
+                return any(alert["labels"]["alertname"] == "AttngradServerDown" and
+                           alert["labels"].get("instance") == instance for alert in alerts)
+            wait_for("AttngradServerDown to be pending once the server stopped", down_alert, 30)
+        except Exception as error:
+            check(False, f"the Prometheus check failed: {error!r}")
+        finally:
+            prometheus_process.send_signal(signal.SIGTERM)
+            try:
+                prometheus_process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                prometheus_process.kill()
+                prometheus_process.wait()
+            shutil.rmtree(work, ignore_errors=True)
+            if failures:
+                log.seek(0)
+                prometheus_log.seek(0)
+                print("--- server log (tail) ---\n" + log.read()[-3000:])
+                print("--- prometheus log (tail) ---\n" + prometheus_log.read()[-3000:])
+    return finish("prometheus")
+
+
 def command_packages(arguments):
     script = DEPLOY / "docker" / "runtime-packages.sh"
     result = run(["bash", script, arguments.server, arguments.cli], timeout=120)
@@ -800,14 +939,16 @@ def command_packages(arguments):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["promtool", "dashboard", "manifests", "metrics", "entrypoint", "packages"])
+    parser.add_argument("command", choices=["promtool", "dashboard", "manifests", "metrics", "prometheus",
+                                            "entrypoint", "packages"])
     parser.add_argument("--promtool", default=shutil.which("promtool") or "promtool")
+    parser.add_argument("--prometheus", default=shutil.which("prometheus") or "prometheus")
     parser.add_argument("--server", help="path of attngrad-server")
     parser.add_argument("--cli", help="path of attngrad-cli")
     arguments = parser.parse_args()
-    if arguments.command in ("manifests", "metrics", "entrypoint", "packages") and not arguments.server:
+    if arguments.command in ("manifests", "metrics", "prometheus", "entrypoint", "packages") and not arguments.server:
         parser.error("--server is required")
-    if arguments.command in ("metrics", "entrypoint", "packages") and not arguments.cli:
+    if arguments.command in ("metrics", "prometheus", "entrypoint", "packages") and not arguments.cli:
         parser.error("--cli is required")
     return globals()[f"command_{arguments.command}"](arguments)
 
