@@ -310,6 +310,38 @@ class WireEncoding(unittest.TestCase):
                 np.testing.assert_allclose(decoded, grad[2:3], rtol=tolerance, atol=tolerance)
 
 
+    def test_zero_copy_response_parsing(self):
+        from attngrad import client as c
+        rng = np.random.default_rng(4)
+        message = c.pb.BackwardResponse(batch_id=77, weights_version=3, device="cpu",
+                                        server_instance_id="abc", duplicate=True)
+        message.timings.compute_seconds = 0.25
+        arrays = {"grad_hidden_states": rng.standard_normal((2, 3, 4), dtype=np.float32)}
+        c._fill_tensor(message.grad_hidden_states, arrays["grad_hidden_states"], "float32")
+        for index, name in enumerate(attngrad.WEIGHT_NAMES):
+            arrays[name] = rng.standard_normal((index + 1, 2), dtype=np.float32)
+            c._fill_tensor(getattr(message.weight_gradients, name), arrays[name], "float32")
+        data = message.SerializeToString()
+        parsed = c._parse_backward_response(data)
+        self.assertEqual((parsed.batch_id, parsed.weights_version, parsed.device, parsed.duplicate),
+                         (77, 3, "cpu", True))
+        self.assertEqual(parsed.timings.compute_seconds, 0.25)
+        self.assertEqual(set(parsed.raw), set(arrays))
+        self.assertEqual(parsed.grad_hidden_states.raw_data, b"", "raw_data is left in the bytes")
+        for name, array in arrays.items():
+            tensor = (parsed.grad_hidden_states if name == "grad_hidden_states"
+                      else getattr(parsed.weight_gradients, name))
+            decoded = c._decode(tensor, name, c._raw_of(parsed, name))
+            np.testing.assert_array_equal(decoded, array)
+            self.assertFalse(decoded.flags.owndata)
+        error = c.pb.BackwardResponse(batch_id=5)
+        error.error.code, error.error.message = 3, "hidden_states: bad"
+        parsed = c._parse_backward_response(error.SerializeToString())
+        self.assertTrue(parsed.HasField("error"))
+        self.assertEqual(parsed.error.message, "hidden_states: bad")
+        self.assertEqual(parsed.raw, {})
+
+
 class SplitPlanning(unittest.TestCase):
     """attngrad.client.sequences_per_part: the client's split along B under the server's limits."""
 

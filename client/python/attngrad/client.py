@@ -269,7 +269,8 @@ class _Batch:
 
     def result(self) -> BackwardResult:
         responses = [self._responses[part_id] for part_id, _ in self.parts]
-        grads = [_decode(r.grad_hidden_states, "grad_hidden_states") for r in responses]
+        grads = [_decode(r.grad_hidden_states, "grad_hidden_states",
+                         _raw_of(r, "grad_hidden_states")) for r in responses]
         for (part_id, (b0, b1)), grad in zip(self.parts, grads):
             expected = (b1 - b0,) + self.shape[1:]
             if grad.shape != expected:
@@ -282,8 +283,8 @@ class _Batch:
         if self.mode != pb.GRADIENT_MODE_ACCUMULATE:
             weight_gradients = {}
             for name in WEIGHT_NAMES:
-                parts = [_decode(getattr(r.weight_gradients, name), f"weight_gradients.{name}")
-                         for r in responses]
+                parts = [_decode(getattr(r.weight_gradients, name), f"weight_gradients.{name}",
+                                 _raw_of(r, name)) for r in responses]
                 total = parts[0]
                 for extra in parts[1:]:
                     total = total + extra  # float32 sums, in part order
@@ -371,12 +372,102 @@ def _fill_tensor(message, array: np.ndarray, dtype_name: str) -> None:
     message.raw_data = raw
 
 
-def _decode(message, field: str) -> np.ndarray:
+def _decode(message, field: str, raw=None) -> np.ndarray:
     dtype_name = _DTYPE_BY_ENUM.get(message.dtype)
     if dtype_name is None:
         raise errors.AttngradError(grpc.StatusCode.INTERNAL,
                                    f"{field}: the server sent unknown dtype {message.dtype}")
-    return tensors.decode(message.raw_data, dtype_name, message.shape, field=field)
+    return tensors.decode(message.raw_data if raw is None else raw, dtype_name, message.shape,
+                          field=field)
+
+
+# Field numbers of the response's tensors (attngrad.proto): BackwardResponse.grad_hidden_states = 4,
+# BackwardResponse.weight_gradients = 5 with q_proj..k_norm = 1..6, Tensor.raw_data = 3.
+_RESPONSE_TENSOR_FIELD = 4
+_RESPONSE_WEIGHTS_FIELD = 5
+_TENSOR_RAW_FIELD = 3
+
+
+def _fields(view: memoryview):
+    """(field number, wire type, start of the field, start of its value, end) of each field."""
+    position, end = 0, len(view)
+    while position < end:
+        start = position
+        key, position = _read_varint(view, position)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, position = _read_varint(view, position)
+            value_start = position
+        elif wire_type == 1:
+            value_start, position = position, position + 8
+        elif wire_type == 2:
+            length, value_start = _read_varint(view, position)
+            position = value_start + length
+        elif wire_type == 5:
+            value_start, position = position, position + 4
+        else:
+            raise ValueError(f"unsupported wire type {wire_type}")
+        if position > end:
+            raise ValueError("truncated message")
+        yield number, wire_type, start, value_start, position
+
+
+def _strip_raw(view: memoryview):
+    """(a Tensor's bytes without raw_data, memoryview of raw_data or None)."""
+    kept, raw = [], None
+    for number, wire_type, start, value_start, end in _fields(view):
+        if number == _TENSOR_RAW_FIELD and wire_type == 2:
+            raw = view[value_start:end]  # the last occurrence wins, as in protobuf
+        else:
+            kept.append(view[start:end])
+    return b"".join(kept), raw
+
+
+class _ParsedResponse:
+    """A BackwardResponse whose tensors' raw_data stay views of the received bytes (zero-copy):
+    attributes are the message's; raw[name] is the raw_data of grad_hidden_states or of a weight
+    gradient (q_proj ... k_norm)."""
+
+    __slots__ = ("message", "raw")
+
+    def __init__(self, message, raw: Dict[str, memoryview]):
+        self.message = message
+        self.raw = raw
+
+    def __getattr__(self, name):
+        return getattr(self.message, name)
+
+
+def _parse_backward_response(data: bytes) -> _ParsedResponse:
+    view = memoryview(data)
+    pieces, raw = [], {}
+    for number, wire_type, start, value_start, end in _fields(view):
+        if number == _RESPONSE_TENSOR_FIELD and wire_type == 2:
+            tensor, raw_data = _strip_raw(view[value_start:end])
+            if raw_data is not None:
+                raw["grad_hidden_states"] = raw_data
+            pieces += [_length_delimited_header(number, len(tensor)), tensor]
+        elif number == _RESPONSE_WEIGHTS_FIELD and wire_type == 2:
+            weights = []
+            for inner, inner_type, inner_start, inner_value, inner_end in _fields(view[value_start:end]):
+                name = WEIGHT_NAMES[inner - 1] if 1 <= inner <= len(WEIGHT_NAMES) else None
+                if name is None or inner_type != 2:
+                    weights.append(view[value_start:end][inner_start:inner_end])
+                    continue
+                tensor, raw_data = _strip_raw(view[value_start:end][inner_value:inner_end])
+                if raw_data is not None:
+                    raw[name] = raw_data
+                weights += [_length_delimited_header(inner, len(tensor)), tensor]
+            body = b"".join(weights)
+            pieces += [_length_delimited_header(number, len(body)), body]
+        else:
+            pieces.append(view[start:end])
+    return _ParsedResponse(pb.BackwardResponse.FromString(b"".join(pieces)), raw)
+
+
+def _raw_of(response, name: str):
+    raw = getattr(response, "raw", None)
+    return raw.get(name) if isinstance(raw, dict) else None
 
 
 def _torch_from_numpy(array: np.ndarray, device, dtype):
@@ -505,7 +596,7 @@ class Client:
         service = pb.DESCRIPTOR.services_by_name["AttentionGradient"].full_name
         self._backward = self._channel.stream_stream(  # one-copy request serialisation
             f"/{service}/Backward", request_serializer=_WireRequest.serialize,
-            response_deserializer=pb.BackwardResponse.FromString)
+            response_deserializer=_parse_backward_response)
         self._health = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
             response_deserializer=_decode_health_response)
