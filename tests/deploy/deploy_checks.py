@@ -363,6 +363,17 @@ def command_manifests(arguments):
     check(re.search(r'\bhealth --target="?127\.0\.0\.1:', HEALTHCHECK.read_text()), "healthcheck.sh does not call `attngrad-cli health`")
     for variable in re.findall(r"\b(ATTNGRAD_[A-Z0-9_]+)=", dockerfile):
         check_flag_variables("Dockerfile ENV", [variable], table, flags)
+    scripts = [ENTRYPOINT, HEALTHCHECK, DEPLOY / "docker" / "runtime-packages.sh"]
+    for script in scripts:
+        check(os.access(script, os.X_OK), f"{script.name} is not executable")
+        result = run(["bash", "-n", script])
+        check(result.returncode == 0, f"bash -n {script.name}: {result.stderr}")
+    if shutil.which("shellcheck"):
+        result = run(["shellcheck", *scripts])
+        print(result.stdout + result.stderr)
+        check(result.returncode == 0, "shellcheck found problems in deploy/docker/*.sh")
+    else:
+        print("shellcheck not installed: the scripts were only checked with bash -n")
     dockerignore = (ROOT / ".dockerignore").read_text().split()
     for needed in ("kernels", "server", "client", "proto", "scripts", "cmake", "CMakeLists.txt"):
         check(needed not in dockerignore, f".dockerignore excludes {needed}, which the image build needs")
