@@ -864,11 +864,18 @@ def command_prometheus(arguments):
                     result = prometheus_get(web_port, "/api/v1/query", query='up{job="attngrad"}')["data"]["result"]
                     return result and result[0]["value"][1] == "1"
                 wait_for("Prometheus to scrape the server", up, 60)
-                # Two rounds of traffic a few scrapes apart, so that rate() over the new series is > 0.
+                # Two rounds of traffic, each seen by Prometheus before the next, so that rate() over
+                # the series the first round created is > 0. Each round computes 2 batches.
+                def scraped_batches(expected):
+                    result = prometheus_get(web_port, "/api/v1/query",
+                                            query='sum(attngrad_batches_total{job="attngrad"})')["data"]["result"]
+                    return result and float(result[0]["value"][1]) == expected
                 drive_traffic(arguments.cli, grpc_port)
-                time.sleep(3)
+                wait_for("Prometheus to scrape the first round", lambda: scraped_batches(2), 60)
+                time.sleep(1.5)
                 drive_traffic(arguments.cli, grpc_port)
-                time.sleep(3)
+                wait_for("Prometheus to scrape the second round", lambda: scraped_batches(4), 60)
+                time.sleep(1.5)
 
                 dashboard = json.loads(DASHBOARD.read_text())
                 queried = 0
@@ -892,18 +899,20 @@ def command_prometheus(arguments):
                     groups = prometheus_get(web_port, "/api/v1/rules")["data"]["groups"]
                     return groups and all(group["lastEvaluation"] > "2000" for group in groups)
                 wait_for("the rules to be evaluated", evaluated, 30)
-                time.sleep(2)
                 groups = prometheus_get(web_port, "/api/v1/rules")["data"]["groups"]
                 for group in groups:
                     for rule in group["rules"]:
                         check(rule["health"] == "ok", f"rule {rule['name']}: {rule['health']} {rule.get('lastError')}")
+
+                # One batch in three failed (the stale-version batch of each round): the error ratio
+                # alert goes pending for this instance; no availability alert.
+                def error_ratio_pending():
+                    alerts = prometheus_get(web_port, "/api/v1/alerts")["data"]["alerts"]
+                    return any(alert["labels"]["alertname"] == "AttngradErrorRatioHigh" and
+                               alert["labels"].get("instance") == instance for alert in alerts)
+                wait_for("AttngradErrorRatioHigh to be pending after 1 in 3 batches failed", error_ratio_pending, 30)
                 alerts = prometheus_get(web_port, "/api/v1/alerts")["data"]["alerts"]
                 print("alerts with the server up:", [(a["labels"]["alertname"], a["state"]) for a in alerts])
-                # One batch in three failed (the stale-version batch of each round): the error ratio
-                # alert is pending for this instance; no availability alert.
-                check(any(alert["labels"]["alertname"] == "AttngradErrorRatioHigh" and
-                          alert["labels"].get("instance") == instance for alert in alerts),
-                      "AttngradErrorRatioHigh is not pending although 1 in 3 batches failed")
                 check(not any(alert["labels"]["alertname"] in ("AttngradServerDown", "AttngradNoTargets")
                               for alert in alerts), "an availability alert with the server up")
             check(server.exit_code == 0, f"server exit code after SIGTERM: {server.exit_code}")
