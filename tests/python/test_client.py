@@ -310,6 +310,17 @@ class WireEncoding(unittest.TestCase):
                 np.testing.assert_allclose(decoded, grad[2:3], rtol=tolerance, atol=tolerance)
 
 
+    def test_one_copy_weight_chunk(self):
+        from attngrad import client as c
+        data = np.arange(10, dtype=np.float32)
+        head = c.pb.LoadWeightsRequest(name=c.pb.WEIGHT_NAME_K_NORM, offset=4,
+                                       expected_weights_version=2)
+        chunk = c._WireChunk(head, memoryview(data).cast("B")[16:40])
+        parsed = c.pb.LoadWeightsRequest.FromString(chunk.serialize())
+        self.assertEqual((parsed.name, parsed.offset, parsed.expected_weights_version),
+                         (c.pb.WEIGHT_NAME_K_NORM, 4, 2))
+        np.testing.assert_array_equal(np.frombuffer(parsed.data, np.float32), data[4:10])
+
     def test_zero_copy_response_parsing(self):
         from attngrad import client as c
         rng = np.random.default_rng(4)

@@ -365,6 +365,21 @@ class _WireRequest:
         return pb.BackwardRequest.FromString(self.serialize())
 
 
+class _WireChunk:
+    """A LoadWeightsRequest whose `data` (field 5) is appended from a view of the weight's bytes
+    (one copy when serialised)."""
+
+    _DATA_FIELD = 5
+
+    def __init__(self, head, data: memoryview):
+        self.head = head
+        self.data = data
+
+    def serialize(self) -> bytes:
+        return b"".join([self.head.SerializeToString(),
+                         _length_delimited_header(self._DATA_FIELD, len(self.data)), self.data])
+
+
 def _fill_tensor(message, array: np.ndarray, dtype_name: str) -> None:
     raw, shape = tensors.encode(array, dtype_name)
     message.dtype = _DTYPE_ENUM[dtype_name]
@@ -597,6 +612,9 @@ class Client:
         self._backward = self._channel.stream_stream(  # one-copy request serialisation
             f"/{service}/Backward", request_serializer=_WireRequest.serialize,
             response_deserializer=_parse_backward_response)
+        self._load_weights = self._channel.stream_unary(
+            f"/{service}/LoadWeights", request_serializer=_WireChunk.serialize,
+            response_deserializer=pb.LoadWeightsResponse.FromString)
         self._health = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
             response_deserializer=_decode_health_response)
@@ -930,18 +948,17 @@ class Client:
 
         def requests():
             for name in WEIGHT_NAMES:
-                raw, shape = tensors.encode(tensors.to_numpy(named[name]), wire)
-                count = len(raw) // size
-                view = memoryview(raw)
+                array = tensors.to_numpy(named[name])
+                view = memoryview(tensors.contiguous(array, wire)).cast("B")
+                count = len(view) // size
                 for offset in range(0, max(count, 1), chunk_elements):
                     message = pb.LoadWeightsRequest(
                         name=_WEIGHT_ENUM[name], offset=offset,
-                        data=bytes(view[offset * size:min(count, offset + chunk_elements) * size]),
                         expected_weights_version=expected_weights_version)
                     if offset == 0:
                         message.dtype = _DTYPE_ENUM[wire]
-                        message.shape.extend(shape)
-                    yield message
+                        message.shape.extend(int(d) for d in array.shape)
+                    yield _WireChunk(message, view[offset * size:min(count, offset + chunk_elements) * size])
 
-        response = self._unary("LoadWeights", self._stub.LoadWeights, requests(), timeout)
+        response = self._unary("LoadWeights", self._load_weights, requests(), timeout)
         return response.weights_version
