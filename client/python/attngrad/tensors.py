@@ -2,10 +2,11 @@
 NumPy arrays and PyTorch tensors. PyTorch is never imported here: torch tensors are recognised by
 their type's module and converted with their own methods.
 
-Copies: encoding makes exactly one copy (protobuf's bytes field needs a bytes object; a C-contiguous
-little-endian fp32 array goes straight to bytes). Decoding is zero-copy for float32 and float16
-(np.frombuffer over the response's bytes: the array is read-only and keeps the bytes alive);
-bfloat16 needs one widening copy to float32."""
+Copies: contiguous() gives the wire bytes of an array without copying when it already is C-contiguous
+little-endian float32 (float16/bfloat16 need one conversion); the client then serialises backward
+requests and weight chunks with a single join of those buffers (client._WireRequest/_WireChunk).
+Decoding is zero-copy for float32 and float16 (np.frombuffer over the received bytes: the array is
+read-only and keeps them alive); bfloat16 needs one widening copy to float32."""
 from __future__ import annotations
 
 from typing import Any, Tuple
