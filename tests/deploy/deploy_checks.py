@@ -668,7 +668,7 @@ def command_metrics(arguments):
         try:
             server = RunningServer(
                 [arguments.server, f"--listen=127.0.0.1:{grpc_port}", f"--metrics_listen=127.0.0.1:{metrics_port}",
-                 "--devices=cpu", "--weights=random", "--weights_seed=7", "--cpu_threads=2",
+                 f"--devices={arguments.devices}", "--weights=random", "--weights_seed=7", "--cpu_threads=2",
                  "--queue_depth=2", "--shutdown_grace_seconds=20"],
                 server_environment(), metrics_port, arguments.cli, grpc_port, log)
             with server:
@@ -718,6 +718,12 @@ def command_metrics(arguments):
     for family in families.values():
         for device in family["values"].get("device", set()):
             check(re.fullmatch(r"cpu|cuda:\d+", device), f"device label value {device!r}")
+    if arguments.devices != "cpu":  # a GPU run (on a GPU machine): the GPU's own series
+        devices = families.get("attngrad_batches_total", {}).get("values", {}).get("device", set())
+        check(devices and all(device.startswith("cuda:") for device in devices), f"batches ran on {devices}")
+        totals = re.findall(r'^attngrad_device_memory_total_bytes\{device="(cuda:\d+)"\} (\S+)$', text, re.M)
+        check(totals and all(float(value) > 0 for _, value in totals), f"GPU memory totals {totals}")
+        print("GPU memory:", re.findall(r'^attngrad_device_memory_\w+_bytes\{device="cuda:\d+"\} \S+$', text, re.M))
 
     dashboard = json.loads(DASHBOARD.read_text())
     used = check_expressions_against(families, dashboard_expressions(dashboard), "dashboard ")
@@ -964,6 +970,7 @@ def main():
     parser.add_argument("--promtool", default=shutil.which("promtool") or "promtool")
     parser.add_argument("--prometheus", default=shutil.which("prometheus") or "prometheus")
     parser.add_argument("--server", help="path of attngrad-server")
+    parser.add_argument("--devices", default="cpu", help="--devices of the server in `metrics` (cpu in CI)")
     parser.add_argument("--cli", help="path of attngrad-cli")
     arguments = parser.parse_args()
     if arguments.command in ("manifests", "metrics", "prometheus", "entrypoint", "packages") and not arguments.server:
