@@ -118,6 +118,16 @@ class TorchBridgeAgainstServer(unittest.TestCase):
         self.assertGreater(sum(saved), 10 * hidden.numel() * 4,
                            "eager autograd should keep many activations")
 
+    def test_train_step_example_loss_goes_down(self):
+        import subprocess
+        import sys
+        script = t.REPO_ROOT / "client" / "python" / "examples" / "train_step.py"
+        run = subprocess.run([sys.executable, str(script), "--target", self.server.target,
+                              "--device", "cpu", "--batch", "1", "--seq-len", "8", "--steps", "3"],
+                             capture_output=True, text=True, timeout=300)
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn("went down", run.stdout)
+
 
 if __name__ == "__main__":
     unittest.main()
