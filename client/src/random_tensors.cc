@@ -7,9 +7,16 @@ namespace attngrad {
 
 double NormalGenerator::Next() {
   constexpr double kTwoPi = 6.283185307179586476925286766559;
+  if (have_spare_) {
+    have_spare_ = false;
+    return spare_;
+  }
   const double u1 = static_cast<double>(engine_() >> 11) * 0x1.0p-53;
   const double u2 = static_cast<double>(engine_() >> 11) * 0x1.0p-53;
-  return std::sqrt(-2.0 * std::log(1.0 - u1)) * std::cos(kTwoPi * u2);
+  const double radius = std::sqrt(-2.0 * std::log(1.0 - u1));
+  spare_ = radius * std::sin(kTwoPi * u2);
+  have_spare_ = true;
+  return radius * std::cos(kTwoPi * u2);
 }
 
 void NormalGenerator::Fill(std::vector<float>* out, double scale) {

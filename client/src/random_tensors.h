@@ -1,8 +1,10 @@
 // Deterministic random inputs and weights drawn as SPEC section 3 says, for the CLI, the benchmark and
 // the tests. The weight generator is the server's (server/layer_weights.h RandomLayerWeights):
-// std::mt19937_64(seed), Box-Muller's cosine branch on two 53-bit uniforms, weights filled in the
+// std::mt19937_64(seed), Box-Muller pairs (r cos, then r sin) from two 53-bit uniforms u1, u2 with
+// r = sqrt(-2 ln(1 - u1)), angle 2 pi u2, weights filled in the
 // order q, k, v, o, q_norm, k_norm, so a client with --weights_seed=N holds exactly the weights of a
-// server started with --weights=random --weights_seed=N.
+// server started with --weights=random --weights_seed=N. The two copies must stay identical:
+// ServiceTest.ReturnModeMatchesReference* and CliTest.BackwardCheckWithServerWeights* fail otherwise.
 #ifndef ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_
 #define ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_
 
@@ -15,7 +17,8 @@
 
 namespace attngrad {
 
-// Standard normal deviates from std::mt19937_64(seed) (the server's generator).
+// Standard normal deviates from std::mt19937_64(seed) (the server's generator): Box-Muller pairs,
+// cosine deviate first, then sine.
 class NormalGenerator {
  public:
   explicit NormalGenerator(uint64_t seed) : engine_(seed) {}
@@ -25,6 +28,8 @@ class NormalGenerator {
 
  private:
   std::mt19937_64 engine_;
+  bool have_spare_ = false;
+  double spare_ = 0;  // the sine deviate of the last pair
 };
 
 // The layer configuration the server reports (the Gemma-3-4B defaults where it reports none).
