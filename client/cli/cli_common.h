@@ -85,6 +85,7 @@ int RunBench();
 int RunFetch();
 int RunZero();
 int RunLoadWeights();
+int RunMetrics();
 
 }  // namespace attngrad::cli
 

@@ -28,6 +28,8 @@ Subcommands (all take --target=HOST:PORT, default 127.0.0.1:50051):
                 them (.safetensors file, or a directory of .npy)
   zero          zero the accumulators (--window=ID to expect a window)
   load-weights  upload --weights_file (layer --weights_layer) or random --weights_seed weights
+  metrics       summary of the server's Prometheus metrics (--metrics_target, default
+                127.0.0.1:9464): counters and gauges, histogram counts and means
 )";
 
 }  // namespace
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
   if (command == "fetch") return RunFetch();
   if (command == "zero") return RunZero();
   if (command == "load-weights") return RunLoadWeights();
+  if (command == "metrics") return RunMetrics();
   std::cerr << kUsage << "\nunknown subcommand '" << command << "'\n";
   return 2;
 }

@@ -112,6 +112,14 @@ TEST_F(CliTest, AccumulateFetchZeroAndBench) {
   EXPECT_THAT(out, HasSubstr("bench: 6 batches"));
   EXPECT_THAT(out, HasSubstr("tokens/s"));
   EXPECT_THAT(out, HasSubstr("p99"));
+  // The metrics summary: 3 + 6 ACCUMULATE batches of 8 tokens so far.
+  ASSERT_EQ(Cli({"metrics", absl::StrCat("--metrics_target=127.0.0.1:", server_->metrics_port())},
+                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("attngrad_batches_total{device=\"cpu\",mode=\"accumulate\"}"));
+  EXPECT_THAT(out, HasSubstr("observed, mean"));
+  EXPECT_THAT(out, Not(HasSubstr("_bucket")));
 }
 
 // load-weights from a safetensors file (bf16 on the wire when the server accepts it is the file's

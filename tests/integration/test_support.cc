@@ -162,55 +162,7 @@ int PickPort() {
 }
 
 absl::StatusOr<HttpResponse> HttpGet(int port, const std::string& path, absl::Duration timeout) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError("socket failed");
-  timeval tv{};
-  tv.tv_sec = static_cast<long>(absl::ToInt64Seconds(timeout));
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("connect 127.0.0.1:", port, ": ", std::strerror(errno)));
-  }
-  const std::string request =
-      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1:", port, "\r\nConnection: close\r\n\r\n");
-  if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
-    close(fd);
-    return absl::UnavailableError("send failed");
-  }
-  std::string raw;
-  char buffer[65536];
-  while (true) {
-    const ssize_t n = recv(fd, buffer, sizeof buffer, 0);
-    if (n <= 0) break;
-    raw.append(buffer, static_cast<size_t>(n));
-  }
-  close(fd);
-  const size_t space = raw.find(' ');
-  const size_t header_end = raw.find("\r\n\r\n");
-  HttpResponse response;
-  if (space == std::string::npos || header_end == std::string::npos ||
-      !absl::SimpleAtoi(raw.substr(space + 1, 3), &response.status)) {
-    return absl::DataLossError(absl::StrCat("bad HTTP response from port ", port, ": ", raw.substr(0, 200)));
-  }
-  response.body = raw.substr(header_end + 4);
-  return response;
-}
-
-std::string UrlEncode(const std::string& text) {
-  std::string out;
-  for (unsigned char c : text) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      absl::StrAppendFormat(&out, "%%%02X", c);
-    }
-  }
-  return out;
+  return ::attngrad::HttpGet(absl::StrCat("127.0.0.1:", port), path, timeout);
 }
 
 std::string ServerBinary() { return ATTNGRAD_SERVER_BINARY; }

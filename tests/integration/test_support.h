@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "http_get.h"
 
 namespace attngrad::testing {
 
@@ -55,14 +56,10 @@ int RunCommand(const std::vector<std::string>& argv, std::string* output,
 // A random loopback port in [20000, 60000) that could be bound just now.
 int PickPort();
 
-struct HttpResponse {
-  int status = 0;
-  std::string body;
-};
-// GET http://127.0.0.1:port<path> (HTTP/1.0, connection closed by the server).
+// GET http://127.0.0.1:port<path> (client/src/http_get.h).
 absl::StatusOr<HttpResponse> HttpGet(int port, const std::string& path,
                                      absl::Duration timeout = absl::Seconds(10));
-std::string UrlEncode(const std::string& text);
+using ::attngrad::UrlEncode;
 
 // The real attngrad-server on loopback ports with the CPU backend and random weights of seed 7.
 class TestServer {
