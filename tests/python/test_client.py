@@ -143,6 +143,20 @@ class ClientAgainstServer(unittest.TestCase):
             ref_hidden, _ = self.reference.backward(h, g, c, s, self.weights)
             self.assert_matches(result.grad_hidden_states, ref_hidden, "grad_hidden_states")
 
+    def test_backward_many_error_mid_stream_names_the_batch(self):
+        good = t.random_batch(self.rng, 1, 4)
+        bad = (np.zeros((1, 4, 100), np.float32), np.zeros((1, 4, 100), np.float32)) + good[2:]
+        batches = [dict(hidden_states=h, grad_output=g, cos=c, sin=s, batch_id=2000 + i)
+                   for i, (h, g, c, s) in enumerate([good, bad, good])]
+        seen = []
+        with self.assertRaises(attngrad.InvalidArgumentError) as caught:
+            for result in self.client.backward_many(batches):
+                seen.append(result.batch_id)
+        self.assertEqual(caught.exception.batch_id, 2001)
+        self.assertIn("hidden_states", caught.exception.message)
+        self.assertNotIn(2001, seen)
+        self.assertEqual(self.client.health(), "SERVING")
+
     def test_float16_wire(self):
         info = self.client.info()
         hidden, grad, cos, sin = t.random_batch(self.rng, 1, 4)
