@@ -1,0 +1,302 @@
+// attngrad_bench: times attngrad_backward on the 16 SPEC workloads the SPEC section 5 way — L2
+// flushed (a buffer of twice the L2 size written) before every iteration, 10 warm-up and 50 timed
+// iterations, CUDA events around the call, median — and prints per workload the median µs, T_SOL,
+// the ratio to SOL and the achieved TFLOP/s, then the geometric means. With --stages it also times
+// each pipeline stage (events recorded between stages) to say where the time goes.
+//
+// Usage: attngrad_bench [--precision=auto|fp16|tf32|fp32] [--stages] [--warmup=10] [--iters=50]
+//                       [--workloads=B:S,B:S,...]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attngrad/attngrad.h"
+#include "attngrad/backward.h"
+#include "cuda/pipeline.h"
+
+namespace {
+
+constexpr int kHidden = 3072;
+constexpr int kQOut = 3072;
+constexpr int kKvOut = 1024;
+constexpr int kHeadDim = 128;
+
+#define CHECK_CUDA(expression)                                                              \
+  do {                                                                                      \
+    const cudaError_t error_ = (expression);                                                \
+    if (error_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expression,              \
+                   cudaGetErrorString(error_));                                             \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+// Counter-based normal random numbers (splitmix64 + Box-Muller), so inputs are drawn on the device.
+__device__ unsigned long long SplitMix(unsigned long long x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+__global__ void FillNormal(float* data, std::size_t count, float scale, unsigned long long seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const unsigned long long bits = SplitMix(seed * 0x100000001B3ull + i);
+    const float u1 = ((bits >> 40) + 1.0f) / 16777217.0f;
+    const float u2 = ((bits & 0xFFFFFFull) + 0.5f) / 16777216.0f;
+    data[i] = scale * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+  }
+}
+
+// cos/sin of SPEC section 3: positions 0..S-1, theta 10000, embedding [f, f], same for every batch.
+__global__ void FillRotary(float* cos_out, float* sin_out, int batch, int seq_len) {
+  const std::size_t count = static_cast<std::size_t>(batch) * seq_len * kHeadDim;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % kHeadDim);
+    const int position = static_cast<int>((i / kHeadDim) % seq_len);
+    const double inv_freq = pow(10000.0, -2.0 * (d % 64) / 128.0);
+    const double angle = position * inv_freq;
+    cos_out[i] = static_cast<float>(cos(angle));
+    sin_out[i] = static_cast<float>(sin(angle));
+  }
+}
+
+struct DeviceBuffer {
+  void* pointer = nullptr;
+  explicit DeviceBuffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&pointer, bytes ? bytes : 1)); }
+  ~DeviceBuffer() { cudaFree(pointer); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  float* f() const { return static_cast<float*>(pointer); }
+};
+
+struct Event {
+  cudaEvent_t event = nullptr;
+  Event() { CHECK_CUDA(cudaEventCreate(&event)); }
+  ~Event() { cudaEventDestroy(event); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+double Sol(int batch, int seq_len, double* macs_out) {
+  const double tokens = static_cast<double>(batch) * seq_len;
+  const double macs = tokens * 66060288.0 + static_cast<double>(batch) * seq_len * seq_len * 18432.0;
+  const double weights = 2.0 * kHidden * kQOut + 2.0 * kKvOut * kHidden;
+  const double elements = tokens * kHidden * 3 + tokens * kHeadDim * 2 + 2 * weights + 4 * kHeadDim;
+  if (macs_out) *macs_out = macs;
+  return std::max(macs / 494.7e12, elements * 2.0 / 4.8e12);
+}
+
+// Records an event after every stage of one call; stage names in order.
+class EventObserver : public attngrad::cuda::StageObserver {
+ public:
+  explicit EventObserver(std::vector<cudaEvent_t>* events) : events_(events) {}
+  void StageDone(const char* stage, cudaStream_t stream) override {
+    if (next_ >= events_->size()) return;
+    CHECK_CUDA(cudaEventRecord((*events_)[next_++], stream));
+    names.push_back(stage);
+  }
+  std::vector<std::string> names;
+
+ private:
+  std::vector<cudaEvent_t>* events_;
+  std::size_t next_ = 0;
+};
+
+struct Options {
+  int precision = ATTNGRAD_PRECISION_AUTO;
+  bool stages = false;
+  int warmup = 10;
+  int iters = 50;
+  std::vector<std::pair<int, int>> workloads = {
+      {1, 128}, {1, 256}, {1, 512}, {1, 2048}, {2, 512}, {2, 541}, {2, 1024}, {2, 2048},
+      {4, 128}, {4, 256}, {4, 1024}, {8, 128}, {8, 512}, {16, 256}, {32, 128}, {64, 256}};
+};
+
+Options Parse(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&arg](const char* prefix) -> const char* {
+      const std::size_t n = std::strlen(prefix);
+      return arg.compare(0, n, prefix) == 0 ? arg.c_str() + n : nullptr;
+    };
+    if (const char* v = value("--precision=")) {
+      const std::string p = v;
+      options.precision = p == "fp16"   ? ATTNGRAD_PRECISION_FP16
+                          : p == "tf32" ? ATTNGRAD_PRECISION_TF32
+                          : p == "fp32" ? ATTNGRAD_PRECISION_FP32
+                                        : ATTNGRAD_PRECISION_AUTO;
+    } else if (arg == "--stages") {
+      options.stages = true;
+    } else if (const char* v = value("--warmup=")) {
+      options.warmup = std::atoi(v);
+    } else if (const char* v = value("--iters=")) {
+      options.iters = std::atoi(v);
+    } else if (const char* v = value("--workloads=")) {
+      options.workloads.clear();
+      std::string list = v;
+      std::size_t start = 0;
+      while (start < list.size()) {
+        std::size_t end = list.find(',', start);
+        if (end == std::string::npos) end = list.size();
+        const std::string item = list.substr(start, end - start);
+        const std::size_t colon = item.find(':');
+        if (colon != std::string::npos) {
+          options.workloads.emplace_back(std::atoi(item.c_str()), std::atoi(item.c_str() + colon + 1));
+        }
+        start = end + 1;
+      }
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", argv[i]);
+      std::exit(2);
+    }
+  }
+  return options;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options options = Parse(argc, argv);
+  if (attngrad_device_count() < 1) {
+    std::fprintf(stderr, "attngrad_bench: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp properties{};
+  CHECK_CUDA(cudaGetDeviceProperties(&properties, 0));
+  std::printf("device: %s, %d SMs, L2 %d MiB; precision %d\n", properties.name,
+              properties.multiProcessorCount, properties.l2CacheSize >> 20, options.precision);
+  const std::size_t flush_bytes = 2 * static_cast<std::size_t>(properties.l2CacheSize);
+  DeviceBuffer flush(flush_bytes);
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  std::printf("%5s %5s %11s %9s %7s %8s\n", "B", "S", "median_us", "sol_us", "x_sol", "TFLOP/s");
+  double log_time = 0, log_sol = 0;
+  std::map<std::string, std::vector<double>> stage_log;  // stage -> per-workload median share
+  std::vector<std::string> stage_order;
+  std::vector<std::string> stage_rows;
+  for (const auto& [batch, seq_len] : options.workloads) {
+    const std::size_t tokens = static_cast<std::size_t>(batch) * seq_len;
+    const std::size_t activations = tokens * kHidden;
+    const std::size_t rotary = tokens * kHeadDim;
+    DeviceBuffer x(activations * 4), dy(activations * 4), cos_buffer(rotary * 4),
+        sin_buffer(rotary * 4), wq(std::size_t{kQOut} * kHidden * 4),
+        wk(std::size_t{kKvOut} * kHidden * 4), wv(std::size_t{kKvOut} * kHidden * 4),
+        wo(std::size_t{kHidden} * kQOut * 4), qn(kHeadDim * 4), kn(kHeadDim * 4);
+    DeviceBuffer dx(activations * 4), dwq(std::size_t{kQOut} * kHidden * 4),
+        dwk(std::size_t{kKvOut} * kHidden * 4), dwv(std::size_t{kKvOut} * kHidden * 4),
+        dwo(std::size_t{kHidden} * kQOut * 4), dqn(kHeadDim * 4), dkn(kHeadDim * 4);
+    const unsigned long long seed = 1000ull * batch + seq_len;
+    FillNormal<<<1024, 256, 0, stream>>>(x.f(), activations, 1.f / std::sqrt(3072.f), seed + 1);
+    FillNormal<<<1024, 256, 0, stream>>>(dy.f(), activations, 1.f, seed + 2);
+    const float w_scale = std::sqrt(2.f / 3072.f);
+    FillNormal<<<1024, 256, 0, stream>>>(wq.f(), std::size_t{kQOut} * kHidden, w_scale, seed + 3);
+    FillNormal<<<1024, 256, 0, stream>>>(wk.f(), std::size_t{kKvOut} * kHidden, w_scale, seed + 4);
+    FillNormal<<<1024, 256, 0, stream>>>(wv.f(), std::size_t{kKvOut} * kHidden, w_scale, seed + 5);
+    FillNormal<<<1024, 256, 0, stream>>>(wo.f(), std::size_t{kHidden} * kQOut, w_scale, seed + 6);
+    FillNormal<<<1, 128, 0, stream>>>(qn.f(), kHeadDim, 0.02f, seed + 7);
+    FillNormal<<<1, 128, 0, stream>>>(kn.f(), kHeadDim, 0.02f, seed + 8);
+    FillRotary<<<256, 256, 0, stream>>>(cos_buffer.f(), sin_buffer.f(), batch, seq_len);
+    CHECK_CUDA(cudaGetLastError());
+    const std::size_t workspace_bytes = attngrad_workspace_size(batch, seq_len, options.precision);
+    DeviceBuffer workspace(workspace_bytes);
+
+    attngrad::BackwardInputs in;
+    in.grad_output = dy.f(); in.hidden_states = x.f(); in.cos = cos_buffer.f(); in.sin = sin_buffer.f();
+    in.q_weight = wq.f(); in.k_weight = wk.f(); in.v_weight = wv.f(); in.o_weight = wo.f();
+    in.q_norm_weight = qn.f(); in.k_norm_weight = kn.f();
+    attngrad::BackwardOutputs out;
+    out.grad_hidden_states = dx.f(); out.grad_q_weight = dwq.f(); out.grad_k_weight = dwk.f();
+    out.grad_v_weight = dwv.f(); out.grad_o_weight = dwo.f(); out.grad_q_norm_weight = dqn.f();
+    out.grad_k_norm_weight = dkn.f();
+
+    auto call = [&](attngrad::cuda::StageObserver* observer) {
+      const attngrad_status status = attngrad::cuda::RunBackwardPipeline(
+          attngrad::LayerConfig::Gemma3_4B(), batch, seq_len, attngrad::Scalars{},
+          static_cast<attngrad::Precision>(options.precision), /*accumulate=*/false, in, out,
+          workspace.pointer, workspace_bytes, stream, observer);
+      if (status != ATTNGRAD_OK) {
+        std::fprintf(stderr, "B=%d S=%d: %s\n", batch, seq_len, attngrad_status_string(status));
+        std::exit(1);
+      }
+    };
+    Event start, stop;
+    std::vector<double> times;
+    for (int i = 0; i < options.warmup + options.iters; ++i) {
+      CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+      CHECK_CUDA(cudaEventRecord(start.event, stream));
+      call(nullptr);
+      CHECK_CUDA(cudaEventRecord(stop.event, stream));
+      CHECK_CUDA(cudaEventSynchronize(stop.event));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start.event, stop.event));
+      if (i >= options.warmup) times.push_back(ms * 1e3);
+    }
+    const double median = Median(times);
+    double macs = 0;
+    const double sol = Sol(batch, seq_len, &macs) * 1e6;
+    std::printf("%5d %5d %11.1f %9.1f %7.2f %8.1f\n", batch, seq_len, median, sol, median / sol,
+                2.0 * macs / (median * 1e-6) / 1e12);
+    std::fflush(stdout);
+    log_time += std::log(median);
+    log_sol += std::log(sol);
+
+    if (options.stages) {
+      std::vector<cudaEvent_t> events(16);
+      for (auto& e : events) CHECK_CUDA(cudaEventCreate(&e));
+      std::map<std::string, std::vector<double>> per_stage;
+      std::vector<std::string> names;
+      for (int i = 0; i < options.warmup / 2 + options.iters / 2; ++i) {
+        CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+        CHECK_CUDA(cudaEventRecord(start.event, stream));
+        EventObserver observer(&events);
+        call(&observer);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        names = observer.names;
+        if (i < options.warmup / 2) continue;
+        cudaEvent_t previous = start.event;
+        for (std::size_t s = 0; s < names.size(); ++s) {
+          float ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, previous, events[s]));
+          per_stage[names[s]].push_back(ms * 1e3);
+          previous = events[s];
+        }
+      }
+      std::string row = std::to_string(batch) + "x" + std::to_string(seq_len) + ":";
+      for (const auto& name : names) {
+        char cell[96];
+        std::snprintf(cell, sizeof cell, " %s=%.1f", name.c_str(), Median(per_stage[name]));
+        row += cell;
+      }
+      stage_rows.push_back(row);
+      for (auto& e : events) cudaEventDestroy(e);
+    }
+  }
+  const double n = static_cast<double>(options.workloads.size());
+  std::printf("geomean: %.1f us, SOL %.1f us, x_sol %.2f\n", std::exp(log_time / n),
+              std::exp(log_sol / n), std::exp((log_time - log_sol) / n));
+  if (options.stages) {
+    std::printf("per-stage medians (us):\n");
+    for (const auto& row : stage_rows) std::printf("  %s\n", row.c_str());
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return 0;
+}

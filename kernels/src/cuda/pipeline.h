@@ -1,0 +1,35 @@
+// The GPU backward pipeline of SPEC section 2 as one function, with an optional observer told after
+// each stage (the benchmark records CUDA events there to say where the time goes). Internal to
+// kernels/ and bench/; the public entry point is attngrad::BackwardDevice (backward.h).
+#ifndef ATTNGRAD_KERNELS_CUDA_PIPELINE_H_
+#define ATTNGRAD_KERNELS_CUDA_PIPELINE_H_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "attngrad/backward.h"
+
+namespace attngrad::cuda {
+
+// Called on the host after each stage has been enqueued on `stream` (before the next one is).
+class StageObserver {
+ public:
+  virtual ~StageObserver() = default;
+  virtual void StageDone(const char* stage, cudaStream_t stream) = 0;
+};
+
+// The mode a call runs in: AUTO resolves to FP16, the fastest mode, which meets SPEC section 4 on
+// all 16 workloads (bench/RESULTS.md; TF32 was measured slower at every size, even at B*S = 128
+// where the FP16 mode's weight conversion costs most).
+Precision ResolvePrecision(Precision precision, int batch, int seq_len);
+
+attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
+                                    const Scalars& scalars, Precision precision, bool accumulate,
+                                    const BackwardInputs& in, const BackwardOutputs& out,
+                                    void* workspace, std::size_t workspace_size,
+                                    cudaStream_t stream, StageObserver* observer);
+
+}  // namespace attngrad::cuda
+
+#endif  // ATTNGRAD_KERNELS_CUDA_PIPELINE_H_

@@ -1,0 +1,188 @@
+// Stage: the projection GEMMs of SPEC section 2 (steps 1, 5 and 9) through cuBLASLt, with the
+// per-device handle and plan cache (see projection_gemm.h).
+#include "cuda/projection_gemm.h"
+
+#include <cstdint>
+
+namespace attngrad::cuda {
+namespace {
+
+// Largest power of two (at most 256) dividing the address: the alignment cuBLASLt may assume.
+int AlignmentOf(const void* pointer) {
+  const auto address = reinterpret_cast<std::uintptr_t>(pointer);
+  int alignment = 256;
+  while (alignment > 1 && (address % static_cast<std::uintptr_t>(alignment)) != 0) alignment /= 2;
+  return alignment;
+}
+
+cudaDataType_t OperandType(const GemmSpec& spec) {
+  return spec.arithmetic == GemmArithmetic::kFp16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+cublasComputeType_t ComputeType(const GemmSpec& spec) {
+  return spec.arithmetic == GemmArithmetic::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                  : CUBLAS_COMPUTE_32F;
+}
+
+bool Ok(cublasStatus_t status) { return status == CUBLAS_STATUS_SUCCESS; }
+
+}  // namespace
+
+GemmPlan::~GemmPlan() {
+  if (layout_d_) cublasLtMatrixLayoutDestroy(layout_d_);
+  if (layout_b_) cublasLtMatrixLayoutDestroy(layout_b_);
+  if (layout_a_) cublasLtMatrixLayoutDestroy(layout_a_);
+  if (desc_) cublasLtMatmulDescDestroy(desc_);
+}
+
+attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment) {
+  const cudaDataType_t operand = OperandType(spec);
+  const cudaDataType_t output = spec.d_is_half ? CUDA_R_16F : CUDA_R_32F;
+  if (!Ok(cublasLtMatmulDescCreate(&desc_, ComputeType(spec), CUDA_R_32F))) return ATTNGRAD_INTERNAL;
+  const cublasOperation_t op_a = spec.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = spec.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (!Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a))) ||
+      !Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)))) {
+    return ATTNGRAD_INTERNAL;
+  }
+  // Stored shapes: A is m x k (k x m when transposed), B is k x n (n x k when transposed).
+  const int a_rows = spec.transpose_a ? spec.k : spec.m;
+  const int a_cols = spec.transpose_a ? spec.m : spec.k;
+  const int b_rows = spec.transpose_b ? spec.n : spec.k;
+  const int b_cols = spec.transpose_b ? spec.k : spec.n;
+  if (!Ok(cublasLtMatrixLayoutCreate(&layout_a_, operand, a_rows, a_cols, spec.lda)) ||
+      !Ok(cublasLtMatrixLayoutCreate(&layout_b_, operand, b_rows, b_cols, spec.ldb)) ||
+      !Ok(cublasLtMatrixLayoutCreate(&layout_d_, output, spec.m, spec.n, spec.ldd))) {
+    return ATTNGRAD_INTERNAL;
+  }
+
+  cublasLtMatmulPreference_t preference = nullptr;
+  if (!Ok(cublasLtMatmulPreferenceCreate(&preference))) return ATTNGRAD_INTERNAL;
+  const std::size_t max_workspace = kGemmWorkspaceBytes;
+  const std::uint32_t align = static_cast<std::uint32_t>(alignment);
+  bool configured =
+      Ok(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                              &max_workspace, sizeof(max_workspace))) &&
+      Ok(cublasLtMatmulPreferenceSetAttribute(
+          preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof(align))) &&
+      Ok(cublasLtMatmulPreferenceSetAttribute(
+          preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof(align))) &&
+      Ok(cublasLtMatmulPreferenceSetAttribute(
+          preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof(align))) &&
+      Ok(cublasLtMatmulPreferenceSetAttribute(
+          preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  if (configured) {
+    configured = Ok(cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_a_, layout_b_, layout_d_,
+                                                   layout_d_, preference, 1, &result, &found));
+  }
+  cublasLtMatmulPreferenceDestroy(preference);
+  if (!configured || found < 1 || !Ok(result.state)) return ATTNGRAD_INTERNAL;
+  algo_ = result.algo;
+  workspace_bytes_ = result.workspaceSize;
+  return ATTNGRAD_OK;
+}
+
+attngrad_status GemmPlan::Run(cublasLtHandle_t handle, const GemmSpec& spec, void* gemm_workspace,
+                              cudaStream_t stream) const {
+  const cublasStatus_t status =
+      cublasLtMatmul(handle, desc_, &spec.alpha, spec.a, layout_a_, spec.b, layout_b_, &spec.beta,
+                     spec.d, layout_d_, spec.d, layout_d_, &algo_, gemm_workspace,
+                     workspace_bytes_, stream);
+  if (status == CUBLAS_STATUS_SUCCESS) return ATTNGRAD_OK;
+  return status == CUBLAS_STATUS_EXECUTION_FAILED ? ATTNGRAD_CUDA_ERROR : ATTNGRAD_INTERNAL;
+}
+
+SideStream::~SideStream() {
+  for (cudaEvent_t event : events_) {
+    if (event) cudaEventDestroy(event);
+  }
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+attngrad_status SideStream::Init() {
+  if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
+    return ATTNGRAD_CUDA_ERROR;
+  }
+  for (cudaEvent_t& event : events_) {
+    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+      return ATTNGRAD_CUDA_ERROR;
+    }
+  }
+  return ATTNGRAD_OK;
+}
+
+attngrad_status DeviceContext::AcquireSideStream(SideStream** side) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (idle_side_streams_.empty()) {
+    auto fresh = std::make_unique<SideStream>();
+    const attngrad_status status = fresh->Init();
+    if (status != ATTNGRAD_OK) return status;
+    idle_side_streams_.push_back(fresh.get());
+    side_streams_.push_back(std::move(fresh));
+  }
+  *side = idle_side_streams_.back();
+  idle_side_streams_.pop_back();
+  return ATTNGRAD_OK;
+}
+
+void DeviceContext::ReleaseSideStream(SideStream* side) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  idle_side_streams_.push_back(side);
+}
+
+DeviceContext::~DeviceContext() {
+  side_streams_.clear();
+  plans_.clear();
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+attngrad_status DeviceContext::Init() {
+  return Ok(cublasLtCreate(&handle_)) ? ATTNGRAD_OK : ATTNGRAD_INTERNAL;
+}
+
+attngrad_status DeviceContext::Gemm(const GemmSpec& spec, void* gemm_workspace,
+                                    cudaStream_t stream) {
+  if (spec.m <= 0 || spec.n <= 0 || spec.k <= 0) return ATTNGRAD_INTERNAL;
+  int alignment = AlignmentOf(spec.a);
+  if (AlignmentOf(spec.b) < alignment) alignment = AlignmentOf(spec.b);
+  if (AlignmentOf(spec.d) < alignment) alignment = AlignmentOf(spec.d);
+  const PlanKey key{spec.transpose_a ? 1 : 0, spec.transpose_b ? 1 : 0, spec.m, spec.n, spec.k,
+                    spec.lda, spec.ldb, spec.ldd, static_cast<int>(spec.arithmetic),
+                    spec.d_is_half ? 1 : 0, alignment, 0};
+  const GemmPlan* plan = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = plans_.find(key);
+    if (found == plans_.end()) {
+      auto fresh = std::make_unique<GemmPlan>();
+      const attngrad_status status = fresh->Init(handle_, spec, alignment);
+      if (status != ATTNGRAD_OK) return status;
+      found = plans_.emplace(key, std::move(fresh)).first;
+    }
+    plan = found->second.get();
+  }
+  return plan->Run(handle_, spec, gemm_workspace, stream);
+}
+
+DeviceContextRegistry& DeviceContextRegistry::Instance() {
+  static DeviceContextRegistry registry;  // thread-safe initialisation (C++11 function statics)
+  return registry;
+}
+
+attngrad_status DeviceContextRegistry::Get(int device, DeviceContext** context) {
+  if (device < 0) return ATTNGRAD_INTERNAL;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (contexts_.size() <= static_cast<std::size_t>(device)) contexts_.resize(device + 1);
+  if (!contexts_[device]) {
+    auto fresh = std::make_unique<DeviceContext>(device);
+    const attngrad_status status = fresh->Init();
+    if (status != ATTNGRAD_OK) return status;
+    contexts_[device] = std::move(fresh);
+  }
+  *context = contexts_[device].get();
+  return ATTNGRAD_OK;
+}
+
+}  // namespace attngrad::cuda

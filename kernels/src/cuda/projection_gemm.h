@@ -1,0 +1,159 @@
+// The projection GEMMs of SPEC section 2 (steps 1, 5 and 9: qkv = X Wqkv^T, dA = dY Wo,
+// dWo = dY^T A, dX = dqkv Wqkv, dWqkv = dqkv^T X) through cuBLASLt, and the per-device cache of
+// cuBLASLt handles and matmul plans they run with. Internal to kernels/.
+//
+// A GEMM is described in cuBLAS's column-major terms (D = alpha op(A) op(B) + beta D, D is m x n).
+// A row-major matrix [rows, cols] is the column-major matrix [cols x rows] with the same leading
+// dimension, so every product of the pipeline maps onto one such description (backward_device.cu).
+//
+// Plans (matmul descriptor, matrix layouts, the algorithm cuBLASLt's heuristic picked) are created on
+// first use of a shape and reused for every later call with that shape on that device. The registry
+// that owns them is one process-wide object (DeviceContextRegistry::Instance(), a function-local
+// static with thread-safe initialisation); every lookup takes its mutex, plans are never freed or
+// changed once made, so the GEMMs themselves run without holding a lock.
+#ifndef ATTNGRAD_KERNELS_CUDA_PROJECTION_GEMM_H_
+#define ATTNGRAD_KERNELS_CUDA_PROJECTION_GEMM_H_
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "attngrad/attngrad.h"
+
+namespace attngrad::cuda {
+
+// Arithmetic of one GEMM: exact fp32, fp32 operands on TF32 tensor cores, or fp16 operands; every
+// mode accumulates in fp32.
+enum class GemmArithmetic { kFp32, kTf32, kFp16 };
+
+// Bytes of cuBLASLt workspace every GEMM may use (carved from the caller's workspace).
+inline constexpr std::size_t kGemmWorkspaceBytes = std::size_t{32} << 20;
+
+struct GemmSpec {
+  bool transpose_a = false;
+  bool transpose_b = false;
+  int m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int lda = 0;
+  const void* b = nullptr;
+  int ldb = 0;
+  void* d = nullptr;  // also C when beta != 0
+  int ldd = 0;
+  GemmArithmetic arithmetic = GemmArithmetic::kFp32;
+  bool d_is_half = false;  // D element type: fp16 (only with kFp16) or fp32
+  float alpha = 1.f;
+  float beta = 0.f;
+};
+
+// One cuBLASLt plan: descriptor, layouts and the chosen algorithm. Immutable once made.
+class GemmPlan {
+ public:
+  GemmPlan() = default;
+  GemmPlan(const GemmPlan&) = delete;
+  GemmPlan& operator=(const GemmPlan&) = delete;
+  ~GemmPlan();
+
+  // Builds the descriptors and asks the heuristic for an algorithm (host-side work only).
+  attngrad_status Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment);
+  attngrad_status Run(cublasLtHandle_t handle, const GemmSpec& spec, void* gemm_workspace,
+                      cudaStream_t stream) const;
+
+ private:
+  cublasLtMatmulDesc_t desc_ = nullptr;
+  cublasLtMatrixLayout_t layout_a_ = nullptr;
+  cublasLtMatrixLayout_t layout_b_ = nullptr;
+  cublasLtMatrixLayout_t layout_d_ = nullptr;
+  cublasLtMatmulAlgo_t algo_{};
+  std::size_t workspace_bytes_ = 0;
+};
+
+// A second stream and the events that fork work onto it from the caller's stream and join it back
+// (graph-capturable: every fork is an event recorded on the caller's stream and waited for).
+inline constexpr int kForkEvents = 5;
+class SideStream {
+ public:
+  SideStream() = default;
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream();
+  attngrad_status Init();
+  cudaStream_t stream() const { return stream_; }
+  cudaEvent_t event(int index) const { return events_[index]; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t events_[kForkEvents] = {};
+};
+
+// cuBLASLt handle, plans and side streams of one device.
+class DeviceContext {
+ public:
+  explicit DeviceContext(int device) : device_(device) {}
+  DeviceContext(const DeviceContext&) = delete;
+  DeviceContext& operator=(const DeviceContext&) = delete;
+  ~DeviceContext();
+
+  attngrad_status Init();  // creates the cuBLASLt handle; called once by the registry
+  int device() const { return device_; }
+
+  // Runs one GEMM on `stream`, creating its plan the first time this shape is seen.
+  attngrad_status Gemm(const GemmSpec& spec, void* gemm_workspace, cudaStream_t stream);
+
+  // A side stream for one call's concurrent stages: taken from a pool (created on first need, so
+  // at most as many exist as calls ever ran at once on this device) and given back after the call
+  // has enqueued its work. A later call that reuses it is ordered after the earlier one's work on
+  // it, which is always correct.
+  attngrad_status AcquireSideStream(SideStream** side);
+  void ReleaseSideStream(SideStream* side);
+
+ private:
+  // Everything the heuristic's choice depends on: shape, leading dimensions, types, pointer alignment.
+  using PlanKey = std::tuple<int, int, int, int, int, int, int, int, int, int, int, int>;
+
+  int device_;
+  cublasLtHandle_t handle_ = nullptr;
+  std::mutex mutex_;
+  std::map<PlanKey, std::unique_ptr<GemmPlan>> plans_;
+  std::vector<std::unique_ptr<SideStream>> side_streams_;  // all made, owned here
+  std::vector<SideStream*> idle_side_streams_;
+};
+
+// Holds a side stream for the scope of one call.
+class SideStreamLease {
+ public:
+  explicit SideStreamLease(DeviceContext* context) : context_(context) {}
+  SideStreamLease(const SideStreamLease&) = delete;
+  SideStreamLease& operator=(const SideStreamLease&) = delete;
+  ~SideStreamLease() {
+    if (side_) context_->ReleaseSideStream(side_);
+  }
+  attngrad_status Acquire() { return context_->AcquireSideStream(&side_); }
+  SideStream* get() const { return side_; }
+
+ private:
+  DeviceContext* context_;
+  SideStream* side_ = nullptr;
+};
+
+// Process-wide owner of one DeviceContext per device, created lazily and thread-safely.
+class DeviceContextRegistry {
+ public:
+  static DeviceContextRegistry& Instance();
+  // The context of `device`, created on first use. Never null when ATTNGRAD_OK is returned.
+  attngrad_status Get(int device, DeviceContext** context);
+
+ private:
+  DeviceContextRegistry() = default;
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<DeviceContext>> contexts_;
+};
+
+}  // namespace attngrad::cuda
+
+#endif  // ATTNGRAD_KERNELS_CUDA_PROJECTION_GEMM_H_
