@@ -4,7 +4,7 @@
 // r = sqrt(-2 ln(1 - u1)), angle 2 pi u2, weights filled in the
 // order q, k, v, o, q_norm, k_norm, so a client with --weights_seed=N holds exactly the weights of a
 // server started with --weights=random --weights_seed=N. The two copies must stay identical:
-// ServiceTest.ReturnModeMatchesReference* and CliTest.BackwardCheckWithServerWeights* fail otherwise.
+// EndToEndTest.ReturnModeMatchesReference* and CliTest.BackwardCheckWithServerWeights* fail otherwise.
 #ifndef ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_
 #define ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_
 

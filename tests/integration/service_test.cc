@@ -29,7 +29,7 @@ struct Shape {
   int64_t seq_len;
 };
 
-class ServiceTest : public ::testing::Test {
+class EndToEndTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto server = TestServer::Start();
@@ -104,7 +104,7 @@ void ExpectSpecMatch(const WeightSet& got, const WeightSet& reference, double at
   }
 }
 
-TEST_F(ServiceTest, InfoAndHealth) {
+TEST_F(EndToEndTest, InfoAndHealth) {
   auto info = client_->Info();
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->config().hidden_size(), 3072);
@@ -125,7 +125,7 @@ TEST_F(ServiceTest, InfoAndHealth) {
 
 // RETURN mode, one batch that fits and one the client must split along B (48 tokens > 32), both
 // against the CPU reference with the server's own random weights (the shared generator).
-TEST_F(ServiceTest, ReturnModeMatchesReferenceIncludingSplitBatches) {
+TEST_F(EndToEndTest, ReturnModeMatchesReferenceIncludingSplitBatches) {
   for (Shape shape : {Shape{2, 8}, Shape{3, 16}}) {
     const BatchInputs inputs = RandomBatchInputs(config_, shape.batch, shape.seq_len, 11);
     BackwardBatch batch = inputs.View();
@@ -146,7 +146,7 @@ TEST_F(ServiceTest, ReturnModeMatchesReferenceIncludingSplitBatches) {
 }
 
 // Position ids instead of tables, and a float16 answer, still match.
-TEST_F(ServiceTest, PositionsAndHalfResponse) {
+TEST_F(EndToEndTest, PositionsAndHalfResponse) {
   const BatchInputs inputs = RandomBatchInputs(config_, 2, 8, 12);
   BackwardBatch batch = inputs.View();
   batch.cos = batch.sin = {};  // the server builds positions 0..S-1 with theta 10000
@@ -174,7 +174,7 @@ TEST_F(ServiceTest, PositionsAndHalfResponse) {
 // K ACCUMULATE batches from three concurrent clients; the fetched sums equal the sum of the same
 // batches in RETURN mode and the CPU reference; a retried batch id is not added twice; fetch-and-zero
 // starts a new window and a batch naming the old window is refused.
-TEST_F(ServiceTest, AccumulateFromConcurrentClientsEqualsReturnSumAndReference) {
+TEST_F(EndToEndTest, AccumulateFromConcurrentClientsEqualsReturnSumAndReference) {
   auto zeroed = client_->Zero();
   ASSERT_TRUE(zeroed.ok()) << zeroed.status();
   const uint64_t window = zeroed->current().window_id();
@@ -282,7 +282,7 @@ TEST_F(ServiceTest, AccumulateFromConcurrentClientsEqualsReturnSumAndReference) 
 
 // Bad input of each class gets its code and the server's message naming the field; the stream and
 // the server keep serving; the accumulators are untouched.
-TEST_F(ServiceTest, BadInputReachesClientWithServerMessage) {
+TEST_F(EndToEndTest, BadInputReachesClientWithServerMessage) {
   auto zeroed = client_->Zero();
   ASSERT_TRUE(zeroed.ok()) << zeroed.status();
   const uint64_t version = client_->cached_info().weights_version();
@@ -413,7 +413,7 @@ TEST_F(ServiceTest, BadInputReachesClientWithServerMessage) {
 // A stream cancelled with batches in flight leaves the accumulators consistent: once the server is
 // quiet, re-sending every batch with its id adds exactly the ones that were not accumulated, and the
 // window then holds each batch exactly once.
-TEST_F(ServiceTest, CancelledStreamLeavesAccumulatorsConsistent) {
+TEST_F(EndToEndTest, CancelledStreamLeavesAccumulatorsConsistent) {
   auto zeroed = client_->Zero();
   ASSERT_TRUE(zeroed.ok()) << zeroed.status();
   const uint64_t window = zeroed->current().window_id();
@@ -461,7 +461,7 @@ TEST_F(ServiceTest, CancelledStreamLeavesAccumulatorsConsistent) {
 }
 
 // A server restart is detected through the instance id and reported as ABORTED until accepted.
-TEST_F(ServiceTest, ServerRestartIsDetected) {
+TEST_F(EndToEndTest, ServerRestartIsDetected) {
   BackwardBatch batch;
   const BatchInputs inputs = RandomBatchInputs(config_, 1, 8, 41);
   batch = inputs.View();
@@ -488,7 +488,7 @@ TEST_F(ServiceTest, ServerRestartIsDetected) {
 }
 
 // Idempotent calls retry through a short outage: the server is down when Info starts.
-TEST_F(ServiceTest, IdempotentCallsRetryWithBackoff) {
+TEST_F(EndToEndTest, IdempotentCallsRetryWithBackoff) {
   ClientOptions options;
   options.max_attempts = 8;
   options.initial_backoff = absl::Milliseconds(500);
