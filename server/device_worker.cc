@@ -55,15 +55,14 @@ void DeviceWorker::StopAndJoin() {
 void DeviceWorker::Submit(std::unique_ptr<BatchJob> job) {
   job->device = device_;
   job->submitted = std::chrono::steady_clock::now();
-  std::size_t queued;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(Item{std::move(job), std::nullopt});
     ++outstanding_;
-    queued = queue_.size();
+    ++queued_jobs_;
     metrics_->Inflight(device_).Set(static_cast<double>(outstanding_));
+    metrics_->QueueDepth(device_).Set(static_cast<double>(queued_jobs_));
   }
-  metrics_->QueueDepth(device_).Set(static_cast<double>(queued));
   ready_.notify_one();
 }
 
@@ -86,9 +85,8 @@ std::optional<DeviceWorker::Item> DeviceWorker::Pop(bool wait) {
   if (queue_.empty()) return std::nullopt;
   Item item = std::move(queue_.front());
   queue_.pop_front();
-  std::size_t queued = 0;
-  for (const Item& waiting : queue_) queued += waiting.job != nullptr;
-  metrics_->QueueDepth(device_).Set(static_cast<double>(queued));
+  if (item.job != nullptr) --queued_jobs_;
+  metrics_->QueueDepth(device_).Set(static_cast<double>(queued_jobs_));
   return item;
 }
 

@@ -138,6 +138,7 @@ class DeviceWorker {
   std::condition_variable ready_;
   std::deque<Item> queue_;
   std::size_t outstanding_ = 0;  // batches queued + in progress
+  std::size_t queued_jobs_ = 0;  // batches queued
   bool stopping_ = false;
   std::thread thread_;
 };

@@ -415,6 +415,11 @@ absl::StatusOr<std::vector<std::unique_ptr<DeviceWorker>>> CreateGpuWorkers(
     const std::vector<int>& devices, std::shared_ptr<const LayerWeights> weights,
     int pipeline_depth, ServerMetrics* metrics) {
   const int count = DeviceCount();
+  if (weights->config.head_dim != 128) {
+    return absl::UnimplementedError(absl::StrCat(
+        "--weights: the GPU kernels support head_dim 128 only; this layer has head_dim ",
+        weights->config.head_dim, " (serve it with --devices=cpu)"));
+  }
   std::vector<std::unique_ptr<DeviceWorker>> workers;
   for (int device : devices) {
     if (device < 0 || device >= count) {

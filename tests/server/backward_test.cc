@@ -9,9 +9,9 @@
 namespace attngrad::server::testing {
 namespace {
 
-class BackwardTest : public ServerTest {};
+class ServerBackwardTest : public ServerTest {};
 
-TEST_F(BackwardTest, ReturnMatchesBackwardHost) {
+TEST_F(ServerBackwardTest, ReturnMatchesBackwardHost) {
   const Batch batch = MakeBatch(config(), 2, 6, 101);
   const Gradients expected = Reference(weights(), batch);
   const v1::BackwardResponse response =
@@ -35,7 +35,7 @@ TEST_F(BackwardTest, ReturnMatchesBackwardHost) {
   EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, 1e-5, "weight gradient"));
 }
 
-TEST_F(BackwardTest, PositionsBuildTheSameRotaryTables) {
+TEST_F(ServerBackwardTest, PositionsBuildTheSameRotaryTables) {
   const Batch batch = MakeBatch(config(), 2, 5, 202);
   const Gradients expected = Reference(weights(), batch);
   v1::BackwardRequest request = MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE);
@@ -60,7 +60,7 @@ TEST_F(BackwardTest, PositionsBuildTheSameRotaryTables) {
   }
 }
 
-TEST_F(BackwardTest, SixteenBitWireDtypes) {
+TEST_F(ServerBackwardTest, SixteenBitWireDtypes) {
   Batch batch = MakeBatch(config(), 1, 4, 303);
   // Round the inputs to what travels: hidden_states as bf16, grad_output as fp16.
   v1::BackwardRequest request = MakeRequest(config(), batch, 9, v1::GRADIENT_MODE_RETURN);
@@ -84,7 +84,7 @@ TEST_F(BackwardTest, SixteenBitWireDtypes) {
                     "weight gradient (fp16)"));
 }
 
-TEST_F(BackwardTest, ManyBatchesOnOneStreamAreAllAnswered) {
+TEST_F(ServerBackwardTest, ManyBatchesOnOneStreamAreAllAnswered) {
   std::vector<v1::BackwardRequest> requests;
   std::vector<Gradients> expected;
   for (int i = 0; i < 7; ++i) {

@@ -12,7 +12,7 @@
 namespace attngrad::server::testing {
 namespace {
 
-class BadInputTest : public ServerTest {
+class ServerBadInputTest : public ServerTest {
  protected:
   void Customize(ServerOptions& options) override { options.max_batch_tokens = 32; }
 };
@@ -24,7 +24,7 @@ struct BadCase {
   std::string field;  // the message must contain it
 };
 
-TEST_F(BadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
+TEST_F(ServerBadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   const std::int64_t hidden = config().hidden_size;
@@ -139,7 +139,7 @@ TEST_F(BadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
   EXPECT_TRUE(Close(fetched.gradients, sum, 1e-5, "good batches only"));
 }
 
-TEST_F(BadInputTest, FetchRejectsBadArguments) {
+TEST_F(ServerBadInputTest, FetchRejectsBadArguments) {
   v1::FetchGradientsRequest request;
   request.set_dtype(static_cast<v1::DType>(12));
   Fetched fetched = Fetch(stub(), request);

@@ -7,7 +7,7 @@
 namespace attngrad::server::testing {
 namespace {
 
-class GradientsTest : public ServerTest {
+class ServerGradientsTest : public ServerTest {
  protected:
   // Sum of the reference weight gradients of `batches`.
   LayerTensors SumOfReferences(const std::vector<Batch>& batches) {
@@ -32,7 +32,7 @@ class GradientsTest : public ServerTest {
   }
 };
 
-TEST_F(GradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
+TEST_F(ServerGradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
   constexpr int kStreams = 3, kPerStream = 2;
   std::vector<Batch> batches;
   for (int i = 0; i < kStreams * kPerStream; ++i) batches.push_back(MakeBatch(config(), 1, 3, 500 + i));
@@ -61,7 +61,7 @@ TEST_F(GradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
     }
   }
   // The reference: the RETURN gradients of one batch through the server equal BackwardHost
-  // (BackwardTest), so the sum of BackwardHost's is the sum of RETURN gradients; check one here too.
+  // (ServerBackwardTest), so the sum of BackwardHost's is the sum of RETURN gradients; check one here too.
   const v1::BackwardResponse returned =
       RunOne(stub(), MakeRequest(config(), batches[0], 99, v1::GRADIENT_MODE_RETURN));
   ASSERT_FALSE(returned.has_error());
@@ -82,7 +82,7 @@ TEST_F(GradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
   EXPECT_TRUE(Close(fetched.gradients, sum, 1e-5, "accumulated"));
 }
 
-TEST_F(GradientsTest, RetriedBatchIdIsAnsweredButNotCountedTwice) {
+TEST_F(ServerGradientsTest, RetriedBatchIdIsAnsweredButNotCountedTwice) {
   const Batch batch = MakeBatch(config(), 1, 4, 600);
   const Batch other = MakeBatch(config(), 1, 4, 601);
   const v1::BackwardRequest request = MakeRequest(config(), batch, 77, v1::GRADIENT_MODE_ACCUMULATE);
@@ -110,7 +110,7 @@ TEST_F(GradientsTest, RetriedBatchIdIsAnsweredButNotCountedTwice) {
   EXPECT_TRUE(Close(second.gradients, SumOfReferences({batch}), 1e-5, "new window"));
 }
 
-TEST_F(GradientsTest, FetchAndZeroStartsANewWindow) {
+TEST_F(ServerGradientsTest, FetchAndZeroStartsANewWindow) {
   const Batch batch = MakeBatch(config(), 2, 2, 700);
   const v1::BackwardResponse accumulated =
       RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE));
@@ -172,7 +172,7 @@ TEST_F(GradientsTest, FetchAndZeroStartsANewWindow) {
   EXPECT_TRUE(Close(empty.gradients, LayerTensors::Zeros(config()), 0, "after ZeroGradients"));
 }
 
-TEST_F(GradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {
+TEST_F(ServerGradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {
   std::vector<Batch> batches;
   std::vector<v1::BackwardRequest> requests;
   for (int i = 0; i < 4; ++i) {

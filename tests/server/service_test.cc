@@ -34,9 +34,9 @@ std::string HttpGet(int port, const std::string& path) {
   return body;
 }
 
-class ServiceTest : public ServerTest {};
+class ServerServiceTest : public ServerTest {};
 
-TEST_F(ServiceTest, ModelInfoDescribesTheServer) {
+TEST_F(ServerServiceTest, ModelInfoDescribesTheServer) {
   v1::GetModelInfoResponse info;
   grpc::ClientContext context;
   ASSERT_TRUE(stub().GetModelInfo(&context, {}, &info).ok());
@@ -59,7 +59,7 @@ TEST_F(ServiceTest, ModelInfoDescribesTheServer) {
   EXPECT_EQ(info.default_eps(), 1e-6f);
 }
 
-TEST_F(ServiceTest, HealthCheckAndReflection) {
+TEST_F(ServerServiceTest, HealthCheckAndReflection) {
   auto health = grpc::health::v1::Health::NewStub(channel());
   grpc::health::v1::HealthCheckRequest request;
   grpc::health::v1::HealthCheckResponse response;
@@ -111,7 +111,7 @@ TEST_F(ServiceTest, HealthCheckAndReflection) {
   }
 }
 
-TEST_F(ServiceTest, MetricsAreExported) {
+TEST_F(ServerServiceTest, MetricsAreExported) {
   ASSERT_GT(server().metrics_port(), 0);
   const Batch batch = MakeBatch(config(), 1, 2, 1300);
   ASSERT_FALSE(RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
@@ -148,12 +148,12 @@ TEST_F(ServiceTest, MetricsAreExported) {
   if (HasFailure()) std::cerr << text << "\n";
 }
 
-class StreamLimitTest : public ServerTest {
+class ServerStreamLimitTest : public ServerTest {
  protected:
   void Customize(ServerOptions& options) override { options.max_concurrent_streams = 1; }
 };
 
-TEST_F(StreamLimitTest, StreamsBeyondTheLimitAreRefused) {
+TEST_F(ServerStreamLimitTest, StreamsBeyondTheLimitAreRefused) {
   const Batch batch = MakeBatch(config(), 1, 1, 1400);
   grpc::ClientContext context;
   auto open = stub().Backward(&context);
@@ -175,7 +175,7 @@ TEST_F(StreamLimitTest, StreamsBeyondTheLimitAreRefused) {
   EXPECT_FALSE(RunOne(*other_stub, MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
 }
 
-TEST_F(ServiceTest, ShutdownFinishesTheBatchInFlight) {
+TEST_F(ServerServiceTest, ShutdownFinishesTheBatchInFlight) {
   const Batch batch = MakeBatch(config(), 2, 8, 1500);
   grpc::ClientContext context;
   auto stream = stub().Backward(&context);

@@ -44,9 +44,9 @@ grpc::Status Upload(v1::AttentionGradient::Stub& stub, const LayerWeights& weigh
   return writer->Finish();
 }
 
-class LoadWeightsTest : public ServerTest {};
+class ServerLoadWeightsTest : public ServerTest {};
 
-TEST_F(LoadWeightsTest, UploadBumpsTheVersionAndIsUsed) {
+TEST_F(ServerLoadWeightsTest, UploadBumpsTheVersionAndIsUsed) {
   const Batch batch = MakeBatch(config(), 1, 3, 1100);
   // A window with batches of version 1.
   ASSERT_FALSE(RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
@@ -96,7 +96,7 @@ TEST_F(LoadWeightsTest, UploadBumpsTheVersionAndIsUsed) {
   EXPECT_EQ(info.weights_source(), "upload");
 }
 
-TEST_F(LoadWeightsTest, BadUploadsChangeNothing) {
+TEST_F(ServerLoadWeightsTest, BadUploadsChangeNothing) {
   LayerWeights small;
   small.config = config();
   small.values = LayerTensors::Zeros(config());
@@ -167,7 +167,7 @@ void WriteSafetensors(const std::string& path, std::vector<StoredTensor>& tensor
   file << header << data;
 }
 
-class SafetensorsTest : public ServerTest {
+class ServerSafetensorsTest : public ServerTest {
  protected:
   static constexpr int kLayer = 3;
 
@@ -207,7 +207,7 @@ class SafetensorsTest : public ServerTest {
   LayerWeights expected_;
 };
 
-TEST_F(SafetensorsTest, ServesTheChosenLayer) {
+TEST_F(ServerSafetensorsTest, ServesTheChosenLayer) {
   v1::GetModelInfoResponse info;
   grpc::ClientContext context;
   ASSERT_TRUE(stub().GetModelInfo(&context, {}, &info).ok());
@@ -228,7 +228,7 @@ TEST_F(SafetensorsTest, ServesTheChosenLayer) {
   EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, 1e-5, "weights"));
 }
 
-TEST_F(SafetensorsTest, LoaderReadsShardsAndReportsProblems) {
+TEST_F(ServerSafetensorsTest, LoaderReadsShardsAndReportsProblems) {
   // The same layer through a sharded index.
   const std::string index = ::testing::TempDir() + "attngrad_index_" + std::to_string(::getpid()) + ".json";
   {
