@@ -252,7 +252,6 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
   pending->batch = B;
   pending->seq_len = S;
   pending->mode = batch.mode;
-  pending->start = absl::Now();
   {
     absl::MutexLock lock(&mu_);
     auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -275,6 +274,7 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     for (int64_t p = 0; p < parts; ++p) {
       parts_[PartId(batch_id, p, parts)] = Part{batch_id, p, (*plan)[p].first, (*plan)[p].second};
     }
+    pending->start = absl::Now();  // latency starts once the batch has room to be in flight
     pending_[batch_id] = std::move(pending);
   }
 
