@@ -106,6 +106,9 @@ class GpuWorker final : public DeviceWorker {
     ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&device_weights_), weight_bytes));
     ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&device_accumulators_), weight_bytes));
     ATTNGRAD_CUDA_RETURN(cudaMemset(device_accumulators_, 0, weight_bytes));
+    // cudaMemset and pageable cudaMemcpy run on the legacy stream, which our non-blocking streams
+    // do not wait for: finish them before any batch.
+    ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
     absl::Status status = UploadWeights(*weights_);
     if (!status.ok()) return status;
     slots_.resize(static_cast<std::size_t>(pipeline_depth()));
@@ -155,6 +158,8 @@ class GpuWorker final : public DeviceWorker {
                                       weights.values.tensors[i].size() * sizeof(float),
                                       cudaMemcpyHostToDevice));
     }
+    // A pageable host-to-device cudaMemcpy may return before its DMA lands, on the legacy stream.
+    ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
     return absl::OkStatus();
   }
 
@@ -382,6 +387,8 @@ class GpuWorker final : public DeviceWorker {
     if (status.ok() && control.zero_accumulators) {
       status = CudaStatus(cudaMemset(device_accumulators_, 0, weight_elements_ * sizeof(float)),
                           "cudaMemset(accumulators)");
+      // cudaMemset is asynchronous on the legacy stream: finish it before the next batch.
+      if (status.ok()) status = CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       if (status.ok()) {
         accumulated_batches_ = 0;
         accumulated_tokens_ = 0;

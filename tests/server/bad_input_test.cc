@@ -136,7 +136,7 @@ TEST_F(ServerBadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
       for (std::size_t j = 0; j < sum.tensors[w].size(); ++j) sum.tensors[w][j] += gradients.weights.tensors[w][j];
     }
   }
-  EXPECT_TRUE(Close(fetched.gradients, sum, 1e-5, "good batches only"));
+  EXPECT_TRUE(Close(fetched.gradients, sum, Tolerance(1e-5), "good batches only"));
 }
 
 TEST_F(ServerBadInputTest, FetchRejectsBadArguments) {

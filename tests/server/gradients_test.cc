@@ -79,7 +79,7 @@ TEST_F(ServerGradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
   EXPECT_EQ(fetched.state.window_id(), window);
   EXPECT_EQ(fetched.state.weights_version(), 1u);
   EXPECT_EQ(fetched.state.server_instance_id(), server().instance_id());
-  EXPECT_TRUE(Close(fetched.gradients, sum, 1e-5, "accumulated"));
+  EXPECT_TRUE(Close(fetched.gradients, sum, Tolerance(1e-5), "accumulated"));
 }
 
 TEST_F(ServerGradientsTest, RetriedBatchIdIsAnsweredButNotCountedTwice) {
@@ -93,21 +93,21 @@ TEST_F(ServerGradientsTest, RetriedBatchIdIsAnsweredButNotCountedTwice) {
   EXPECT_FALSE(first.duplicate());
   EXPECT_TRUE(again.duplicate());
   EXPECT_EQ(first.accumulation_window_id(), again.accumulation_window_id());
-  EXPECT_TRUE(Close(ToFloats(again.grad_hidden_states()), ToFloats(first.grad_hidden_states()), 0,
+  EXPECT_TRUE(Close(ToFloats(again.grad_hidden_states()), ToFloats(first.grad_hidden_states()), Tolerance(0),
                     "retried grad_hidden_states"));
   // A different batch with another id counts.
   ASSERT_FALSE(RunOne(stub(), MakeRequest(config(), other, 78, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
   const Fetched fetched = FetchAll(/*zero=*/true);
   ASSERT_TRUE(fetched.status.ok());
   EXPECT_EQ(fetched.state.batches(), 2);
-  EXPECT_TRUE(Close(fetched.gradients, SumOfReferences({batch, other}), 1e-5, "deduplicated sum"));
+  EXPECT_TRUE(Close(fetched.gradients, SumOfReferences({batch, other}), Tolerance(1e-5), "deduplicated sum"));
   // In the next window the same id counts again.
   const v1::BackwardResponse next_window = RunOne(stub(), request);
   EXPECT_FALSE(next_window.duplicate());
   EXPECT_NE(next_window.accumulation_window_id(), first.accumulation_window_id());
   const Fetched second = FetchAll(/*zero=*/false);
   EXPECT_EQ(second.state.batches(), 1);
-  EXPECT_TRUE(Close(second.gradients, SumOfReferences({batch}), 1e-5, "new window"));
+  EXPECT_TRUE(Close(second.gradients, SumOfReferences({batch}), Tolerance(1e-5), "new window"));
 }
 
 TEST_F(ServerGradientsTest, FetchAndZeroStartsANewWindow) {
@@ -122,20 +122,20 @@ TEST_F(ServerGradientsTest, FetchAndZeroStartsANewWindow) {
   const Fetched peek = FetchAll(/*zero=*/false, v1::DTYPE_BFLOAT16, 64 * 1024);
   ASSERT_TRUE(peek.status.ok());
   EXPECT_GT(peek.chunks, 100);
-  EXPECT_TRUE(Close(peek.gradients, expected, 8e-3, "bf16 fetch"));
+  EXPECT_TRUE(Close(peek.gradients, expected, Tolerance(8e-3), "bf16 fetch"));
 
   const Fetched fetched = FetchAll(/*zero=*/true);
   ASSERT_TRUE(fetched.status.ok());
   EXPECT_EQ(fetched.state.window_id(), window);
   EXPECT_EQ(fetched.state.batches(), 1);
   EXPECT_EQ(fetched.state.tokens(), 4);
-  EXPECT_TRUE(Close(fetched.gradients, expected, 1e-5, "fetched"));
+  EXPECT_TRUE(Close(fetched.gradients, expected, Tolerance(1e-5), "fetched"));
 
   const Fetched after = FetchAll(/*zero=*/false);
   ASSERT_TRUE(after.status.ok());
   EXPECT_EQ(after.state.window_id(), window + 1);
   EXPECT_EQ(after.state.batches(), 0);
-  EXPECT_TRUE(Close(after.gradients, LayerTensors::Zeros(config()), 0, "zeroed"));
+  EXPECT_TRUE(Close(after.gradients, LayerTensors::Zeros(config()), Tolerance(0), "zeroed"));
 
   // Naming the old window is refused, in-band, and nothing is added.
   v1::BackwardRequest stale = MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE);
@@ -169,7 +169,7 @@ TEST_F(ServerGradientsTest, FetchAndZeroStartsANewWindow) {
   EXPECT_EQ(zeroed.current().batches(), 0);
   const Fetched empty = FetchAll(/*zero=*/false);
   EXPECT_EQ(empty.state.batches(), 0);
-  EXPECT_TRUE(Close(empty.gradients, LayerTensors::Zeros(config()), 0, "after ZeroGradients"));
+  EXPECT_TRUE(Close(empty.gradients, LayerTensors::Zeros(config()), Tolerance(0), "after ZeroGradients"));
 }
 
 TEST_F(ServerGradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {
@@ -195,8 +195,7 @@ TEST_F(ServerGradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {
   ASSERT_GE(taken, 1);
   ASSERT_LE(taken, 4);
   EXPECT_TRUE(Close(partial.gradients,
-                    SumOfReferences(std::vector<Batch>(batches.begin(), batches.begin() + taken)),
-                    1e-5, "after cancel"));
+                    SumOfReferences(std::vector<Batch>(batches.begin(), batches.begin() + taken)), Tolerance(1e-5), "after cancel"));
   // The client retries everything: what was taken is a duplicate, the rest is added.
   const std::vector<v1::BackwardResponse> retried = RunStream(stub(), requests);
   ASSERT_EQ(retried.size(), 4u);
@@ -214,7 +213,7 @@ TEST_F(ServerGradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {
   }
   const Fetched full = FetchAll(/*zero=*/false);
   EXPECT_EQ(full.state.batches(), 4);
-  EXPECT_TRUE(Close(full.gradients, SumOfReferences(batches), 1e-5, "after retry"));
+  EXPECT_TRUE(Close(full.gradients, SumOfReferences(batches), Tolerance(1e-5), "after retry"));
 }
 
 }  // namespace

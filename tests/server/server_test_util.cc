@@ -1,7 +1,9 @@
 // Test helpers for the in-process server.
 #include "server_test_util.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <random>
 #include <thread>
 
@@ -200,10 +202,21 @@ Fetched Fetch(v1::AttentionGradient::Stub& stub, const v1::FetchGradientsRequest
   return fetched;
 }
 
+std::string TestDevices() {
+  const char* devices = std::getenv("ATTNGRAD_TEST_DEVICES");
+  return devices == nullptr || *devices == '\0' ? "cpu" : devices;
+}
+
+bool TestOnGpu() { return TestDevices() != "cpu"; }
+
+double Tolerance(double cpu_tolerance) {
+  return TestOnGpu() ? std::max(cpu_tolerance, 1e-3) : cpu_tolerance;
+}
+
 void ServerTest::SetUp() {
   options_.listen = "127.0.0.1:0";
   options_.metrics_listen = "127.0.0.1:0";
-  options_.devices = "cpu";
+  options_.devices = TestDevices();
   options_.weights = "random";
   options_.weights_seed = kWeightsSeed;
   options_.cpu_threads = 2;

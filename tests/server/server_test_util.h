@@ -50,6 +50,13 @@ LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response);
 ::testing::AssertionResult Close(const LayerTensors& actual, const LayerTensors& expected,
                                  double relative, const std::string& what);
 
+// ATTNGRAD_TEST_DEVICES (environment): --devices for the fixture's server ("cpu" when unset), so
+// the same tests can drive the GPU workers on a GPU machine. On a GPU, tolerances widen to 1e-3
+// (the kernels' accumulation order differs from the CPU reference's).
+std::string TestDevices();
+bool TestOnGpu();
+double Tolerance(double cpu_tolerance);
+
 // Writes every request on one stream (from a second thread) while reading the responses; returns
 // them indexed by arrival. The stream is half-closed after the last request.
 std::vector<v1::BackwardResponse> RunStream(v1::AttentionGradient::Stub& stub,
