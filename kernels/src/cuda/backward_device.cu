@@ -15,9 +15,10 @@
 //
 // Independent GEMMs run on a side stream forked from and joined back to the caller's stream with
 // events (so they overlap the attention at small sizes, where one GEMM does not fill the GPU):
-//   caller's stream: convert | qkv GEMM, rmsnorm_rope, attention_forward | (wait dA) attention_backward,
-//                    rope_rmsnorm_bwd | grad_x GEMM | (wait side)
-//   side stream:               grad_attn GEMM | (wait A) grad_o GEMM | (wait dqkv) grad_w_qkv GEMMs
+//   caller's stream: convert X, W | qkv GEMM, rmsnorm_rope, attention_forward | (wait dA)
+//                    attention_backward, rope_rmsnorm_bwd | grad_x GEMM | (wait side)
+//   side stream:     convert dY, Wo | grad_attn GEMM | (wait A) grad_o GEMM | (wait dqkv)
+//                    grad_w_qkv GEMMs
 // With a StageObserver (per-stage timing) everything runs on the caller's stream, in that order.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -221,13 +222,14 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     const std::size_t activations = static_cast<std::size_t>(tokens) * hidden;
     const std::size_t q_weight = static_cast<std::size_t>(q_width) * hidden;
     const std::size_t kv_weight = static_cast<std::size_t>(kv_width) * hidden;
-    // dY and Wo first: the side stream's grad_attn GEMM starts while X and Wq|Wk|Wv convert.
+    // The side stream converts dY and Wo for its grad_attn GEMM while this one converts X and
+    // Wq|Wk|Wv for the qkv GEMM.
+    ATTNGRAD_RETURN_IF_ERROR(order(0, stream, side));
     const ConvertSegment side_segments[] = {
         {in.grad_output, grad_y_half, activations, 1.f},
         {in.o_weight, w_o_half, static_cast<std::size_t>(hidden) * q_width, 1.f},
     };
-    ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(side_segments, 2, stream));
-    ATTNGRAD_RETURN_IF_ERROR(order(0, stream, side));
+    ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(side_segments, 2, side));
     const ConvertSegment main_segments[] = {
         {in.hidden_states, x_half, activations, 1.f},
         {in.q_weight, w_qkv_half, q_weight, 1.f},

@@ -156,7 +156,9 @@ __global__ void __launch_bounds__(kFinalThreads)
   __shared__ float part_sums[kParts][2 * kHeadDim];
   const int element = threadIdx.x % (2 * kHeadDim);
   const int part = threadIdx.x / (2 * kHeadDim);
+  // Unrolled so that 8 loads are in flight before the (in-order) additions use them.
   float total = 0.f;
+#pragma unroll 8
   for (int row = part; row < rows; row += kParts) {
     total += partials[static_cast<std::size_t>(row) * 2 * kHeadDim + element];
   }
