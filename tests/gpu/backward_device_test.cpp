@@ -1,6 +1,7 @@
 // GPU backend (attngrad_backward) against the CPU reference backend (attngrad_backward_host) on
 // small and odd shapes in every precision mode, under SPEC section 4's rule; accumulate;
-// determinism (two calls bitwise equal); CUDA-graph capture; bad arguments. Skipped without a GPU.
+// determinism (two calls bitwise equal); CUDA-graph capture; concurrent calls from two threads; bad
+// arguments. Skipped without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attngrad/attngrad.h"
@@ -298,6 +300,53 @@ TEST_F(GpuBackwardTest, CapturedInACudaGraphGivesTheSameBits) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST_F(GpuBackwardTest, ConcurrentCallsFromTwoThreadsMatchASingleCall) {
+  // Two problems (different shapes, so different plans) on two streams from two host threads,
+  // several times each, while the plan cache and the side-stream pool are shared.
+  const HostProblem host_a(1, 96, 21), host_b(2, 45, 22);
+  DeviceProblem device_a(host_a), device_b(host_b);
+  const int precision = ATTNGRAD_PRECISION_AUTO;
+  const std::size_t bytes_a = attngrad_workspace_size(1, 96, precision);
+  const std::size_t bytes_b = attngrad_workspace_size(2, 45, precision);
+  DeviceMemory workspace_a(bytes_a), workspace_b(bytes_b);
+  ASSERT_EQ(device_a.Run(precision, false, workspace_a.get(), bytes_a), ATTNGRAD_OK);
+  ASSERT_EQ(device_b.Run(precision, false, workspace_b.get(), bytes_b), ATTNGRAD_OK);
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const HostGradients alone_a = device_a.GetOutputs(), alone_b = device_b.GetOutputs();
+
+  int status_a = ATTNGRAD_OK, status_b = ATTNGRAD_OK;
+  auto worker = [precision](DeviceProblem* problem, void* workspace, std::size_t bytes,
+                            int* status) {
+    cudaStream_t stream;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+      *status = ATTNGRAD_CUDA_ERROR;
+      return;
+    }
+    for (int i = 0; i < 5 && *status == ATTNGRAD_OK; ++i) {
+      *status = problem->Run(precision, false, workspace, bytes, stream);
+    }
+    if (cudaStreamSynchronize(stream) != cudaSuccess) *status = ATTNGRAD_CUDA_ERROR;
+    cudaStreamDestroy(stream);
+  };
+  std::thread thread_a(worker, &device_a, workspace_a.get(), bytes_a, &status_a);
+  std::thread thread_b(worker, &device_b, workspace_b.get(), bytes_b, &status_b);
+  thread_a.join();
+  thread_b.join();
+  ASSERT_EQ(status_a, ATTNGRAD_OK);
+  ASSERT_EQ(status_b, ATTNGRAD_OK);
+  const HostGradients after_a = device_a.GetOutputs(), after_b = device_b.GetOutputs();
+  for (int i = 0; i < 7; ++i) {
+    EXPECT_EQ(std::memcmp(alone_a.tensors[i].data(), after_a.tensors[i].data(),
+                          alone_a.tensors[i].size() * 4),
+              0)
+        << "problem a " << kOutputNames[i];
+    EXPECT_EQ(std::memcmp(alone_b.tensors[i].data(), after_b.tensors[i].data(),
+                          alone_b.tensors[i].size() * 4),
+              0)
+        << "problem b " << kOutputNames[i];
+  }
 }
 
 TEST_F(GpuBackwardTest, BadArgumentsAreRejectedBeforeAnyLaunch) {

@@ -12,8 +12,7 @@ namespace attngrad::cuda {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kTasksPerWarp = 5;
-constexpr int kMinBlocksPerSm = 4;  // <= 64 registers: 32 warps per SM keep enough bytes in flight  // 40 heads per token = 8 warps x 5
+constexpr int kTasksPerWarp = 5;  // 40 heads per token = 8 warps x 5
 
 __device__ __forceinline__ float WarpSum(float value) {
 #pragma unroll
