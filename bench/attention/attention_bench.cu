@@ -24,6 +24,7 @@
 
 using attngrad::cuda::AttentionOperand;
 using attngrad::cuda::AttentionProblem;
+using attngrad::cuda::AttentionTiles;
 
 namespace {
 
@@ -232,7 +233,8 @@ Errors Compare(const std::vector<float>& out, const std::vector<double>& ref, in
     max_err = std::max(max_err, std::fabs(d));
     max_ref = std::max(max_ref, std::fabs(ref[i]));
   }
-  e.rel_l2 = std::sqrt(num / std::max(den, 1e-300));
+  // floor: at S = 1, dq and dk are exactly 0 in float64 (P = 1, dP = Delta)
+  e.rel_l2 = std::sqrt(num / std::max(den, 1e-8 * ref.size()));
   e.max_rel = max_err / std::max(max_ref, 1e-300);
   return e;
 }
@@ -258,12 +260,13 @@ struct Problem {
   DeviceBuffer<unsigned char> workspace;
   AttentionProblem problem;
 
-  Problem(int b, int s, AttentionOperand o)
+  Problem(int b, int s, AttentionOperand o, AttentionTiles tiles = AttentionTiles::kAuto)
       : batch(b), seq_len(s), op(o), elem(o == AttentionOperand::kFp16 ? 2 : 4),
         qkv((size_t)b * s * kQkvWidth * elem), dout((size_t)b * s * kOutWidth * elem),
         out((size_t)b * s * kOutWidth), lse((size_t)b * kNumHeads * s), dq((size_t)b * s * kOutWidth),
         dk((size_t)b * s * 1024), dv((size_t)b * s * 1024), out_half((size_t)b * s * kOutWidth),
-        workspace(WorkspaceFor(b, s, o)) {
+        workspace(WorkspaceFor(b, s, o, tiles)) {
+    problem.tiles = tiles;
     problem.batch = b;
     problem.seq_len = s;
     problem.num_heads = kNumHeads;
@@ -272,8 +275,9 @@ struct Problem {
     problem.softcap = 50.f;
     problem.operand = o;
   }
-  static size_t WorkspaceFor(int b, int s, AttentionOperand o) {
+  static size_t WorkspaceFor(int b, int s, AttentionOperand o, AttentionTiles tiles) {
     AttentionProblem p;
+    p.tiles = tiles;
     p.batch = b;
     p.seq_len = s;
     p.num_heads = kNumHeads;
@@ -333,8 +337,20 @@ void Fill(Problem& pr, std::mt19937_64& rng, double q_scale, std::vector<double>
   upload(*dout_exact, pr.dout);
 }
 
-bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt19937_64& rng) {
-  Problem pr(batch, seq_len, op);
+const char* TilesName(AttentionTiles t) {
+  switch (t) {
+    case AttentionTiles::kAuto: return "auto";
+    case AttentionTiles::kSmall: return "small";
+    case AttentionTiles::kLarge: return "large";
+    case AttentionTiles::kSmallSplit: return "split";
+    case AttentionTiles::kPipelined: return "pipe";
+  }
+  return "?";
+}
+
+bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt19937_64& rng,
+           AttentionTiles tiles = AttentionTiles::kAuto) {
+  Problem pr(batch, seq_len, op, tiles);
   std::vector<double> qkv_exact, dout_exact;
   Fill(pr, rng, q_scale, &qkv_exact, &dout_exact);
   const size_t tokens = (size_t)batch * seq_len;
@@ -382,9 +398,9 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   const double bound = op == AttentionOperand::kFp32 ? 2e-5 : op == AttentionOperand::kTf32 ? 3e-3 : 6e-3;
   bool ok = deterministic;
   for (const Errors* e : {&e_out, &e_lse, &e_dq, &e_dk, &e_dv}) ok = ok && e->nonfinite == 0 && e->rel_l2 < bound;
-  std::printf("check %-4s B=%-2d S=%-5d qscale=%.1f | rel_l2 O %.2e lse %.2e dq %.2e dk %.2e dv %.2e | "
+  std::printf("check %-4s %-5s B=%-2d S=%-5d qscale=%.1f | rel_l2 O %.2e lse %.2e dq %.2e dk %.2e dv %.2e | "
               "maxrel dq %.1e dk %.1e dv %.1e | nonfinite %lld | determ %s | %s\n",
-              Name(op), batch, seq_len, q_scale, e_out.rel_l2, e_lse.rel_l2, e_dq.rel_l2, e_dk.rel_l2,
+              Name(op), TilesName(tiles), batch, seq_len, q_scale, e_out.rel_l2, e_lse.rel_l2, e_dq.rel_l2, e_dk.rel_l2,
               e_dv.rel_l2, e_dq.max_rel, e_dk.max_rel, e_dv.max_rel,
               e_out.nonfinite + e_lse.nonfinite + e_dq.nonfinite + e_dk.nonfinite + e_dv.nonfinite,
               deterministic ? "yes" : "NO", ok ? "PASS" : "FAIL");
@@ -397,42 +413,57 @@ double MedianMs(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-void Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, int reps) {
-  Problem pr(batch, seq_len, op);
-  std::vector<double> a, b;
-  Fill(pr, rng, 1.0, &a, &b);
-  cudaEvent_t e0, e1, e2;
+// Captures `body` on `stream` into a graph (global capture mode, as a caller of the pipeline would),
+// replays it and returns the median GPU time of one replay in microseconds.
+template <class Body>
+double GraphMedianUs(cudaStream_t stream, Body body, int reps) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  body();
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
-  CUDA_CHECK(cudaEventCreate(&e2));
-  for (int i = 0; i < 3; ++i) {
-    STATUS_CHECK(pr.Forward(0));
-    STATUS_CHECK(pr.Backward(0));
-  }
-  std::vector<float> fwd, bwd;
+  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<float> times;
   for (int i = 0; i < reps; ++i) {
-    CUDA_CHECK(cudaEventRecord(e0));
-    STATUS_CHECK(pr.Forward(0));
-    CUDA_CHECK(cudaEventRecord(e1));
-    STATUS_CHECK(pr.Backward(0));
-    CUDA_CHECK(cudaEventRecord(e2));
-    CUDA_CHECK(cudaEventSynchronize(e2));
-    float f, g;
-    CUDA_CHECK(cudaEventElapsedTime(&f, e0, e1));
-    CUDA_CHECK(cudaEventElapsedTime(&g, e1, e2));
-    fwd.push_back(f);
-    bwd.push_back(g);
+    CUDA_CHECK(cudaEventRecord(e0, stream));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaEventRecord(e1, stream));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    times.push_back(ms);
   }
-  const double f_us = MedianMs(fwd) * 1e3, b_us = MedianMs(bwd) * 1e3;
-  // causal MACs of one S x S x 128 product over all query heads (diagonal included)
-  const double macs = (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0;
-  std::printf("time %-4s B=%-2d S=%-5d fwd %8.1f us (%5.1f TFLOP/s)  bwd %8.1f us (%5.1f TFLOP/s, 5 products)  total %8.1f us\n",
-              Name(op), batch, seq_len, f_us, 2 * 2 * macs / (f_us * 1e-6) / 1e12, b_us,
-              2 * 5 * macs / (b_us * 1e-6) / 1e12, f_us + b_us);
-  std::fflush(stdout);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  cudaEventDestroy(e2);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return MedianMs(times) * 1e3;
+}
+
+double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, int reps,
+            AttentionTiles tiles = AttentionTiles::kAuto) {
+  Problem pr(batch, seq_len, op, tiles);
+  std::vector<double> a, b;
+  Fill(pr, rng, 1.0, &a, &b);
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  STATUS_CHECK(pr.Forward(stream));
+  STATUS_CHECK(pr.Backward(stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  const double f_us = GraphMedianUs(stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
+  const double b_us = GraphMedianUs(stream, [&] { STATUS_CHECK(pr.Backward(stream)); }, reps);
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  // causal MACs of one S x S x 128 product over all query heads (diagonal included)
+  const double macs = (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0;
+  std::printf("time %-4s %-5s B=%-2d S=%-5d fwd %8.1f us (%5.1f TFLOP/s)  bwd %8.1f us (%5.1f TFLOP/s of 5 products, %5.1f of 7 done)  total %8.1f us\n",
+              Name(op), TilesName(tiles), batch, seq_len, f_us, 2 * 2 * macs / (f_us * 1e-6) / 1e12, b_us,
+              2 * 5 * macs / (b_us * 1e-6) / 1e12, 2 * 7 * macs / (b_us * 1e-6) / 1e12, f_us + b_us);
+  std::fflush(stdout);
+  return f_us + b_us;
 }
 
 }  // namespace
@@ -452,7 +483,13 @@ int main(int argc, char** argv) {
     const int shapes[][2] = {{1, 1}, {1, 7}, {2, 33}, {1, 128}, {2, 541}, {1, 2048}};
     for (AttentionOperand op : {AttentionOperand::kFp32, AttentionOperand::kTf32, AttentionOperand::kFp16}) {
       for (const auto& s : shapes) failures += !Check(s[0], s[1], op, 1.0, rng);
+      failures += !Check(2, 541, op, 1.0, rng, AttentionTiles::kSmall);
     }
+    failures += !Check(2, 541, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kLarge);
+    failures += !Check(1, 7, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kLarge);
+    failures += !Check(2, 541, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kSmallSplit);
+    failures += !Check(2, 541, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kPipelined);
+    failures += !Check(1, 2048, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kPipelined);
     // sharper softmax (larger logits, near the cap) and a batch of 2 at S=2048
     failures += !Check(1, 300, AttentionOperand::kFp16, 4.0, rng);
     failures += !Check(1, 300, AttentionOperand::kTf32, 4.0, rng);
@@ -461,12 +498,24 @@ int main(int argc, char** argv) {
   if (timing) {
     const int workloads[][2] = {{1, 128}, {1, 256}, {1, 512}, {1, 2048}, {2, 512}, {2, 541}, {2, 1024}, {2, 2048},
                                 {4, 128}, {4, 256}, {4, 1024}, {8, 128}, {8, 512}, {16, 256}, {32, 128}, {64, 256}};
-    for (AttentionOperand op : {AttentionOperand::kFp16, AttentionOperand::kTf32}) {
+    for (AttentionOperand op : {AttentionOperand::kFp16}) {
       double log_sum = 0;
-      for (const auto& w : workloads) Time(w[0], w[1], op, rng, 20);
-      (void)log_sum;
+      for (const auto& w : workloads) log_sum += std::log(Time(w[0], w[1], op, rng, 20));
+      std::printf("geomean %s fwd+bwd over the 16 workloads: %.1f us\n", Name(op), std::exp(log_sum / 16));
     }
-    Time(2, 2048, AttentionOperand::kFp32, rng, 3);
+    const int variants[][2] = {{1, 128}, {1, 512}, {1, 2048}, {2, 1024}, {2, 2048}, {8, 512}, {64, 256}};
+    for (const auto& w : variants) {
+      for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kPipelined}) {
+        Time(w[0], w[1], AttentionOperand::kFp16, rng, 10, t);
+      }
+    }
+    {
+      double log_sum = 0;
+      for (const auto& w : workloads) {
+        log_sum += std::log(Time(w[0], w[1], AttentionOperand::kFp16, rng, 20, AttentionTiles::kPipelined));
+      }
+      std::printf("geomean fp16 pipe fwd+bwd over the 16 workloads: %.1f us\n", std::exp(log_sum / 16));
+    }
   }
   std::printf("%s: %d check failures\n", failures ? "FAIL" : "OK", failures);
   return failures ? 1 : 0;

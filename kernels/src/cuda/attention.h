@@ -22,6 +22,17 @@ enum class AttentionOperand {
   kFp16,  // __half operands, fp32 accumulation; small operands (dS) scaled by a power of two
 };
 
+// Tile shapes (a tuning knob; kAuto picks by problem size, the others exist for benchmarks and tests).
+enum class AttentionTiles {
+  kAuto,
+  kSmall,       // 64-row tiles, 4 warps per block
+  kLarge,       // kFp16 only: 128-row tiles, 8 warps per block (halves L2 traffic per product)
+  kSmallSplit,  // 64-row tiles; dK/dV split over the query heads of a group into workspace
+                // partials summed in a fixed order (more blocks for small problems)
+  kPipelined,   // kFp16: 64-row tiles, fragment loads software-pipelined in the forward and dQ
+                // kernels; dK/dV tiles as kAuto
+};
+
 struct AttentionProblem {
   int batch = 0;
   int seq_len = 0;
@@ -30,6 +41,7 @@ struct AttentionProblem {
   float scaling = 0.f;  // s = (q' k'^T) * scaling
   float softcap = 0.f;  // c = softcap * tanh(s / softcap)
   AttentionOperand operand = AttentionOperand::kTf32;
+  AttentionTiles tiles = AttentionTiles::kAuto;
 };
 
 // Forward: O = softmax(causal(c)) v per query head, and the log-sum-exp of each row of c.

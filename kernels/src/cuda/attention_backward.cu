@@ -23,31 +23,57 @@ namespace attngrad::cuda {
 namespace attention_detail {
 namespace {
 
-constexpr int kKvWarps = 4;
-constexpr int kKvBlockN = 16 * kKvWarps;  // keys per block
-constexpr int kKvBlockM = 32;             // query rows per step
-constexpr int kQWarps = 4;
-constexpr int kQBlockM = 16 * kQWarps;    // query rows per block
-constexpr int kQBlockN = 64;              // keys per step
+// Key-value kernel: kWarps warps of 16 keys (64 or 128 keys per block), 32 query rows per step.
+// Query kernel: kWarps warps of 16 query rows (64 or 128 per block), 64 keys per step.
+constexpr int kKvBlockM = 32;
+constexpr int kQBlockN = 64;
 constexpr float kHalfMax = 65504.f;
 
+std::size_t RoundUp256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 std::size_t DeltaBytes(const AttentionProblem& problem) {
-  const std::size_t bytes = static_cast<std::size_t>(problem.batch) * problem.num_heads *
-                            problem.seq_len * sizeof(float);
-  return (bytes + 255) / 256 * 256;
+  return RoundUp256(static_cast<std::size_t>(problem.batch) * problem.num_heads *
+                    problem.seq_len * sizeof(float));
 }
 
-template <class Op>
+std::size_t PartialBytes(const AttentionProblem& problem) {
+  if (ChooseKeyValueTiling(problem) != KeyValueTiling::kSmallSplit) return 0;
+  const int group = problem.num_heads / problem.num_kv_heads;
+  return RoundUp256(static_cast<std::size_t>(group) * 2 * problem.batch * problem.seq_len *
+                    problem.num_kv_heads * kHeadDim * sizeof(float));
+}
+
+template <class Op, int kWarps>
 constexpr std::size_t KeyValueSharedBytes() {
-  return static_cast<std::size_t>(2 * kKvBlockN + 4 * kKvBlockM) * Op::kPitch *
+  return static_cast<std::size_t>(2 * 16 * kWarps + 4 * kKvBlockM) * Op::kPitch *
              sizeof(typename Op::Elem) +
          4 * kKvBlockM * sizeof(float);
 }
 
-template <class Op>
+template <class Op, int kWarps>
 constexpr std::size_t QuerySharedBytes() {
-  return static_cast<std::size_t>(2 * kQBlockM + 4 * kQBlockN) * Op::kPitch *
+  return static_cast<std::size_t>(2 * 16 * kWarps + 4 * kQBlockN) * Op::kPitch *
          sizeof(typename Op::Elem);
+}
+
+// Split mode: dK, dV = the sum over the query heads of each group of the partials, in head order.
+__global__ void __launch_bounds__(256) SumPartialsKernel(const AttentionParams p) {
+  const long long per_output =
+      static_cast<long long>(p.batch) * p.seq_len * p.num_kv_heads * kHeadDim / 4;  // float4s
+  const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= 2 * per_output) return;
+  const int which = static_cast<int>(index / per_output);  // 0: dK, 1: dV
+  const long long element = index % per_output;
+  const float4* partials = reinterpret_cast<const float4*>(p.partials);
+  float4 sum = partials[(0 * 2 + which) * per_output + element];
+  for (int r = 1; r < p.group; ++r) {
+    const float4 v = partials[(static_cast<long long>(r) * 2 + which) * per_output + element];
+    sum.x += v.x;
+    sum.y += v.y;
+    sum.z += v.z;
+    sum.w += v.w;
+  }
+  reinterpret_cast<float4*>(which == 0 ? p.grad_k : p.grad_v)[element] = sum;
 }
 
 // One warp per (token, query head).
@@ -73,6 +99,12 @@ __global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
   } else {
     const float4 raw = *reinterpret_cast<const float4*>(grad_out);
     d0 = raw.x, d1 = raw.y, d2 = raw.z, d3 = raw.w;
+    if constexpr (Op::kRoundTf32) {  // the dO that dP = dO v^T sees, so that dP - Delta cancels
+      d0 = __uint_as_float(RoundToTf32(d0));
+      d1 = __uint_as_float(RoundToTf32(d1));
+      d2 = __uint_as_float(RoundToTf32(d2));
+      d3 = __uint_as_float(RoundToTf32(d3));
+    }
   }
   float sum = fmaf(d0, o.x, fmaf(d1, o.y, fmaf(d2, o.z, d3 * o.w)));
 #pragma unroll
@@ -92,12 +124,11 @@ __device__ __forceinline__ float ClampForOperand(float x) {
   }
 }
 
-template <class Op>
-__global__ void __launch_bounds__(kKvWarps * 32)
-    KeyValueGradientKernel(const AttentionParams p) {
+template <class Op, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
-  constexpr int kThreads = kKvWarps * 32;
-  constexpr int kBN = kKvBlockN, kBM = kKvBlockM, kP = Op::kPitch;
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kBN = 16 * kWarps, kBM = kKvBlockM, kP = Op::kPitch;
   constexpr int kNT = kBM / 8;  // n-tiles (queries) of S^T per warp
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -110,9 +141,13 @@ __global__ void __launch_bounds__(kKvWarps * 32)
 
   const int seq_len = p.seq_len;
   const int num_kv_tiles = (seq_len + kBN - 1) / kBN;
-  const WorkItem item = DecodeBlock(num_kv_tiles, p.num_kv_heads, p.batch, /*heavy_last=*/false);
+  // Split mode: one block per (key tile, query head); else per (key tile, key-value head).
+  const WorkItem item = DecodeBlock(num_kv_tiles, p.kv_split ? p.num_heads : p.num_kv_heads,
+                                    p.batch, /*heavy_last=*/false);
   const int key0 = item.tile * kBN;
-  const int kv_head = item.head;
+  const int kv_head = p.kv_split ? item.head / p.group : item.head;
+  const int first_head = p.kv_split ? item.head : kv_head * p.group;
+  const int num_block_heads = p.kv_split ? 1 : p.group;
   const long long token0 = static_cast<long long>(item.batch) * seq_len;
 
   const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
@@ -123,10 +158,10 @@ __global__ void __launch_bounds__(kKvWarps * 32)
   const int num_q_tiles = (seq_len + kBM - 1) / kBM;
   const int first_q_tile = key0 / kBM;
   const int q_tiles_per_head = num_q_tiles - first_q_tile;
-  const int steps = p.group * q_tiles_per_head;
+  const int steps = num_block_heads * q_tiles_per_head;
 
   auto load_step = [&](int step, int stage) {
-    const int head = kv_head * p.group + step / q_tiles_per_head;
+    const int head = first_head + step / q_tiles_per_head;
     const int q0 = (first_q_tile + step % q_tiles_per_head) * kBM;
     LoadTileAsync<Op, kBM, kThreads>(q_tiles + stage * kBM * kP, q_base0 + head * kHeadDim, p.ldq,
                                      q0, seq_len);
@@ -211,6 +246,13 @@ __global__ void __launch_bounds__(kKvWarps * 32)
   }
 
   const int out_ld = p.num_kv_heads * kHeadDim;
+  float* grad_k = p.grad_k;
+  float* grad_v = p.grad_v;
+  if (p.kv_split) {
+    const long long per_output = static_cast<long long>(p.batch) * seq_len * out_ld;
+    grad_k = p.partials + (static_cast<long long>(item.head % p.group) * 2) * per_output;
+    grad_v = grad_k + per_output;
+  }
 #pragma unroll
   for (int half_rows = 0; half_rows < 2; ++half_rows) {
     const int key = half_rows == 0 ? key_a : key_b;
@@ -218,20 +260,20 @@ __global__ void __launch_bounds__(kKvWarps * 32)
     const long long offset = (token0 + key) * out_ld + kv_head * kHeadDim + 2 * t;
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
-      *reinterpret_cast<float2*>(p.grad_k + offset + n * 8) =
+      *reinterpret_cast<float2*>(grad_k + offset + n * 8) =
           make_float2(acc_dk[n][2 * half_rows] * p.inv_ds_scale,
                       acc_dk[n][2 * half_rows + 1] * p.inv_ds_scale);
-      *reinterpret_cast<float2*>(p.grad_v + offset + n * 8) =
+      *reinterpret_cast<float2*>(grad_v + offset + n * 8) =
           make_float2(acc_dv[n][2 * half_rows], acc_dv[n][2 * half_rows + 1]);
     }
   }
 }
 
-template <class Op>
-__global__ void __launch_bounds__(kQWarps * 32) QueryGradientKernel(const AttentionParams p) {
+template <class Op, int kWarps, bool kPipelined>
+__global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
-  constexpr int kThreads = kQWarps * 32;
-  constexpr int kBM = kQBlockM, kBN = kQBlockN, kP = Op::kPitch;
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kBM = 16 * kWarps, kBN = kQBlockN, kP = Op::kPitch;
   constexpr int kNT = kBN / 8;
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -304,8 +346,13 @@ __global__ void __launch_bounds__(kQWarps * 32) QueryGradientKernel(const Attent
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
       }
-      WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
-      WarpProductNk<Op, kNT>(dp, do_tile, warp * 16, v_tile);
+      if constexpr (kPipelined) {
+        WarpProductNkPipelined<Op, kNT>(s, q_tile, warp * 16, k_tile);
+        WarpProductNkPipelined<Op, kNT>(dp, do_tile, warp * 16, v_tile);
+      } else {
+        WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
+        WarpProductNk<Op, kNT>(dp, do_tile, warp * 16, v_tile);
+      }
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
 #pragma unroll
@@ -323,7 +370,11 @@ __global__ void __launch_bounds__(kQWarps * 32) QueryGradientKernel(const Attent
       }
       AccumulatorA<Op, kNT> ds_a;
       AccumulatorToA<Op, kNT>(dp, 1.f, ds_a);
-      WarpProductKn<Op, kNT>(acc_dq, ds_a, k_tile);
+      if constexpr (kPipelined) {
+        WarpProductKnPipelined<Op, kNT>(acc_dq, ds_a, k_tile);
+      } else {
+        WarpProductKn<Op, kNT>(acc_dq, ds_a, k_tile);
+      }
     }
     __syncthreads();
   }
@@ -343,34 +394,77 @@ __global__ void __launch_bounds__(kQWarps * 32) QueryGradientKernel(const Attent
   }
 }
 
-template <class Op>
-attngrad_status LaunchBackward(const AttentionParams& params, cudaStream_t stream) {
-  const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
-  const long long delta_blocks = (rows * 32 + 255) / 256;
-  const long long kv_blocks = static_cast<long long>((params.seq_len + kKvBlockN - 1) / kKvBlockN) *
-                              params.num_kv_heads * params.batch;
-  const long long q_blocks = static_cast<long long>((params.seq_len + kQBlockM - 1) / kQBlockM) *
-                             params.num_heads * params.batch;
-  if (delta_blocks > 0x7fffffffLL || kv_blocks > 0x7fffffffLL || q_blocks > 0x7fffffffLL) {
-    return ATTNGRAD_UNSUPPORTED;
-  }
-  constexpr std::size_t kKvShared = KeyValueSharedBytes<Op>();
-  constexpr std::size_t kQShared = QuerySharedBytes<Op>();
-  if (cudaFuncSetAttribute(KeyValueGradientKernel<Op>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(kKvShared)) != cudaSuccess ||
-      cudaFuncSetAttribute(QueryGradientKernel<Op>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(kQShared)) != cudaSuccess) {
+template <class Kernel>
+attngrad_status SetSharedBytes(Kernel kernel, std::size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(bytes)) == cudaSuccess
+             ? ATTNGRAD_OK
+             : ATTNGRAD_CUDA_ERROR;
+}
+
+template <class Op, int kWarps>
+attngrad_status LaunchKeyValue(const AttentionParams& params, cudaStream_t stream) {
+  constexpr std::size_t kShared = KeyValueSharedBytes<Op, kWarps>();
+  if (SetSharedBytes(KeyValueGradientKernel<Op, kWarps>, kShared) != ATTNGRAD_OK) {
     return ATTNGRAD_CUDA_ERROR;
   }
+  const long long blocks = static_cast<long long>((params.seq_len + 16 * kWarps - 1) / (16 * kWarps)) *
+                           (params.kv_split ? params.num_heads : params.num_kv_heads) * params.batch;
+  if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
+  KeyValueGradientKernel<Op, kWarps>
+      <<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
+  return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
+}
+
+template <class Op, int kWarps, bool kPipelined = false>
+attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) {
+  constexpr std::size_t kShared = QuerySharedBytes<Op, kWarps>();
+  if (SetSharedBytes(QueryGradientKernel<Op, kWarps, kPipelined>, kShared) != ATTNGRAD_OK) {
+    return ATTNGRAD_CUDA_ERROR;
+  }
+  const long long blocks = static_cast<long long>((params.seq_len + 16 * kWarps - 1) / (16 * kWarps)) *
+                           params.num_heads * params.batch;
+  if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
+  QueryGradientKernel<Op, kWarps, kPipelined>
+      <<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
+  return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
+}
+
+template <class Op>
+attngrad_status LaunchBackward(const AttentionProblem& problem, const AttentionParams& params,
+                               cudaStream_t stream) {
+  const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
+  const long long delta_blocks = (rows * 32 + 255) / 256;
+  const long long sum_blocks =
+      (2 * static_cast<long long>(params.batch) * params.seq_len * params.num_kv_heads * 32 + 255) /
+      256;
+  if (delta_blocks > 0x7fffffffLL || sum_blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
   DeltaKernel<Op><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(params);
   if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
-  KeyValueGradientKernel<Op>
-      <<<static_cast<unsigned>(kv_blocks), kKvWarps * 32, kKvShared, stream>>>(params);
-  if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
-  QueryGradientKernel<Op><<<static_cast<unsigned>(q_blocks), kQWarps * 32, kQShared, stream>>>(
-      params);
-  if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
-  return ATTNGRAD_OK;
+
+  attngrad_status status;
+  const KeyValueTiling tiling = ChooseKeyValueTiling(problem);
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    status = tiling == KeyValueTiling::kLarge ? LaunchKeyValue<Op, 8>(params, stream)
+                                              : LaunchKeyValue<Op, 4>(params, stream);
+  } else {
+    status = LaunchKeyValue<Op, 4>(params, stream);
+  }
+  if (status != ATTNGRAD_OK) return status;
+  if (params.kv_split) {
+    SumPartialsKernel<<<static_cast<unsigned>(sum_blocks), 256, 0, stream>>>(params);
+    if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  }
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    switch (ChooseQueryTiling(problem)) {
+      case QueryTiling::kLarge: return LaunchQuery<Op, 8>(params, stream);
+      case QueryTiling::kPipelined: return LaunchQuery<Op, 4, true>(params, stream);
+      case QueryTiling::kSmall: return LaunchQuery<Op, 4>(params, stream);
+    }
+    return ATTNGRAD_INTERNAL;
+  } else {
+    return LaunchQuery<Op, 4>(params, stream);
+  }
 }
 
 }  // namespace
@@ -378,7 +472,8 @@ attngrad_status LaunchBackward(const AttentionParams& params, cudaStream_t strea
 
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem) {
   if (problem.batch < 1 || problem.seq_len < 1 || problem.num_heads < 1) return 0;
-  return attention_detail::DeltaBytes(problem);
+  if (problem.num_kv_heads < 1 || problem.num_heads % problem.num_kv_heads != 0) return 0;
+  return attention_detail::DeltaBytes(problem) + attention_detail::PartialBytes(problem);
 }
 
 attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q, int ldq,
@@ -397,7 +492,9 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
       ldo < problem.num_heads * kHeadDim || ldo % per_16_bytes != 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
-  if (workspace_size < DeltaBytes(problem)) return ATTNGRAD_WORKSPACE_TOO_SMALL;
+  if (workspace_size < DeltaBytes(problem) + PartialBytes(problem)) {
+    return ATTNGRAD_WORKSPACE_TOO_SMALL;
+  }
   if (workspace == nullptr || !Aligned16(workspace)) return ATTNGRAD_INVALID_ARGUMENT;
   params.grad_out = grad_out;
   params.ldo = ldo;
@@ -407,6 +504,11 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   params.grad_q = grad_q;
   params.grad_k = grad_k;
   params.grad_v = grad_v;
+  params.kv_split = ChooseKeyValueTiling(problem) == KeyValueTiling::kSmallSplit;
+  if (params.kv_split) {
+    params.partials = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) +
+                                               DeltaBytes(problem));
+  }
   if (problem.operand == AttentionOperand::kFp16) {
     int exponent = 0;
     while ((1 << exponent) < problem.seq_len && exponent < 30) ++exponent;
@@ -414,9 +516,9 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
     params.inv_ds_scale = std::ldexp(1.f, -exponent);
   }
   switch (problem.operand) {
-    case AttentionOperand::kFp16: return LaunchBackward<OpFp16>(params, stream);
-    case AttentionOperand::kTf32: return LaunchBackward<OpTf32>(params, stream);
-    case AttentionOperand::kFp32: return LaunchBackward<OpFp32>(params, stream);
+    case AttentionOperand::kFp16: return LaunchBackward<OpFp16>(problem, params, stream);
+    case AttentionOperand::kTf32: return LaunchBackward<OpTf32>(problem, params, stream);
+    case AttentionOperand::kFp32: return LaunchBackward<OpFp32>(problem, params, stream);
   }
   return ATTNGRAD_INVALID_ARGUMENT;
 }

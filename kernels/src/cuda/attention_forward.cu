@@ -16,22 +16,20 @@ namespace attngrad::cuda {
 namespace attention_detail {
 namespace {
 
-constexpr int kForwardWarps = 4;
-constexpr int kForwardBlockM = 16 * kForwardWarps;  // query rows per block
-constexpr int kForwardBlockN = 64;                  // keys per tile
+constexpr int kForwardBlockN = 64;  // keys per tile
 
-template <class Op>
+// kWarps warps of 16 query rows each: 4 (64-row tiles) or 8 (128-row tiles).
+template <class Op, int kWarps>
 constexpr std::size_t ForwardSharedBytes() {
-  return static_cast<std::size_t>(kForwardBlockM + 4 * kForwardBlockN) * Op::kPitch *
+  return static_cast<std::size_t>(16 * kWarps + 4 * kForwardBlockN) * Op::kPitch *
          sizeof(typename Op::Elem);
 }
 
-template <class Op>
-__global__ void __launch_bounds__(kForwardWarps * 32)
-    AttentionForwardKernel(const AttentionParams p) {
+template <class Op, int kWarps, bool kPipelined>
+__global__ void __launch_bounds__(kWarps * 32) AttentionForwardKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
-  constexpr int kThreads = kForwardWarps * 32;
-  constexpr int kBM = kForwardBlockM, kBN = kForwardBlockN, kP = Op::kPitch;
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kBM = 16 * kWarps, kBN = kForwardBlockN, kP = Op::kPitch;
   constexpr int kNT = kBN / 8;  // score n-tiles per warp
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -95,7 +93,11 @@ __global__ void __launch_bounds__(kForwardWarps * 32)
     float s[kNT][4];
 #pragma unroll
     for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
+    if constexpr (kPipelined) {
+      WarpProductNkPipelined<Op, kNT>(s, q_tile, warp * 16, k_tile);
+    } else {
+      WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
+    }
 
     const bool needs_mask = key0 + kBN - 1 > q0 + warp * 16 || key0 + kBN > seq_len;
     float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
@@ -145,7 +147,11 @@ __global__ void __launch_bounds__(kForwardWarps * 32)
     }
     AccumulatorA<Op, kNT> prob;
     AccumulatorToA<Op, kNT>(s, 1.f, prob);
-    WarpProductKn<Op, kNT>(acc_o, prob, v_tile);
+    if constexpr (kPipelined) {
+      WarpProductKnPipelined<Op, kNT>(acc_o, prob, v_tile);
+    } else {
+      WarpProductKn<Op, kNT>(acc_o, prob, v_tile);
+    }
     }
     __syncthreads();  // the next iteration's loads overwrite the other stage only; this guards reuse
   }
@@ -180,18 +186,18 @@ __global__ void __launch_bounds__(kForwardWarps * 32)
   }
 }
 
-template <class Op>
+template <class Op, int kWarps, bool kPipelined = false>
 attngrad_status LaunchForward(const AttentionParams& params, cudaStream_t stream) {
-  constexpr std::size_t kShared = ForwardSharedBytes<Op>();
-  cudaError_t error = cudaFuncSetAttribute(AttentionForwardKernel<Op>,
+  constexpr std::size_t kShared = ForwardSharedBytes<Op, kWarps>();
+  cudaError_t error = cudaFuncSetAttribute(AttentionForwardKernel<Op, kWarps, kPipelined>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(kShared));
   if (error != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
-  const long long num_q_tiles = (params.seq_len + kForwardBlockM - 1) / kForwardBlockM;
+  const long long num_q_tiles = (params.seq_len + 16 * kWarps - 1) / (16 * kWarps);
   const long long blocks = num_q_tiles * params.num_heads * params.batch;
   if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
-  AttentionForwardKernel<Op><<<static_cast<unsigned>(blocks), kForwardWarps * 32, kShared, stream>>>(
-      params);
+  AttentionForwardKernel<Op, kWarps, kPipelined>
+      <<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
@@ -212,9 +218,15 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
   params.out_half = static_cast<__half*>(out_half);
   params.lse = lse;
   switch (problem.operand) {
-    case AttentionOperand::kFp16: return LaunchForward<OpFp16>(params, stream);
-    case AttentionOperand::kTf32: return LaunchForward<OpTf32>(params, stream);
-    case AttentionOperand::kFp32: return LaunchForward<OpFp32>(params, stream);
+    case AttentionOperand::kFp16:
+      switch (ChooseQueryTiling(problem)) {
+        case QueryTiling::kLarge: return LaunchForward<OpFp16, 8>(params, stream);
+        case QueryTiling::kPipelined: return LaunchForward<OpFp16, 4, true>(params, stream);
+        case QueryTiling::kSmall: return LaunchForward<OpFp16, 4>(params, stream);
+      }
+      return ATTNGRAD_INTERNAL;
+    case AttentionOperand::kTf32: return LaunchForward<OpTf32, 4>(params, stream);
+    case AttentionOperand::kFp32: return LaunchForward<OpFp32, 4>(params, stream);
   }
   return ATTNGRAD_INVALID_ARGUMENT;
 }
