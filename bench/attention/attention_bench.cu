@@ -216,10 +216,8 @@ struct Errors {
   long long nonfinite = 0;
 };
 
-Errors Compare(const std::vector<float>& out, const std::vector<double>& ref, int ld, int width) {
-  // only columns [0, width) of rows with stride ld are meaningful (all here: ld == width)
-  (void)ld;
-  (void)width;
+// floor: per-element magnitude below which the reference counts as 0 (dq, dk at S = 1 are exactly 0)
+Errors Compare(const std::vector<float>& out, const std::vector<double>& ref, double floor = 1e-4) {
   double num = 0, den = 0, max_err = 0, max_ref = 0;
   Errors e;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -233,8 +231,7 @@ Errors Compare(const std::vector<float>& out, const std::vector<double>& ref, in
     max_err = std::max(max_err, std::fabs(d));
     max_ref = std::max(max_ref, std::fabs(ref[i]));
   }
-  // floor: at S = 1, dq and dk are exactly 0 in float64 (P = 1, dP = Delta)
-  e.rel_l2 = std::sqrt(num / std::max(den, 1e-8 * ref.size()));
+  e.rel_l2 = std::sqrt(num / std::max(den, floor * floor * ref.size()));
   e.max_rel = max_err / std::max(max_ref, 1e-300);
   return e;
 }
@@ -341,9 +338,7 @@ const char* TilesName(AttentionTiles t) {
   switch (t) {
     case AttentionTiles::kAuto: return "auto";
     case AttentionTiles::kSmall: return "small";
-    case AttentionTiles::kLarge: return "large";
     case AttentionTiles::kSmallSplit: return "split";
-    case AttentionTiles::kPipelined: return "pipe";
   }
   return "?";
 }
@@ -392,9 +387,9 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   const bool deterministic = std::memcmp(pr.dq.Download().data(), dq.data(), dq.size() * 4) == 0 &&
                              std::memcmp(pr.dk.Download().data(), dk.data(), dk.size() * 4) == 0 &&
                              std::memcmp(pr.dv.Download().data(), dv.data(), dv.size() * 4) == 0;
-  const Errors e_out = Compare(out, out_r.Download(), 0, 0), e_lse = Compare(lse, lse_r.Download(), 0, 0),
-               e_dq = Compare(dq, dq_r.Download(), 0, 0), e_dk = Compare(dk, dk_r.Download(), 0, 0),
-               e_dv = Compare(dv, dv_r.Download(), 0, 0);
+  const Errors e_out = Compare(out, out_r.Download()), e_lse = Compare(lse, lse_r.Download()),
+               e_dq = Compare(dq, dq_r.Download(), 1e-3), e_dk = Compare(dk, dk_r.Download(), 1e-3),
+               e_dv = Compare(dv, dv_r.Download());
   const double bound = op == AttentionOperand::kFp32 ? 2e-5 : op == AttentionOperand::kTf32 ? 3e-3 : 6e-3;
   bool ok = deterministic;
   for (const Errors* e : {&e_out, &e_lse, &e_dq, &e_dk, &e_dv}) ok = ok && e->nonfinite == 0 && e->rel_l2 < bound;
@@ -485,11 +480,7 @@ int main(int argc, char** argv) {
       for (const auto& s : shapes) failures += !Check(s[0], s[1], op, 1.0, rng);
       failures += !Check(2, 541, op, 1.0, rng, AttentionTiles::kSmall);
     }
-    failures += !Check(2, 541, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kLarge);
-    failures += !Check(1, 7, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kLarge);
     failures += !Check(2, 541, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kSmallSplit);
-    failures += !Check(2, 541, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kPipelined);
-    failures += !Check(1, 2048, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kPipelined);
     // sharper softmax (larger logits, near the cap) and a batch of 2 at S=2048
     failures += !Check(1, 300, AttentionOperand::kFp16, 4.0, rng);
     failures += !Check(1, 300, AttentionOperand::kTf32, 4.0, rng);
@@ -498,24 +489,18 @@ int main(int argc, char** argv) {
   if (timing) {
     const int workloads[][2] = {{1, 128}, {1, 256}, {1, 512}, {1, 2048}, {2, 512}, {2, 541}, {2, 1024}, {2, 2048},
                                 {4, 128}, {4, 256}, {4, 1024}, {8, 128}, {8, 512}, {16, 256}, {32, 128}, {64, 256}};
-    for (AttentionOperand op : {AttentionOperand::kFp16}) {
+    for (AttentionOperand op : {AttentionOperand::kFp16, AttentionOperand::kTf32}) {
       double log_sum = 0;
       for (const auto& w : workloads) log_sum += std::log(Time(w[0], w[1], op, rng, 20));
       std::printf("geomean %s fwd+bwd over the 16 workloads: %.1f us\n", Name(op), std::exp(log_sum / 16));
     }
     const int variants[][2] = {{1, 128}, {1, 512}, {1, 2048}, {2, 1024}, {2, 2048}, {8, 512}, {64, 256}};
     for (const auto& w : variants) {
-      for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kPipelined}) {
+      for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kSmallSplit}) {
         Time(w[0], w[1], AttentionOperand::kFp16, rng, 10, t);
       }
     }
-    {
-      double log_sum = 0;
-      for (const auto& w : workloads) {
-        log_sum += std::log(Time(w[0], w[1], AttentionOperand::kFp16, rng, 20, AttentionTiles::kPipelined));
-      }
-      std::printf("geomean fp16 pipe fwd+bwd over the 16 workloads: %.1f us\n", std::exp(log_sum / 16));
-    }
+    Time(2, 2048, AttentionOperand::kFp32, rng, 3);
   }
   std::printf("%s: %d check failures\n", failures ? "FAIL" : "OK", failures);
   return failures ? 1 : 0;

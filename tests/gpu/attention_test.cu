@@ -115,16 +115,18 @@ struct DeviceArray {
   void Poison() { cudaMemset(data, 0xff, count * sizeof(T)); }  // NaN as float
 };
 
-// ||out - ref|| / ||ref|| (with a floor for all-zero references, e.g. dq at S = 1), NaN if any
-// element is not finite.
-double RelativeError(const std::vector<float>& out, const std::vector<double>& ref) {
+// ||out - ref|| / max(||ref||, floor * sqrt(n)), NaN if any element is not finite. The floor matters
+// only where the exact result vanishes: at S = 1, dq and dk are exactly 0 (P = 1, dP = Delta) and the
+// kernels return rounding noise there (~1e-8 in fp32); elsewhere |dq|, |dk| ~ 1e-2 per element.
+double RelativeError(const std::vector<float>& out, const std::vector<double>& ref,
+                     double floor = 1e-4) {
   double num = 0, den = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     if (!std::isfinite(out[i])) return std::nan("");
     num += (out[i] - ref[i]) * (out[i] - ref[i]);
     den += ref[i] * ref[i];
   }
-  return std::sqrt(num / std::max(den, 1e-8 * ref.size()));
+  return std::sqrt(num / std::max(den, floor * floor * ref.size()));
 }
 
 struct Case {
@@ -217,8 +219,8 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   const auto dq_first = dq.Read(), dk_first = dk.Read(), dv_first = dv.Read();
   EXPECT_LT(RelativeError(out.Read(), ref.out), bound) << "O";
   EXPECT_LT(RelativeError(lse.Read(), ref.lse), bound) << "lse";
-  EXPECT_LT(RelativeError(dq_first, ref.dq), bound) << "dq";
-  EXPECT_LT(RelativeError(dk_first, ref.dk), bound) << "dk";
+  EXPECT_LT(RelativeError(dq_first, ref.dq, 1e-3), bound) << "dq";
+  EXPECT_LT(RelativeError(dk_first, ref.dk, 1e-3), bound) << "dk";
   EXPECT_LT(RelativeError(dv_first, ref.dv), bound) << "dv";
   if (half) {
     const std::vector<__half> rounded = out_half.Read();
@@ -250,9 +252,8 @@ std::vector<Case> Cases() {
     for (const auto& [b, s] : shapes) cases.push_back({b, s, op, AttentionTiles::kAuto});
     cases.push_back({2, 70, op, AttentionTiles::kSmall});
     cases.push_back({1, 130, op, AttentionTiles::kSmallSplit});
+    cases.push_back({3, 200, op, AttentionTiles::kAuto});
   }
-  cases.push_back({2, 70, AttentionOperand::kFp16, AttentionTiles::kLarge});
-  cases.push_back({1, 200, AttentionOperand::kFp16, AttentionTiles::kLarge});
   return cases;
 }
 
@@ -263,7 +264,6 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
                                                           : "fp16";
   const char* tiles = c.tiles == AttentionTiles::kAuto    ? "auto"
                       : c.tiles == AttentionTiles::kSmall ? "small"
-                      : c.tiles == AttentionTiles::kLarge ? "large"
                                                           : "split";
   return std::string(op) + "_" + tiles + "_B" + std::to_string(c.batch) + "_S" +
          std::to_string(c.seq);

@@ -22,15 +22,13 @@ enum class AttentionOperand {
   kFp16,  // __half operands, fp32 accumulation; small operands (dS) scaled by a power of two
 };
 
-// Tile shapes (a tuning knob; kAuto picks by problem size, the others exist for benchmarks and tests).
+// How the backward's dK/dV work is spread (a tuning knob; kAuto picks by problem size, the others
+// exist for benchmarks and tests). Every choice is deterministic.
 enum class AttentionTiles {
   kAuto,
-  kSmall,       // 64-row tiles, 4 warps per block
-  kLarge,       // kFp16 only: 128-row tiles, 8 warps per block (halves L2 traffic per product)
-  kSmallSplit,  // 64-row tiles; dK/dV split over the query heads of a group into workspace
-                // partials summed in a fixed order (more blocks for small problems)
-  kPipelined,   // kFp16: 64-row tiles, fragment loads software-pipelined in the forward and dQ
-                // kernels; dK/dV tiles as kAuto
+  kSmall,       // one block per (64-key tile, key-value head): sums its 3 query heads in registers
+  kSmallSplit,  // one block per (64-key tile, query head): partials in the workspace, summed over
+                // the group in head order by a small kernel (3x the blocks: for small problems)
 };
 
 struct AttentionProblem {
@@ -39,10 +37,18 @@ struct AttentionProblem {
   int num_heads = 0;
   int num_kv_heads = 0;
   float scaling = 0.f;  // s = (q' k'^T) * scaling
-  float softcap = 0.f;  // c = softcap * tanh(s / softcap)
+  float softcap = 0.f;  // c = softcap * tanh(s / softcap); 0 = no soft-cap (c = s); < 0 is invalid
   AttentionOperand operand = AttentionOperand::kTf32;
   AttentionTiles tiles = AttentionTiles::kAuto;
 };
+
+// Common requirements (else ATTNGRAD_INVALID_ARGUMENT, before any launch): batch, seq_len >= 1;
+// num_heads a multiple of num_kv_heads; head_dim 128; every pointer 16-byte aligned; row strides at
+// least the heads' width and a multiple of 16 bytes (ld % 8 == 0 for __half, % 4 for float).
+// All work is on `stream`: no allocation, no host synchronisation (CUDA-graph capturable; checked
+// with cudaStreamCaptureModeGlobal). A failed launch returns ATTNGRAD_CUDA_ERROR.
+// kTf32 rounds q, k, v, dO, P, dS to TF32 (round to nearest) inside the kernels: callers may pass
+// plain fp32. kFp16 callers pass fp16 operands.
 
 // Forward: O = softmax(causal(c)) v per query head, and the log-sum-exp of each row of c.
 //   q [B*S, ldq], k and v [B*S, ldkv]: float* or __half* by `operand` (a const void* here).
@@ -54,10 +60,14 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
                                  const void* k, const void* v, int ldkv, float* out,
                                  void* out_half, float* lse, cudaStream_t stream);
 
-// Bytes of scratch AttentionBackward needs (e.g. Delta = rowsum(dO * O) per row and head).
+// Bytes of scratch AttentionBackward needs (0 for an invalid shape): Delta = rowsum(dO * O), fp32
+// [B, num_heads, S] (rounded up to 256 bytes), plus, when the dK/dV work is split over query heads
+// (kSmallSplit; kAuto picks it for B * ceil(S/64) * num_kv_heads < 400 blocks, i.e. small problems),
+// fp32 partials [group][2][B*S][num_kv_heads*128] (24 KiB per token for Gemma-3 4B; at most ~80 MB).
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 
-// Backward: SPEC step 6. Deterministic (no floating-point atomics whose order varies).
+// Backward: SPEC step 6. Deterministic (no atomics: bitwise-identical results call after call).
+// ATTNGRAD_WORKSPACE_TOO_SMALL when workspace_size < AttentionBackwardWorkspaceSize(problem).
 //   q, k, v as in the forward; out fp32 [B*S, num_heads*128] is the forward's O; lse from the forward.
 //   grad_out: dO, same element type as q (float or __half), [B*S, ldo].
 //   grad_q fp32 [B*S, num_heads*128], grad_k and grad_v fp32 [B*S, num_kv_heads*128]: dq', dk', dv

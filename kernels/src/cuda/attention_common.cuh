@@ -319,65 +319,6 @@ __device__ __forceinline__ void WarpProductKn(float (&acc)[16][4], const Accumul
   }
 }
 
-// Software-pipelined forms of the two products: the fragments of the next k-step (or half step) are
-// loaded before the mma instructions of the current one are issued, so shared-memory latency hides
-// behind tensor-core work (more registers: two fragment buffers).
-template <class Op, int kNT>
-__device__ __forceinline__ void WarpProductNkPipelined(float (&acc)[kNT][4],
-                                                       const typename Op::Elem* a_tile, int a_row0,
-                                                       const typename Op::Elem* b_tile) {
-  constexpr int kSteps = kHeadDim / Op::kK;
-  std::uint32_t a[2][4];
-  std::uint32_t b[2][kNT / 2][2][2];
-  LoadA<Op>(a[0], a_tile, a_row0, 0);
-#pragma unroll
-  for (int n = 0; n < kNT; n += 2) LoadBnk2<Op>(b[0][n / 2], b_tile, n * 8, 0);
-#pragma unroll
-  for (int step = 0; step < kSteps; ++step) {
-    const int current = step & 1;
-    if (step + 1 < kSteps) {
-      LoadA<Op>(a[current ^ 1], a_tile, a_row0, (step + 1) * Op::kK);
-#pragma unroll
-      for (int n = 0; n < kNT; n += 2) {
-        LoadBnk2<Op>(b[current ^ 1][n / 2], b_tile, n * 8, (step + 1) * Op::kK);
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < kNT; n += 2) {
-      Mma<Op>(acc[n], a[current], b[current][n / 2][0]);
-      Mma<Op>(acc[n + 1], a[current], b[current][n / 2][1]);
-    }
-  }
-}
-
-template <class Op, int kNT>
-__device__ __forceinline__ void WarpProductKnPipelined(float (&acc)[16][4],
-                                                       const AccumulatorA<Op, kNT>& a,
-                                                       const typename Op::Elem* b_tile) {
-  // chunks of (k-step, 4 n-tile pairs): 2 per k-step
-  constexpr int kChunks = 2 * AccumulatorA<Op, kNT>::kSteps;
-  std::uint32_t b[2][4][2][2];
-#pragma unroll
-  for (int pair = 0; pair < 4; ++pair) LoadBkn2<Op>(b[0][pair], b_tile, 0, pair * 16);
-#pragma unroll
-  for (int chunk = 0; chunk < kChunks; ++chunk) {
-    const int current = chunk & 1;
-    if (chunk + 1 < kChunks) {
-      const int next = chunk + 1;
-#pragma unroll
-      for (int pair = 0; pair < 4; ++pair) {
-        LoadBkn2<Op>(b[current ^ 1][pair], b_tile, (next / 2) * Op::kK, (next % 2) * 64 + pair * 16);
-      }
-    }
-    const int ks = chunk / 2, n_base = (chunk % 2) * 8;
-#pragma unroll
-    for (int pair = 0; pair < 4; ++pair) {
-      Mma<Op>(acc[n_base + 2 * pair], a.a[ks], b[current][pair][0]);
-      Mma<Op>(acc[n_base + 2 * pair + 1], a.a[ks], b[current][pair][1]);
-    }
-  }
-}
-
 // ---- Tile loads (cp.async, 16 bytes per copy; rows >= seq_len are zero-filled) ---------------------
 __device__ __forceinline__ void CpAsync16(void* shared_destination, const void* global_source,
                                           bool valid) {
@@ -505,33 +446,14 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
   return ATTNGRAD_OK;
 }
 
-// Tile choice (measured on the H200, bench/ATTENTION_NOTES.md). Query-tiled kernels (forward, dQ):
-// kFp16 has three forms; the others always use 64-row tiles.
-enum class QueryTiling { kSmall, kLarge, kPipelined };
-inline QueryTiling ChooseQueryTiling(const AttentionProblem& problem) {
-  if (problem.operand != AttentionOperand::kFp16) return QueryTiling::kSmall;
-  switch (problem.tiles) {
-    case AttentionTiles::kLarge: return QueryTiling::kLarge;
-    case AttentionTiles::kPipelined: return QueryTiling::kPipelined;
-    case AttentionTiles::kSmall:
-    case AttentionTiles::kSmallSplit: return QueryTiling::kSmall;
-    case AttentionTiles::kAuto: break;
-  }
-  return QueryTiling::kSmall;
-}
-
-enum class KeyValueTiling { kSmall, kLarge, kSmallSplit };
+// dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
+enum class KeyValueTiling { kSmall, kSmallSplit };
 inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
   switch (problem.tiles) {
     case AttentionTiles::kSmall: return KeyValueTiling::kSmall;
-    case AttentionTiles::kLarge:
-      return problem.operand == AttentionOperand::kFp16 ? KeyValueTiling::kLarge
-                                                        : KeyValueTiling::kSmall;
     case AttentionTiles::kSmallSplit: return KeyValueTiling::kSmallSplit;
-    case AttentionTiles::kPipelined:
     case AttentionTiles::kAuto: break;
   }
-  // The 8-warp form measured slower everywhere (one block per SM: barrier stalls are not hidden).
   // Splitting over the query heads pays while there are fewer than ~2 waves of 64-key blocks.
   const long long small_blocks =
       static_cast<long long>((problem.seq_len + 63) / 64) * problem.num_kv_heads * problem.batch;
