@@ -1,4 +1,4 @@
-// Server assembly: weights, workers, service, gRPC builder, health, reflection, metrics exposer.
+// Server assembly: weights, workers, service, gRPC builder, health, reflection, the /metrics endpoint.
 #include "server.h"
 
 #include <algorithm>
@@ -18,7 +18,7 @@
 #include "gradient_core.h"
 #include "gradient_service.h"
 #include "metrics.h"
-#include "prometheus/exposer.h"
+#include "metrics_http_server.h"
 #include "safetensors.h"
 
 #ifndef ATTNGRAD_VERSION
@@ -121,15 +121,11 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
 
   // Metrics.
   if (!options.metrics_listen.empty()) {
-    try {
-      server->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics_listen);
-      server->exposer_->RegisterCollectable(server->metrics_->registry());
-      const std::vector<int> ports = server->exposer_->GetListeningPorts();
-      server->metrics_port_ = ports.empty() ? 0 : ports.front();
-    } catch (const std::exception& error) {
-      return absl::UnavailableError(absl::StrCat("--metrics_listen: cannot listen on ",
-                                                 options.metrics_listen, ": ", error.what()));
-    }
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_http =
+        MetricsHttpServer::Start(options.metrics_listen, server->metrics_->registry());
+    if (!metrics_http.ok()) return metrics_http.status();
+    server->metrics_http_ = *std::move(metrics_http);
+    server->metrics_port_ = server->metrics_http_->port();
   }
 
   // gRPC.
@@ -168,7 +164,7 @@ GradientServer::~GradientServer() {
   Shutdown(absl::ZeroDuration());
   server_.reset();
   service_.reset();
-  exposer_.reset();
+  metrics_http_.reset();
 }
 
 }  // namespace attngrad::server

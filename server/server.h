@@ -1,5 +1,5 @@
 // A running attngrad server: the device workers, the gRPC server (AttentionGradient, grpc.health.v1
-// and reflection) and the Prometheus exposer. Used by main.cc and, in-process, by the tests.
+// and reflection) and the Prometheus /metrics endpoint. Used by main.cc and, in-process, by the tests.
 #ifndef ATTNGRAD_SERVER_SERVER_H_
 #define ATTNGRAD_SERVER_SERVER_H_
 
@@ -14,14 +14,12 @@
 namespace grpc {
 class Server;
 }
-namespace prometheus {
-class Exposer;
-}
 
 namespace attngrad::server {
 
 class GradientCore;
 class GradientService;
+class MetricsHttpServer;
 class ServerMetrics;
 
 // The --devices value resolved: GPU indices, or none for the CPU backend.
@@ -49,7 +47,7 @@ class GradientServer {
   GradientServer() = default;
 
   std::unique_ptr<ServerMetrics> metrics_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<GradientCore> core_;
   std::unique_ptr<GradientService> service_;
   std::unique_ptr<grpc::Server> server_;

@@ -217,8 +217,6 @@ void ServerTest::SetUp() {
   options_.listen = "127.0.0.1:0";
   options_.metrics_listen = "127.0.0.1:0";
   options_.devices = TestDevices();
-  // (Some GPU machines' sandboxes refuse the exposer's port 0; the metrics test runs on the CPU.)
-  if (TestOnGpu()) options_.metrics_listen = "";
   options_.weights = "random";
   options_.weights_seed = kWeightsSeed;
   options_.cpu_threads = 2;
