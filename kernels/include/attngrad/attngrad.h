@@ -41,8 +41,8 @@ typedef enum {
  * (0 for invalid arguments). */
 ATTNGRAD_API size_t attngrad_workspace_size(int batch, int seq_len, int precision);
 
-/* Gemma-3-4B attention backward of SPEC.md.md on the GPU. All pointers are device pointers, fp32,
-   row-major, contiguous, in SPEC.md.md's shapes. stream is a cudaStream_t (NULL = default stream).
+/* Gemma-3-4B attention backward of SPEC.md on the GPU. All pointers are device pointers, fp32,
+   row-major, contiguous, in SPEC.md's shapes. stream is a cudaStream_t (NULL = default stream).
    accumulate != 0: the six weight gradients are ADDED to what the output buffers hold;
    grad_hidden_states is always overwritten. Asynchronous with respect to the host. */
 ATTNGRAD_API int attngrad_backward(int batch, int seq_len, float scaling, float softcap, float eps,
