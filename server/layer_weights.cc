@@ -2,7 +2,7 @@
 #include "layer_weights.h"
 
 #include <cmath>
-#include <random>
+#include "attngrad/spec_random.h"
 
 #include "absl/strings/str_cat.h"
 
@@ -67,32 +67,13 @@ BackwardInputs LayerWeights::AsInputs() const {
 }
 
 LayerWeights RandomLayerWeights(const LayerConfig& config, std::uint64_t seed) {
-  std::mt19937_64 engine(seed);
-  constexpr double kTwoPi = 6.283185307179586476925286766559;
-  auto uniform = [&engine] { return static_cast<double>(engine() >> 11) * 0x1.0p-53; };
-  // Box-Muller: both deviates of each pair are used (cosine first, then sine).
-  bool have_spare = false;
-  double spare = 0.0;
-  auto normal = [&] {
-    if (have_spare) {
-      have_spare = false;
-      return spare;
-    }
-    const double radius = std::sqrt(-2.0 * std::log(1.0 - uniform()));
-    const double angle = kTwoPi * uniform();
-    spare = radius * std::sin(angle);
-    have_spare = true;
-    return radius * std::cos(angle);
-  };
   LayerWeights weights;
   weights.config = config;
   weights.source = absl::StrCat("random:seed=", seed);
   weights.values = LayerTensors::Zeros(config);
-  const double projection_scale = std::sqrt(2.0 / config.hidden_size);
-  for (int i = 0; i < kNumWeights; ++i) {
-    const double scale = (i == kQNorm || i == kKNorm) ? 0.02 : projection_scale;
-    for (float& value : weights.values.tensors[i]) value = static_cast<float>(normal() * scale);
-  }
+  std::array<std::vector<float>, kNumWeights>& t = weights.values.tensors;
+  FillRandomLayerWeights(config, seed, t[kQProj].data(), t[kKProj].data(), t[kVProj].data(),
+                         t[kOProj].data(), t[kQNorm].data(), t[kKNorm].data());
   return weights;
 }
 

@@ -47,12 +47,8 @@ struct LayerWeights {
   BackwardInputs AsInputs() const;  // weight pointers only; activations left null
 };
 
-// Random weights as in SPEC section 3: each projection weight randn * sqrt(2 / hidden_size), the
-// norm weights randn * 0.02. The generator is fixed so that a seed always gives the same weights
-// on every platform (up to the libm's log/sin/cos): std::mt19937_64(seed); normal deviates come in
-// Box-Muller pairs r*cos(2 pi u2), r*sin(2 pi u2) with r = sqrt(-2 ln(1 - u1)), from two consecutive
-// 53-bit uniforms u = (draw >> 11) * 2^-53, computed in double, the pair continuing across weights;
-// weights are filled in the order q, k, v, o, q_norm, k_norm, each row-major.
+// Random weights as in SPEC section 3, drawn by attngrad::FillRandomLayerWeights
+// (attngrad/spec_random.h: the generator the clients use to reproduce them from the same seed).
 LayerWeights RandomLayerWeights(const LayerConfig& config, std::uint64_t seed);
 
 }  // namespace attngrad::server

@@ -3,25 +3,9 @@
 
 #include <cmath>
 
+#include "attngrad/spec_random.h"
+
 namespace attngrad {
-
-double NormalGenerator::Next() {
-  constexpr double kTwoPi = 6.283185307179586476925286766559;
-  if (have_spare_) {
-    have_spare_ = false;
-    return spare_;
-  }
-  const double u1 = static_cast<double>(engine_() >> 11) * 0x1.0p-53;
-  const double u2 = static_cast<double>(engine_() >> 11) * 0x1.0p-53;
-  const double radius = std::sqrt(-2.0 * std::log(1.0 - u1));
-  spare_ = radius * std::sin(kTwoPi * u2);
-  have_spare_ = true;
-  return radius * std::cos(kTwoPi * u2);
-}
-
-void NormalGenerator::Fill(std::vector<float>* out, double scale) {
-  for (float& value : *out) value = static_cast<float>(Next() * scale);
-}
 
 LayerConfig ConfigFromInfo(const v1::GetModelInfoResponse& info) {
   LayerConfig config;
@@ -33,7 +17,6 @@ LayerConfig ConfigFromInfo(const v1::GetModelInfoResponse& info) {
 }
 
 WeightSet RandomWeights(const LayerConfig& config, uint64_t seed) {
-  NormalGenerator normal(seed);
   const int64_t hidden = config.hidden_size, q_out = config.q_out(), kv_out = config.kv_out();
   WeightSet weights;
   weights.q_proj.shape = {q_out, hidden};
@@ -42,13 +25,13 @@ WeightSet RandomWeights(const LayerConfig& config, uint64_t seed) {
   weights.o_proj.shape = {hidden, q_out};
   weights.q_norm.shape = {config.head_dim};
   weights.k_norm.shape = {config.head_dim};
-  const double projection_scale = std::sqrt(2.0 / config.hidden_size);
   for (v1::WeightName name : WeightSet::Names()) {
     HostTensor& tensor = weights.Get(name);
     tensor.data.resize(static_cast<size_t>(tensor.num_elements()));
-    const bool norm = name == v1::WEIGHT_NAME_Q_NORM || name == v1::WEIGHT_NAME_K_NORM;
-    normal.Fill(&tensor.data, norm ? 0.02 : projection_scale);
   }
+  FillRandomLayerWeights(config, seed, weights.q_proj.data.data(), weights.k_proj.data.data(),
+                         weights.v_proj.data.data(), weights.o_proj.data.data(),
+                         weights.q_norm.data.data(), weights.k_norm.data.data());
   return weights;
 }
 
@@ -85,15 +68,16 @@ BackwardBatch BatchInputs::View() const {
 BatchInputs RandomBatchInputs(const LayerConfig& config, int64_t batch, int64_t seq_len,
                               uint64_t seed) {
   // A seed space apart from the weights' (weights use the seed as it is).
-  NormalGenerator normal(seed ^ 0x5eed1234abcdef01ull);
+  SpecNormalGenerator normal(seed ^ 0x5eed1234abcdef01ull);
   BatchInputs inputs;
   inputs.batch = batch;
   inputs.seq_len = seq_len;
   const size_t activations = static_cast<size_t>(batch * seq_len * config.hidden_size);
   inputs.hidden_states.resize(activations);
   inputs.grad_output.resize(activations);
-  normal.Fill(&inputs.hidden_states, 1.0 / std::sqrt(static_cast<double>(config.hidden_size)));
-  normal.Fill(&inputs.grad_output, 1.0);
+  normal.Fill(inputs.hidden_states.data(), activations,
+              1.0 / std::sqrt(static_cast<double>(config.hidden_size)));
+  normal.Fill(inputs.grad_output.data(), activations, 1.0);
   RotaryTables(batch, seq_len, config.head_dim, 10000.0, &inputs.cos, &inputs.sin);
   return inputs;
 }

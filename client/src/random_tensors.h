@@ -1,15 +1,11 @@
 // Deterministic random inputs and weights drawn as SPEC section 3 says, for the CLI, the benchmark and
-// the tests. The weight generator is the server's (server/layer_weights.h RandomLayerWeights):
-// std::mt19937_64(seed), Box-Muller pairs (r cos, then r sin) from two 53-bit uniforms u1, u2 with
-// r = sqrt(-2 ln(1 - u1)), angle 2 pi u2, weights filled in the
-// order q, k, v, o, q_norm, k_norm, so a client with --weights_seed=N holds exactly the weights of a
-// server started with --weights=random --weights_seed=N. The two copies must stay identical:
-// EndToEndTest.ReturnModeMatchesReference* and CliTest.BackwardCheckWithServerWeights* fail otherwise.
+// the tests. Weights come from attngrad::FillRandomLayerWeights (attngrad/spec_random.h), the
+// generator behind the server's --weights=random too, so a client with --weights_seed=N holds exactly
+// the weights of a server started with --weights=random --weights_seed=N.
 #ifndef ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_
 #define ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_
 
 #include <cstdint>
-#include <random>
 #include <vector>
 
 #include "attngrad/backward.h"
@@ -17,25 +13,10 @@
 
 namespace attngrad {
 
-// Standard normal deviates from std::mt19937_64(seed) (the server's generator): Box-Muller pairs,
-// cosine deviate first, then sine.
-class NormalGenerator {
- public:
-  explicit NormalGenerator(uint64_t seed) : engine_(seed) {}
-  double Next();
-  // Fills `out` with Next() * scale.
-  void Fill(std::vector<float>* out, double scale);
-
- private:
-  std::mt19937_64 engine_;
-  bool have_spare_ = false;
-  double spare_ = 0;  // the sine deviate of the last pair
-};
-
 // The layer configuration the server reports (the Gemma-3-4B defaults where it reports none).
 LayerConfig ConfigFromInfo(const v1::GetModelInfoResponse& info);
 
-// Projection weights randn * sqrt(2/hidden), norm weights randn * 0.02 (the server's generator).
+// Projection weights randn * sqrt(2/hidden), norm weights randn * 0.02 (FillRandomLayerWeights).
 WeightSet RandomWeights(const LayerConfig& config, uint64_t seed);
 
 // cos/sin [batch, seq_len, head_dim] of positions 0..S-1 (the same for every sequence), rope theta
