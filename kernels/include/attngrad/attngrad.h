@@ -44,7 +44,9 @@ ATTNGRAD_API size_t attngrad_workspace_size(int batch, int seq_len, int precisio
 /* Gemma-3-4B attention backward of SPEC.md on the GPU. All pointers are device pointers, fp32,
    row-major, contiguous, in SPEC.md's shapes. stream is a cudaStream_t (NULL = default stream).
    accumulate != 0: the six weight gradients are ADDED to what the output buffers hold;
-   grad_hidden_states is always overwritten. Asynchronous with respect to the host. */
+   grad_hidden_states is always overwritten. Asynchronous with respect to the host.
+   cos, sin, q_norm_weight and k_norm_weight must be 16-byte aligned (cudaMalloc gives 256), else
+   ATTNGRAD_INVALID_ARGUMENT. Uses the calling thread's current CUDA device. */
 ATTNGRAD_API int attngrad_backward(int batch, int seq_len, float scaling, float softcap, float eps,
                                    int precision, int accumulate,
                                    const float* grad_output, const float* hidden_states,
