@@ -7,6 +7,7 @@
 //
 // One warp per (token, head) as in rmsnorm_rope_forward.cu: lane l holds elements 4l..4l+3.
 #include "cuda/stages.h"
+#include "cuda/warp_vector_ops.cuh"
 
 namespace attngrad::cuda {
 namespace {
@@ -15,20 +16,6 @@ constexpr int kWarps = 8;
 constexpr int kMaxBlocks = 1024;
 constexpr int kFinalThreads = 1024;
 constexpr int kTasksPerWarp = 5;  // 40 heads per token = 8 warps x 5
-
-__device__ __forceinline__ float WarpSum(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
-
-__device__ __forceinline__ void Store4(float* destination, float4 value) {
-  *reinterpret_cast<float4*>(destination) = value;
-}
-__device__ __forceinline__ void Store4(__half* destination, float4 value) {
-  __half2 packed[2] = {__floats2half2_rn(value.x, value.y), __floats2half2_rn(value.z, value.w)};
-  *reinterpret_cast<uint2*>(destination) = *reinterpret_cast<const uint2*>(packed);
-}
 
 template <typename Operand>
 __global__ void __launch_bounds__(kWarps * 32)
