@@ -3,8 +3,9 @@
 
 namespace attngrad::server {
 
-absl::StatusOr<std::vector<std::unique_ptr<DeviceWorker>>> CreateGpuWorkers(
-    const std::vector<int>&, std::shared_ptr<const LayerWeights>, int, ServerMetrics*) {
+absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>&,
+                                            std::shared_ptr<const LayerWeights>, int, NcclMode,
+                                            ServerMetrics*) {
   return absl::UnavailableError(
       "--devices: this server was built without CUDA (ATTNGRAD_CUDA=OFF); use --devices=cpu");
 }

@@ -4,16 +4,36 @@
 // device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
 // compute of batch n and the copy-out of batch n-1 overlap. Kernels run in order on the compute
 // stream, so the accumulators and the shared workspace need no further synchronisation.
+//
+// Cross-device sums at a fetch (a control that reads the accumulators): with two or more workers
+// and NCCL usable, each worker, on its own thread and its own NCCL stream, calls ncclReduce (sum,
+// fp32, root = the first worker) of its accumulator buffer into the root's receive buffer, and
+// only the root copies the sum to the host; the others report their batch and token counts. The
+// reduction of a fixed communicator and size is deterministic (NCCL picks the same algorithm and
+// order every time), so equal accumulators give bit-equal sums. Collectives must be issued in the
+// same order on every rank: GradientCore queues every control to all workers under one mutex, so
+// each worker meets the reads in the same global order, and a worker blocks in a collective only
+// once every worker has reached that same control (a host barrier before it, which also lets a
+// worker whose device failed earlier call the reduction off for everyone instead of leaving the
+// others waiting inside NCCL). The accumulators are zeroed (fetch-and-zero) only after a second
+// barrier has confirmed that every worker's part succeeded; when one failed, none zeroes.
+// Without NCCL (one device, no nccl.h at build time, no libnccl.so.2 at run time, --nccl=off)
+// every worker copies its accumulators to the host and GradientCore adds them in worker order.
 #include "gpu_worker.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nccl_library.h"
 
 namespace attngrad::server {
 namespace {
@@ -47,11 +67,58 @@ std::array<std::size_t, kNumWeights> WeightOffsets(const LayerConfig& config) {
   return offsets;
 }
 
+#ifdef ATTNGRAD_HAVE_NCCL_HEADER
+// What the GPU workers share when NCCL sums their accumulators: the communicators (rank i is
+// worker i) and a host barrier. Destroyed with the last worker, after every worker thread ended.
+class NcclSum {
+ public:
+  explicit NcclSum(std::unique_ptr<NcclCommunicators> communicators)
+      : communicators_(std::move(communicators)) {}
+
+  const NcclLibrary& library() const { return communicators_->library(); }
+  ncclComm_t comm(int rank) const { return communicators_->comm(rank); }
+  int size() const { return communicators_->size(); }
+
+  // Every rank calls this once per reading control, in the same order (a reusable barrier);
+  // returns, once all have arrived, whether every rank passed ok = true.
+  bool AllAgree(bool ok) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    all_ok_ = all_ok_ && ok;
+    if (++arrived_ == size()) {
+      result_ = all_ok_;
+      arrived_ = 0;
+      all_ok_ = true;
+      ++generation_;
+      lock.unlock();
+      arrived_all_.notify_all();
+      return result_;  // stays valid: the next round cannot finish without this rank
+    }
+    const std::uint64_t generation = generation_;
+    arrived_all_.wait(lock, [&] { return generation_ != generation; });
+    return result_;
+  }
+
+ private:
+  std::unique_ptr<NcclCommunicators> communicators_;
+  std::mutex mutex_;
+  std::condition_variable arrived_all_;
+  int arrived_ = 0;
+  bool all_ok_ = true;
+  bool result_ = true;
+  std::uint64_t generation_ = 0;
+};
+#else
+class NcclSum {};  // never made: this build has no nccl.h
+#endif
+
 class GpuWorker final : public DeviceWorker {
  public:
+  // `nccl`: null for host-side sums; else this worker is rank `rank` of it (rank 0 is the root).
   GpuWorker(int cuda_device, std::shared_ptr<const LayerWeights> weights, int pipeline_depth,
-            ServerMetrics* metrics)
+            ServerMetrics* metrics, std::shared_ptr<NcclSum> nccl, int rank)
       : DeviceWorker(absl::StrCat("cuda:", cuda_device), metrics, std::max(pipeline_depth, 3)),
+        nccl_(std::move(nccl)),
+        rank_(rank),
         cuda_device_(cuda_device),
         weights_(std::move(weights)),
         config_(weights_->config),
@@ -120,6 +187,12 @@ class GpuWorker final : public DeviceWorker {
         ATTNGRAD_CUDA_RETURN(cudaEventCreate(event));
       }
     }
+    if (nccl_ != nullptr) {
+      ATTNGRAD_CUDA_RETURN(cudaStreamCreateWithFlags(&nccl_stream_, cudaStreamNonBlocking));
+      if (rank_ == 0) {
+        ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&reduce_buffer_), weight_bytes));
+      }
+    }
     UpdateMemoryGauges();
     return absl::OkStatus();
   }
@@ -142,12 +215,13 @@ class GpuWorker final : public DeviceWorker {
     cudaFree(workspace_);
     cudaFree(device_weights_);
     cudaFree(device_accumulators_);
+    cudaFree(reduce_buffer_);
     workspace_ = nullptr;
-    device_weights_ = device_accumulators_ = nullptr;
-    for (cudaStream_t stream : {copy_in_stream_, compute_stream_, copy_out_stream_}) {
+    device_weights_ = device_accumulators_ = reduce_buffer_ = nullptr;
+    for (cudaStream_t stream : {copy_in_stream_, compute_stream_, copy_out_stream_, nccl_stream_}) {
       if (stream != nullptr) cudaStreamDestroy(stream);
     }
-    copy_in_stream_ = compute_stream_ = copy_out_stream_ = nullptr;
+    copy_in_stream_ = compute_stream_ = copy_out_stream_ = nccl_stream_ = nullptr;
   }
 
   // Synchronous upload of the six weights (the pipeline is drained when this runs).
@@ -372,19 +446,15 @@ class GpuWorker final : public DeviceWorker {
       status = UploadWeights(*weights_);
     }
     AccumulatorSnapshot snapshot;
-    if (status.ok() && control.read_accumulators) {
-      snapshot.gradients = LayerTensors::Zeros(config_);
-      for (int i = 0; i < kNumWeights && status.ok(); ++i) {
-        status = CudaStatus(cudaMemcpy(snapshot.gradients.tensors[i].data(),
-                                       device_accumulators_ + offsets_[i],
-                                       snapshot.gradients.tensors[i].size() * sizeof(float),
-                                       cudaMemcpyDeviceToHost),
-                            "cudaMemcpy(accumulators)");
-      }
+    bool may_zero = true;
+    if (control.read_accumulators && nccl_ != nullptr) {
+      status = ReduceAccumulators(std::move(status), &snapshot, &may_zero);
+    } else if (status.ok() && control.read_accumulators) {
+      status = CopyAccumulators(device_accumulators_, &snapshot);
     }
     snapshot.batches = accumulated_batches_;
     snapshot.tokens = accumulated_tokens_;
-    if (status.ok() && control.zero_accumulators) {
+    if (status.ok() && may_zero && control.zero_accumulators) {
       status = CudaStatus(cudaMemset(device_accumulators_, 0, weight_elements_ * sizeof(float)),
                           "cudaMemset(accumulators)");
       // cudaMemset is asynchronous on the legacy stream: finish it before the next batch.
@@ -397,6 +467,48 @@ class GpuWorker final : public DeviceWorker {
     FinishControl(control, std::move(status), std::move(snapshot));
   }
 
+  // The six tensors of a device buffer (layout offsets_) into snapshot->gradients.
+  absl::Status CopyAccumulators(const float* device_buffer, AccumulatorSnapshot* snapshot) {
+    snapshot->gradients = LayerTensors::Zeros(config_);
+    for (int i = 0; i < kNumWeights; ++i) {
+      ATTNGRAD_CUDA_RETURN(cudaMemcpy(snapshot->gradients.tensors[i].data(),
+                                      device_buffer + offsets_[i],
+                                      snapshot->gradients.tensors[i].size() * sizeof(float),
+                                      cudaMemcpyDeviceToHost));
+    }
+    return absl::OkStatus();
+  }
+
+  // The NCCL read (every rank calls this for every reading control, in the same order; see the
+  // top of the file). `prior`: how this control went so far on this rank. The root's snapshot gets
+  // the sum over all ranks; the others' none. *may_zero is false unless every rank succeeded.
+  // A rank that succeeded while another failed returns OK (the failing rank reports the error).
+  absl::Status ReduceAccumulators(absl::Status prior, AccumulatorSnapshot* snapshot, bool* may_zero) {
+#ifdef ATTNGRAD_HAVE_NCCL_HEADER
+    *may_zero = false;
+    if (!nccl_->AllAgree(prior.ok())) return prior;  // someone cannot take part: nobody starts
+    const NcclLibrary& nccl = nccl_->library();
+    absl::Status status = nccl.Check(
+        nccl.reduce(device_accumulators_, rank_ == 0 ? reduce_buffer_ : nullptr, weight_elements_,
+                    ncclFloat32, ncclSum, /*root=*/0, nccl_->comm(rank_), nccl_stream_),
+        absl::StrCat("ncclReduce of the accumulators (", device(), ")"));
+    // Returns once every rank's part of the reduction is done.
+    if (status.ok()) {
+      status = CudaStatus(cudaStreamSynchronize(nccl_stream_), "cudaStreamSynchronize(ncclReduce)");
+    }
+    if (status.ok() && rank_ == 0) status = CopyAccumulators(reduce_buffer_, snapshot);
+    *may_zero = nccl_->AllAgree(status.ok());
+    if (!status.ok()) snapshot->gradients = LayerTensors();
+    return status;
+#else
+    *may_zero = false;
+    (void)snapshot;
+    return prior.ok() ? absl::InternalError("NCCL sum without nccl.h") : prior;
+#endif
+  }
+
+  const std::shared_ptr<NcclSum> nccl_;  // null: host-side sums
+  const int rank_;
   const int cuda_device_;
   std::shared_ptr<const LayerWeights> weights_;
   const LayerConfig config_;
@@ -408,6 +520,8 @@ class GpuWorker final : public DeviceWorker {
   cudaStream_t copy_in_stream_ = nullptr, compute_stream_ = nullptr, copy_out_stream_ = nullptr;
   float* device_weights_ = nullptr;
   float* device_accumulators_ = nullptr;
+  cudaStream_t nccl_stream_ = nullptr;  // NCCL only
+  float* reduce_buffer_ = nullptr;      // NCCL root only: the summed accumulators
   void* workspace_ = nullptr;
   std::size_t workspace_capacity_ = 0;
   std::vector<Slot> slots_;
@@ -418,29 +532,92 @@ class GpuWorker final : public DeviceWorker {
 
 }  // namespace
 
-absl::StatusOr<std::vector<std::unique_ptr<DeviceWorker>>> CreateGpuWorkers(
-    const std::vector<int>& devices, std::shared_ptr<const LayerWeights> weights,
-    int pipeline_depth, ServerMetrics* metrics) {
+namespace {
+
+// The NCCL communicators of `devices` (null with the reason in *why_not when NCCL is not usable).
+std::shared_ptr<NcclSum> MakeNcclSum(const std::vector<int>& devices, std::string* version,
+                                     absl::Status* why_not) {
+#ifdef ATTNGRAD_HAVE_NCCL_HEADER
+  absl::StatusOr<std::unique_ptr<NcclLibrary>> library = NcclLibrary::Load();
+  if (!library.ok()) {
+    *why_not = library.status();
+    return nullptr;
+  }
+  *version = (*library)->version();
+  // NVLink multicast (NVLS) is of no use to ncclReduce, costs device memory at ncclCommInitAll and
+  // on shared hosts can take the GPUs out of service: keep it off unless the operator set it.
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+  absl::StatusOr<std::unique_ptr<NcclCommunicators>> communicators =
+      NcclCommunicators::Create(std::shared_ptr<const NcclLibrary>(*std::move(library)), devices);
+  if (!communicators.ok()) {
+    *why_not = communicators.status();
+    return nullptr;
+  }
+  return std::make_shared<NcclSum>(*std::move(communicators));
+#else
+  (void)devices;
+  (void)version;
+  *why_not = absl::UnavailableError(
+      "this server was built without nccl.h (it was not in the CUDA include directories)");
+  return nullptr;
+#endif
+}
+
+}  // namespace
+
+absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>& devices,
+                                            std::shared_ptr<const LayerWeights> weights,
+                                            int pipeline_depth, NcclMode nccl_mode,
+                                            ServerMetrics* metrics) {
   const int count = DeviceCount();
   if (weights->config.head_dim != 128) {
     return absl::UnimplementedError(absl::StrCat(
         "--weights: the GPU kernels support head_dim 128 only; this layer has head_dim ",
         weights->config.head_dim, " (serve it with --devices=cpu)"));
   }
-  std::vector<std::unique_ptr<DeviceWorker>> workers;
   for (int device : devices) {
     if (device < 0 || device >= count) {
       return absl::InvalidArgumentError(absl::StrCat("--devices: CUDA device ", device,
                                                      " does not exist (", count, " usable)"));
     }
-    auto worker = std::make_unique<GpuWorker>(device, weights, pipeline_depth, metrics);
+  }
+  GpuWorkers result;
+  const std::string list = absl::StrCat("cuda:", absl::StrJoin(devices, ",cuda:"));
+  std::shared_ptr<NcclSum> nccl;
+  if (devices.size() < 2) {
+    result.sum.description =
+        absl::StrCat("gradients: one device (", list, "), nothing to sum across devices");
+  } else if (nccl_mode == NcclMode::kOff) {
+    result.sum.description =
+        absl::StrCat("gradients summed on the host across ", list, " (--nccl=off)");
+  } else {
+    std::string version;
+    absl::Status why_not;
+    nccl = MakeNcclSum(devices, &version, &why_not);
+    if (nccl == nullptr) {
+      if (nccl_mode == NcclMode::kOn) {
+        return absl::Status(why_not.code(), absl::StrCat("--nccl=on: ", why_not.message()));
+      }
+      result.sum.description = absl::StrCat("gradients summed on the host across ", list,
+                                            " (NCCL not used: ", why_not.message(), ")");
+    } else {
+      result.sum.nccl = true;
+      result.sum.nccl_version = version;
+      result.sum.description = absl::StrCat("gradients summed with NCCL ", version, " across ",
+                                            list, " (ncclReduce onto cuda:", devices.front(), ")");
+    }
+  }
+  for (std::size_t rank = 0; rank < devices.size(); ++rank) {
+    const int device = devices[rank];
+    auto worker = std::make_unique<GpuWorker>(device, weights, pipeline_depth, metrics, nccl,
+                                              static_cast<int>(rank));
     absl::Status status = worker->Start();
     if (!status.ok()) {
       return absl::Status(status.code(), absl::StrCat("cuda:", device, ": ", status.message()));
     }
-    workers.push_back(std::move(worker));
+    result.workers.push_back(std::move(worker));
   }
-  return workers;
+  return result;
 }
 
 }  // namespace attngrad::server

@@ -4,6 +4,7 @@
 #define ATTNGRAD_SERVER_GPU_WORKER_H_
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -11,11 +12,34 @@
 
 namespace attngrad::server {
 
+// --nccl: whether the GPUs' accumulators are summed with NCCL at a fetch (two or more GPUs;
+// one device has nothing to sum).
+enum class NcclMode {
+  kAuto,  // NCCL when nccl.h was found at build time and libnccl.so.2 loads, else on the host
+  kOn,    // with two or more GPUs: NCCL or no start (an error says why not)
+  kOff,   // always on the host
+};
+
+// How a fetch sums the devices' accumulators.
+struct GradientSumPath {
+  bool nccl = false;         // ncclReduce onto the first GPU, else a host-side sum
+  std::string nccl_version;  // "2.28.9" when nccl
+  std::string description;   // one line for the log, saying why
+};
+
+struct GpuWorkers {
+  std::vector<std::unique_ptr<DeviceWorker>> workers;
+  GradientSumPath sum;
+};
+
 // One started worker per CUDA device index in `devices`. Each uploads `weights` to its device and
-// keeps up to `pipeline_depth` (at least 3: copy-in, compute, copy-out) batches in flight.
-absl::StatusOr<std::vector<std::unique_ptr<DeviceWorker>>> CreateGpuWorkers(
-    const std::vector<int>& devices, std::shared_ptr<const LayerWeights> weights,
-    int pipeline_depth, ServerMetrics* metrics);
+// keeps up to `pipeline_depth` (at least 3: copy-in, compute, copy-out) batches in flight. With two
+// or more devices and NCCL usable (see NcclMode), the workers share one NCCL communicator each
+// (ncclCommInitAll, made here) and a fetch reduces their accumulators onto the first device.
+absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>& devices,
+                                            std::shared_ptr<const LayerWeights> weights,
+                                            int pipeline_depth, NcclMode nccl,
+                                            ServerMetrics* metrics);
 
 }  // namespace attngrad::server
 

@@ -1,4 +1,5 @@
-// Admission, weights versions, accumulation windows and the cross-device sums.
+// Admission, weights versions, accumulation windows and the cross-device sums (the devices'
+// snapshots combined in worker order; with NCCL the root worker's snapshot already holds the sum).
 #include "gradient_core.h"
 
 #include <cmath>
@@ -175,46 +176,59 @@ absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(LayerWeights weights,
 
 void GradientCore::Collect(bool read, bool zero,
                            std::function<void(absl::Status, AccumulatorSnapshot)> done) {
+  // The caller holds mutex_, which every path that queues work to the workers (Admit,
+  // ReplaceWeights, Fetch, Zero) holds while it queues: every worker sees the controls in one
+  // global order. The NCCL sum (gpu_worker.cc) relies on that: its collectives must be issued in
+  // the same order on every rank.
   struct Gather {
     std::mutex mutex;
     std::size_t remaining;
-    absl::Status status;
-    AccumulatorSnapshot sum;
-    bool first = true;
+    std::vector<absl::Status> statuses;         // per worker
+    std::vector<AccumulatorSnapshot> snapshots;  // per worker
     std::function<void(absl::Status, AccumulatorSnapshot)> done;
   };
   auto gather = std::make_shared<Gather>();
   gather->remaining = workers_.size();
+  gather->statuses.resize(workers_.size());
+  gather->snapshots.resize(workers_.size());
   gather->done = std::move(done);
-  for (auto& worker : workers_) {
+  for (std::size_t index = 0; index < workers_.size(); ++index) {
     WorkerControl control;
     control.read_accumulators = read;
     control.zero_accumulators = zero;
-    control.on_done = [gather](absl::Status status, AccumulatorSnapshot snapshot) {
-      bool last;
+    control.on_done = [gather, index](absl::Status status, AccumulatorSnapshot snapshot) {
       {
         std::lock_guard<std::mutex> lock(gather->mutex);
-        gather->status.Update(status);
-        if (status.ok()) {
-          if (gather->first) {
-            gather->sum = std::move(snapshot);
-            gather->first = false;
-          } else {
-            // Host-side sum across devices (NCCL is not used).
-            for (int i = 0; i < kNumWeights; ++i) {
-              std::vector<float>& into = gather->sum.gradients.tensors[i];
-              const std::vector<float>& from = snapshot.gradients.tensors[i];
-              for (std::size_t j = 0; j < into.size() && j < from.size(); ++j) into[j] += from[j];
-            }
-            gather->sum.batches += snapshot.batches;
-            gather->sum.tokens += snapshot.tokens;
-          }
-        }
-        last = --gather->remaining == 0;
+        gather->statuses[index] = std::move(status);
+        gather->snapshots[index] = std::move(snapshot);
+        if (--gather->remaining != 0) return;
       }
-      if (last) gather->done(gather->status, std::move(gather->sum));
+      // The last worker to report: combine in worker order, so the sum does not depend on which
+      // worker finished first. With NCCL only the root worker's snapshot holds gradients (the
+      // NCCL sum over all devices); on the host path each worker's does and they are added here.
+      absl::Status combined;
+      AccumulatorSnapshot sum;
+      bool have_gradients = false;
+      for (std::size_t i = 0; i < gather->snapshots.size(); ++i) {
+        combined.Update(gather->statuses[i]);
+        AccumulatorSnapshot& snapshot = gather->snapshots[i];
+        sum.batches += snapshot.batches;
+        sum.tokens += snapshot.tokens;
+        if (snapshot.gradients.tensors[0].empty()) continue;  // not read, or a non-root NCCL rank
+        if (!have_gradients) {
+          sum.gradients = std::move(snapshot.gradients);
+          have_gradients = true;
+          continue;
+        }
+        for (int w = 0; w < kNumWeights; ++w) {
+          std::vector<float>& into = sum.gradients.tensors[w];
+          const std::vector<float>& from = snapshot.gradients.tensors[w];
+          for (std::size_t j = 0; j < into.size() && j < from.size(); ++j) into[j] += from[j];
+        }
+      }
+      gather->done(std::move(combined), std::move(sum));
     };
-    worker->SubmitControl(std::move(control));
+    workers_[index]->SubmitControl(std::move(control));
   }
 }
 

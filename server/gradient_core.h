@@ -92,7 +92,8 @@ class GradientCore {
   DeviceWorker& LeastBusyWorker();
   // Starts a new window (caller holds mutex_).
   void StartWindowLocked();
-  // Queues a read/zero control on every worker; `done` gets the summed snapshot.
+  // Queues a read/zero control on every worker (caller holds mutex_: one global order of
+  // controls on all workers, which the NCCL collectives need); `done` gets the summed snapshot.
   void Collect(bool read, bool zero,
                std::function<void(absl::Status, AccumulatorSnapshot)> done);
 

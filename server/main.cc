@@ -34,6 +34,11 @@ ABSL_FLAG(int, queue_depth, 4,
 ABSL_FLAG(int, shutdown_grace_seconds, 30,
           "On SIGTERM/SIGINT: how long running RPCs may take to finish before they are cancelled");
 ABSL_FLAG(int, cpu_threads, 0, "Threads of the CPU backend (0 = all cores)");
+ABSL_FLAG(std::string, nccl, "auto",
+          "How fetches sum the accumulators of several GPUs: \"auto\" = with NCCL (libnccl.so.2, "
+          "loaded at run time) when it loads, else on the host; \"on\" = with two or more GPUs, "
+          "NCCL or do not start; "
+          "\"off\" = on the host");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -60,6 +65,7 @@ int main(int argc, char** argv) {
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   options.queue_depth = absl::GetFlag(FLAGS_queue_depth);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  options.nccl = absl::GetFlag(FLAGS_nccl);
   const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
   if (grace_seconds < 0) {
     std::cerr << "attngrad-server: --shutdown_grace_seconds must be >= 0\n";
@@ -77,6 +83,7 @@ int main(int argc, char** argv) {
                     ? absl::StrCat(", metrics on port ", (*server)->metrics_port())
                     : std::string(", metrics off"))
             << ", instance " << (*server)->instance_id() << std::endl;
+  std::cerr << "attngrad-server: " << (*server)->gradient_sum() << std::endl;
 
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);

@@ -92,6 +92,16 @@ ServerMetrics::ServerMetrics(const std::string& version)
       .Set(1);
 }
 
+void ServerMetrics::SetGradientSumPath(const std::string& path, const std::string& nccl_version) {
+  prometheus::BuildGauge()
+      .Name("attngrad_gradient_sum_info")
+      .Help("How FetchGradients sums the devices' accumulators: path nccl (ncclReduce) or host "
+            "(value 1)")
+      .Register(*registry_)
+      .Add({{"path", path}, {"nccl_version", nccl_version}})
+      .Set(1);
+}
+
 void ServerMetrics::ObserveBatch(const std::string& mode, const std::string& device, long long tokens,
                                  const StageSeconds& stages) {
   batch_duration_->Add({{"mode", mode}, {"device", device}}, LatencyBuckets()).Observe(stages.total);

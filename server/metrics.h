@@ -1,5 +1,5 @@
 // The server's Prometheus metrics (names and labels as in the team conventions; bounded labels
-// only: method, code, mode, stage, device, version). One ServerMetrics per server; thread-safe.
+// only: method, code, mode, stage, device, version, path, nccl_version). One ServerMetrics per server; thread-safe.
 #ifndef ATTNGRAD_SERVER_METRICS_H_
 #define ATTNGRAD_SERVER_METRICS_H_
 
@@ -39,6 +39,10 @@ class ServerMetrics {
   prometheus::Gauge& QueueCapacity(const std::string& device);
   prometheus::Gauge& DeviceMemoryUsed(const std::string& device);
   prometheus::Gauge& DeviceMemoryTotal(const std::string& device);
+
+  // attngrad_gradient_sum_info{path="nccl"|"host",nccl_version} = 1: how fetches sum the devices'
+  // accumulators (set once at start-up).
+  void SetGradientSumPath(const std::string& path, const std::string& nccl_version);
 
   prometheus::Gauge& weights_version() { return *weights_version_; }
   prometheus::Gauge& accumulated_batches() { return *accumulated_batches_; }

@@ -74,6 +74,17 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
   }
   if (options.queue_depth < 1) return absl::InvalidArgumentError("--queue_depth must be >= 1");
   if (options.cpu_threads < 0) return absl::InvalidArgumentError("--cpu_threads must be >= 0");
+  NcclMode nccl_mode;
+  if (options.nccl == "auto") {
+    nccl_mode = NcclMode::kAuto;
+  } else if (options.nccl == "on") {
+    nccl_mode = NcclMode::kOn;
+  } else if (options.nccl == "off") {
+    nccl_mode = NcclMode::kOff;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--nccl: '", options.nccl,
+                                                   "' is not one of auto, on, off"));
+  }
 
   absl::StatusOr<DeviceSelection> devices = ParseDevices(options.devices, DeviceCount());
   if (!devices.ok()) return devices.status();
@@ -102,12 +113,17 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
     absl::Status status = worker->Start();
     if (!status.ok()) return status;
     workers.push_back(std::move(worker));
+    server->gradient_sum_ = "gradients: one device (cpu), nothing to sum across devices";
   } else {
-    absl::StatusOr<std::vector<std::unique_ptr<DeviceWorker>>> gpu_workers = CreateGpuWorkers(
-        devices->gpus, shared_weights, options.queue_depth, server->metrics_.get());
+    absl::StatusOr<GpuWorkers> gpu_workers = CreateGpuWorkers(
+        devices->gpus, shared_weights, options.queue_depth, nccl_mode, server->metrics_.get());
     if (!gpu_workers.ok()) return gpu_workers.status();
-    workers = *std::move(gpu_workers);
+    workers = std::move(gpu_workers->workers);
+    server->uses_nccl_ = gpu_workers->sum.nccl;
+    server->nccl_version_ = gpu_workers->sum.nccl_version;
+    server->gradient_sum_ = gpu_workers->sum.description;
   }
+  server->metrics_->SetGradientSumPath(server->uses_nccl_ ? "nccl" : "host", server->nccl_version_);
   server->core_ = std::make_unique<GradientCore>(shared_weights, std::move(workers),
                                                  server->metrics_.get());
 

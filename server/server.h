@@ -38,6 +38,11 @@ class GradientServer {
   int port() const { return port_; }                   // the bound gRPC port
   int metrics_port() const { return metrics_port_; }   // 0 when metrics are off
   const std::string& instance_id() const { return instance_id_; }
+  // How a fetch sums the devices' accumulators: with NCCL (ncclReduce onto the first GPU) or on
+  // the host; gradient_sum() is one line saying which and why (main.cc logs it at start-up).
+  bool uses_nccl() const { return uses_nccl_; }
+  const std::string& nccl_version() const { return nccl_version_; }  // "2.28.9"; empty without
+  const std::string& gradient_sum() const { return gradient_sum_; }
 
   // Stops accepting RPCs, marks health NOT_SERVING, lets running RPCs (and their batches) finish
   // for up to `grace`, then cancels the rest, drains the workers and stops. Idempotent.
@@ -54,6 +59,9 @@ class GradientServer {
   int port_ = 0;
   int metrics_port_ = 0;
   std::string instance_id_;
+  bool uses_nccl_ = false;
+  std::string nccl_version_;
+  std::string gradient_sum_;
   bool stopped_ = false;
 };
 

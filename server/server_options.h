@@ -20,6 +20,7 @@ struct ServerOptions {
   int max_concurrent_streams = 64;
   int queue_depth = 4;  // batches per stream in flight; GPU pipeline depth (at least 3)
   int cpu_threads = 0;  // CPU backend threads (0 = all cores)
+  std::string nccl = "auto";  // cross-GPU sums: "auto" (NCCL when usable), "on" (NCCL or fail), "off"
 };
 
 }  // namespace attngrad::server

@@ -144,6 +144,7 @@ TEST_F(ServerServiceTest, MetricsAreExported) {
            "attngrad_accumulated_tokens 2",
            "attngrad_accumulation_window_id ",
            "attngrad_build_info{version=\"",
+           "attngrad_gradient_sum_info{nccl_version=\"\",path=\"host\"} 1",
        }) {
     EXPECT_NE(text.find(expected), std::string::npos) << "missing: " << expected;
   }
