@@ -488,6 +488,7 @@ class GpuWorker final : public DeviceWorker {
     *may_zero = false;
     if (!nccl_->AllAgree(prior.ok())) return prior;  // someone cannot take part: nobody starts
     const NcclLibrary& nccl = nccl_->library();
+    // recvbuff is only used on the root ("may be NULL on all calls except for root", nccl.h).
     absl::Status status = nccl.Check(
         nccl.reduce(device_accumulators_, rank_ == 0 ? reduce_buffer_ : nullptr, weight_elements_,
                     ncclFloat32, ncclSum, /*root=*/0, nccl_->comm(rank_), nccl_stream_),
