@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Runs the NCCL cross-GPU gradient-sum test on a machine with two GPUs and prints its result.
-# The caller sets LD_LIBRARY_PATH so that libnccl.so.2 loads (the server dlopen()s it at run time).
-#   scripts/device/nccl-check.sh [BUILD_DIR]     # default build-server-gpu
+# The caller sets LD_LIBRARY_PATH so that libnccl.so.2 loads (the server dlopen()s it at run time)
+# and the binaries find their libraries (the same ones attngrad-server needs; GoogleTest is static).
+#   scripts/device/nccl-check.sh [DIR]   # DIR: a CUDA build directory (default build-server-gpu),
+#                                        # or a folder holding attngrad_server_test and
+#                                        # attngrad_server_gpu_test themselves (a carried bundle)
 # Runs: the dlopen wrapper's tests (NcclLibrary*, no GPU needed) and ServerNcclSumTest (two GPUs,
 # the server in-process with --devices=0,1 --nccl=on). Exit status 0 only when the GPU test ran and
 # passed (a skip, e.g. fewer than two GPUs or no libnccl.so.2, exits 2).
@@ -17,7 +20,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi -L
 echo "nccl-check: LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 
 status=0
-unit="$build/tests/server/attngrad_server_test"
+bindir="$build/tests/server"
+[[ -x "$bindir/attngrad_server_gpu_test" ]] || bindir="$build"
+unit="$bindir/attngrad_server_test"
 if [[ -x "$unit" ]]; then
   "$unit" --gtest_filter='NcclLibraryTest.*' --gtest_color=no || status=1
 else
@@ -25,7 +30,7 @@ else
   status=1
 fi
 
-gpu="$build/tests/server/attngrad_server_gpu_test"
+gpu="$bindir/attngrad_server_gpu_test"
 if [[ ! -x "$gpu" ]]; then
   echo "nccl-check: $gpu not built (cmake --build $build --target attngrad_server_gpu_test)"
   echo "nccl-check: RESULT FAIL (not built)"
