@@ -6,7 +6,8 @@
 // Build (here, no GPU needed):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Ikernels/include -Ikernels/src \
 //     bench/attention/attention_bench.cu kernels/src/cuda/attention_forward.cu \
-//     kernels/src/cuda/attention_backward.cu -o build-attn/attention_bench
+//     kernels/src/cuda/attention_backward.cu kernels/src/cuda/attention_backward_short.cu \
+//     -o build-attn/attention_bench   (or the CMake target attngrad_attention_bench)
 // Run: attention_bench [--check-only | --time-only]
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -339,6 +340,8 @@ const char* TilesName(AttentionTiles t) {
     case AttentionTiles::kAuto: return "auto";
     case AttentionTiles::kSmall: return "small";
     case AttentionTiles::kSmallSplit: return "split";
+    case AttentionTiles::kShort: return "short";
+    case AttentionTiles::kShortSplit: return "shortsplit";
   }
   return "?";
 }
@@ -481,6 +484,8 @@ int main(int argc, char** argv) {
       failures += !Check(2, 541, op, 1.0, rng, AttentionTiles::kSmall);
     }
     failures += !Check(2, 541, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kSmallSplit);
+    failures += !Check(3, 200, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kShort);
+    failures += !Check(2, 256, AttentionOperand::kFp16, 4.0, rng, AttentionTiles::kShortSplit);
     // sharper softmax (larger logits, near the cap) and a batch of 2 at S=2048
     failures += !Check(1, 300, AttentionOperand::kFp16, 4.0, rng);
     failures += !Check(1, 300, AttentionOperand::kTf32, 4.0, rng);
@@ -497,6 +502,15 @@ int main(int argc, char** argv) {
     const int variants[][2] = {{1, 128}, {1, 512}, {1, 2048}, {2, 1024}, {2, 2048}, {8, 512}, {64, 256}};
     for (const auto& w : variants) {
       for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kSmallSplit}) {
+        Time(w[0], w[1], AttentionOperand::kFp16, rng, 10, t);
+      }
+    }
+    // Short sequences: the tiled kernels against the whole-sequence ones.
+    const int short_workloads[][2] = {{1, 128}, {4, 128}, {8, 128}, {32, 128},
+                                      {1, 256}, {4, 256}, {16, 256}, {64, 256}};
+    for (const auto& w : short_workloads) {
+      for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kSmallSplit,
+                               AttentionTiles::kShort, AttentionTiles::kShortSplit}) {
         Time(w[0], w[1], AttentionOperand::kFp16, rng, 10, t);
       }
     }

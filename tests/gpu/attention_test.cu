@@ -254,6 +254,13 @@ std::vector<Case> Cases() {
     cases.push_back({1, 130, op, AttentionTiles::kSmallSplit});
     cases.push_back({3, 200, op, AttentionTiles::kAuto});
   }
+  // The short-sequence kernel (fp16, S <= 256) in both forms, across its chunk and block edges.
+  for (const auto& [b, s] : std::vector<std::pair<int, int>>{{2, 70}, {2, 129}, {3, 200}, {1, 256}}) {
+    cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShort});
+  }
+  for (const auto& [b, s] : std::vector<std::pair<int, int>>{{1, 1}, {1, 130}, {2, 256}}) {
+    cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShortSplit});
+  }
   return cases;
 }
 
@@ -262,9 +269,11 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   const char* op = c.operand == AttentionOperand::kFp32   ? "fp32"
                    : c.operand == AttentionOperand::kTf32 ? "tf32"
                                                           : "fp16";
-  const char* tiles = c.tiles == AttentionTiles::kAuto    ? "auto"
-                      : c.tiles == AttentionTiles::kSmall ? "small"
-                                                          : "split";
+  const char* tiles = c.tiles == AttentionTiles::kAuto         ? "auto"
+                      : c.tiles == AttentionTiles::kSmall      ? "small"
+                      : c.tiles == AttentionTiles::kSmallSplit ? "split"
+                      : c.tiles == AttentionTiles::kShort      ? "short"
+                                                               : "shortsplit";
   return std::string(op) + "_" + tiles + "_B" + std::to_string(c.batch) + "_S" +
          std::to_string(c.seq);
 }

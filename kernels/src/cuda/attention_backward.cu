@@ -39,7 +39,7 @@ std::size_t DeltaBytes(const AttentionProblem& problem) {
 }
 
 std::size_t PartialBytes(const AttentionProblem& problem) {
-  if (ChooseKeyValueTiling(problem) != KeyValueTiling::kSmallSplit) return 0;
+  if (!IsSplit(ChooseKeyValueTiling(problem))) return 0;
   const int group = problem.num_heads / problem.num_kv_heads;
   return RoundUp256(static_cast<std::size_t>(group) * 2 * problem.batch * problem.seq_len *
                     problem.num_kv_heads * kHeadDim * sizeof(float));
@@ -424,7 +424,8 @@ attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) 
 }
 
 template <class Op>
-attngrad_status LaunchBackward(const AttentionParams& params, cudaStream_t stream) {
+attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequence,
+                               cudaStream_t stream) {
   const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
   const long long delta_blocks = (rows * 32 + 255) / 256;
   const long long sum_blocks =
@@ -434,13 +435,16 @@ attngrad_status LaunchBackward(const AttentionParams& params, cudaStream_t strea
   DeltaKernel<Op><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(params);
   if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
 
-  const attngrad_status status = LaunchKeyValue<Op, kBackwardWarps>(params, stream);
+  const attngrad_status status = short_sequence
+                                     ? LaunchShortSequenceBackward(params, stream)
+                                     : LaunchKeyValue<Op, kBackwardWarps>(params, stream);
   if (status != ATTNGRAD_OK) return status;
   if (params.kv_split) {
     SumPartialsKernel<<<static_cast<unsigned>(sum_blocks), 256, 0, stream>>>(params);
     if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
   }
-  return LaunchQuery<Op, kBackwardWarps>(params, stream);
+  // The short-sequence kernel wrote dQ too.
+  return short_sequence ? ATTNGRAD_OK : LaunchQuery<Op, kBackwardWarps>(params, stream);
 }
 
 }  // namespace
@@ -480,7 +484,10 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   params.grad_q = grad_q;
   params.grad_k = grad_k;
   params.grad_v = grad_v;
-  params.kv_split = ChooseKeyValueTiling(problem) == KeyValueTiling::kSmallSplit;
+  const KeyValueTiling tiling = ChooseKeyValueTiling(problem);
+  params.kv_split = IsSplit(tiling);
+  const bool short_sequence =
+      tiling == KeyValueTiling::kShort || tiling == KeyValueTiling::kShortSplit;
   if (params.kv_split) {
     params.partials = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) +
                                                DeltaBytes(problem));
@@ -492,9 +499,9 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
     params.inv_ds_scale = std::ldexp(1.f, -exponent);
   }
   switch (problem.operand) {
-    case AttentionOperand::kFp16: return LaunchBackward<OpFp16>(params, stream);
-    case AttentionOperand::kTf32: return LaunchBackward<OpTf32>(params, stream);
-    case AttentionOperand::kFp32: return LaunchBackward<OpFp32>(params, stream);
+    case AttentionOperand::kFp16: return LaunchBackward<OpFp16>(params, short_sequence, stream);
+    case AttentionOperand::kTf32: return LaunchBackward<OpTf32>(params, false, stream);
+    case AttentionOperand::kFp32: return LaunchBackward<OpFp32>(params, false, stream);
   }
   return ATTNGRAD_INVALID_ARGUMENT;
 }

@@ -446,13 +446,37 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
   return ATTNGRAD_OK;
 }
 
+// The short-sequence backward (attention_backward_short.cu): fp16 operands, S <= this.
+inline constexpr int kShortSequenceMaxLength = 256;
+inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
+  return problem.operand == AttentionOperand::kFp16 &&
+         problem.seq_len <= kShortSequenceMaxLength;
+}
+// Launches it (after DeltaKernel; SumPartialsKernel follows when params.kv_split).
+attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);
+
 // dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
-enum class KeyValueTiling { kSmall, kSmallSplit };
+enum class KeyValueTiling { kSmall, kSmallSplit, kShort, kShortSplit };
+inline bool IsSplit(KeyValueTiling tiling) {
+  return tiling == KeyValueTiling::kSmallSplit || tiling == KeyValueTiling::kShortSplit;
+}
 inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
+  const bool short_applies = ShortSequenceBackwardApplies(problem);
   switch (problem.tiles) {
     case AttentionTiles::kSmall: return KeyValueTiling::kSmall;
     case AttentionTiles::kSmallSplit: return KeyValueTiling::kSmallSplit;
+    case AttentionTiles::kShort:
+      return short_applies ? KeyValueTiling::kShort : KeyValueTiling::kSmall;
+    case AttentionTiles::kShortSplit:
+      return short_applies ? KeyValueTiling::kShortSplit : KeyValueTiling::kSmallSplit;
     case AttentionTiles::kAuto: break;
+  }
+  // The short-sequence kernel (split over the query heads) measured faster than the tiled ones
+  // only for S <= 128 with few key-value blocks (H200: (1,128) 28 vs 32 us, (4,128) 35 vs 41 us,
+  // (8,128) even; slower at (32,128) and at every S = 256 shape; bench/RESULTS.md run 7).
+  if (short_applies && problem.seq_len <= 128 && problem.num_heads != problem.num_kv_heads &&
+      static_cast<long long>(problem.batch) * problem.num_kv_heads < 128) {
+    return KeyValueTiling::kShortSplit;
   }
   // Splitting over the query heads pays while there are fewer than ~2 waves of 64-key blocks.
   const long long small_blocks =

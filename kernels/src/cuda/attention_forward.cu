@@ -1,8 +1,10 @@
 // SPEC section 2 step 4: the attention forward, flash style. Per query head, scores s = q' k'^T *
 // scaling, soft-cap c = cap * tanh(s / cap), causal mask, P = softmax(c), O = P v; writes O (= A, fp32
 // and optionally fp16) and the log-sum-exp of every row, never materialising S x S. One block per
-// (64-query tile, query head, batch); key/value tiles of 64 stream through shared memory
-// (double-buffered cp.async), fully masked tiles are never loaded; online softmax in registers.
+// (64-query tile, query head, batch); key/value tiles of 64 stream through shared memory with
+// cp.async (keys double-buffered, values single-buffered: the next value tile loads while the next
+// scores are computed, and the smaller footprint lets 3 fp16 blocks share an SM instead of 2), fully
+// masked tiles are never loaded; online softmax in registers.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -21,14 +23,22 @@ constexpr int kForwardBlockN = 64;  // keys per tile
 // ~170 registers only one 8-warp block fits per SM and its barrier waits are not covered.
 constexpr int kForwardWarps = 4;
 
+// Query tile, two key tiles, one value tile.
 template <class Op, int kWarps>
 constexpr std::size_t ForwardSharedBytes() {
-  return static_cast<std::size_t>(16 * kWarps + 4 * kForwardBlockN) * Op::kPitch *
+  return static_cast<std::size_t>(16 * kWarps + 3 * kForwardBlockN) * Op::kPitch *
          sizeof(typename Op::Elem);
 }
 
+// fp16: 69.6 KB of shared memory per block, so 3 blocks per SM when registers stay <= 168.
+template <class Op>
+constexpr int ForwardMinBlocksPerSm() {
+  return std::is_same_v<Op, OpFp16> ? 3 : 1;
+}
+
 template <class Op, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32) AttentionForwardKernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
+    AttentionForwardKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
   constexpr int kThreads = kWarps * 32;
   constexpr int kBM = 16 * kWarps, kBN = kForwardBlockN, kP = Op::kPitch;
@@ -36,8 +46,8 @@ __global__ void __launch_bounds__(kWarps * 32) AttentionForwardKernel(const Atte
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
   Elem* q_tile = reinterpret_cast<Elem*>(shared_raw);
-  Elem* k_tiles = q_tile + kBM * kP;       // [2][kBN][kP]
-  Elem* v_tiles = k_tiles + 2 * kBN * kP;  // [2][kBN][kP]
+  Elem* k_tiles = q_tile + kBM * kP;      // [2][kBN][kP]
+  Elem* v_tile = k_tiles + 2 * kBN * kP;  // [kBN][kP]
 
   const int seq_len = p.seq_len;
   const int num_q_tiles = (seq_len + kBM - 1) / kBM;
@@ -57,9 +67,12 @@ __global__ void __launch_bounds__(kWarps * 32) AttentionForwardKernel(const Atte
   const int last_key = min(seq_len, q0 + kBM);
   const int num_kv_tiles = (last_key + kBN - 1) / kBN;
 
+  // cp.async groups, in commit order: {Q, K0}, {V0}, then per iteration j: {K(j+1)} at its start
+  // and {V(j+1)} at its end (empty groups past the last tile keep the counting uniform).
   LoadTileAsync<Op, kBM, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
   LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, 0, seq_len);
-  LoadTileAsync<Op, kBN, kThreads>(v_tiles, v_base, p.ldkv, 0, seq_len);
+  CpAsyncCommit();
+  LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, 0, seq_len);
   CpAsyncCommit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -74,80 +87,87 @@ __global__ void __launch_bounds__(kWarps * 32) AttentionForwardKernel(const Atte
 
   for (int j = 0; j < num_kv_tiles; ++j) {
     const int stage = j & 1;
+    // The other key buffer was last read in iteration j - 1, before its closing barrier.
     if (j + 1 < num_kv_tiles) {
       LoadTileAsync<Op, kBN, kThreads>(k_tiles + (stage ^ 1) * kBN * kP, k_base, p.ldkv,
                                        (j + 1) * kBN, seq_len);
-      LoadTileAsync<Op, kBN, kThreads>(v_tiles + (stage ^ 1) * kBN * kP, v_base, p.ldkv,
-                                       (j + 1) * kBN, seq_len);
     }
     CpAsyncCommit();
-    CpAsyncWait<1>();
+    CpAsyncWait<2>();  // K(j) has landed; V(j) and K(j+1) may still be in flight
     Elem* k_tile = k_tiles + stage * kBN * kP;
-    Elem* v_tile = v_tiles + stage * kBN * kP;
     if (j == 0) RoundTileTf32<Op, kBM, kThreads>(q_tile);
     RoundTileTf32<Op, kBN, kThreads>(k_tile);
-    RoundTileTf32<Op, kBN, kThreads>(v_tile);
     __syncthreads();
 
     const int key0 = j * kBN;
     // A warp whose 16 rows all precede this tile's keys has nothing to add (diagonal tiles only).
-    if (key0 <= q0 + warp * 16 + 15) {
+    const bool active = key0 <= q0 + warp * 16 + 15;
     float s[kNT][4];
+    if (active) {
 #pragma unroll
-    for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
+      for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
 
-    const bool needs_mask = key0 + kBN - 1 > q0 + warp * 16 || key0 + kBN > seq_len;
-    float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
+      const bool needs_mask = key0 + kBN - 1 > q0 + warp * 16 || key0 + kBN > seq_len;
+      float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
 #pragma unroll
-    for (int n = 0; n < kNT; ++n) {
+      for (int n = 0; n < kNT; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float tanh_value;
-        float c = CappedLog2<Op>(p, s[n][e], tanh_value);
-        if (needs_mask) {
-          const int key = key0 + n * 8 + 2 * t + (e & 1);
-          const int row = e < 2 ? row_a : row_b;
-          if (key > row || key >= seq_len) c = -INFINITY;
+        for (int e = 0; e < 4; ++e) {
+          float tanh_value;
+          float c = CappedLog2<Op>(p, s[n][e], tanh_value);
+          if (needs_mask) {
+            const int key = key0 + n * 8 + 2 * t + (e & 1);
+            const int row = e < 2 ? row_a : row_b;
+            if (key > row || key >= seq_len) c = -INFINITY;
+          }
+          s[n][e] = c;
         }
-        s[n][e] = c;
+        tile_max_a = fmaxf(tile_max_a, fmaxf(s[n][0], s[n][1]));
+        tile_max_b = fmaxf(tile_max_b, fmaxf(s[n][2], s[n][3]));
       }
-      tile_max_a = fmaxf(tile_max_a, fmaxf(s[n][0], s[n][1]));
-      tile_max_b = fmaxf(tile_max_b, fmaxf(s[n][2], s[n][3]));
-    }
-    tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 1));
-    tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 2));
-    tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 1));
-    tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 2));
-    // Key 0 is visible to every row, so the running max is finite from the first tile on.
-    const float new_max_a = fmaxf(max_a, tile_max_a), new_max_b = fmaxf(max_b, tile_max_b);
-    const float alpha_a = FastExp2(max_a - new_max_a), alpha_b = FastExp2(max_b - new_max_b);
-    max_a = new_max_a;
-    max_b = new_max_b;
-    float part_a = 0.f, part_b = 0.f;
+      tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 1));
+      tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 2));
+      tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 1));
+      tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 2));
+      // Key 0 is visible to every row, so the running max is finite from the first tile on.
+      const float new_max_a = fmaxf(max_a, tile_max_a), new_max_b = fmaxf(max_b, tile_max_b);
+      const float alpha_a = FastExp2(max_a - new_max_a), alpha_b = FastExp2(max_b - new_max_b);
+      max_a = new_max_a;
+      max_b = new_max_b;
+      float part_a = 0.f, part_b = 0.f;
 #pragma unroll
-    for (int n = 0; n < kNT; ++n) {
-      s[n][0] = FastExp2(s[n][0] - max_a);
-      s[n][1] = FastExp2(s[n][1] - max_a);
-      s[n][2] = FastExp2(s[n][2] - max_b);
-      s[n][3] = FastExp2(s[n][3] - max_b);
-      part_a += s[n][0] + s[n][1];
-      part_b += s[n][2] + s[n][3];
-    }
-    sum_a = sum_a * alpha_a + part_a;
-    sum_b = sum_b * alpha_b + part_b;
+      for (int n = 0; n < kNT; ++n) {
+        s[n][0] = FastExp2(s[n][0] - max_a);
+        s[n][1] = FastExp2(s[n][1] - max_a);
+        s[n][2] = FastExp2(s[n][2] - max_b);
+        s[n][3] = FastExp2(s[n][3] - max_b);
+        part_a += s[n][0] + s[n][1];
+        part_b += s[n][2] + s[n][3];
+      }
+      sum_a = sum_a * alpha_a + part_a;
+      sum_b = sum_b * alpha_b + part_b;
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      acc_o[n][0] *= alpha_a;
-      acc_o[n][1] *= alpha_a;
-      acc_o[n][2] *= alpha_b;
-      acc_o[n][3] *= alpha_b;
+      for (int n = 0; n < 16; ++n) {
+        acc_o[n][0] *= alpha_a;
+        acc_o[n][1] *= alpha_a;
+        acc_o[n][2] *= alpha_b;
+        acc_o[n][3] *= alpha_b;
+      }
     }
-    AccumulatorA<Op, kNT> prob;
-    AccumulatorToA<Op, kNT>(s, 1.f, prob);
-    WarpProductKn<Op, kNT>(acc_o, prob, v_tile);
+    CpAsyncWait<1>();  // V(j) has landed; K(j+1) may still be in flight
+    RoundTileTf32<Op, kBN, kThreads>(v_tile);
+    __syncthreads();
+    if (active) {
+      AccumulatorA<Op, kNT> prob;
+      AccumulatorToA<Op, kNT>(s, 1.f, prob);
+      WarpProductKn<Op, kNT>(acc_o, prob, v_tile);
     }
-    __syncthreads();  // the next iteration's loads overwrite the other stage only; this guards reuse
+    __syncthreads();  // every warp is done with V(j) (and K(j)) before they are overwritten
+    if (j + 1 < num_kv_tiles) {
+      LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, (j + 1) * kBN, seq_len);
+    }
+    CpAsyncCommit();
   }
 
   sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);

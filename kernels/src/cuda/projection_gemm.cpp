@@ -20,8 +20,11 @@ cudaDataType_t OperandType(const GemmSpec& spec) {
 }
 
 cublasComputeType_t ComputeType(const GemmSpec& spec) {
-  return spec.arithmetic == GemmArithmetic::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                                  : CUBLAS_COMPUTE_32F;
+  switch (spec.arithmetic) {
+    case GemmArithmetic::kTf32: return CUBLAS_COMPUTE_32F_FAST_TF32;
+    case GemmArithmetic::kFp16FromFp32: return CUBLAS_COMPUTE_32F_FAST_16F;
+    default: return CUBLAS_COMPUTE_32F;
+  }
 }
 
 bool Ok(cublasStatus_t status) { return status == CUBLAS_STATUS_SUCCESS; }
@@ -35,7 +38,9 @@ GemmPlan::~GemmPlan() {
   if (desc_) cublasLtMatmulDescDestroy(desc_);
 }
 
-attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment) {
+attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment,
+                               int heuristic_rank) {
+  if (heuristic_rank < 0 || heuristic_rank >= kMaxHeuristicRank) return ATTNGRAD_INTERNAL;
   const cudaDataType_t operand = OperandType(spec);
   const cudaDataType_t output = spec.d_is_half ? CUDA_R_16F : CUDA_R_32F;
   if (!Ok(cublasLtMatmulDescCreate(&desc_, ComputeType(spec), CUDA_R_32F))) return ATTNGRAD_INTERNAL;
@@ -71,14 +76,17 @@ attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, in
           preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof(align))) &&
       Ok(cublasLtMatmulPreferenceSetAttribute(
           preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align)));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kMaxHeuristicRank] = {};
   int found = 0;
   if (configured) {
     configured = Ok(cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_a_, layout_b_, layout_d_,
-                                                   layout_d_, preference, 1, &result, &found));
+                                                   layout_d_, preference, heuristic_rank + 1,
+                                                   results, &found));
   }
   cublasLtMatmulPreferenceDestroy(preference);
-  if (!configured || found < 1 || !Ok(result.state)) return ATTNGRAD_INTERNAL;
+  if (!configured || found <= heuristic_rank) return ATTNGRAD_INTERNAL;
+  const cublasLtMatmulHeuristicResult_t& result = results[heuristic_rank];
+  if (!Ok(result.state)) return ATTNGRAD_INTERNAL;
   algo_ = result.algo;
   workspace_bytes_ = result.workspaceSize;
   return ATTNGRAD_OK;

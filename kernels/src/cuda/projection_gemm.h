@@ -30,7 +30,8 @@ namespace attngrad::cuda {
 
 // Arithmetic of one GEMM: exact fp32, fp32 operands on TF32 tensor cores, or fp16 operands; every
 // mode accumulates in fp32.
-enum class GemmArithmetic { kFp32, kTf32, kFp16 };
+// kFp16FromFp32: fp32 operands that cuBLASLt rounds to fp16 itself (CUBLAS_COMPUTE_32F_FAST_16F).
+enum class GemmArithmetic { kFp32, kTf32, kFp16, kFp16FromFp32 };
 
 // Bytes of cuBLASLt workspace every GEMM may use (carved from the caller's workspace).
 inline constexpr std::size_t kGemmWorkspaceBytes = std::size_t{32} << 20;
@@ -59,10 +60,15 @@ class GemmPlan {
   GemmPlan& operator=(const GemmPlan&) = delete;
   ~GemmPlan();
 
-  // Builds the descriptors and asks the heuristic for an algorithm (host-side work only).
-  attngrad_status Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment);
+  // Builds the descriptors and asks the heuristic for an algorithm (host-side work only): its
+  // first choice, or the one of rank `heuristic_rank` in its list (benchmarks compare them).
+  static constexpr int kMaxHeuristicRank = 32;
+  attngrad_status Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment,
+                       int heuristic_rank = 0);
   attngrad_status Run(cublasLtHandle_t handle, const GemmSpec& spec, void* gemm_workspace,
                       cudaStream_t stream) const;
+  const cublasLtMatmulAlgo_t& algo() const { return algo_; }
+  std::size_t workspace_bytes() const { return workspace_bytes_; }
 
  private:
   cublasLtMatmulDesc_t desc_ = nullptr;

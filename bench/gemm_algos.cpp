@@ -1,0 +1,369 @@
+// gemm_algos: for every projection GEMM of the FP16 pipeline (SPEC section 2 steps 1, 5 and 9, the
+// shapes backward_device.cu runs) at the 16 SPEC workloads, times each algorithm cuBLASLt's heuristic
+// offers (its ranked list, up to 32), the way attngrad_bench times a call (L2 flushed before every
+// iteration, warm-up, median of the timed iterations), and prints the heuristic's first choice next
+// to the fastest one and that one's configuration. It says how much a tuned choice could save per
+// workload; it changes nothing in the library.
+//
+// With --from-fp32 it instead compares, per workload, the FP16 pipeline's GEMMs on fp16 copies
+// (plus the per-call conversion that makes them) with the same products on the fp32 tensors that
+// cuBLASLt rounds to fp16 itself (CUBLAS_COMPUTE_32F_FAST_16F; separate Wq/Wk/Wv products).
+//
+// Usage: gemm_algos [--workloads=B:S,...] [--iters=20] [--ranks=32] [--from-fp32]
+#include <cublasLt.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda/projection_gemm.h"
+#include "cuda/stages.h"
+
+namespace {
+
+using attngrad::cuda::GemmArithmetic;
+using attngrad::cuda::GemmPlan;
+using attngrad::cuda::GemmSpec;
+
+#define CHECK_CUDA(expression)                                                                 \
+  do {                                                                                         \
+    const cudaError_t error_ = (expression);                                                   \
+    if (error_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expression,                 \
+                   cudaGetErrorString(error_));                                                \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+constexpr int kHidden = 3072, kQWidth = 3072, kKvWidth = 1024, kQkvWidth = 5120;
+
+struct Buffer {
+  explicit Buffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&pointer, bytes)); }
+  ~Buffer() { cudaFree(pointer); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  void* pointer = nullptr;
+};
+
+// The GEMMs of one FP16 call with T tokens (operands are uninitialised scratch of the right size:
+// timing does not depend on the values' magnitudes beyond NaN-free, so they are zeroed).
+struct NamedGemm {
+  std::string name;
+  GemmSpec spec;
+};
+
+std::vector<NamedGemm> PipelineGemms(int tokens, void* weights_half, void* activations_half,
+                                     void* grad_qkv_half, void* output) {
+  std::vector<NamedGemm> gemms;
+  GemmSpec spec;
+  spec.arithmetic = GemmArithmetic::kFp16;
+  // qkv = X [Wq;Wk;Wv]^T
+  spec = GemmSpec{};
+  spec.arithmetic = GemmArithmetic::kFp16;
+  spec.transpose_a = true;
+  spec.m = kQkvWidth; spec.n = tokens; spec.k = kHidden;
+  spec.a = weights_half; spec.lda = kHidden;
+  spec.b = activations_half; spec.ldb = kHidden;
+  spec.d = output; spec.ldd = kQkvWidth;
+  gemms.push_back({"qkv", spec});
+  // dA = dY Wo (fp16 out)
+  spec = GemmSpec{};
+  spec.arithmetic = GemmArithmetic::kFp16;
+  spec.m = kQWidth; spec.n = tokens; spec.k = kHidden;
+  spec.a = weights_half; spec.lda = kQWidth;
+  spec.b = activations_half; spec.ldb = kHidden;
+  spec.d = output; spec.ldd = kQWidth; spec.d_is_half = true;
+  gemms.push_back({"grad_attn", spec});
+  // dWo = dY^T A
+  spec = GemmSpec{};
+  spec.arithmetic = GemmArithmetic::kFp16;
+  spec.transpose_b = true;
+  spec.m = kQWidth; spec.n = kHidden; spec.k = tokens;
+  spec.a = activations_half; spec.lda = kQWidth;
+  spec.b = activations_half; spec.ldb = kHidden;
+  spec.d = output; spec.ldd = kQWidth;
+  gemms.push_back({"grad_o", spec});
+  // dX = dqkv [Wq;Wk;Wv]
+  spec = GemmSpec{};
+  spec.arithmetic = GemmArithmetic::kFp16;
+  spec.m = kHidden; spec.n = tokens; spec.k = kQkvWidth;
+  spec.a = weights_half; spec.lda = kHidden;
+  spec.b = grad_qkv_half; spec.ldb = kQkvWidth;
+  spec.d = output; spec.ldd = kHidden;
+  gemms.push_back({"grad_x", spec});
+  // dWq, dWk (dWv has dWk's shape) = dqkv[:, rows]^T X
+  for (int rows : {kQWidth, kKvWidth}) {
+    spec = GemmSpec{};
+    spec.arithmetic = GemmArithmetic::kFp16;
+    spec.transpose_b = true;
+    spec.m = kHidden; spec.n = rows; spec.k = tokens;
+    spec.a = activations_half; spec.lda = kHidden;
+    spec.b = grad_qkv_half; spec.ldb = kQkvWidth;
+    spec.d = output; spec.ldd = kHidden;
+    gemms.push_back({rows == kQWidth ? "grad_wq" : "grad_wk(x2)", spec});
+  }
+  return gemms;
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+std::string Describe(const cublasLtMatmulAlgo_t& algo) {
+  auto get = [&algo](cublasLtMatmulAlgoConfigAttributes_t attribute) {
+    std::uint64_t value = 0;
+    std::size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written);
+    return static_cast<unsigned long long>(value);
+  };
+  char text[200];
+  std::snprintf(text, sizeof text, "id=%llu tile=%llu stages=%llu splitk=%llu red=%llu swz=%llu cluster=%llu custom=%llu",
+                get(CUBLASLT_ALGO_CONFIG_ID), get(CUBLASLT_ALGO_CONFIG_TILE_ID),
+                get(CUBLASLT_ALGO_CONFIG_STAGES_ID), get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+                get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION));
+  return text;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::pair<int, int>> workloads = {
+      {1, 128}, {1, 256}, {1, 512}, {1, 2048}, {2, 512}, {2, 541}, {2, 1024}, {2, 2048},
+      {4, 128}, {4, 256}, {4, 1024}, {8, 128}, {8, 512}, {16, 256}, {32, 128}, {64, 256}};
+  int iters = 20, ranks = GemmPlan::kMaxHeuristicRank;
+  bool from_fp32 = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--from-fp32") {
+      from_fp32 = true;
+    } else if (arg.rfind("--iters=", 0) == 0) {
+      iters = std::atoi(arg.c_str() + 8);
+    } else if (arg.rfind("--ranks=", 0) == 0) {
+      ranks = std::min(std::atoi(arg.c_str() + 8), GemmPlan::kMaxHeuristicRank);
+    } else if (arg.rfind("--workloads=", 0) == 0) {
+      workloads.clear();
+      const char* cursor = arg.c_str() + 12;
+      while (*cursor) {
+        int b = 0, s = 0, used = 0;
+        if (std::sscanf(cursor, "%d:%d%n", &b, &s, &used) != 2) break;
+        workloads.emplace_back(b, s);
+        cursor += used;
+        if (*cursor == ',') ++cursor;
+      }
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  int device_count = 0;
+  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count < 1) {
+    std::fprintf(stderr, "gemm_algos: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp properties{};
+  CHECK_CUDA(cudaGetDeviceProperties(&properties, 0));
+  std::printf("device: %s, cuBLASLt %zu\n", properties.name, cublasLtGetVersion());
+  std::size_t max_tokens = 0;
+  for (const auto& [b, s] : workloads) {
+    max_tokens = std::max(max_tokens, static_cast<std::size_t>(b) * static_cast<std::size_t>(s));
+  }
+  const std::size_t flush_bytes = 2 * static_cast<std::size_t>(properties.l2CacheSize);
+  Buffer flush(flush_bytes);
+  Buffer weights(std::size_t{kQkvWidth} * kHidden * sizeof(__half));
+  Buffer activations(max_tokens * kHidden * sizeof(__half));
+  Buffer grad_qkv(max_tokens * kQkvWidth * sizeof(__half));
+  Buffer output(std::max(max_tokens * kQkvWidth, std::size_t{kHidden} * kQWidth) *
+                sizeof(float));
+  Buffer gemm_workspace(attngrad::cuda::kGemmWorkspaceBytes);
+  CHECK_CUDA(cudaMemset(weights.pointer, 0, std::size_t{kQkvWidth} * kHidden * sizeof(__half)));
+  CHECK_CUDA(cudaMemset(activations.pointer, 0, max_tokens * kHidden * sizeof(__half)));
+  CHECK_CUDA(cudaMemset(grad_qkv.pointer, 0, max_tokens * kQkvWidth * sizeof(__half)));
+  cublasLtHandle_t handle = nullptr;
+  if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) return 1;
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+
+  if (from_fp32) {
+    // fp32 operands: weights [5120 x 3072] (Wq|Wk|Wv rows) and [3072 x 3072] (Wo), activations.
+    Buffer weights32(std::size_t{kQkvWidth} * kHidden * sizeof(float));
+    Buffer wo32(std::size_t{kHidden} * kQWidth * sizeof(float));
+    Buffer x32(max_tokens * kHidden * sizeof(float));
+    Buffer qkv32(max_tokens * kQkvWidth * sizeof(float));
+    Buffer half_weights(std::size_t{kQkvWidth + kHidden} * kHidden * sizeof(__half));
+    CHECK_CUDA(cudaMemset(weights32.pointer, 0, std::size_t{kQkvWidth} * kHidden * sizeof(float)));
+    CHECK_CUDA(cudaMemset(wo32.pointer, 0, std::size_t{kHidden} * kQWidth * sizeof(float)));
+    CHECK_CUDA(cudaMemset(x32.pointer, 0, max_tokens * kHidden * sizeof(float)));
+    CHECK_CUDA(cudaMemset(qkv32.pointer, 0, max_tokens * kQkvWidth * sizeof(float)));
+    auto time_calls = [&](const std::function<void()>& enqueue) {
+      std::vector<double> times;
+      for (int i = 0; i < 3 + iters; ++i) {
+        CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+        CHECK_CUDA(cudaEventRecord(start, stream));
+        enqueue();
+        CHECK_CUDA(cudaEventRecord(stop, stream));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        if (i >= 3) times.push_back(ms * 1e3);
+      }
+      return Median(times);
+    };
+    std::vector<std::unique_ptr<GemmPlan>> plans;
+    auto run = [&](const GemmSpec& spec) {
+      plans.push_back(std::make_unique<GemmPlan>());
+      if (plans.back()->Init(handle, spec, 256) != ATTNGRAD_OK) {
+        std::fprintf(stderr, "no algorithm for %dx%dx%d arithmetic %d\n", spec.m, spec.n, spec.k,
+                     static_cast<int>(spec.arithmetic));
+        std::exit(1);
+      }
+      const GemmPlan* plan = plans.back().get();
+      return [plan, spec, &handle, &gemm_workspace, &stream] {
+        if (plan->Run(handle, spec, gemm_workspace.pointer, stream) != ATTNGRAD_OK) std::exit(1);
+      };
+    };
+    std::printf("%-7s %-10s %10s %10s\n", "BxS", "product", "fp16_us", "fp32in_us");
+    for (const auto& [batch, seq_len] : workloads) {
+      const int tokens = batch * seq_len;
+      const std::vector<NamedGemm> half = PipelineGemms(tokens, weights.pointer, activations.pointer,
+                                                        grad_qkv.pointer, output.pointer);
+      // The conversion the FP16 pipeline does per call: X, dY and the 25.2 M weight elements.
+      const std::size_t activation_elements = static_cast<std::size_t>(tokens) * kHidden;
+      auto* half_base = static_cast<__half*>(half_weights.pointer);
+      const attngrad::cuda::ConvertSegment segments[] = {
+          {static_cast<const float*>(x32.pointer), static_cast<__half*>(activations.pointer),
+           activation_elements, 1.f},
+          {static_cast<const float*>(x32.pointer), static_cast<__half*>(grad_qkv.pointer),
+           activation_elements, 1.f},
+          {static_cast<const float*>(weights32.pointer), half_base,
+           std::size_t{kQkvWidth} * kHidden, 1.f},
+          {static_cast<const float*>(wo32.pointer), half_base + std::size_t{kQkvWidth} * kHidden,
+           std::size_t{kHidden} * kQWidth, 1.f}};
+      const double convert = time_calls([&] {
+        if (attngrad::cuda::ConvertToHalf(segments, 4, stream) != ATTNGRAD_OK) std::exit(1);
+      });
+      double half_total = convert, fp32_total = 0;
+      std::printf("%3dx%-4d %-10s %10.1f %10s\n", batch, seq_len, "convert", convert, "-");
+      // fp32-operand forms of the same products (separate Wq, Wk, Wv as the caller stores them).
+      const int rows[3] = {kQWidth, kKvWidth, kKvWidth};
+      const float* w32 = static_cast<const float*>(weights32.pointer);
+      float* qkv_out = static_cast<float*>(qkv32.pointer);
+      for (const NamedGemm& gemm : half) {
+        const double half_us = time_calls(run(gemm.spec));
+        std::vector<std::function<void()>> calls;
+        GemmSpec spec = gemm.spec;
+        spec.arithmetic = GemmArithmetic::kFp16FromFp32;
+        spec.d_is_half = false;
+        if (gemm.name == "qkv") {  // three products into the columns of qkv
+          int first = 0;
+          for (int i = 0; i < 3; ++i) {
+            GemmSpec part = spec;
+            part.m = rows[i];
+            part.a = w32 + static_cast<std::size_t>(first) * kHidden;
+            part.b = x32.pointer;
+            part.d = qkv_out + first;
+            calls.push_back(run(part));
+            first += rows[i];
+          }
+        } else if (gemm.name == "grad_x") {  // three products added in order
+          int first = 0;
+          for (int i = 0; i < 3; ++i) {
+            GemmSpec part = spec;
+            part.k = rows[i];
+            part.a = w32 + static_cast<std::size_t>(first) * kHidden;
+            part.b = qkv_out + first;
+            part.beta = i == 0 ? 0.f : 1.f;
+            calls.push_back(run(part));
+            first += rows[i];
+          }
+        } else {
+          spec.a = gemm.name == "grad_attn" ? wo32.pointer : x32.pointer;
+          spec.b = gemm.name == "grad_wq" || gemm.name == "grad_wk(x2)"
+                       ? static_cast<const void*>(qkv_out)
+                       : x32.pointer;
+          spec.d = output.pointer;
+          calls.push_back(run(spec));
+        }
+        const double fp32_us = time_calls([&] {
+          for (auto& call : calls) call();
+        });
+        const double weight = gemm.name == "grad_wk(x2)" ? 2.0 : 1.0;
+        half_total += weight * half_us;
+        fp32_total += weight * fp32_us;
+        std::printf("%3dx%-4d %-10s %10.1f %10.1f\n", batch, seq_len, gemm.name.c_str(), half_us,
+                    fp32_us);
+      }
+      std::printf("%3dx%-4d %-10s %10.1f %10.1f\n", batch, seq_len, "TOTAL", half_total,
+                  fp32_total);
+      std::fflush(stdout);
+    }
+    cublasLtDestroy(handle);
+    return 0;
+  }
+
+  std::printf("%-7s %-12s %5s %9s %9s %5s %6s  %s\n", "BxS", "gemm", "algos", "first_us",
+              "best_us", "rank", "saved", "best algorithm");
+  double log_ratio_sum = 0;
+  for (const auto& [batch, seq_len] : workloads) {
+    const int tokens = batch * seq_len;
+    double first_total = 0, best_total = 0;
+    for (const NamedGemm& gemm : PipelineGemms(tokens, weights.pointer, activations.pointer,
+                                               grad_qkv.pointer, output.pointer)) {
+      const double weight = gemm.name == "grad_wk(x2)" ? 2.0 : 1.0;
+      double first = 0, best = 1e30;
+      int best_rank = -1, tried = 0;
+      std::string best_description;
+      for (int rank = 0; rank < ranks; ++rank) {
+        GemmPlan plan;
+        if (plan.Init(handle, gemm.spec, 256, rank) != ATTNGRAD_OK) break;
+        std::vector<double> times;
+        bool failed = false;
+        for (int i = 0; i < 3 + iters && !failed; ++i) {
+          CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+          CHECK_CUDA(cudaEventRecord(start, stream));
+          failed = plan.Run(handle, gemm.spec, gemm_workspace.pointer, stream) != ATTNGRAD_OK;
+          CHECK_CUDA(cudaEventRecord(stop, stream));
+          CHECK_CUDA(cudaEventSynchronize(stop));
+          float ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+          if (i >= 3) times.push_back(ms * 1e3);
+        }
+        if (failed) continue;
+        ++tried;
+        const double median = Median(times);
+        if (rank == 0) first = median;
+        if (median < best) {
+          best = median;
+          best_rank = rank;
+          best_description = Describe(plan.algo());
+        }
+      }
+      first_total += weight * first;
+      best_total += weight * best;
+      std::printf("%3dx%-4d %-12s %5d %9.1f %9.1f %5d %5.1f%%  %s\n", batch, seq_len,
+                  gemm.name.c_str(), tried, first, best, best_rank, 100.0 * (1.0 - best / first),
+                  best_description.c_str());
+      std::fflush(stdout);
+    }
+    std::printf("%3dx%-4d %-12s %5s %9.1f %9.1f %5s %5.1f%%\n", batch, seq_len, "TOTAL", "",
+                first_total, best_total, "", 100.0 * (1.0 - best_total / first_total));
+    log_ratio_sum += std::log(best_total / first_total);
+  }
+  std::printf("geomean of best/first GEMM totals: %.3f\n",
+              std::exp(log_ratio_sum / static_cast<double>(workloads.size())));
+  cublasLtDestroy(handle);
+  return 0;
+}

@@ -1,0 +1,310 @@
+// SPEC section 2 step 6 for short sequences (S <= 256, fp16 operands): the attention backward with
+// the whole sequence of one head in one block, so that each S x S product is computed once (5
+// products instead of the 7 of the tiled kernels in attention_backward.cu) and in one launch.
+//
+// One block of 8 warps per (batch, key-value head), looping over the 3 query heads of its group, or
+// per (batch, query head) when that gives too few blocks ("split": dK/dV partials per query head,
+// summed over the group in head order by attention_backward.cu's SumPartialsKernel). For each query
+// head and each chunk of 128 queries:
+//   phase 1 (warp = 16 queries): for each 128-key block at or before the chunk, S = Q K^T and
+//     dP = dO V^T in registers, P = exp(c - lse), dS = P (dP - Delta) (1 - t^2) scaling; dQ += dS K.
+//     P and dS (fp16) are then staged in shared memory over the V and K rows of that key block
+//     (no longer needed by this chunk). dQ of the chunk is complete: written once.
+//   phase 2 (warp = 16 keys): dV += P^T dO and dK += dS^T Q from the staged tiles (transposed with
+//     ldmatrix.trans), added to the block's own rows of dK/dV in global memory in a fixed order
+//     (query head, then chunk): deterministic, no atomics.
+// Delta = rowsum(dO * O) comes from DeltaKernel, lse from the forward; dS carries the power-of-two
+// scale of the FP16 mode (attention_common.cuh), removed from dK and dQ on output.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/attention.h"
+#include "cuda/attention_common.cuh"
+
+namespace attngrad::cuda::attention_detail {
+namespace {
+
+using Op = OpFp16;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunk = 16 * kWarps;  // queries per chunk (phase 1: one warp per 16)
+constexpr int kKeyBlock = 128;       // keys per phase-1 product
+constexpr int kPitch = Op::kPitch;
+constexpr float kHalfMax = 65504.f;
+
+constexpr std::size_t kSharedBytes =
+    static_cast<std::size_t>(2 * kChunk + 2 * kShortSequenceMaxLength) * kPitch * sizeof(__half);
+
+// A fragment of rows [row0, row0 + 16) and k-step k0 of A = T^T, where `tile` holds T stored
+// [k][row] (the staged P or dS, [query][key], read as [key][query]).
+__device__ __forceinline__ void LoadATransposed(std::uint32_t (&a)[4], const __half* tile,
+                                                int row0, int k0) {
+  const int lane = threadIdx.x & 31;
+  const int mi = lane >> 3, r = lane & 7;
+  const __half* address = tile + (k0 + (mi >> 1) * 8 + r) * kPitch + row0 + (mi & 1) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(SmemAddress(address)));
+}
+
+// acc[16 x 128] += A[16 x 128] B[128 x 128]^T over the first `n_limit` columns of acc only (causal:
+// the keys after a warp's last query are never visible); the rest of acc is left untouched.
+__device__ __forceinline__ void WarpProductNkUpTo(float (&acc)[16][4], const __half* a_tile,
+                                                  int a_row0, const __half* b_tile, int n_limit) {
+#pragma unroll
+  for (int k0 = 0; k0 < kHeadDim; k0 += Op::kK) {
+    std::uint32_t a[4];
+    LoadA<Op>(a, a_tile, a_row0, k0);
+#pragma unroll
+    for (int n = 0; n < 16; n += 2) {
+      if (n * 8 < n_limit) {
+        std::uint32_t b[2][2];
+        LoadBnk2<Op>(b, b_tile, n * 8, k0);
+        Mma<Op>(acc[n], a, b[0]);
+        Mma<Op>(acc[n + 1], a, b[1]);
+      }
+    }
+  }
+}
+
+// acc[16 x 128] += A[16 x 128] B[128 x 128] with A from registers, k-steps below `k_limit` only
+// (the A columns past it are zero).
+__device__ __forceinline__ void WarpProductKnUpTo(float (&acc)[16][4],
+                                                  const AccumulatorA<Op, 16>& a,
+                                                  const __half* b_tile, int k_limit) {
+#pragma unroll
+  for (int ks = 0; ks < AccumulatorA<Op, 16>::kSteps; ++ks) {
+    if (ks * Op::kK < k_limit) {
+#pragma unroll
+      for (int n = 0; n < 16; n += 2) {
+        std::uint32_t b[2][2];
+        LoadBkn2<Op>(b, b_tile, ks * Op::kK, n * 8);
+        Mma<Op>(acc[n], a.a[ks], b[0]);
+        Mma<Op>(acc[n + 1], a.a[ks], b[1]);
+      }
+    }
+  }
+}
+
+// Writes the 16 rows of a warp's A fragments (16 x 128, fp16) into a staging tile [row][col].
+__device__ __forceinline__ void StoreFragments(const AccumulatorA<Op, 16>& a, __half* tile,
+                                               int row0) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  __half* upper = tile + (row0 + g) * kPitch + 2 * t;
+  __half* lower = upper + 8 * kPitch;
+#pragma unroll
+  for (int kk = 0; kk < AccumulatorA<Op, 16>::kSteps; ++kk) {
+    *reinterpret_cast<std::uint32_t*>(upper + 16 * kk) = a.a[kk][0];
+    *reinterpret_cast<std::uint32_t*>(lower + 16 * kk) = a.a[kk][1];
+    *reinterpret_cast<std::uint32_t*>(upper + 16 * kk + 8) = a.a[kk][2];
+    *reinterpret_cast<std::uint32_t*>(lower + 16 * kk + 8) = a.a[kk][3];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const AttentionParams p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  __half* q_tile = reinterpret_cast<__half*>(shared_raw);  // [kChunk][kPitch]
+  __half* do_tile = q_tile + kChunk * kPitch;              // [kChunk][kPitch]
+  __half* k_tile = do_tile + kChunk * kPitch;  // [256][kPitch]; after phase 1 of a chunk: dS
+  __half* v_tile = k_tile + kShortSequenceMaxLength * kPitch;  // [256][kPitch]; then: P
+
+  const int seq_len = p.seq_len;
+  const int slots = p.kv_split ? p.num_heads : p.num_kv_heads;
+  const int slot = static_cast<int>(blockIdx.x) % slots;
+  const int batch = static_cast<int>(blockIdx.x) / slots;
+  const int kv_head = p.kv_split ? slot / p.group : slot;
+  const int first_head = p.kv_split ? slot : slot * p.group;
+  const int block_heads = p.kv_split ? 1 : p.group;
+  const long long token0 = static_cast<long long>(batch) * seq_len;
+  const int num_chunks = (seq_len + kChunk - 1) / kChunk;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const float ds_factor = p.scaling * p.ds_scale;
+
+  const int kv_ld = p.num_kv_heads * kHeadDim;
+  float* grad_k = p.grad_k;
+  float* grad_v = p.grad_v;
+  if (p.kv_split) {
+    const long long per_output = static_cast<long long>(p.batch) * seq_len * kv_ld;
+    grad_k = p.partials + static_cast<long long>(slot % p.group) * 2 * per_output;
+    grad_v = grad_k + per_output;
+  }
+  const __half* k_base = static_cast<const __half*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const __half* v_base = static_cast<const __half*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+
+  for (int head_index = 0; head_index < block_heads; ++head_index) {
+    const int head = first_head + head_index;
+    const __half* q_base = static_cast<const __half*>(p.q) + token0 * p.ldq + head * kHeadDim;
+    const __half* do_base =
+        static_cast<const __half*>(p.grad_out) + token0 * p.ldo + head * kHeadDim;
+    const long long stat0 = (static_cast<long long>(batch) * p.num_heads + head) * seq_len;
+
+    for (int chunk = 0; chunk < num_chunks; ++chunk) {
+      const int q0 = chunk * kChunk;
+      const int chunk_rows = min(kChunk, seq_len - q0);
+      const int key_end = q0 + chunk_rows;  // keys [0, key_end) are visible to the chunk
+      const int key_blocks = (key_end + kKeyBlock - 1) / kKeyBlock;
+
+      // Every read of the previous chunk's tiles ended at its closing barrier.
+      LoadTileAsync<Op, kChunk, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
+      LoadTileAsync<Op, kChunk, kThreads>(do_tile, do_base, p.ldo, q0, seq_len);
+      for (int block = 0; block < key_blocks; ++block) {
+        LoadTileAsync<Op, kKeyBlock, kThreads>(k_tile + block * kKeyBlock * kPitch, k_base,
+                                               p.ldkv, block * kKeyBlock, seq_len);
+        LoadTileAsync<Op, kKeyBlock, kThreads>(v_tile + block * kKeyBlock * kPitch, v_base,
+                                               p.ldkv, block * kKeyBlock, seq_len);
+      }
+      CpAsyncCommit();
+      CpAsyncWait<0>();
+      __syncthreads();
+
+      // ---- Phase 1: this warp's 16 queries against every visible key block ----
+      const int warp_row0 = warp * 16;  // within the chunk
+      const int row_a = q0 + warp_row0 + g, row_b = row_a + 8;
+      const float lse_a = row_a < seq_len ? p.lse_in[stat0 + row_a] * kLog2e : INFINITY;
+      const float lse_b = row_b < seq_len ? p.lse_in[stat0 + row_b] * kLog2e : INFINITY;
+      const float delta_a = row_a < seq_len ? p.delta[stat0 + row_a] : 0.f;
+      const float delta_b = row_b < seq_len ? p.delta[stat0 + row_b] : 0.f;
+      float acc_dq[16][4];
+#pragma unroll
+      for (int n = 0; n < 16; ++n) acc_dq[n][0] = acc_dq[n][1] = acc_dq[n][2] = acc_dq[n][3] = 0.f;
+
+      for (int block = 0; block < key_blocks; ++block) {
+        const int key0 = block * kKeyBlock;
+        __half* k_block = k_tile + block * kKeyBlock * kPitch;
+        __half* v_block = v_tile + block * kKeyBlock * kPitch;
+        // Keys of this block this warp's queries can see: [key0, q0 + warp_row0 + 16).
+        const int visible = min(kKeyBlock, q0 + warp_row0 + 16 - key0);
+        const bool active = warp_row0 < chunk_rows && visible > 0;
+        AccumulatorA<Op, 16> prob_a, ds_a;
+        if (active) {
+          float s[16][4], dp[16][4];
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+          }
+          WarpProductNkUpTo(s, q_tile, warp_row0, k_block, visible);
+          WarpProductNkUpTo(dp, do_tile, warp_row0, v_block, visible);
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = key0 + n * 8 + 2 * t + (e & 1);
+              const int row = e < 2 ? row_a : row_b;
+              float tanh_value;
+              const float c = CappedLog2<Op>(p, s[n][e], tanh_value);
+              float prob = FastExp2(c - (e < 2 ? lse_a : lse_b));
+              if (key > row) prob = 0.f;  // also every key >= seq_len for a valid row
+              const float ds = prob * (dp[n][e] - (e < 2 ? delta_a : delta_b)) *
+                               fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
+              s[n][e] = prob;
+              dp[n][e] = fminf(fmaxf(ds, -kHalfMax), kHalfMax);
+            }
+          }
+          AccumulatorToA<Op, 16>(s, 1.f, prob_a);
+          AccumulatorToA<Op, 16>(dp, 1.f, ds_a);
+          WarpProductKnUpTo(acc_dq, ds_a, k_block, visible);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < AccumulatorA<Op, 16>::kSteps; ++kk) {
+            prob_a.a[kk][0] = prob_a.a[kk][1] = prob_a.a[kk][2] = prob_a.a[kk][3] = 0u;
+            ds_a.a[kk][0] = ds_a.a[kk][1] = ds_a.a[kk][2] = ds_a.a[kk][3] = 0u;
+          }
+        }
+        __syncthreads();  // every warp is done with this block's K and V
+        StoreFragments(prob_a, v_block, warp_row0);
+        StoreFragments(ds_a, k_block, warp_row0);
+      }
+      // dQ of the chunk's rows is complete.
+      const int q_ld = p.num_heads * kHeadDim;
+#pragma unroll
+      for (int half_rows = 0; half_rows < 2; ++half_rows) {
+        const int row = half_rows == 0 ? row_a : row_b;
+        if (row >= seq_len) continue;
+        float* out_row = p.grad_q + (token0 + row) * q_ld + head * kHeadDim + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          *reinterpret_cast<float2*>(out_row + n * 8) =
+              make_float2(acc_dq[n][2 * half_rows] * p.inv_ds_scale,
+                          acc_dq[n][2 * half_rows + 1] * p.inv_ds_scale);
+        }
+      }
+      __syncthreads();  // P and dS of every key block are staged
+
+      // ---- Phase 2: 16 keys per warp, dV += P^T dO and dK += dS^T Q over the chunk's queries ----
+      for (int key_group = warp; key_group * 16 < key_end; key_group += kWarps) {
+        const int key_row0 = key_group * 16;
+        const int block = key_row0 / kKeyBlock;
+        const int in_block = key_row0 % kKeyBlock;
+        // Queries of the chunk at or after these keys: k-steps from the one holding key_row0.
+        const int first_step = max(0, key_row0 - q0) / 16;
+        const int steps = (chunk_rows + 15) / 16;
+        // The first contribution to a key row: first query head of the block, the key's own chunk.
+        const bool first = head_index == 0 && key_row0 >= q0;
+#pragma unroll 1
+        for (int which = 0; which < 2; ++which) {  // 0: dV from P and dO, 1: dK from dS and Q
+          const __half* staged = (which == 0 ? v_tile : k_tile) + block * kKeyBlock * kPitch;
+          const __half* b_tile = which == 0 ? do_tile : q_tile;
+          float acc[16][4];
+#pragma unroll
+          for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+          for (int step = first_step; step < steps; ++step) {
+            std::uint32_t a[4];
+            LoadATransposed(a, staged, in_block, step * 16);
+#pragma unroll
+            for (int n = 0; n < 16; n += 2) {
+              std::uint32_t b[2][2];
+              LoadBkn2<Op>(b, b_tile, step * 16, n * 8);
+              Mma<Op>(acc[n], a, b[0]);
+              Mma<Op>(acc[n + 1], a, b[1]);
+            }
+          }
+          float* out = which == 0 ? grad_v : grad_k;
+          const float scale = which == 0 ? 1.f : p.inv_ds_scale;
+#pragma unroll
+          for (int half_rows = 0; half_rows < 2; ++half_rows) {
+            const int key = key_row0 + g + 8 * half_rows;
+            if (key >= seq_len) continue;
+            float* out_row = out + (token0 + key) * kv_ld + kv_head * kHeadDim + 2 * t;
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+              float2 value = make_float2(acc[n][2 * half_rows] * scale,
+                                         acc[n][2 * half_rows + 1] * scale);
+              if (!first) {
+                const float2 previous = *reinterpret_cast<const float2*>(out_row + n * 8);
+                value.x += previous.x;
+                value.y += previous.y;
+              }
+              *reinterpret_cast<float2*>(out_row + n * 8) = value;
+            }
+          }
+        }
+      }
+      __syncthreads();  // the next chunk's loads overwrite every tile
+    }
+  }
+}
+
+}  // namespace
+
+attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream) {
+  if (params.seq_len > kShortSequenceMaxLength) return ATTNGRAD_INTERNAL;
+  if (cudaFuncSetAttribute(ShortSequenceBackwardKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kSharedBytes)) != cudaSuccess) {
+    return ATTNGRAD_CUDA_ERROR;
+  }
+  const long long blocks = static_cast<long long>(params.batch) *
+                           (params.kv_split ? params.num_heads : params.num_kv_heads);
+  if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
+  ShortSequenceBackwardKernel<<<static_cast<unsigned>(blocks), kThreads, kSharedBytes, stream>>>(
+      params);
+  return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
+}
+
+}  // namespace attngrad::cuda::attention_detail
