@@ -1,6 +1,10 @@
 // attngrad-server: serves attngrad.v1.AttentionGradient (plus grpc.health.v1 and reflection) and
 // Prometheus metrics. SIGTERM/SIGINT: stop accepting, let in-flight batches finish within
 // --shutdown_grace_seconds, exit 0.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <iostream>
@@ -40,17 +44,47 @@ ABSL_FLAG(std::string, nccl, "auto",
           "NCCL or do not start; "
           "\"off\" = on the host");
 
+namespace {
+
+// The stop signals reach main() through this pipe (write() is async-signal-safe).
+int stop_pipe[2] = {-1, -1};
+
+extern "C" void OnStopSignal(int signal_number) {
+  const unsigned char byte = static_cast<unsigned char>(signal_number);
+  const int saved_errno = errno;
+  [[maybe_unused]] const ssize_t written = write(stop_pipe[1], &byte, 1);  // full: one is pending
+  errno = saved_errno;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attngrad-server: gradients of a Gemma-3 attention layer over gRPC.\n"
       "  attngrad-server --listen=0.0.0.0:50051 --metrics_listen=0.0.0.0:9464 --devices=cpu");
   absl::ParseCommandLine(argc, argv);
 
-  // Block the stop signals in every thread (threads inherit the mask), then wait for them here.
+  // The stop signals run OnStopSignal, which wakes main() below. Threads started before main()
+  // (OpenBLAS starts its pool when the library loads) do not block them, so a SIGTERM may land on
+  // one of those: with a handler installed that is harmless (with the default action, it killed the
+  // process whenever main() was not yet waiting). The threads we start inherit a mask that blocks
+  // them (no EINTR in gRPC's or the workers' threads); main() unblocks them once serving.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  // Blocking reads in main(), non-blocking writes in the handler.
+  if (pipe2(stop_pipe, O_CLOEXEC) != 0 ||
+      fcntl(stop_pipe[1], F_SETFL, fcntl(stop_pipe[1], F_GETFL) | O_NONBLOCK) != 0) {
+    std::perror("attngrad-server: stop pipe");
+    return 1;
+  }
+  struct sigaction action = {};
+  action.sa_handler = OnStopSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   attngrad::server::ServerOptions options;
@@ -78,15 +112,22 @@ int main(int argc, char** argv) {
     std::cerr << "attngrad-server: " << server.status() << "\n";
     return 1;
   }
+  // The "serving" line, which tools and tests wait for, comes last.
+  std::cerr << "attngrad-server: " << (*server)->gradient_sum() << std::endl;
   std::cerr << "attngrad-server: serving on port " << (*server)->port()
             << ((*server)->metrics_port() != 0
                     ? absl::StrCat(", metrics on port ", (*server)->metrics_port())
                     : std::string(", metrics off"))
             << ", instance " << (*server)->instance_id() << std::endl;
-  std::cerr << "attngrad-server: " << (*server)->gradient_sum() << std::endl;
 
-  int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  // Wait for a stop signal (one that came during start-up is already in the pipe).
+  pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
+  unsigned char byte = 0;
+  ssize_t n;
+  while ((n = read(stop_pipe[0], &byte, 1)) < 0 && errno == EINTR) {
+  }
+  if (n != 1) std::perror("attngrad-server: read(stop pipe)");
+  const int signal_number = byte;
   std::cerr << "attngrad-server: signal " << signal_number << ", shutting down (grace "
             << grace_seconds << " s)" << std::endl;
   (*server)->Shutdown(absl::Seconds(grace_seconds));
