@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "attngrad/attngrad.h"
+#include "bench_check.h"
 #include "attngrad/backward.h"
 #include "cuda/pipeline.h"
 
@@ -28,16 +29,6 @@ constexpr int kHidden = 3072;
 constexpr int kQOut = 3072;
 constexpr int kKvOut = 1024;
 constexpr int kHeadDim = 128;
-
-#define CHECK_CUDA(expression)                                                              \
-  do {                                                                                      \
-    const cudaError_t error_ = (expression);                                                \
-    if (error_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expression,              \
-                   cudaGetErrorString(error_));                                             \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 // Counter-based normal random numbers (splitmix64 + Box-Muller), so inputs are drawn on the device.
 __device__ unsigned long long SplitMix(unsigned long long x) {

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_check.h"
 #include "cuda/projection_gemm.h"
 #include "cuda/stages.h"
 
@@ -33,16 +34,6 @@ namespace {
 using attngrad::cuda::GemmArithmetic;
 using attngrad::cuda::GemmPlan;
 using attngrad::cuda::GemmSpec;
-
-#define CHECK_CUDA(expression)                                                                 \
-  do {                                                                                         \
-    const cudaError_t error_ = (expression);                                                   \
-    if (error_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expression,                 \
-                   cudaGetErrorString(error_));                                                \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 constexpr int kHidden = 3072, kQWidth = 3072, kKvWidth = 1024, kQkvWidth = 5120;
 

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "../bench_check.h"
 #include "cuda/attention.h"
 
 using attngrad::cuda::AttentionOperand;
@@ -33,15 +34,6 @@ constexpr int kNumHeads = 24, kNumKvHeads = 8, kHeadDim = 128;
 constexpr int kQkvWidth = (kNumHeads + 2 * kNumKvHeads) * kHeadDim;  // 5120, as the pipeline
 constexpr int kOutWidth = kNumHeads * kHeadDim;
 
-#define CUDA_CHECK(expr)                                                                   \
-  do {                                                                                     \
-    cudaError_t error_ = (expr);                                                           \
-    if (error_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                   \
-                   cudaGetErrorString(error_));                                            \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 #define STATUS_CHECK(expr)                                                                 \
   do {                                                                                     \
@@ -199,17 +191,17 @@ template <class T>
 struct DeviceBuffer {
   T* data = nullptr;
   size_t count = 0;
-  explicit DeviceBuffer(size_t n) : count(n) { CUDA_CHECK(cudaMalloc(&data, std::max<size_t>(n, 1) * sizeof(T))); }
+  explicit DeviceBuffer(size_t n) : count(n) { CHECK_CUDA(cudaMalloc(&data, std::max<size_t>(n, 1) * sizeof(T))); }
   ~DeviceBuffer() { cudaFree(data); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void Upload(const std::vector<T>& host) { CUDA_CHECK(cudaMemcpy(data, host.data(), count * sizeof(T), cudaMemcpyHostToDevice)); }
+  void Upload(const std::vector<T>& host) { CHECK_CUDA(cudaMemcpy(data, host.data(), count * sizeof(T), cudaMemcpyHostToDevice)); }
   std::vector<T> Download() const {
     std::vector<T> host(count);
-    CUDA_CHECK(cudaMemcpy(host.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(host.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost));
     return host;
   }
-  void Poison() { CUDA_CHECK(cudaMemset(data, 0xff, count * sizeof(T))); }  // NaN for float
+  void Poison() { CHECK_CUDA(cudaMemset(data, 0xff, count * sizeof(T))); }  // NaN for float
 };
 
 struct Errors {
@@ -321,14 +313,14 @@ void Fill(Problem& pr, std::mt19937_64& rng, double q_scale, std::vector<double>
         h[i] = __double2half(exact[i]);
         exact[i] = (double)__half2float(h[i]);
       }
-      CUDA_CHECK(cudaMemcpy(buffer.data, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(buffer.data, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
     } else {
       std::vector<float> f(exact.size());
       for (size_t i = 0; i < exact.size(); ++i) {
         f[i] = (float)exact[i];
         exact[i] = f[i];
       }
-      CUDA_CHECK(cudaMemcpy(buffer.data, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(buffer.data, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
     }
   };
   upload(*qkv_exact, pr.qkv);
@@ -361,15 +353,15 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   RefArgs args{qkv_d.data, dout_d.data, out_r.data, lse_r.data, delta_r.data, dq_r.data, dk_r.data,
                dv_r.data, batch, seq_len, pr.problem.scaling, pr.problem.softcap};
   dim3 grid_q(seq_len, kNumHeads, batch), grid_kv(seq_len, kNumKvHeads, batch);
-  CUDA_CHECK(cudaFuncSetAttribute(RefForward, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
-  CUDA_CHECK(cudaFuncSetAttribute(RefQueryGradient, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
-  CUDA_CHECK(cudaFuncSetAttribute(RefKeyValueGradient, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
+  CHECK_CUDA(cudaFuncSetAttribute(RefForward, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
+  CHECK_CUDA(cudaFuncSetAttribute(RefQueryGradient, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
+  CHECK_CUDA(cudaFuncSetAttribute(RefKeyValueGradient, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
   RefForward<<<grid_q, 128, (seq_len + 128) * 8>>>(args);
-  CUDA_CHECK(cudaGetLastError());
+  CHECK_CUDA(cudaGetLastError());
   RefQueryGradient<<<grid_q, 128, (seq_len + 256) * 8>>>(args);
-  CUDA_CHECK(cudaGetLastError());
+  CHECK_CUDA(cudaGetLastError());
   RefKeyValueGradient<<<grid_kv, 128, (2 * seq_len + 256) * 8>>>(args);
-  CUDA_CHECK(cudaGetLastError());
+  CHECK_CUDA(cudaGetLastError());
 
   pr.out.Poison();
   pr.lse.Poison();
@@ -378,7 +370,7 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   pr.dv.Poison();
   STATUS_CHECK(pr.Forward(0));
   STATUS_CHECK(pr.Backward(0));
-  CUDA_CHECK(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaDeviceSynchronize());
   const auto out = pr.out.Download(), lse = pr.lse.Download(), dq = pr.dq.Download(),
              dk = pr.dk.Download(), dv = pr.dv.Download();
   // determinism: backward again (poisoned), bitwise equal
@@ -386,7 +378,7 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   pr.dk.Poison();
   pr.dv.Poison();
   STATUS_CHECK(pr.Backward(0));
-  CUDA_CHECK(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaDeviceSynchronize());
   const bool deterministic = std::memcmp(pr.dq.Download().data(), dq.data(), dq.size() * 4) == 0 &&
                              std::memcmp(pr.dk.Download().data(), dk.data(), dk.size() * 4) == 0 &&
                              std::memcmp(pr.dv.Download().data(), dv.data(), dv.size() * 4) == 0;
@@ -417,22 +409,22 @@ template <class Body>
 double GraphMedianUs(cudaStream_t stream, Body body, int reps) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   body();
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
   std::vector<float> times;
   for (int i = 0; i < reps; ++i) {
-    CUDA_CHECK(cudaEventRecord(e0, stream));
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    CUDA_CHECK(cudaEventRecord(e1, stream));
-    CUDA_CHECK(cudaEventSynchronize(e1));
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
     float ms;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     times.push_back(ms);
   }
   cudaEventDestroy(e0);
@@ -448,13 +440,13 @@ double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, i
   std::vector<double> a, b;
   Fill(pr, rng, 1.0, &a, &b);
   cudaStream_t stream;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   STATUS_CHECK(pr.Forward(stream));
   STATUS_CHECK(pr.Backward(stream));
-  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
   const double f_us = GraphMedianUs(stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
   const double b_us = GraphMedianUs(stream, [&] { STATUS_CHECK(pr.Backward(stream)); }, reps);
-  CUDA_CHECK(cudaStreamDestroy(stream));
+  CHECK_CUDA(cudaStreamDestroy(stream));
   // causal MACs of one S x S x 128 product over all query heads (diagonal included)
   const double macs = (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0;
   std::printf("time %-4s %-5s B=%-2d S=%-5d fwd %8.1f us (%5.1f TFLOP/s)  bwd %8.1f us (%5.1f TFLOP/s of 5 products, %5.1f of 7 done)  total %8.1f us\n",
@@ -473,7 +465,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--time-only")) check = false;
   }
   cudaDeviceProp prop;
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   std::mt19937_64 rng(20261129);
   int failures = 0;

@@ -29,7 +29,6 @@ namespace {
 constexpr int kBackwardWarps = 4;
 constexpr int kKvBlockM = 32;
 constexpr int kQBlockN = 64;
-constexpr float kHalfMax = 65504.f;
 
 std::size_t RoundUp256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -114,15 +113,6 @@ __global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
   if (lane == 0) {
     const long long batch = token / p.seq_len, position = token % p.seq_len;
     p.delta[(batch * p.num_heads + head) * p.seq_len + position] = sum;
-  }
-}
-
-template <class Op>
-__device__ __forceinline__ float ClampForOperand(float x) {
-  if constexpr (std::is_same_v<Op, OpFp16>) {
-    return fminf(fmaxf(x, -kHalfMax), kHalfMax);
-  } else {
-    return x;
   }
 }
 
@@ -228,14 +218,10 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
         for (int e = 0; e < 4; ++e) {
           const int column = n * 8 + 2 * t + (e & 1);
           const int key = e < 2 ? key_a : key_b;
-          float tanh_value;
-          const float c = CappedLog2<Op>(p, s[n][e], tanh_value);
-          float prob = FastExp2(c - lse_tile[column]);
-          if (q0 + column < key) prob = 0.f;
-          const float ds = prob * (dp[n][e] - delta_tile[column]) *
-                           fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
-          s[n][e] = prob;
-          dp[n][e] = ClampForOperand<Op>(ds);
+          float ds;
+          s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], lse_tile[column], delta_tile[column],
+                                        ds_factor, q0 + column < key, ds);
+          dp[n][e] = ds;
         }
       }
       AccumulatorA<Op, kNT> prob_a, ds_a;
@@ -356,13 +342,10 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
         for (int e = 0; e < 4; ++e) {
           const int key = key0 + n * 8 + 2 * t + (e & 1);
           const int row = e < 2 ? row_a : row_b;
-          float tanh_value;
-          const float c = CappedLog2<Op>(p, s[n][e], tanh_value);
-          float prob = FastExp2(c - (e < 2 ? lse_a : lse_b));
-          if (key > row) prob = 0.f;
-          const float ds = prob * (dp[n][e] - (e < 2 ? delta_a : delta_b)) *
-                           fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
-          dp[n][e] = ClampForOperand<Op>(ds);
+          float ds;
+          SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? lse_a : lse_b,
+                              e < 2 ? delta_a : delta_b, ds_factor, key > row, ds);
+          dp[n][e] = ds;
         }
       }
       AccumulatorA<Op, kNT> ds_a;

@@ -33,7 +33,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 16 * kWarps;  // queries per chunk (phase 1: one warp per 16)
 constexpr int kKeyBlock = 128;       // keys per phase-1 product
 constexpr int kPitch = Op::kPitch;
-constexpr float kHalfMax = 65504.f;
 
 constexpr std::size_t kSharedBytes =
     static_cast<std::size_t>(2 * kChunk + 2 * kShortSequenceMaxLength) * kPitch * sizeof(__half);
@@ -48,45 +47,6 @@ __device__ __forceinline__ void LoadATransposed(std::uint32_t (&a)[4], const __h
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(SmemAddress(address)));
-}
-
-// acc[16 x 128] += A[16 x 128] B[128 x 128]^T over the first `n_limit` columns of acc only (causal:
-// the keys after a warp's last query are never visible); the rest of acc is left untouched.
-__device__ __forceinline__ void WarpProductNkUpTo(float (&acc)[16][4], const __half* a_tile,
-                                                  int a_row0, const __half* b_tile, int n_limit) {
-#pragma unroll
-  for (int k0 = 0; k0 < kHeadDim; k0 += Op::kK) {
-    std::uint32_t a[4];
-    LoadA<Op>(a, a_tile, a_row0, k0);
-#pragma unroll
-    for (int n = 0; n < 16; n += 2) {
-      if (n * 8 < n_limit) {
-        std::uint32_t b[2][2];
-        LoadBnk2<Op>(b, b_tile, n * 8, k0);
-        Mma<Op>(acc[n], a, b[0]);
-        Mma<Op>(acc[n + 1], a, b[1]);
-      }
-    }
-  }
-}
-
-// acc[16 x 128] += A[16 x 128] B[128 x 128] with A from registers, k-steps below `k_limit` only
-// (the A columns past it are zero).
-__device__ __forceinline__ void WarpProductKnUpTo(float (&acc)[16][4],
-                                                  const AccumulatorA<Op, 16>& a,
-                                                  const __half* b_tile, int k_limit) {
-#pragma unroll
-  for (int ks = 0; ks < AccumulatorA<Op, 16>::kSteps; ++ks) {
-    if (ks * Op::kK < k_limit) {
-#pragma unroll
-      for (int n = 0; n < 16; n += 2) {
-        std::uint32_t b[2][2];
-        LoadBkn2<Op>(b, b_tile, ks * Op::kK, n * 8);
-        Mma<Op>(acc[n], a.a[ks], b[0]);
-        Mma<Op>(acc[n + 1], a.a[ks], b[1]);
-      }
-    }
-  }
 }
 
 // Writes the 16 rows of a warp's A fragments (16 x 128, fp16) into a staging tile [row][col].
@@ -189,27 +149,24 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
           }
-          WarpProductNkUpTo(s, q_tile, warp_row0, k_block, visible);
-          WarpProductNkUpTo(dp, do_tile, warp_row0, v_block, visible);
+          WarpProductNk<Op, 16>(s, q_tile, warp_row0, k_block, visible);
+          WarpProductNk<Op, 16>(dp, do_tile, warp_row0, v_block, visible);
 #pragma unroll
           for (int n = 0; n < 16; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int key = key0 + n * 8 + 2 * t + (e & 1);
               const int row = e < 2 ? row_a : row_b;
-              float tanh_value;
-              const float c = CappedLog2<Op>(p, s[n][e], tanh_value);
-              float prob = FastExp2(c - (e < 2 ? lse_a : lse_b));
-              if (key > row) prob = 0.f;  // also every key >= seq_len for a valid row
-              const float ds = prob * (dp[n][e] - (e < 2 ? delta_a : delta_b)) *
-                               fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
-              s[n][e] = prob;
-              dp[n][e] = fminf(fmaxf(ds, -kHalfMax), kHalfMax);
+              // key > row also masks every key >= seq_len of a valid row.
+              float ds;
+              s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? lse_a : lse_b,
+                                            e < 2 ? delta_a : delta_b, ds_factor, key > row, ds);
+              dp[n][e] = ds;
             }
           }
           AccumulatorToA<Op, 16>(s, 1.f, prob_a);
           AccumulatorToA<Op, 16>(dp, 1.f, ds_a);
-          WarpProductKnUpTo(acc_dq, ds_a, k_block, visible);
+          WarpProductKn<Op, 16>(acc_dq, ds_a, k_block, visible);
         } else {
 #pragma unroll
           for (int kk = 0; kk < AccumulatorA<Op, 16>::kSteps; ++kk) {

@@ -286,37 +286,65 @@ __device__ __forceinline__ void AccumulatorToA(const float (&c)[kNT][4], float s
 
 // ---- Warp tile products --------------------------------------------------------------------------
 // acc[16 x 8*kNT] += A[16 x 128] B[8*kNT x 128]^T; A rows [a_row0, +16) of a_tile; B rows [0, 8*kNT).
+// Only the columns of acc below n_limit (rounded up to 16) are computed, the rest left untouched
+// (callers pass the causal limit: keys past a warp's last query).
 template <class Op, int kNT>
 __device__ __forceinline__ void WarpProductNk(float (&acc)[kNT][4], const typename Op::Elem* a_tile,
-                                              int a_row0, const typename Op::Elem* b_tile) {
+                                              int a_row0, const typename Op::Elem* b_tile,
+                                              int n_limit = 8 * kNT) {
 #pragma unroll
   for (int k0 = 0; k0 < kHeadDim; k0 += Op::kK) {
     std::uint32_t a[4];
     LoadA<Op>(a, a_tile, a_row0, k0);
 #pragma unroll
     for (int n = 0; n < kNT; n += 2) {
-      std::uint32_t b[2][2];
-      LoadBnk2<Op>(b, b_tile, n * 8, k0);
-      Mma<Op>(acc[n], a, b[0]);
-      Mma<Op>(acc[n + 1], a, b[1]);
+      if (n * 8 < n_limit) {
+        std::uint32_t b[2][2];
+        LoadBnk2<Op>(b, b_tile, n * 8, k0);
+        Mma<Op>(acc[n], a, b[0]);
+        Mma<Op>(acc[n + 1], a, b[1]);
+      }
     }
   }
 }
 
 // acc[16 x 128] += A[16 x 8*kNT] B[8*kNT x 128]; A from AccumulatorToA, B stored [k][n] rows [0, 8*kNT).
+// Only the k-steps below k_limit (A's columns past it must be zero).
 template <class Op, int kNT>
 __device__ __forceinline__ void WarpProductKn(float (&acc)[16][4], const AccumulatorA<Op, kNT>& a,
-                                              const typename Op::Elem* b_tile) {
+                                              const typename Op::Elem* b_tile,
+                                              int k_limit = 8 * kNT) {
 #pragma unroll
   for (int ks = 0; ks < AccumulatorA<Op, kNT>::kSteps; ++ks) {
+    if (ks * Op::kK < k_limit) {
 #pragma unroll
-    for (int n = 0; n < 16; n += 2) {
-      std::uint32_t b[2][2];
-      LoadBkn2<Op>(b, b_tile, ks * Op::kK, n * 8);
-      Mma<Op>(acc[n], a.a[ks], b[0]);
-      Mma<Op>(acc[n + 1], a.a[ks], b[1]);
+      for (int n = 0; n < 16; n += 2) {
+        std::uint32_t b[2][2];
+        LoadBkn2<Op>(b, b_tile, ks * Op::kK, n * 8);
+        Mma<Op>(acc[n], a.a[ks], b[0]);
+        Mma<Op>(acc[n + 1], a.a[ks], b[1]);
+      }
     }
   }
+}
+
+inline constexpr float kHalfMax = 65504.f;
+
+// One element of the backward's softmax gradient from the recomputed score s and dP:
+// P = exp(c - lse) (0 when masked), dS = P (dP - Delta) (1 - t^2) scaling, times ds_factor
+// (scaling and the FP16 mode's power-of-two scale), clamped to fp16's range in that mode.
+// lse_log2 is the row's log-sum-exp in log2 units; returns P, writes dS.
+template <class Op>
+__device__ __forceinline__ float SoftmaxGradient(const AttentionParams& p, float s, float dp,
+                                                 float lse_log2, float delta, float ds_factor,
+                                                 bool masked, float& ds) {
+  float tanh_value;
+  const float c = CappedLog2<Op>(p, s, tanh_value);
+  float prob = FastExp2(c - lse_log2);
+  if (masked) prob = 0.f;
+  ds = prob * (dp - delta) * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
+  if constexpr (std::is_same_v<Op, OpFp16>) ds = fminf(fmaxf(ds, -kHalfMax), kHalfMax);
+  return prob;
 }
 
 // ---- Tile loads (cp.async, 16 bytes per copy; rows >= seq_len are zero-filled) ---------------------
