@@ -27,6 +27,7 @@ declare -A flag_of=(
   [ATTNGRAD_QUEUE_DEPTH]=queue_depth
   [ATTNGRAD_SHUTDOWN_GRACE_SECONDS]=shutdown_grace_seconds
   [ATTNGRAD_CPU_THREADS]=cpu_threads
+  [ATTNGRAD_NCCL]=nccl
 )
 
 server="${ATTNGRAD_SERVER_BINARY:-/usr/local/bin/attngrad-server}"
