@@ -37,7 +37,7 @@ class BackwardReactor final
       finished_ = true;
       finish_code_ = grpc::StatusCode::RESOURCE_EXHAUSTED;
       service_->metrics().CountError("Backward", "RESOURCE_EXHAUSTED");
-      Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+      FinishStream(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                           absl::StrCat("Backward: the server already has ",
                                        service_->limits().max_concurrent_streams,
                                        " streams open (--max_concurrent_streams); retry later or "
@@ -88,14 +88,18 @@ class BackwardReactor final
     Do(actions);
   }
 
-  void OnDone() override {
+  void OnDone() override { delete this; }
+
+ private:
+  // Records the RPC and gives its stream slot back before finishing, so that a client that has
+  // seen the stream end finds the slot free and the RPC counted (OnDone may run later).
+  void FinishStream(const grpc::Status& status) {
     service_->metrics().ObserveRpc("Backward", StatusCodeName(static_cast<int>(finish_code_)),
                                    std::chrono::duration<double>(Clock::now() - start_).count());
     --service_->open_streams();
-    delete this;
+    Finish(status);
   }
 
- private:
   struct Actions {
     const v1::BackwardResponse* write = nullptr;
     bool read = false;
@@ -135,7 +139,7 @@ class BackwardReactor final
   void Do(const Actions& actions) {
     if (actions.write != nullptr) StartWrite(actions.write);
     if (actions.read) StartRead(&request_);
-    if (actions.finish) Finish(actions.status);
+    if (actions.finish) FinishStream(actions.status);
   }
 
   void QueueResponse(std::unique_ptr<v1::BackwardResponse> response, bool job_finished) {
