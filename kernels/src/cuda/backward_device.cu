@@ -15,10 +15,9 @@
 //
 // Independent GEMMs run on a side stream forked from and joined back to the caller's stream with
 // events (so they overlap the attention at small sizes, where one GEMM does not fill the GPU):
-//   caller's stream: convert X, Wq|Wk|Wv | qkv GEMM, rmsnorm_rope, attention_forward | (wait dA)
+//   caller's stream: convert X, W | qkv GEMM, rmsnorm_rope, attention_forward | (wait dA)
 //                    attention_backward, rope_rmsnorm_bwd | grad_x GEMM, dWk, dWv | (wait side)
-//   side stream:     (wait X, W) convert dY, Wo | grad_attn GEMM | (wait A) grad_o GEMM |
-//                    (wait dqkv) dWq
+//   side stream:     convert dY, Wo | grad_attn GEMM | (wait A) grad_o GEMM | (wait dqkv) dWq
 // With a StageObserver (per-stage timing) everything runs on the caller's stream, in that order.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -222,9 +221,15 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     const std::size_t activations = static_cast<std::size_t>(tokens) * hidden;
     const std::size_t q_weight = static_cast<std::size_t>(q_width) * hidden;
     const std::size_t kv_weight = static_cast<std::size_t>(kv_width) * hidden;
-    // X and Wq|Wk|Wv first, with the whole memory bandwidth (the qkv GEMM, at the head of the
-    // critical path, waits for them); then the side stream converts dY and Wo for its grad_attn
-    // GEMM while this one runs the qkv GEMM, the RMSNorm/RoPE and the attention forward.
+    // The side stream converts dY and Wo for its grad_attn GEMM while this one converts X and
+    // Wq|Wk|Wv for the qkv GEMM. (Converting X and Wq|Wk|Wv first, alone, measured slower at
+    // small T on the H200: bench/RESULTS.md run 7.)
+    ATTNGRAD_RETURN_IF_ERROR(order(0, stream, side));
+    const ConvertSegment side_segments[] = {
+        {in.grad_output, grad_y_half, activations, 1.f},
+        {in.o_weight, w_o_half, static_cast<std::size_t>(hidden) * q_width, 1.f},
+    };
+    ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(side_segments, 2, side));
     const ConvertSegment main_segments[] = {
         {in.hidden_states, x_half, activations, 1.f},
         {in.q_weight, w_qkv_half, q_weight, 1.f},
@@ -232,12 +237,6 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
         {in.v_weight, w_qkv_half + q_weight + kv_weight, kv_weight, 1.f},
     };
     ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(main_segments, 4, stream));
-    ATTNGRAD_RETURN_IF_ERROR(order(0, stream, side));
-    const ConvertSegment side_segments[] = {
-        {in.grad_output, grad_y_half, activations, 1.f},
-        {in.o_weight, w_o_half, static_cast<std::size_t>(hidden) * q_width, 1.f},
-    };
-    ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(side_segments, 2, side));
     x_operand = x_half;
     grad_y_operand = grad_y_half;
     w_o_operand = w_o_half;
