@@ -85,14 +85,16 @@ class NcclSum {
     std::unique_lock<std::mutex> lock(mutex_);
     all_ok_ = all_ok_ && ok;
     if (++arrived_ == size()) {
-      result_ = all_ok_;
+      const bool result = result_ = all_ok_;
       arrived_ = 0;
       all_ok_ = true;
       ++generation_;
       lock.unlock();
       arrived_all_.notify_all();
-      return result_;  // stays valid: the next round cannot finish without this rank
+      return result;
     }
+    // result_ stays this round's until the waiters have read it: the next round cannot complete
+    // without them.
     const std::uint64_t generation = generation_;
     arrived_all_.wait(lock, [&] { return generation_ != generation; });
     return result_;

@@ -198,9 +198,14 @@ TEST_F(ServerNcclSumTest, FetchSumsBothDevicesWithNccl) {
 
   // And accumulating again after the zero works: one batch, equal to its RETURN gradients.
   const std::vector<Batch> one = {MakeBatch(config(), 1, 64, 7777)};
-  ASSERT_FALSE(Send(one, 200000, v1::GRADIENT_MODE_ACCUMULATE, 1).front().has_error());
-  const v1::BackwardResponse single = Send(one, 200001, v1::GRADIENT_MODE_RETURN, 1).front();
-  ASSERT_FALSE(single.has_error());
+  const std::vector<v1::BackwardResponse> accumulated =
+      Send(one, 200000, v1::GRADIENT_MODE_ACCUMULATE, 1);
+  ASSERT_EQ(accumulated.size(), 1u);
+  ASSERT_FALSE(accumulated.front().has_error()) << accumulated.front().error().message();
+  const std::vector<v1::BackwardResponse> returned = Send(one, 200001, v1::GRADIENT_MODE_RETURN, 1);
+  ASSERT_EQ(returned.size(), 1u);
+  const v1::BackwardResponse& single = returned.front();
+  ASSERT_FALSE(single.has_error()) << single.error().message();
   const Fetched again = FetchAll(/*zero=*/true);
   ASSERT_TRUE(again.status.ok()) << again.status.error_message();
   EXPECT_EQ(again.state.batches(), 1);
