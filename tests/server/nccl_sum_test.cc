@@ -3,11 +3,6 @@
 // same batches' RETURN gradients, the fetch deterministic, fetch-and-zero, and the NCCL path
 // reported. Label gpu: skips without two GPUs or without a loadable libnccl.so.2 (run it with
 // scripts/device/nccl-check.sh on a 2-GPU machine).
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -20,25 +15,6 @@
 namespace attngrad::server::testing {
 namespace {
 
-// A GET on the loopback metrics port (HTTP/1.0: the server closes after the body).
-std::string Scrape(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<std::uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string body;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
-    const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[65536];
-      ssize_t n;
-      while ((n = read(fd, buffer, sizeof buffer)) > 0) body.append(buffer, static_cast<std::size_t>(n));
-    }
-  }
-  close(fd);
-  return body;
-}
 
 // The value of the sample `series` (name{labels}) in a scrape, 0 when absent.
 double Sample(const std::string& text, const std::string& series) {
@@ -115,7 +91,7 @@ TEST_F(ServerNcclSumTest, FetchSumsBothDevicesWithNccl) {
       EXPECT_FALSE(response.duplicate());
     }
     batches.insert(batches.end(), more.begin(), more.end());
-    metrics = Scrape(server().metrics_port());
+    metrics = HttpGet(server().metrics_port(), "/metrics");
     if (Sample(metrics, on0) > 0 && Sample(metrics, on1) > 0) break;
   }
   ASSERT_GT(Sample(metrics, on0), 0) << metrics;

@@ -1,10 +1,5 @@
 // The service around the math: model info, grpc.health.v1, reflection, Prometheus metrics, the
 // stream limit and a graceful shutdown that finishes the batch in flight.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <thread>
 
 #include <grpcpp/generic/generic_stub.h>
@@ -14,25 +9,6 @@
 
 namespace attngrad::server::testing {
 namespace {
-
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<std::uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string body;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
-    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[65536];
-      ssize_t n;
-      while ((n = read(fd, buffer, sizeof buffer)) > 0) body.append(buffer, static_cast<std::size_t>(n));
-    }
-  }
-  close(fd);
-  return body;
-}
 
 class ServerServiceTest : public ServerTest {};
 
