@@ -52,55 +52,47 @@ struct NamedGemm {
   GemmSpec spec;
 };
 
+// An fp16 GEMM spec (column-major, as projection_gemm.h describes it).
+GemmSpec HalfSpec(bool transpose_a, bool transpose_b, int m, int n, int k, const void* a, int lda,
+                  const void* b, int ldb, void* d, int ldd, bool d_is_half = false) {
+  GemmSpec spec;
+  spec.arithmetic = GemmArithmetic::kFp16;
+  spec.transpose_a = transpose_a;
+  spec.transpose_b = transpose_b;
+  spec.m = m;
+  spec.n = n;
+  spec.k = k;
+  spec.a = a;
+  spec.lda = lda;
+  spec.b = b;
+  spec.ldb = ldb;
+  spec.d = d;
+  spec.ldd = ldd;
+  spec.d_is_half = d_is_half;
+  return spec;
+}
+
 std::vector<NamedGemm> PipelineGemms(int tokens, void* weights_half, void* activations_half,
                                      void* grad_qkv_half, void* output) {
   std::vector<NamedGemm> gemms;
-  GemmSpec spec;
-  spec.arithmetic = GemmArithmetic::kFp16;
   // qkv = X [Wq;Wk;Wv]^T
-  spec = GemmSpec{};
-  spec.arithmetic = GemmArithmetic::kFp16;
-  spec.transpose_a = true;
-  spec.m = kQkvWidth; spec.n = tokens; spec.k = kHidden;
-  spec.a = weights_half; spec.lda = kHidden;
-  spec.b = activations_half; spec.ldb = kHidden;
-  spec.d = output; spec.ldd = kQkvWidth;
-  gemms.push_back({"qkv", spec});
+  gemms.push_back({"qkv", HalfSpec(true, false, kQkvWidth, tokens, kHidden, weights_half, kHidden,
+                                   activations_half, kHidden, output, kQkvWidth)});
   // dA = dY Wo (fp16 out)
-  spec = GemmSpec{};
-  spec.arithmetic = GemmArithmetic::kFp16;
-  spec.m = kQWidth; spec.n = tokens; spec.k = kHidden;
-  spec.a = weights_half; spec.lda = kQWidth;
-  spec.b = activations_half; spec.ldb = kHidden;
-  spec.d = output; spec.ldd = kQWidth; spec.d_is_half = true;
-  gemms.push_back({"grad_attn", spec});
+  gemms.push_back({"grad_attn", HalfSpec(false, false, kQWidth, tokens, kHidden, weights_half,
+                                         kQWidth, activations_half, kHidden, output, kQWidth,
+                                         /*d_is_half=*/true)});
   // dWo = dY^T A
-  spec = GemmSpec{};
-  spec.arithmetic = GemmArithmetic::kFp16;
-  spec.transpose_b = true;
-  spec.m = kQWidth; spec.n = kHidden; spec.k = tokens;
-  spec.a = activations_half; spec.lda = kQWidth;
-  spec.b = activations_half; spec.ldb = kHidden;
-  spec.d = output; spec.ldd = kQWidth;
-  gemms.push_back({"grad_o", spec});
+  gemms.push_back({"grad_o", HalfSpec(false, true, kQWidth, kHidden, tokens, activations_half,
+                                      kQWidth, activations_half, kHidden, output, kQWidth)});
   // dX = dqkv [Wq;Wk;Wv]
-  spec = GemmSpec{};
-  spec.arithmetic = GemmArithmetic::kFp16;
-  spec.m = kHidden; spec.n = tokens; spec.k = kQkvWidth;
-  spec.a = weights_half; spec.lda = kHidden;
-  spec.b = grad_qkv_half; spec.ldb = kQkvWidth;
-  spec.d = output; spec.ldd = kHidden;
-  gemms.push_back({"grad_x", spec});
+  gemms.push_back({"grad_x", HalfSpec(false, false, kHidden, tokens, kQkvWidth, weights_half,
+                                      kHidden, grad_qkv_half, kQkvWidth, output, kHidden)});
   // dWq, dWk (dWv has dWk's shape) = dqkv[:, rows]^T X
   for (int rows : {kQWidth, kKvWidth}) {
-    spec = GemmSpec{};
-    spec.arithmetic = GemmArithmetic::kFp16;
-    spec.transpose_b = true;
-    spec.m = kHidden; spec.n = rows; spec.k = tokens;
-    spec.a = activations_half; spec.lda = kHidden;
-    spec.b = grad_qkv_half; spec.ldb = kQkvWidth;
-    spec.d = output; spec.ldd = kHidden;
-    gemms.push_back({rows == kQWidth ? "grad_wq" : "grad_wk(x2)", spec});
+    gemms.push_back({rows == kQWidth ? "grad_wq" : "grad_wk(x2)",
+                     HalfSpec(false, true, kHidden, rows, tokens, activations_half, kHidden,
+                              grad_qkv_half, kQkvWidth, output, kHidden)});
   }
   return gemms;
 }
