@@ -30,8 +30,9 @@ enum class AttentionTiles {
   kSmallSplit,  // one block per (64-key tile, query head): partials in the workspace, summed over
                 // the group in head order by a small kernel (3x the blocks: for small problems)
   // Short sequences (S <= 256) with fp16 operands: the whole sequence of a head in one block, each
-  // product computed once (attention_backward_short.cu). Requested for another operand or a longer
-  // sequence, these fall back to kSmall / kSmallSplit.
+  // product computed once (attention_backward_short.cu). Requested for another operand, a longer
+  // sequence or a device with less than 204 KB of shared memory per block, these fall back to
+  // kSmall / kSmallSplit.
   kShort,       // one block per (batch, key-value head)
   kShortSplit,  // one block per (batch, query head), partials summed over the group as above
 };

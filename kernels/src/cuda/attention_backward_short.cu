@@ -250,6 +250,14 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
 
 }  // namespace
 
+bool ShortSequenceBackwardFitsDevice() {
+  int device = 0, shared_per_block = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&shared_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                device) == cudaSuccess &&
+         static_cast<std::size_t>(shared_per_block) >= kSharedBytes;
+}
+
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream) {
   if (params.seq_len > kShortSequenceMaxLength) return ATTNGRAD_INTERNAL;
   if (cudaFuncSetAttribute(ShortSequenceBackwardKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -474,11 +474,13 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
   return ATTNGRAD_OK;
 }
 
-// The short-sequence backward (attention_backward_short.cu): fp16 operands, S <= this.
+// The short-sequence backward (attention_backward_short.cu): fp16 operands, S <= this, and a
+// device that gives a block its 204 KB of shared memory (sm_90/sm_100; not sm_80/sm_86/sm_89).
 inline constexpr int kShortSequenceMaxLength = 256;
+bool ShortSequenceBackwardFitsDevice();
 inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
   return problem.operand == AttentionOperand::kFp16 &&
-         problem.seq_len <= kShortSequenceMaxLength;
+         problem.seq_len <= kShortSequenceMaxLength && ShortSequenceBackwardFitsDevice();
 }
 // Launches it (after DeltaKernel; SumPartialsKernel follows when params.kv_split).
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);
@@ -501,7 +503,7 @@ inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
   }
   // The short-sequence kernel (split over the query heads) measured faster than the tiled ones
   // only for S <= 128 with few key-value blocks (H200: (1,128) 28 vs 32 us, (4,128) 35 vs 41 us,
-  // (8,128) even; slower at (32,128) and at every S = 256 shape; bench/RESULTS.md run 7).
+  // (8,128) even; slower at (32,128) and at every S = 256 shape; bench/ATTENTION_NOTES.md v4).
   if (short_applies && problem.seq_len <= 128 && problem.num_heads != problem.num_kv_heads &&
       static_cast<long long>(problem.batch) * problem.num_kv_heads < 128) {
     return KeyValueTiling::kShortSplit;
