@@ -2,13 +2,17 @@
 // flushed (a buffer of twice the L2 size written) before every iteration, 10 warm-up and 50 timed
 // iterations, CUDA events around the call, median — and prints per workload the median µs, T_SOL,
 // the ratio to SOL and the achieved TFLOP/s, then the geometric means. With --stages it also times
-// each pipeline stage (events recorded between stages) to say where the time goes.
+// each pipeline stage (events recorded between stages) to say where the time goes. With --host-ahead
+// it also reports how long the host takes to enqueue one call and the call's time when the GPU is
+// held busy (a spin kernel after the flush) until the whole call is enqueued: the difference to
+// the median is time the GPU waited for the host.
 //
-// Usage: attngrad_bench [--precision=auto|fp16|tf32|fp32] [--stages] [--warmup=10] [--iters=50]
-//                       [--workloads=B:S,B:S,...]
+// Usage: attngrad_bench [--precision=auto|fp16|tf32|fp32] [--stages] [--host-ahead] [--warmup=10]
+//                       [--iters=50] [--workloads=B:S,B:S,...]
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -49,6 +53,16 @@ __global__ void FillNormal(float* data, std::size_t count, float scale, unsigned
 }
 
 // cos/sin of SPEC section 3: positions 0..S-1, theta 10000, embedding [f, f], same for every batch.
+// Holds the GPU for about `nanoseconds` (one thread).
+__global__ void Spin(long long nanoseconds) {
+  long long start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < nanoseconds);
+}
+
 __global__ void FillRotary(float* cos_out, float* sin_out, int batch, int seq_len) {
   const std::size_t count = static_cast<std::size_t>(batch) * seq_len * kHeadDim;
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
@@ -113,6 +127,7 @@ class EventObserver : public attngrad::cuda::StageObserver {
 struct Options {
   int precision = ATTNGRAD_PRECISION_AUTO;
   bool stages = false;
+  bool host_ahead = false;
   int warmup = 10;
   int iters = 50;
   std::vector<std::pair<int, int>> workloads = {
@@ -136,6 +151,8 @@ Options Parse(int argc, char** argv) {
                                         : ATTNGRAD_PRECISION_AUTO;
     } else if (arg == "--stages") {
       options.stages = true;
+    } else if (arg == "--host-ahead") {
+      options.host_ahead = true;
     } else if (const char* v = value("--warmup=")) {
       options.warmup = std::atoi(v);
     } else if (const char* v = value("--iters=")) {
@@ -249,6 +266,29 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     log_time += std::log(median);
     log_sol += std::log(sol);
+
+    if (options.host_ahead) {
+      std::vector<double> enqueue_us, gpu_only_us;
+      for (int i = 0; i < options.warmup + options.iters; ++i) {
+        CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+        Spin<<<1, 1, 0, stream>>>(2000000);  // 2 ms: far more than one call takes to enqueue
+        CHECK_CUDA(cudaEventRecord(start.event, stream));
+        const auto host_start = std::chrono::steady_clock::now();
+        call(nullptr);
+        const auto host_end = std::chrono::steady_clock::now();
+        CHECK_CUDA(cudaEventRecord(stop.event, stream));
+        CHECK_CUDA(cudaEventSynchronize(stop.event));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start.event, stop.event));
+        if (i < options.warmup) continue;
+        gpu_only_us.push_back(ms * 1e3);
+        enqueue_us.push_back(std::chrono::duration<double, std::micro>(host_end - host_start).count());
+      }
+      std::printf("      host-ahead: enqueue %.1f us on the host, %.1f us on the GPU when enqueued ahead "
+                  "(%.1f us less than the median)\n",
+                  Median(enqueue_us), Median(gpu_only_us), median - Median(gpu_only_us));
+      std::fflush(stdout);
+    }
 
     if (options.stages) {
       std::vector<cudaEvent_t> events(16);

@@ -9,7 +9,13 @@
 // (plus the per-call conversion that makes them) with the same products on the fp32 tensors that
 // cuBLASLt rounds to fp16 itself (CUBLAS_COMPUTE_32F_FAST_16F; separate Wq/Wk/Wv products).
 //
-// Usage: gemm_algos [--workloads=B:S,...] [--iters=20] [--ranks=32] [--from-fp32]
+// With --search it goes beyond the heuristic's list: every algorithm cuBLASLt has for these types
+// (cublasLtMatmulAlgoGetIds), each tile it offers, split-K 1-16 with the deterministic reduction
+// schemes (in place, or in the compute type in the workspace), and the heuristic's own choices
+// with added split-K; each candidate cuBLASLt's check accepts is timed briefly, the six fastest
+// and the heuristic's first again with --iters, and the fastest is printed as a GemmAlgorithm.
+//
+// Usage: gemm_algos [--workloads=B:S,...] [--iters=20] [--ranks=32] [--from-fp32 | --search]
 #include <cublasLt.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -31,6 +37,7 @@
 
 namespace {
 
+using attngrad::cuda::GemmAlgorithm;
 using attngrad::cuda::GemmArithmetic;
 using attngrad::cuda::GemmPlan;
 using attngrad::cuda::GemmSpec;
@@ -118,6 +125,86 @@ std::string Describe(const cublasLtMatmulAlgo_t& algo) {
   return text;
 }
 
+
+std::string Initializer(const GemmAlgorithm& a) {
+  char text[160];
+  std::snprintf(text, sizeof text, "{%d, %u, %u, %d, %u, %u, %u, %u, %u}", a.id, a.tile, a.stages,
+                a.split_k, a.reduction, a.swizzle, a.custom, static_cast<unsigned>(a.cluster),
+                static_cast<unsigned>(a.inner_shape));
+  return text;
+}
+
+bool SameAlgorithm(const GemmAlgorithm& x, const GemmAlgorithm& y) {
+  return x.id == y.id && x.tile == y.tile && x.stages == y.stages && x.split_k == y.split_k &&
+         x.reduction == y.reduction && x.swizzle == y.swizzle && x.custom == y.custom &&
+         x.cluster == y.cluster && x.inner_shape == y.inner_shape;
+}
+
+// Candidates for one fp16 GEMM: the heuristic's list, that list with split-K added, and every
+// algorithm id x tile x split-K cuBLASLt knows for these types (stages, cluster left to it).
+std::vector<GemmAlgorithm> SearchCandidates(cublasLtHandle_t handle, const GemmSpec& spec) {
+  std::vector<GemmAlgorithm> candidates;
+  auto add = [&candidates](const GemmAlgorithm& a) {
+    for (const GemmAlgorithm& seen : candidates) {
+      if (SameAlgorithm(seen, a)) return;
+    }
+    candidates.push_back(a);
+  };
+  const int split_ks[] = {2, 3, 4, 6, 8, 12, 16};
+  const std::uint32_t reductions[] = {CUBLASLT_REDUCTION_SCHEME_INPLACE,
+                                     CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
+  std::vector<GemmAlgorithm> heuristic;
+  for (int rank = 0; rank < GemmPlan::kMaxHeuristicRank; ++rank) {
+    GemmPlan plan;
+    if (plan.Init(handle, spec, 256, rank) != ATTNGRAD_OK) break;
+    heuristic.push_back(GemmAlgorithm::Of(plan.algo()));
+    add(heuristic.back());
+  }
+  for (const GemmAlgorithm& base : heuristic) {
+    for (int split : split_ks) {
+      for (std::uint32_t reduction : reductions) {
+        GemmAlgorithm a = base;
+        a.split_k = split;
+        a.reduction = reduction;
+        add(a);
+      }
+    }
+  }
+  const cudaDataType_t output = spec.d_is_half ? CUDA_R_16F : CUDA_R_32F;
+  int ids[256];
+  int id_count = 0;
+  cublasLtMatmulAlgoGetIds(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16F, CUDA_R_16F, output,
+                           output, 256, ids, &id_count);
+  for (int i = 0; i < id_count; ++i) {
+    cublasLtMatmulAlgo_t algo;
+    if (cublasLtMatmulAlgoInit(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16F, CUDA_R_16F,
+                               output, output, ids[i], &algo) != CUBLAS_STATUS_SUCCESS) {
+      continue;
+    }
+    std::size_t written = 0;
+    std::uint32_t tiles[128];
+    std::vector<std::uint32_t> tile_list = {0};
+    if (cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_TILE_IDS, tiles, sizeof tiles,
+                                          &written) == CUBLAS_STATUS_SUCCESS &&
+        written >= sizeof(std::uint32_t)) {
+      tile_list.assign(tiles, tiles + written / sizeof(std::uint32_t));
+    }
+    for (std::uint32_t tile : tile_list) {
+      GemmAlgorithm a;
+      a.id = ids[i];
+      a.tile = tile;
+      add(a);
+      for (int split : {2, 4, 8}) {
+        for (std::uint32_t reduction : reductions) {
+          a.split_k = split;
+          a.reduction = reduction;
+          add(a);
+        }
+      }
+    }
+  }
+  return candidates;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,11 +212,13 @@ int main(int argc, char** argv) {
       {1, 128}, {1, 256}, {1, 512}, {1, 2048}, {2, 512}, {2, 541}, {2, 1024}, {2, 2048},
       {4, 128}, {4, 256}, {4, 1024}, {8, 128}, {8, 512}, {16, 256}, {32, 128}, {64, 256}};
   int iters = 20, ranks = GemmPlan::kMaxHeuristicRank;
-  bool from_fp32 = false;
+  bool from_fp32 = false, search = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--from-fp32") {
       from_fp32 = true;
+    } else if (arg == "--search") {
+      search = true;
     } else if (arg.rfind("--iters=", 0) == 0) {
       iters = std::atoi(arg.c_str() + 8);
     } else if (arg.rfind("--ranks=", 0) == 0) {
@@ -297,6 +386,73 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  // Times one plan the way attngrad_bench times a call; a negative time if it failed to run.
+  auto time_plan = [&](const GemmPlan& plan, const GemmSpec& spec, int warmup, int timed) {
+    std::vector<double> times;
+    for (int i = 0; i < warmup + timed; ++i) {
+      CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+      CHECK_CUDA(cudaEventRecord(start, stream));
+      if (plan.Run(handle, spec, gemm_workspace.pointer, stream) != ATTNGRAD_OK) {
+        cudaGetLastError();
+        return -1.0;
+      }
+      CHECK_CUDA(cudaEventRecord(stop, stream));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      if (i >= warmup) times.push_back(ms * 1e3);
+    }
+    return Median(times);
+  };
+
+  if (search) {
+    std::printf("%-7s %-12s %6s %9s %9s %6s  %s\n", "BxS", "gemm", "tried", "first_us", "best_us",
+                "saved", "best algorithm {id, tile, stages, split_k, reduction, swizzle, custom, cluster, inner}");
+    for (const auto& [batch, seq_len] : workloads) {
+      const int tokens = batch * seq_len;
+      double first_total = 0, best_total = 0;
+      for (const NamedGemm& gemm : PipelineGemms(tokens, weights.pointer, activations.pointer,
+                                                 grad_qkv.pointer, output.pointer)) {
+        const double weight = gemm.name == "grad_wk(x2)" ? 2.0 : 1.0;
+        const std::vector<GemmAlgorithm> candidates = SearchCandidates(handle, gemm.spec);
+        std::vector<std::pair<double, GemmAlgorithm>> timed;
+        for (const GemmAlgorithm& candidate : candidates) {
+          GemmPlan plan;
+          if (plan.InitWithAlgorithm(handle, gemm.spec, candidate) != ATTNGRAD_OK) continue;
+          const double us = time_plan(plan, gemm.spec, 2, 5);
+          if (us > 0) timed.emplace_back(us, candidate);
+        }
+        std::sort(timed.begin(), timed.end(),
+                  [](const auto& x, const auto& y) { return x.first < y.first; });
+        GemmPlan first_plan;
+        if (first_plan.Init(handle, gemm.spec, 256) != ATTNGRAD_OK) std::exit(1);
+        const double first = time_plan(first_plan, gemm.spec, 3, iters);
+        double best = first;
+        GemmAlgorithm best_algorithm = GemmAlgorithm::Of(first_plan.algo());
+        for (std::size_t i = 0; i < timed.size() && i < 6; ++i) {
+          GemmPlan plan;
+          if (plan.InitWithAlgorithm(handle, gemm.spec, timed[i].second) != ATTNGRAD_OK) continue;
+          const double us = time_plan(plan, gemm.spec, 3, iters);
+          if (us > 0 && us < best) {
+            best = us;
+            best_algorithm = timed[i].second;
+          }
+        }
+        first_total += weight * first;
+        best_total += weight * best;
+        std::printf("%3dx%-4d %-12s %6zu %9.1f %9.1f %5.1f%%  %s  (first %s)\n", batch, seq_len,
+                    gemm.name.c_str(), timed.size(), first, best, 100.0 * (1.0 - best / first),
+                    Initializer(best_algorithm).c_str(),
+                    Initializer(GemmAlgorithm::Of(first_plan.algo())).c_str());
+        std::fflush(stdout);
+      }
+      std::printf("%3dx%-4d %-12s %6s %9.1f %9.1f %5.1f%%\n", batch, seq_len, "TOTAL", "",
+                  first_total, best_total, 100.0 * (1.0 - best_total / first_total));
+    }
+    cublasLtDestroy(handle);
+    return 0;
+  }
+
   std::printf("%-7s %-12s %5s %9s %9s %5s %6s  %s\n", "BxS", "gemm", "algos", "first_us",
               "best_us", "rank", "saved", "best algorithm");
   double log_ratio_sum = 0;
@@ -312,21 +468,9 @@ int main(int argc, char** argv) {
       for (int rank = 0; rank < ranks; ++rank) {
         GemmPlan plan;
         if (plan.Init(handle, gemm.spec, 256, rank) != ATTNGRAD_OK) break;
-        std::vector<double> times;
-        bool failed = false;
-        for (int i = 0; i < 3 + iters && !failed; ++i) {
-          CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
-          CHECK_CUDA(cudaEventRecord(start, stream));
-          failed = plan.Run(handle, gemm.spec, gemm_workspace.pointer, stream) != ATTNGRAD_OK;
-          CHECK_CUDA(cudaEventRecord(stop, stream));
-          CHECK_CUDA(cudaEventSynchronize(stop));
-          float ms = 0;
-          CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-          if (i >= 3) times.push_back(ms * 1e3);
-        }
-        if (failed) continue;
+        const double median = time_plan(plan, gemm.spec, 3, iters);
+        if (median < 0) continue;
         ++tried;
-        const double median = Median(times);
         if (rank == 0) first = median;
         if (median < best) {
           best = median;

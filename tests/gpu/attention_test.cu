@@ -242,6 +242,39 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   EXPECT_EQ(std::memcmp(dq.Read().data(), dq_first.data(), dq_first.size() * 4), 0);
   EXPECT_EQ(std::memcmp(dk.Read().data(), dk_first.data(), dk_first.size() * 4), 0);
   EXPECT_EQ(std::memcmp(dv.Read().data(), dv_first.data(), dv_first.size() * 4), 0);
+
+  // Delta computed by the forward (FusedDelta) instead of the backward's own pass: the same O and
+  // lse, gradients within the same bounds, and again bitwise identical call after call.
+  const std::vector<float> out_first = out.Read(), lse_first = lse.Read();
+  ASSERT_CUDA(cudaMemset(workspace.data, 0xff, workspace_size));  // NaN where Delta goes
+  FusedDelta fused;
+  fused.grad_out = dout_d.data;
+  fused.ldo = kOutWidth;
+  fused.backward_workspace = workspace.data;
+  ASSERT_EQ(AttentionForward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data,
+                             half ? out_half.data : nullptr, lse.data, nullptr, &fused),
+            ATTNGRAD_OK);
+  EXPECT_EQ(std::memcmp(out.Read().data(), out_first.data(), out_first.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(lse.Read().data(), lse_first.data(), lse_first.size() * 4), 0);
+  std::vector<float> fused_results[2];
+  for (auto& result : fused_results) {
+    dq.Poison();
+    dk.Poison();
+    dv.Poison();
+    ASSERT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data, dout_d.data,
+                                kOutWidth, lse.data, dq.data, dk.data, dv.data, workspace.data,
+                                workspace_size, nullptr, /*delta_ready=*/true),
+              ATTNGRAD_OK);
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto dq_fused = dq.Read(), dk_fused = dk.Read(), dv_fused = dv.Read();
+    EXPECT_LT(RelativeError(dq_fused, ref.dq, 1e-3), bound) << "dq, fused Delta";
+    EXPECT_LT(RelativeError(dk_fused, ref.dk, 1e-3), bound) << "dk, fused Delta";
+    EXPECT_LT(RelativeError(dv_fused, ref.dv), bound) << "dv, fused Delta";
+    if (&result != &fused_results[0]) {
+      EXPECT_EQ(std::memcmp(dq_fused.data(), fused_results[0].data(), dq_fused.size() * 4), 0);
+    }
+    result = dq_fused;
+  }
 }
 
 std::vector<Case> Cases() {

@@ -62,9 +62,19 @@ struct AttentionProblem {
 //   out_half: nullptr, or __half [B*S, num_heads*128] receiving the same values rounded to fp16
 //             (the FP16 pipeline's operand of dWo = dY^T A).
 //   lse  fp32 [B, num_heads, S]: log(sum_j exp(c_ij)) over unmasked j, overwritten.
+//   fused_delta: nullptr, or where the forward also computes Delta = rowsum(dO * O) for the
+//             backward (from the fp32 O it holds in registers, the way the backward's own Delta
+//             pass would), writing it into the backward's workspace; that backward is then called
+//             with delta_ready = true and skips its pass over O and dO.
+struct FusedDelta {
+  const void* grad_out = nullptr;  // dO as AttentionBackward takes it (element type of q)
+  int ldo = 0;
+  void* backward_workspace = nullptr;  // the workspace the backward will be given
+};
 attngrad_status AttentionForward(const AttentionProblem& problem, const void* q, int ldq,
                                  const void* k, const void* v, int ldkv, float* out,
-                                 void* out_half, float* lse, cudaStream_t stream);
+                                 void* out_half, float* lse, cudaStream_t stream,
+                                 const FusedDelta* fused_delta = nullptr);
 
 // Bytes of scratch AttentionBackward needs (0 for an invalid shape): Delta = rowsum(dO * O), fp32
 // [B, num_heads, S] (rounded up to 256 bytes), plus, when the dK/dV work is split over query heads
@@ -78,11 +88,14 @@ std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 //   grad_out: dO, same element type as q (float or __half), [B*S, ldo].
 //   grad_q fp32 [B*S, num_heads*128], grad_k and grad_v fp32 [B*S, num_kv_heads*128]: dq', dk', dv
 //   (dk and dv summed over the query heads of each key-value head), overwritten (ld = their widths).
+//   delta_ready: the forward already wrote Delta into this workspace (FusedDelta, same problem,
+//   same dO); `out` is then not read.
 attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q, int ldq,
                                   const void* k, const void* v, int ldkv, const float* out,
                                   const void* grad_out, int ldo, const float* lse, float* grad_q,
                                   float* grad_k, float* grad_v, void* workspace,
-                                  std::size_t workspace_size, cudaStream_t stream);
+                                  std::size_t workspace_size, cudaStream_t stream,
+                                  bool delta_ready = false);
 
 }  // namespace attngrad::cuda
 

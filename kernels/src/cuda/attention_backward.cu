@@ -91,22 +91,8 @@ __global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
       static_cast<const Elem*>(p.grad_out) + token * p.ldo + head * kHeadDim + lane * 4;
   const float4 o = *reinterpret_cast<const float4*>(
       p.out_in + token * (p.num_heads * kHeadDim) + head * kHeadDim + lane * 4);
-  float d0, d1, d2, d3;
-  if constexpr (std::is_same_v<Op, OpFp16>) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(grad_out);
-    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
-    d0 = lo.x, d1 = lo.y, d2 = hi.x, d3 = hi.y;
-  } else {
-    const float4 raw = *reinterpret_cast<const float4*>(grad_out);
-    d0 = raw.x, d1 = raw.y, d2 = raw.z, d3 = raw.w;
-    if constexpr (Op::kRoundTf32) {  // the dO that dP = dO v^T sees, so that dP - Delta cancels
-      d0 = __uint_as_float(RoundToTf32(d0));
-      d1 = __uint_as_float(RoundToTf32(d1));
-      d2 = __uint_as_float(RoundToTf32(d2));
-      d3 = __uint_as_float(RoundToTf32(d3));
-    }
-  }
+  const float2 low = LoadGradOutPair<Op>(grad_out), high = LoadGradOutPair<Op>(grad_out + 2);
+  const float d0 = low.x, d1 = low.y, d2 = high.x, d3 = high.y;
   float sum = fmaf(d0, o.x, fmaf(d1, o.y, fmaf(d2, o.z, d3 * o.w)));
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -408,15 +394,17 @@ attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) 
 
 template <class Op>
 attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequence,
-                               cudaStream_t stream) {
+                               bool delta_ready, cudaStream_t stream) {
   const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
   const long long delta_blocks = (rows * 32 + 255) / 256;
   const long long sum_blocks =
       (2 * static_cast<long long>(params.batch) * params.seq_len * params.num_kv_heads * 32 + 255) /
       256;
   if (delta_blocks > 0x7fffffffLL || sum_blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
-  DeltaKernel<Op><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(params);
-  if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  if (!delta_ready) {
+    DeltaKernel<Op><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(params);
+    if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  }
 
   const attngrad_status status = short_sequence
                                      ? LaunchShortSequenceBackward(params, stream)
@@ -443,14 +431,16 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
                                   const void* k, const void* v, int ldkv, const float* out,
                                   const void* grad_out, int ldo, const float* lse, float* grad_q,
                                   float* grad_k, float* grad_v, void* workspace,
-                                  std::size_t workspace_size, cudaStream_t stream) {
+                                  std::size_t workspace_size, cudaStream_t stream,
+                                  bool delta_ready) {
   using namespace attention_detail;
   AttentionParams params;
   attngrad_status status = MakeParams(problem, q, ldq, k, v, ldkv, &params);
   if (status != ATTNGRAD_OK) return status;
   const int per_16_bytes = 16 / ElementBytes(problem.operand);
-  if (out == nullptr || lse == nullptr || grad_out == nullptr || grad_q == nullptr ||
-      grad_k == nullptr || grad_v == nullptr || !Aligned16(out) || !Aligned16(grad_out) ||
+  if ((out == nullptr && !delta_ready) || lse == nullptr || grad_out == nullptr ||
+      grad_q == nullptr || grad_k == nullptr || grad_v == nullptr || !Aligned16(out) ||
+      !Aligned16(grad_out) ||
       !Aligned16(grad_q) || !Aligned16(grad_k) || !Aligned16(grad_v) ||
       ldo < problem.num_heads * kHeadDim || ldo % per_16_bytes != 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
@@ -463,7 +453,7 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   params.ldo = ldo;
   params.out_in = out;
   params.lse_in = lse;
-  params.delta = static_cast<float*>(workspace);
+  params.delta = static_cast<float*>(workspace);  // first in the workspace (FusedDelta relies on it)
   params.grad_q = grad_q;
   params.grad_k = grad_k;
   params.grad_v = grad_v;
@@ -482,9 +472,10 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
     params.inv_ds_scale = std::ldexp(1.f, -exponent);
   }
   switch (problem.operand) {
-    case AttentionOperand::kFp16: return LaunchBackward<OpFp16>(params, short_sequence, stream);
-    case AttentionOperand::kTf32: return LaunchBackward<OpTf32>(params, false, stream);
-    case AttentionOperand::kFp32: return LaunchBackward<OpFp32>(params, false, stream);
+    case AttentionOperand::kFp16:
+      return LaunchBackward<OpFp16>(params, short_sequence, delta_ready, stream);
+    case AttentionOperand::kTf32: return LaunchBackward<OpTf32>(params, false, delta_ready, stream);
+    case AttentionOperand::kFp32: return LaunchBackward<OpFp32>(params, false, delta_ready, stream);
   }
   return ATTNGRAD_INVALID_ARGUMENT;
 }

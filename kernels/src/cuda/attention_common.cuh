@@ -100,6 +100,22 @@ __device__ __forceinline__ std::uint32_t RoundToTf32(float x) {
   return y;
 }
 
+// Two consecutive elements of dO as the backward's products see them (TF32: rounded the same way),
+// so that Delta = rowsum(dO * O) cancels against dP = dO v^T.
+template <class Op>
+__device__ __forceinline__ float2 LoadGradOutPair(const typename Op::Elem* pointer) {
+  if constexpr (std::is_same_v<Op, OpFp16>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(pointer));
+  } else {
+    float2 value = *reinterpret_cast<const float2*>(pointer);
+    if constexpr (Op::kRoundTf32) {
+      value.x = __uint_as_float(RoundToTf32(value.x));
+      value.y = __uint_as_float(RoundToTf32(value.y));
+    }
+    return value;
+  }
+}
+
 __device__ __forceinline__ std::uint32_t PackHalf2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<std::uint32_t*>(&h);

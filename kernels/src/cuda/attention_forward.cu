@@ -176,26 +176,48 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
   const float inv_a = 1.f / sum_a, inv_b = 1.f / sum_b;
   const int out_ld = p.num_heads * kHeadDim;
+  // With a fused Delta (p.delta set): Delta = rowsum(dO * O) from the fp32 O in registers, each
+  // thread's 32 columns in order, then across the 4 threads of the row (fixed order).
+  const bool fuse_delta = p.delta != nullptr;
 #pragma unroll
   for (int half_rows = 0; half_rows < 2; ++half_rows) {
     const int row = half_rows == 0 ? row_a : row_b;
-    if (row >= seq_len) continue;
+    const bool valid = row < seq_len;
     const float inv = half_rows == 0 ? inv_a : inv_b;
     const long long offset = (token0 + row) * out_ld + item.head * kHeadDim + 2 * t;
-    float* out_row = p.out + offset;
+    float2 grad_out[16];
+    if (fuse_delta && valid) {  // loaded before the stores below (which may alias for the compiler)
+      const Elem* grad_row = static_cast<const Elem*>(p.grad_out) + (token0 + row) * p.ldo +
+                             item.head * kHeadDim + 2 * t;
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      const float o0 = acc_o[n][2 * half_rows] * inv, o1 = acc_o[n][2 * half_rows + 1] * inv;
-      *reinterpret_cast<float2*>(out_row + n * 8) = make_float2(o0, o1);
-      if (p.out_half != nullptr) {
-        *reinterpret_cast<__half2*>(p.out_half + offset + n * 8) = __floats2half2_rn(o0, o1);
+      for (int n = 0; n < 16; ++n) grad_out[n] = LoadGradOutPair<Op>(grad_row + n * 8);
+    }
+    float delta = 0.f;
+    if (valid) {
+      float* out_row = p.out + offset;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        const float o0 = acc_o[n][2 * half_rows] * inv, o1 = acc_o[n][2 * half_rows + 1] * inv;
+        *reinterpret_cast<float2*>(out_row + n * 8) = make_float2(o0, o1);
+        if (p.out_half != nullptr) {
+          *reinterpret_cast<__half2*>(p.out_half + offset + n * 8) = __floats2half2_rn(o0, o1);
+        }
+        if (fuse_delta) delta = fmaf(grad_out[n].x, o0, fmaf(grad_out[n].y, o1, delta));
+      }
+      if (t == 0) {
+        const float row_max = half_rows == 0 ? max_a : max_b;
+        const float row_sum = half_rows == 0 ? sum_a : sum_b;
+        p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
+            (row_max + log2f(row_sum)) * kLn2;
       }
     }
-    if (t == 0) {
-      const float row_max = half_rows == 0 ? max_a : max_b;
-      const float row_sum = half_rows == 0 ? sum_a : sum_b;
-      p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
-          (row_max + log2f(row_sum)) * kLn2;
+    if (fuse_delta) {  // the whole warp takes part in the shuffles
+      delta += __shfl_xor_sync(0xffffffffu, delta, 1);
+      delta += __shfl_xor_sync(0xffffffffu, delta, 2);
+      if (t == 0 && valid) {
+        p.delta[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
+            delta;
+      }
     }
   }
 }
@@ -220,13 +242,25 @@ attngrad_status LaunchForward(const AttentionParams& params, cudaStream_t stream
 
 attngrad_status AttentionForward(const AttentionProblem& problem, const void* q, int ldq,
                                  const void* k, const void* v, int ldkv, float* out,
-                                 void* out_half, float* lse, cudaStream_t stream) {
+                                 void* out_half, float* lse, cudaStream_t stream,
+                                 const FusedDelta* fused_delta) {
   using namespace attention_detail;
   AttentionParams params;
   attngrad_status status = MakeParams(problem, q, ldq, k, v, ldkv, &params);
   if (status != ATTNGRAD_OK) return status;
   if (out == nullptr || lse == nullptr || !Aligned16(out) || !Aligned16(out_half)) {
     return ATTNGRAD_INVALID_ARGUMENT;
+  }
+  if (fused_delta != nullptr) {
+    const int per_16_bytes = 16 / ElementBytes(problem.operand);
+    if (fused_delta->grad_out == nullptr || fused_delta->backward_workspace == nullptr ||
+        !Aligned16(fused_delta->grad_out) || !Aligned16(fused_delta->backward_workspace) ||
+        fused_delta->ldo < problem.num_heads * kHeadDim || fused_delta->ldo % per_16_bytes != 0) {
+      return ATTNGRAD_INVALID_ARGUMENT;
+    }
+    params.grad_out = fused_delta->grad_out;
+    params.ldo = fused_delta->ldo;
+    params.delta = static_cast<float*>(fused_delta->backward_workspace);  // Delta comes first there
   }
   params.out = out;
   params.out_half = static_cast<__half*>(out_half);

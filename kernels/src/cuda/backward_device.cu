@@ -5,7 +5,7 @@
 //   qkv GEMM             qkv = X [Wq;Wk;Wv]^T                       (step 1)
 //   rmsnorm_rope         q', k' and 1/rms                            (steps 2-3)
 //   grad_attn GEMM       dA = dY Wo                                  (step 5)
-//   attention_forward    A and the log-sum-exp                       (step 4)
+//   attention_forward    A, the log-sum-exp, Delta = rowsum(dA * A)  (step 4)
 //   grad_o GEMM          dWo (+)= dY^T A                             (step 5)
 //   attention_backward   dq', dk', dv                                (step 6)
 //   rope_rmsnorm_bwd     dq, dk (+ dv) as one operand, norm-weight gradients (steps 7-8)
@@ -15,9 +15,10 @@
 //
 // Independent GEMMs run on a side stream forked from and joined back to the caller's stream with
 // events (so they overlap the attention at small sizes, where one GEMM does not fill the GPU):
-//   caller's stream: convert X, W | qkv GEMM, rmsnorm_rope, attention_forward | (wait dA)
-//                    attention_backward, rope_rmsnorm_bwd | grad_x GEMM, dWv | (wait side)
-//   side stream:     convert dY, Wo | grad_attn GEMM | (wait A) grad_o GEMM | (wait dqkv) dWq, dWk
+//   caller's stream: convert X, W | qkv GEMM, rmsnorm_rope | (wait dA) attention_forward (+ Delta)
+//                    | attention_backward, rope_rmsnorm_bwd | grad_x GEMM, dWv | (wait side)
+//   side stream:     convert dY, Wo | grad_attn GEMM | (wait A) grad_o GEMM | (wait dqkv)
+//                    norm-weight gradients' final sum, dWq, dWk
 // With a StageObserver (per-stage timing) everything runs on the caller's stream, in that order.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -326,14 +327,20 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     stage_done("grad_attn_gemm");
   }
 
-  // Step 4: A and the log-sum-exp.
+  // Step 4: A and the log-sum-exp, and the backward's Delta = rowsum(dA * A) from A in registers
+  // (so the forward waits for dA; the grad_attn GEMM is the smaller product, done first).
   const AttentionProblem problem = ProblemOf(config, batch, seq_len, scalars, mode);
   float* attention_out = static_cast<float*>(at(layout.attention_out));
   void* attention_out_half = mode.half() ? at(layout.attention_out_half) : nullptr;
   float* lse = static_cast<float*>(at(layout.lse));
+  ATTNGRAD_RETURN_IF_ERROR(wait(2, stream));
+  FusedDelta fused_delta;
+  fused_delta.grad_out = grad_attention;
+  fused_delta.ldo = q_width;
+  fused_delta.backward_workspace = at(layout.attention_workspace);
   ATTNGRAD_RETURN_IF_ERROR(AttentionForward(problem, q_operand, qkv_width, k_operand, v_operand,
                                             qkv_width, attention_out, attention_out_half, lse,
-                                            stream));
+                                            stream, &fused_delta));
   stage_done("attention_forward");
   ATTNGRAD_RETURN_IF_ERROR(order(1, stream, side));  // A is ready for the grad_o GEMM
 
@@ -355,7 +362,6 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, side_gemm_workspace, side));
     stage_done("grad_o_gemm");
   }
-  ATTNGRAD_RETURN_IF_ERROR(wait(2, stream));
 
   // Step 6: dq', dk', dv.
   float* grad_q_rot = static_cast<float*>(at(layout.grad_q_rot));
@@ -364,18 +370,23 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
   ATTNGRAD_RETURN_IF_ERROR(AttentionBackward(
       problem, q_operand, qkv_width, k_operand, v_operand, qkv_width, attention_out,
       grad_attention, q_width, lse, grad_q_rot, grad_k_rot, grad_v,
-      at(layout.attention_workspace), layout.attention_workspace_bytes, stream));
+      at(layout.attention_workspace), layout.attention_workspace_bytes, stream,
+      /*delta_ready=*/true));
   stage_done("attention_backward");
 
   // Steps 7-8: dq, dk, dv side by side as [T, qkv_width]; norm-weight gradients.
+  // The norm-weight gradients' final sum runs first on the side stream, beside the grad_x GEMM.
   void* grad_qkv = at(layout.grad_qkv);
   const float grad_scale = 1.f;
+  float* partials = static_cast<float*>(at(layout.partials));
+  int partial_rows = 0;
   ATTNGRAD_RETURN_IF_ERROR(RopeRmsNormBackward(
       heads, grad_q_rot, grad_k_rot, grad_v, qkv, inv_rms, in.cos, in.sin, in.q_norm_weight,
-      in.k_norm_weight, mode.operand, grad_scale, grad_qkv, static_cast<float*>(at(layout.partials)),
-      out.grad_q_norm_weight, out.grad_k_norm_weight, accumulate, stream));
+      in.k_norm_weight, mode.operand, grad_scale, grad_qkv, partials, &partial_rows, stream));
+  ATTNGRAD_RETURN_IF_ERROR(order(3, stream, side));  // dqkv and the partials are ready
+  ATTNGRAD_RETURN_IF_ERROR(NormWeightGradientSum(partials, partial_rows, out.grad_q_norm_weight,
+                                                 out.grad_k_norm_weight, accumulate, side));
   stage_done("rope_rmsnorm_backward");
-  ATTNGRAD_RETURN_IF_ERROR(order(3, stream, side));  // dqkv is ready for the grad_w_qkv GEMMs
 
   // Step 9a: dX[T, hidden] = dqkv W. Column-major: dX^T = W^T (as stored) * dqkv^T.
   // FP16: one product with K = qkv_width; fp32 modes: three, added in a fixed order (beta = 1).

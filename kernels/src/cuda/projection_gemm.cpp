@@ -38,9 +38,7 @@ GemmPlan::~GemmPlan() {
   if (desc_) cublasLtMatmulDescDestroy(desc_);
 }
 
-attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment,
-                               int heuristic_rank) {
-  if (heuristic_rank < 0 || heuristic_rank >= kMaxHeuristicRank) return ATTNGRAD_INTERNAL;
+attngrad_status GemmPlan::Describe(const GemmSpec& spec) {
   const cudaDataType_t operand = OperandType(spec);
   const cudaDataType_t output = spec.d_is_half ? CUDA_R_16F : CUDA_R_32F;
   if (!Ok(cublasLtMatmulDescCreate(&desc_, ComputeType(spec), CUDA_R_32F))) return ATTNGRAD_INTERNAL;
@@ -60,6 +58,65 @@ attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, in
       !Ok(cublasLtMatrixLayoutCreate(&layout_d_, output, spec.m, spec.n, spec.ldd))) {
     return ATTNGRAD_INTERNAL;
   }
+  return ATTNGRAD_OK;
+}
+
+GemmAlgorithm GemmAlgorithm::Of(const cublasLtMatmulAlgo_t& algo) {
+  GemmAlgorithm algorithm;
+  auto get = [&algo](cublasLtMatmulAlgoConfigAttributes_t attribute, auto* value) {
+    std::size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, value, sizeof(*value), &written);
+  };
+  get(CUBLASLT_ALGO_CONFIG_ID, &algorithm.id);
+  get(CUBLASLT_ALGO_CONFIG_TILE_ID, &algorithm.tile);
+  get(CUBLASLT_ALGO_CONFIG_STAGES_ID, &algorithm.stages);
+  get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &algorithm.split_k);
+  get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &algorithm.reduction);
+  get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &algorithm.swizzle);
+  get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &algorithm.custom);
+  get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &algorithm.cluster);
+  get(CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &algorithm.inner_shape);
+  return algorithm;
+}
+
+attngrad_status GemmPlan::InitWithAlgorithm(cublasLtHandle_t handle, const GemmSpec& spec,
+                                            const GemmAlgorithm& algorithm) {
+  const attngrad_status described = Describe(spec);
+  if (described != ATTNGRAD_OK) return described;
+  const cudaDataType_t operand = OperandType(spec);
+  const cudaDataType_t output = spec.d_is_half ? CUDA_R_16F : CUDA_R_32F;
+  if (!Ok(cublasLtMatmulAlgoInit(handle, ComputeType(spec), CUDA_R_32F, operand, operand, output,
+                                 output, algorithm.id, &algo_))) {
+    return ATTNGRAD_UNSUPPORTED;
+  }
+  auto set = [this](cublasLtMatmulAlgoConfigAttributes_t attribute, const auto& value) {
+    return Ok(cublasLtMatmulAlgoConfigSetAttribute(&algo_, attribute, &value, sizeof(value)));
+  };
+  if (!set(CUBLASLT_ALGO_CONFIG_TILE_ID, algorithm.tile) ||
+      !set(CUBLASLT_ALGO_CONFIG_STAGES_ID, algorithm.stages) ||
+      !set(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, algorithm.split_k) ||
+      !set(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, algorithm.reduction) ||
+      !set(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, algorithm.swizzle) ||
+      !set(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, algorithm.custom) ||
+      !set(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, algorithm.cluster) ||
+      !set(CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, algorithm.inner_shape)) {
+    return ATTNGRAD_UNSUPPORTED;
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  if (!Ok(cublasLtMatmulAlgoCheck(handle, desc_, layout_a_, layout_b_, layout_d_, layout_d_, &algo_,
+                                  &result)) ||
+      result.workspaceSize > kGemmWorkspaceBytes) {
+    return ATTNGRAD_UNSUPPORTED;
+  }
+  workspace_bytes_ = result.workspaceSize;
+  return ATTNGRAD_OK;
+}
+
+attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment,
+                               int heuristic_rank) {
+  if (heuristic_rank < 0 || heuristic_rank >= kMaxHeuristicRank) return ATTNGRAD_INTERNAL;
+  const attngrad_status described = Describe(spec);
+  if (described != ATTNGRAD_OK) return described;
 
   cublasLtMatmulPreference_t preference = nullptr;
   if (!Ok(cublasLtMatmulPreferenceCreate(&preference))) return ATTNGRAD_INTERNAL;

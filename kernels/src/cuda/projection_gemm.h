@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -52,6 +53,17 @@ struct GemmSpec {
   float beta = 0.f;
 };
 
+// One fully specified cuBLASLt algorithm (what cublasLtMatmulAlgoConfigGetAttribute reports), so a
+// measured choice can be written down and used instead of the heuristic's.
+struct GemmAlgorithm {
+  int id = 0;
+  std::uint32_t tile = 0, stages = 0;
+  std::int32_t split_k = 1;
+  std::uint32_t reduction = 0, swizzle = 0, custom = 0;
+  std::uint16_t cluster = 0, inner_shape = 0;
+  static GemmAlgorithm Of(const cublasLtMatmulAlgo_t& algo);
+};
+
 // One cuBLASLt plan: descriptor, layouts and the chosen algorithm. Immutable once made.
 class GemmPlan {
  public:
@@ -65,12 +77,18 @@ class GemmPlan {
   static constexpr int kMaxHeuristicRank = 32;
   attngrad_status Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment,
                        int heuristic_rank = 0);
+  // Builds the descriptors with the given algorithm instead of asking the heuristic;
+  // ATTNGRAD_UNSUPPORTED when cuBLASLt's check rejects it for this shape and device (or it needs more
+  // than kGemmWorkspaceBytes of workspace).
+  attngrad_status InitWithAlgorithm(cublasLtHandle_t handle, const GemmSpec& spec,
+                                    const GemmAlgorithm& algorithm);
   attngrad_status Run(cublasLtHandle_t handle, const GemmSpec& spec, void* gemm_workspace,
                       cudaStream_t stream) const;
   const cublasLtMatmulAlgo_t& algo() const { return algo_; }
   std::size_t workspace_bytes() const { return workspace_bytes_; }
 
  private:
+  attngrad_status Describe(const GemmSpec& spec);  // descriptor and layouts
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatrixLayout_t layout_a_ = nullptr;
   cublasLtMatrixLayout_t layout_b_ = nullptr;

@@ -202,22 +202,17 @@ attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_
                                     const float* qkv, const float* inv_rms, const float* cos,
                                     const float* sin, const float* q_norm_weight,
                                     const float* k_norm_weight, OperandType type, float grad_scale,
-                                    void* grad_qkv, float* partials, float* grad_q_norm_weight,
-                                    float* grad_k_norm_weight, bool accumulate,
+                                    void* grad_qkv, float* partials, int* partial_rows,
                                     cudaStream_t stream) {
-  if (layout.tokens < 1) return ATTNGRAD_INTERNAL;
+  if (layout.tokens < 1 || partial_rows == nullptr) return ATTNGRAD_INTERNAL;
   // The build for the shape; the block count then depends only on the device and T, so the
   // reduction order is the same call after call.
   auto launch = [&](auto kernel, auto* operand) {
-    int blocks = 0;
-    const attngrad_status sized = BlocksFor(kernel, layout.tokens, &blocks);
+    const attngrad_status sized = BlocksFor(kernel, layout.tokens, partial_rows);
     if (sized != ATTNGRAD_OK) return sized;
-    kernel<<<blocks, kWarps * 32, 0, stream>>>(layout, grad_q_rot, grad_k_rot, grad_v, qkv,
-                                               inv_rms, cos, sin, q_norm_weight, k_norm_weight,
-                                               grad_scale, operand, partials);
-    if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
-    NormWeightGradientFinalKernel<<<1, kFinalThreads, 0, stream>>>(
-        partials, blocks, grad_q_norm_weight, grad_k_norm_weight, accumulate);
+    kernel<<<*partial_rows, kWarps * 32, 0, stream>>>(layout, grad_q_rot, grad_k_rot, grad_v, qkv,
+                                                      inv_rms, cos, sin, q_norm_weight,
+                                                      k_norm_weight, grad_scale, operand, partials);
     return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
   };
   const bool many = layout.tokens >= kManyTokens;
@@ -229,6 +224,15 @@ attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_
   auto* operand = static_cast<float*>(grad_qkv);
   return many ? launch(RopeRmsNormBackwardKernel<float, 3>, operand)
               : launch(RopeRmsNormBackwardKernel<float, 1>, operand);
+}
+
+attngrad_status NormWeightGradientSum(const float* partials, int partial_rows,
+                                      float* grad_q_norm_weight, float* grad_k_norm_weight,
+                                      bool accumulate, cudaStream_t stream) {
+  if (partial_rows < 1) return ATTNGRAD_INTERNAL;
+  NormWeightGradientFinalKernel<<<1, kFinalThreads, 0, stream>>>(
+      partials, partial_rows, grad_q_norm_weight, grad_k_norm_weight, accumulate);
+  return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
 }  // namespace attngrad::cuda
