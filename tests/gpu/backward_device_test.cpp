@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "attngrad/attngrad.h"
@@ -122,6 +123,19 @@ struct DeviceProblem {
         q_norm_weight(Upload(h.q_norm_weight)), k_norm_weight(Upload(h.k_norm_weight)) {
     HostGradients shapes(h.tokens());
     for (int i = 0; i < 7; ++i) outputs[i] = DeviceMemory(shapes.tensors[i].size() * sizeof(float));
+  }
+
+  // New contents (a problem of the same shape) in the same input buffers.
+  void LoadInputs(const HostProblem& h) {
+    const std::pair<DeviceMemory*, const std::vector<float>*> tensors[] = {
+        {&grad_output, &h.grad_output}, {&hidden_states, &h.hidden_states}, {&cos, &h.cos},
+        {&sin, &h.sin}, {&q_weight, &h.q_weight}, {&k_weight, &h.k_weight},
+        {&v_weight, &h.v_weight}, {&o_weight, &h.o_weight}, {&q_norm_weight, &h.q_norm_weight},
+        {&k_norm_weight, &h.k_norm_weight}};
+    for (const auto& [memory, values] : tensors) {
+      cudaMemcpy(memory->get(), values->data(), values->size() * sizeof(float),
+                 cudaMemcpyHostToDevice);
+    }
   }
 
   void SetOutputs(const HostGradients& values) {
@@ -265,6 +279,40 @@ TEST_F(GpuBackwardTest, TwoCallsAreBitwiseEqual) {
           << kModeNames[m] << " " << kOutputNames[i];
     }
   }
+}
+
+TEST_F(GpuBackwardTest, RepeatedCallsReplayAGraphThatReadsTheBuffersCurrentContents) {
+  // The first call with these arguments runs directly, the second is captured into a graph and
+  // launched, later ones replay it: all bitwise equal. Then new contents in the same buffers.
+  const HostProblem host(2, 70, 31);
+  DeviceProblem device(host);
+  const int precision = ATTNGRAD_PRECISION_AUTO;
+  const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, precision);
+  DeviceMemory workspace(bytes);
+  HostGradients first(host.tokens());
+  for (int call = 0; call < 4; ++call) {
+    HostGradients poison(host.tokens());
+    for (auto& t : poison.tensors) std::fill(t.begin(), t.end(), NAN);
+    device.SetOutputs(poison);
+    ASSERT_EQ(device.Run(precision, false, workspace.get(), bytes), ATTNGRAD_OK);
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const HostGradients result = device.GetOutputs();
+    if (call == 0) {
+      first = result;
+      continue;
+    }
+    for (int i = 0; i < 7; ++i) {
+      EXPECT_EQ(std::memcmp(first.tensors[i].data(), result.tensors[i].data(),
+                            first.tensors[i].size() * 4),
+                0)
+          << "call " << call << " " << kOutputNames[i];
+    }
+  }
+  const HostProblem other(2, 70, 32);
+  device.LoadInputs(other);
+  ASSERT_EQ(device.Run(precision, false, workspace.get(), bytes), ATTNGRAD_OK);
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  ExpectMeetsBar(device.GetOutputs(), Reference(other, false, nullptr), "replay, new contents");
 }
 
 TEST_F(GpuBackwardTest, CapturedInACudaGraphGivesTheSameBits) {

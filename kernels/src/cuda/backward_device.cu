@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "attngrad/backward.h"
 #include "cuda/attention.h"
@@ -149,7 +150,8 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
                                     const Scalars& scalars, Precision precision, bool accumulate,
                                     const BackwardInputs& in, const BackwardOutputs& out,
                                     void* workspace, std::size_t workspace_size,
-                                    cudaStream_t stream, StageObserver* observer) {
+                                    cudaStream_t stream, StageObserver* observer,
+                                    SideStream* given_side) {
   if (!IsValidPrecision(static_cast<int>(precision))) return ATTNGRAD_INVALID_ARGUMENT;
   if (!Supported(config)) return ATTNGRAD_UNSUPPORTED;
   ATTNGRAD_RETURN_IF_ERROR(ValidateBackwardArguments(config, batch, seq_len, scalars, in, out));
@@ -167,21 +169,23 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
   DeviceContext* context = nullptr;
   ATTNGRAD_RETURN_IF_ERROR(DeviceContextRegistry::Instance().Get(device, &context));
   SideStreamLease side_lease(context);
-  cudaStream_t side = stream;
+  SideStream* side_stream = nullptr;  // null with an observer: everything on `stream`
   if (observer == nullptr) {
-    ATTNGRAD_RETURN_IF_ERROR(side_lease.Acquire());
-    side = side_lease.get()->stream();
+    if (given_side == nullptr) ATTNGRAD_RETURN_IF_ERROR(side_lease.Acquire());
+    side_stream = given_side != nullptr ? given_side : side_lease.get();
   }
-  // mark(i, s): event i of the lease records what is enqueued so far on s; wait(i, s): s waits for it.
-  auto mark = [&side_lease](int index, cudaStream_t signaller) {
-    if (side_lease.get() == nullptr) return ATTNGRAD_OK;
-    return cudaEventRecord(side_lease.get()->event(index), signaller) == cudaSuccess
+  const cudaStream_t side = side_stream != nullptr ? side_stream->stream() : stream;
+  // mark(i, s): event i of the side stream records what is enqueued so far on s; wait(i, s): s
+  // waits for it.
+  auto mark = [side_stream](int index, cudaStream_t signaller) {
+    if (side_stream == nullptr) return ATTNGRAD_OK;
+    return cudaEventRecord(side_stream->event(index), signaller) == cudaSuccess
                ? ATTNGRAD_OK
                : ATTNGRAD_CUDA_ERROR;
   };
-  auto wait = [&side_lease](int index, cudaStream_t waiter) {
-    if (side_lease.get() == nullptr) return ATTNGRAD_OK;
-    return cudaStreamWaitEvent(waiter, side_lease.get()->event(index), 0) == cudaSuccess
+  auto wait = [side_stream](int index, cudaStream_t waiter) {
+    if (side_stream == nullptr) return ATTNGRAD_OK;
+    return cudaStreamWaitEvent(waiter, side_stream->event(index), 0) == cudaSuccess
                ? ATTNGRAD_OK
                : ATTNGRAD_CUDA_ERROR;
   };
@@ -466,13 +470,65 @@ std::size_t DeviceWorkspaceSize(const LayerConfig& config, int batch, int seq_le
   return cuda::WorkspaceLayout(config, batch, seq_len, mode).total;
 }
 
+namespace cuda {
+namespace {
+
+// Every argument of a call, for the graph cache (pipeline_graph.h).
+PipelineKey KeyOf(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                  Precision precision, bool accumulate, const BackwardInputs& in,
+                  const BackwardOutputs& out, const void* workspace, std::size_t workspace_size) {
+  auto word = [](const void* pointer) {
+    return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(pointer));
+  };
+  auto bits = [](float value) {
+    std::uint32_t raw = 0;
+    static_assert(sizeof raw == sizeof value);
+    std::memcpy(&raw, &value, sizeof raw);
+    return static_cast<std::uint64_t>(raw);
+  };
+  const PipelineKey key = {
+      word(in.grad_output), word(in.hidden_states), word(in.cos), word(in.sin),
+      word(in.q_weight), word(in.k_weight), word(in.v_weight), word(in.o_weight),
+      word(in.q_norm_weight), word(in.k_norm_weight), word(out.grad_hidden_states),
+      word(out.grad_q_weight), word(out.grad_k_weight), word(out.grad_v_weight),
+      word(out.grad_o_weight), word(out.grad_q_norm_weight), word(out.grad_k_norm_weight),
+      word(workspace), static_cast<std::uint64_t>(workspace_size),
+      static_cast<std::uint64_t>(batch), static_cast<std::uint64_t>(seq_len),
+      static_cast<std::uint64_t>(precision), accumulate ? 1u : 0u, bits(scalars.scaling),
+      bits(scalars.softcap), bits(scalars.eps), static_cast<std::uint64_t>(config.hidden_size),
+      static_cast<std::uint64_t>(config.num_heads), static_cast<std::uint64_t>(config.num_kv_heads),
+      static_cast<std::uint64_t>(config.head_dim), 0, 0};
+  return key;
+}
+
+}  // namespace
+}  // namespace cuda
+
 attngrad_status BackwardDevice(const LayerConfig& config, int batch, int seq_len,
                                const Scalars& scalars, Precision precision, bool accumulate,
                                const BackwardInputs& in, const BackwardOutputs& out,
                                void* workspace, std::size_t workspace_size, void* stream) {
-  return cuda::RunBackwardPipeline(config, batch, seq_len, scalars, precision, accumulate, in, out,
-                                   workspace, workspace_size, static_cast<cudaStream_t>(stream),
-                                   /*observer=*/nullptr);
+  const auto caller_stream = static_cast<cudaStream_t>(stream);
+  auto enqueue = [&](cudaStream_t on, cuda::SideStream* side) {
+    return cuda::RunBackwardPipeline(config, batch, seq_len, scalars, precision, accumulate, in, out,
+                                     workspace, workspace_size, on, /*observer=*/nullptr, side);
+  };
+  // A caller capturing its stream gets the kernels in its own graph.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(caller_stream, &capture) != cudaSuccess) {
+    cudaGetLastError();
+    return enqueue(caller_stream, nullptr);
+  }
+  if (capture != cudaStreamCaptureStatusNone) return enqueue(caller_stream, nullptr);
+  int device = 0;
+  cuda::DeviceContext* context = nullptr;
+  if (cudaGetDevice(&device) != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  const attngrad_status got = cuda::DeviceContextRegistry::Instance().Get(device, &context);
+  if (got != ATTNGRAD_OK) return got;
+  return context->pipeline_graphs().Run(
+      cuda::KeyOf(config, batch, seq_len, scalars, precision, accumulate, in, out, workspace,
+                  workspace_size),
+      enqueue, caller_stream, context);
 }
 
 int DeviceCount() {

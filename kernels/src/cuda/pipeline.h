@@ -24,11 +24,15 @@ class StageObserver {
 // where the FP16 mode's weight conversion costs most).
 Precision ResolvePrecision(Precision precision, int batch, int seq_len);
 
+// Enqueues the whole pipeline on `stream` (and a second stream: `side` when given, else one leased
+// from the device's pool; with an observer everything runs on `stream`).
+class SideStream;
 attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
                                     const Scalars& scalars, Precision precision, bool accumulate,
                                     const BackwardInputs& in, const BackwardOutputs& out,
                                     void* workspace, std::size_t workspace_size,
-                                    cudaStream_t stream, StageObserver* observer);
+                                    cudaStream_t stream, StageObserver* observer,
+                                    SideStream* side = nullptr);
 
 }  // namespace attngrad::cuda
 

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "attngrad/attngrad.h"
+#include "cuda/pipeline_graph.h"
 
 namespace attngrad::cuda {
 
@@ -115,7 +116,7 @@ class SideStream {
   cudaEvent_t events_[kForkEvents] = {};
 };
 
-// cuBLASLt handle, plans and side streams of one device.
+// cuBLASLt handle, plans, side streams and replayable pipeline graphs of one device.
 class DeviceContext {
  public:
   explicit DeviceContext(int device) : device_(device) {}
@@ -136,6 +137,9 @@ class DeviceContext {
   attngrad_status AcquireSideStream(SideStream** side);
   void ReleaseSideStream(SideStream* side);
 
+  // The graphs of repeated calls on this device (pipeline_graph.h).
+  PipelineGraphCache& pipeline_graphs() { return pipeline_graphs_; }
+
  private:
   // Everything the heuristic's choice depends on: shape, leading dimensions, types, pointer alignment.
   using PlanKey = std::tuple<int, int, int, int, int, int, int, int, int, int, int, int>;
@@ -146,6 +150,7 @@ class DeviceContext {
   std::map<PlanKey, std::unique_ptr<GemmPlan>> plans_;
   std::vector<std::unique_ptr<SideStream>> side_streams_;  // all made, owned here
   std::vector<SideStream*> idle_side_streams_;
+  PipelineGraphCache pipeline_graphs_;
 };
 
 // Holds a side stream for the scope of one call.
