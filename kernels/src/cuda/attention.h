@@ -58,7 +58,9 @@ struct AttentionProblem {
 
 // Forward: O = softmax(causal(c)) v per query head, and the log-sum-exp of each row of c.
 //   q [B*S, ldq], k and v [B*S, ldkv]: float* or __half* by `operand` (a const void* here).
-//   out  fp32 [B*S, num_heads*128] (row stride num_heads*128): A of SPEC step 4, overwritten.
+//   out  fp32 [B*S, num_heads*128] (row stride num_heads*128): A of SPEC step 4, overwritten; may
+//        be nullptr when out_half is given (the FP16 pipeline, whose backward takes Delta from the
+//        forward, needs only the fp16 copy).
 //   out_half: nullptr, or __half [B*S, num_heads*128] receiving the same values rounded to fp16
 //             (the FP16 pipeline's operand of dWo = dY^T A).
 //   lse  fp32 [B, num_heads, S]: log(sum_j exp(c_ij)) over unmasked j, overwritten.

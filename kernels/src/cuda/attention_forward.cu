@@ -194,11 +194,12 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
     }
     float delta = 0.f;
     if (valid) {
-      float* out_row = p.out + offset;
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
         const float o0 = acc_o[n][2 * half_rows] * inv, o1 = acc_o[n][2 * half_rows + 1] * inv;
-        *reinterpret_cast<float2*>(out_row + n * 8) = make_float2(o0, o1);
+        if (p.out != nullptr) {
+          *reinterpret_cast<float2*>(p.out + offset + n * 8) = make_float2(o0, o1);
+        }
         if (p.out_half != nullptr) {
           *reinterpret_cast<__half2*>(p.out_half + offset + n * 8) = __floats2half2_rn(o0, o1);
         }
@@ -248,7 +249,8 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
   AttentionParams params;
   attngrad_status status = MakeParams(problem, q, ldq, k, v, ldkv, &params);
   if (status != ATTNGRAD_OK) return status;
-  if (out == nullptr || lse == nullptr || !Aligned16(out) || !Aligned16(out_half)) {
+  if ((out == nullptr && out_half == nullptr) || lse == nullptr || !Aligned16(out) ||
+      !Aligned16(out_half)) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
   if (fused_delta != nullptr) {

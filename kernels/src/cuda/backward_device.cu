@@ -108,7 +108,7 @@ struct WorkspaceLayout {
     qkv = carve(tokens * qkv_width * sizeof(float));
     attention_operands = carve(tokens * qkv_width * operand_bytes);
     inv_rms = carve(tokens * (config.num_heads + config.num_kv_heads) * sizeof(float));
-    attention_out = carve(tokens * q_width * sizeof(float));
+    if (!mode.half()) attention_out = carve(tokens * q_width * sizeof(float));  // FP16: fp16 A only
     lse = carve(tokens * config.num_heads * sizeof(float));
     grad_attention = carve(tokens * q_width * operand_bytes);
     grad_q_rot = carve(tokens * q_width * sizeof(float));
@@ -334,7 +334,9 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
   // Step 4: A and the log-sum-exp, and the backward's Delta = rowsum(dA * A) from A in registers
   // (so the forward waits for dA; the grad_attn GEMM is the smaller product, done first).
   const AttentionProblem problem = ProblemOf(config, batch, seq_len, scalars, mode);
-  float* attention_out = static_cast<float*>(at(layout.attention_out));
+  // A in fp32 only where the grad_o GEMM reads it (fp32 modes); the FP16 mode's backward takes
+  // Delta from the forward and its GEMM reads the fp16 copy.
+  float* attention_out = mode.half() ? nullptr : static_cast<float*>(at(layout.attention_out));
   void* attention_out_half = mode.half() ? at(layout.attention_out_half) : nullptr;
   float* lse = static_cast<float*>(at(layout.lse));
   ATTNGRAD_RETURN_IF_ERROR(wait(2, stream));
