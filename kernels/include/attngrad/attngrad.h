@@ -46,7 +46,12 @@ ATTNGRAD_API size_t attngrad_workspace_size(int batch, int seq_len, int precisio
    accumulate != 0: the six weight gradients are ADDED to what the output buffers hold;
    grad_hidden_states is always overwritten. Asynchronous with respect to the host.
    cos, sin, q_norm_weight and k_norm_weight must be 16-byte aligned (cudaMalloc gives 256), else
-   ATTNGRAD_INVALID_ARGUMENT. Uses the calling thread's current CUDA device. */
+   ATTNGRAD_INVALID_ARGUMENT. Uses the calling thread's current CUDA device.
+   Repeated calls with the same arguments (every pointer, the shape, mode and scalars) are replayed
+   from a CUDA graph that the library captures and instantiates on the second such call and keeps
+   (16 per device, least recently used dropped), cutting the host's work per call from ~100 us to
+   ~5 us; inputs are read when the graph runs, so new contents in the same buffers are used. A
+   stream that the caller is capturing gets the kernels themselves (never a nested graph). */
 ATTNGRAD_API int attngrad_backward(int batch, int seq_len, float scaling, float softcap, float eps,
                                    int precision, int accumulate,
                                    const float* grad_output, const float* hidden_states,

@@ -90,9 +90,11 @@ ATTNGRAD_API attngrad_status BackwardHost(const LayerConfig& config, int batch, 
                                           const BackwardInputs& in, const BackwardOutputs& out,
                                           int num_threads = 0);
 
-// GPU backend (device pointers; asynchronous on `stream`, a cudaStream_t; no allocation, no host
-// synchronisation, so it can be captured in a CUDA graph). Returns ATTNGRAD_UNSUPPORTED when the
-// library was built without CUDA or the configuration is not one the kernels support.
+// GPU backend (device pointers; asynchronous on `stream`, a cudaStream_t; no device memory
+// allocation, no host synchronisation, so it can be captured in a CUDA graph; repeated calls are
+// replayed from a graph the library keeps, as attngrad_backward says). Returns
+// ATTNGRAD_UNSUPPORTED when the library was built without CUDA or the configuration is not one the
+// kernels support.
 ATTNGRAD_API std::size_t DeviceWorkspaceSize(const LayerConfig& config, int batch, int seq_len,
                                 Precision precision);
 ATTNGRAD_API attngrad_status BackwardDevice(const LayerConfig& config, int batch, int seq_len,

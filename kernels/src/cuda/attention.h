@@ -84,6 +84,12 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
 // fp32 partials [group][2][B*S][num_kv_heads*128] (24 KiB per token for Gemma-3 4B; at most ~80 MB).
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 
+// Which kernels a backward call launches: all of them, or one of its two independent halves so
+// that a caller can run them on two streams at once (both after the forward, delta_ready): the
+// dK/dV half (the dK/dV kernel and the split partials' sum; for short sequences the whole backward,
+// whose one kernel also writes dQ) and the dQ half (nothing for short sequences).
+enum class AttentionBackwardPart { kAll, kKeyValue, kQuery };
+
 // Backward: SPEC step 6. Deterministic (no atomics: bitwise-identical results call after call).
 // ATTNGRAD_WORKSPACE_TOO_SMALL when workspace_size < AttentionBackwardWorkspaceSize(problem).
 //   q, k, v as in the forward; out fp32 [B*S, num_heads*128] is the forward's O; lse from the forward.
@@ -91,13 +97,14 @@ std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 //   grad_q fp32 [B*S, num_heads*128], grad_k and grad_v fp32 [B*S, num_kv_heads*128]: dq', dk', dv
 //   (dk and dv summed over the query heads of each key-value head), overwritten (ld = their widths).
 //   delta_ready: the forward already wrote Delta into this workspace (FusedDelta, same problem,
-//   same dO); `out` is then not read.
+//   same dO); `out` is then not read. Required for AttentionBackwardPart::kQuery.
 attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q, int ldq,
                                   const void* k, const void* v, int ldkv, const float* out,
                                   const void* grad_out, int ldo, const float* lse, float* grad_q,
                                   float* grad_k, float* grad_v, void* workspace,
                                   std::size_t workspace_size, cudaStream_t stream,
-                                  bool delta_ready = false);
+                                  bool delta_ready = false,
+                                  AttentionBackwardPart part = AttentionBackwardPart::kAll);
 
 }  // namespace attngrad::cuda
 

@@ -394,28 +394,30 @@ attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) 
 
 template <class Op>
 attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequence,
-                               bool delta_ready, cudaStream_t stream) {
+                               bool delta_ready, AttentionBackwardPart part, cudaStream_t stream) {
   const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
   const long long delta_blocks = (rows * 32 + 255) / 256;
   const long long sum_blocks =
       (2 * static_cast<long long>(params.batch) * params.seq_len * params.num_kv_heads * 32 + 255) /
       256;
   if (delta_blocks > 0x7fffffffLL || sum_blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
-  if (!delta_ready) {
-    DeltaKernel<Op><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(params);
-    if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
-  }
-
-  const attngrad_status status = short_sequence
-                                     ? LaunchShortSequenceBackward(params, stream)
-                                     : LaunchKeyValue<Op, kBackwardWarps>(params, stream);
-  if (status != ATTNGRAD_OK) return status;
-  if (params.kv_split) {
-    SumPartialsKernel<<<static_cast<unsigned>(sum_blocks), 256, 0, stream>>>(params);
-    if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  if (part != AttentionBackwardPart::kQuery) {
+    if (!delta_ready) {
+      DeltaKernel<Op><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(params);
+      if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+    }
+    const attngrad_status status = short_sequence
+                                       ? LaunchShortSequenceBackward(params, stream)
+                                       : LaunchKeyValue<Op, kBackwardWarps>(params, stream);
+    if (status != ATTNGRAD_OK) return status;
+    if (params.kv_split) {
+      SumPartialsKernel<<<static_cast<unsigned>(sum_blocks), 256, 0, stream>>>(params);
+      if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+    }
   }
   // The short-sequence kernel wrote dQ too.
-  return short_sequence ? ATTNGRAD_OK : LaunchQuery<Op, kBackwardWarps>(params, stream);
+  if (short_sequence || part == AttentionBackwardPart::kKeyValue) return ATTNGRAD_OK;
+  return LaunchQuery<Op, kBackwardWarps>(params, stream);
 }
 
 }  // namespace
@@ -432,7 +434,7 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
                                   const void* grad_out, int ldo, const float* lse, float* grad_q,
                                   float* grad_k, float* grad_v, void* workspace,
                                   std::size_t workspace_size, cudaStream_t stream,
-                                  bool delta_ready) {
+                                  bool delta_ready, AttentionBackwardPart part) {
   using namespace attention_detail;
   AttentionParams params;
   attngrad_status status = MakeParams(problem, q, ldq, k, v, ldkv, &params);
@@ -449,6 +451,7 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
     return ATTNGRAD_WORKSPACE_TOO_SMALL;
   }
   if (workspace == nullptr || !Aligned16(workspace)) return ATTNGRAD_INVALID_ARGUMENT;
+  if (part == AttentionBackwardPart::kQuery && !delta_ready) return ATTNGRAD_INVALID_ARGUMENT;
   params.grad_out = grad_out;
   params.ldo = ldo;
   params.out_in = out;
@@ -473,9 +476,11 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   }
   switch (problem.operand) {
     case AttentionOperand::kFp16:
-      return LaunchBackward<OpFp16>(params, short_sequence, delta_ready, stream);
-    case AttentionOperand::kTf32: return LaunchBackward<OpTf32>(params, false, delta_ready, stream);
-    case AttentionOperand::kFp32: return LaunchBackward<OpFp32>(params, false, delta_ready, stream);
+      return LaunchBackward<OpFp16>(params, short_sequence, delta_ready, part, stream);
+    case AttentionOperand::kTf32:
+      return LaunchBackward<OpTf32>(params, false, delta_ready, part, stream);
+    case AttentionOperand::kFp32:
+      return LaunchBackward<OpFp32>(params, false, delta_ready, part, stream);
   }
   return ATTNGRAD_INVALID_ARGUMENT;
 }

@@ -16,9 +16,10 @@
 // Independent GEMMs run on a side stream forked from and joined back to the caller's stream with
 // events (so they overlap the attention at small sizes, where one GEMM does not fill the GPU):
 //   caller's stream: convert X, W | qkv GEMM, rmsnorm_rope | (wait dA) attention_forward (+ Delta)
-//                    | attention_backward, rope_rmsnorm_bwd | grad_x GEMM, dWv | (wait side)
-//   side stream:     convert dY, Wo | grad_attn GEMM | (wait A) grad_o GEMM | (wait dqkv)
-//                    norm-weight gradients' final sum, dWq, dWk
+//                    | attention_backward dK/dV half | (wait dQ) rope_rmsnorm_bwd | grad_x GEMM,
+//                    dWv | (wait side)
+//   side stream:     convert dY, Wo | grad_attn GEMM | (wait A) attention_backward dQ half,
+//                    grad_o GEMM | (wait dqkv) norm-weight gradients' final sum, dWq, dWk
 // With a StageObserver (per-stage timing) everything runs on the caller's stream, in that order.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -348,7 +349,22 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
                                             qkv_width, attention_out, attention_out_half, lse,
                                             stream, &fused_delta));
   stage_done("attention_forward");
-  ATTNGRAD_RETURN_IF_ERROR(order(1, stream, side));  // A is ready for the grad_o GEMM
+  ATTNGRAD_RETURN_IF_ERROR(order(1, stream, side));  // A, lse and Delta are ready
+
+  // Step 6, dq' half: on the side stream, beside the dk'/dv half below (independent kernels), then
+  // the grad_o GEMM there.
+  float* grad_q_rot = static_cast<float*>(at(layout.grad_q_rot));
+  float* grad_k_rot = static_cast<float*>(at(layout.grad_k_rot));
+  float* grad_v = static_cast<float*>(at(layout.grad_v));
+  auto attention_backward = [&](AttentionBackwardPart part, cudaStream_t on) {
+    return AttentionBackward(problem, q_operand, qkv_width, k_operand, v_operand, qkv_width,
+                             attention_out, grad_attention, q_width, lse, grad_q_rot, grad_k_rot,
+                             grad_v, at(layout.attention_workspace),
+                             layout.attention_workspace_bytes, on, /*delta_ready=*/true, part);
+  };
+  ATTNGRAD_RETURN_IF_ERROR(attention_backward(AttentionBackwardPart::kQuery, side));
+  ATTNGRAD_RETURN_IF_ERROR(mark(5, side));  // dq' is ready
+  stage_done("attention_backward_dq");
 
   // Step 5b: dWo[hidden, q_width] (+)= dY^T A. Column-major: dWo^T = A^T (as stored) * dY (T-op).
   {
@@ -369,16 +385,10 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     stage_done("grad_o_gemm");
   }
 
-  // Step 6: dq', dk', dv.
-  float* grad_q_rot = static_cast<float*>(at(layout.grad_q_rot));
-  float* grad_k_rot = static_cast<float*>(at(layout.grad_k_rot));
-  float* grad_v = static_cast<float*>(at(layout.grad_v));
-  ATTNGRAD_RETURN_IF_ERROR(AttentionBackward(
-      problem, q_operand, qkv_width, k_operand, v_operand, qkv_width, attention_out,
-      grad_attention, q_width, lse, grad_q_rot, grad_k_rot, grad_v,
-      at(layout.attention_workspace), layout.attention_workspace_bytes, stream,
-      /*delta_ready=*/true));
-  stage_done("attention_backward");
+  // Step 6, dk'/dv half (for short sequences the whole backward, dq' included).
+  ATTNGRAD_RETURN_IF_ERROR(attention_backward(AttentionBackwardPart::kKeyValue, stream));
+  ATTNGRAD_RETURN_IF_ERROR(wait(5, stream));
+  stage_done("attention_backward_dkdv");
 
   // Steps 7-8: dq, dk, dv side by side as [T, qkv_width]; norm-weight gradients.
   // The norm-weight gradients' final sum runs first on the side stream, beside the grad_x GEMM.

@@ -100,7 +100,7 @@ class GemmPlan {
 
 // A second stream and the events that fork work onto it from the caller's stream and join it back
 // (graph-capturable: every fork is an event recorded on the caller's stream and waited for).
-inline constexpr int kForkEvents = 5;
+inline constexpr int kForkEvents = 6;
 class SideStream {
  public:
   SideStream() = default;
