@@ -219,8 +219,11 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   const auto dq_first = dq.Read(), dk_first = dk.Read(), dv_first = dv.Read();
   EXPECT_LT(RelativeError(out.Read(), ref.out), bound) << "O";
   EXPECT_LT(RelativeError(lse.Read(), ref.lse), bound) << "lse";
-  EXPECT_LT(RelativeError(dq_first, ref.dq, 1e-3), bound) << "dq";
-  EXPECT_LT(RelativeError(dk_first, ref.dk, 1e-3), bound) << "dk";
+  // dq and dk get an absolute floor: at S = 1 they are exactly 0 and what the kernels return is the
+  // cancellation noise of dP - Delta (fp32: RMS ~1e-8; with a 1e-3 floor, i.e. 2e-8, the fp32
+  // B=1 S=1 case failed once in session 3's ~7 runs on fresh random inputs).
+  EXPECT_LT(RelativeError(dq_first, ref.dq, 1e-2), bound) << "dq";
+  EXPECT_LT(RelativeError(dk_first, ref.dk, 1e-2), bound) << "dk";
   EXPECT_LT(RelativeError(dv_first, ref.dv), bound) << "dv";
   if (half) {
     const std::vector<__half> rounded = out_half.Read();
@@ -267,8 +270,8 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
               ATTNGRAD_OK);
     ASSERT_CUDA(cudaDeviceSynchronize());
     const auto dq_fused = dq.Read(), dk_fused = dk.Read(), dv_fused = dv.Read();
-    EXPECT_LT(RelativeError(dq_fused, ref.dq, 1e-3), bound) << "dq, fused Delta";
-    EXPECT_LT(RelativeError(dk_fused, ref.dk, 1e-3), bound) << "dk, fused Delta";
+    EXPECT_LT(RelativeError(dq_fused, ref.dq, 1e-2), bound) << "dq, fused Delta";
+    EXPECT_LT(RelativeError(dk_fused, ref.dk, 1e-2), bound) << "dk, fused Delta";
     EXPECT_LT(RelativeError(dv_fused, ref.dv), bound) << "dv, fused Delta";
     if (&result != &fused_results[0]) {
       EXPECT_EQ(std::memcmp(dq_fused.data(), fused_results[0].data(), dq_fused.size() * 4), 0);
