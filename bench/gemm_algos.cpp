@@ -109,23 +109,6 @@ double Median(std::vector<double> values) {
   return values[values.size() / 2];
 }
 
-std::string Describe(const cublasLtMatmulAlgo_t& algo) {
-  auto get = [&algo](cublasLtMatmulAlgoConfigAttributes_t attribute) {
-    std::uint64_t value = 0;
-    std::size_t written = 0;
-    cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written);
-    return static_cast<unsigned long long>(value);
-  };
-  char text[200];
-  std::snprintf(text, sizeof text, "id=%llu tile=%llu stages=%llu splitk=%llu red=%llu swz=%llu cluster=%llu custom=%llu",
-                get(CUBLASLT_ALGO_CONFIG_ID), get(CUBLASLT_ALGO_CONFIG_TILE_ID),
-                get(CUBLASLT_ALGO_CONFIG_STAGES_ID), get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-                get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION));
-  return text;
-}
-
-
 std::string Initializer(const GemmAlgorithm& a) {
   char text[160];
   std::snprintf(text, sizeof text, "{%d, %u, %u, %d, %u, %u, %u, %u, %u}", a.id, a.tile, a.stages,
@@ -424,7 +407,9 @@ int main(int argc, char** argv) {
       if (rank == 0) outcome.first = median;
       if (median < outcome.best) {
         outcome.best = median;
-        outcome.best_text = "rank " + std::to_string(rank) + ": " + Describe(plan.algo());
+        outcome.best_text = "rank " + std::to_string(rank) + ": " +
+                            Initializer(GemmAlgorithm::Of(plan.algo())) +
+                            "  {id, tile, stages, split_k, reduction, swizzle, custom, cluster, inner}";
       }
     }
     return outcome;
