@@ -1,7 +1,7 @@
 // GPU backend (attngrad_backward) against the CPU reference backend (attngrad_backward_host) on
-// small and odd shapes in every precision mode, under SPEC section 4's rule; accumulate;
-// determinism (two calls bitwise equal); CUDA-graph capture; concurrent calls from two threads; bad
-// arguments. Skipped without a GPU.
+// small and odd shapes in every precision mode, under SPEC section 4's rule; accumulate; FP16 with
+// grad_output far outside fp16's range; determinism (two calls bitwise equal); CUDA-graph capture;
+// concurrent calls from two threads; bad arguments. Skipped without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -258,6 +258,54 @@ TEST_F(GpuBackwardTest, AccumulateAddsWeightGradientsAndOverwritesGradHidden) {
     ASSERT_EQ(device.Run(kModes[m], true, workspace.get(), bytes), ATTNGRAD_OK);
     ASSERT_CUDA(cudaDeviceSynchronize());
     ExpectMeetsBar(device.GetOutputs(), want, std::string("accumulate ") + kModeNames[m]);
+  }
+}
+
+TEST_F(GpuBackwardTest, Fp16KeepsGradientsOfAnyMagnitudeInRange) {
+  // The outputs are linear in grad_output, so the outputs for c * dY, divided by c, must meet the
+  // bar against the reference for dY. c = 1e-7 (a loss averaged over many tokens) would put dY in
+  // fp16's subnormals and c = 3e4 would overflow fp16 (max 65504) without the device-side scale.
+  const HostProblem host(2, 97, 41);
+  const HostGradients want = Reference(host, false, nullptr);
+  HostGradients initial(host.tokens());
+  std::mt19937 random(6);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (auto& t : initial.tensors) {
+    for (auto& x : t) x = normal(random) * 0.05f;
+  }
+  const HostGradients want_accumulated = Reference(host, true, &initial);
+  for (const float factor : {1e-7f, 3e4f}) {
+    HostProblem scaled = host;
+    for (float& x : scaled.grad_output) x *= factor;
+    DeviceProblem device(scaled);
+    auto unscaled = [&device, factor]() {
+      HostGradients result = device.GetOutputs();
+      for (auto& t : result.tensors) {
+        for (float& x : t) x /= factor;
+      }
+      return result;
+    };
+    for (const int precision : {ATTNGRAD_PRECISION_AUTO, ATTNGRAD_PRECISION_FP16}) {
+      const std::string what = "factor " + std::to_string(factor) + " precision " +
+                               std::to_string(precision);
+      const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, precision);
+      DeviceMemory workspace(bytes);
+      HostGradients poison(host.tokens());  // beta = 0 must not read the outputs
+      for (auto& t : poison.tensors) std::fill(t.begin(), t.end(), NAN);
+      device.SetOutputs(poison);
+      ASSERT_EQ(device.Run(precision, false, workspace.get(), bytes), ATTNGRAD_OK);
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      ExpectMeetsBar(unscaled(), want, what);
+
+      HostGradients initial_scaled = initial;
+      for (auto& t : initial_scaled.tensors) {
+        for (float& x : t) x *= factor;
+      }
+      device.SetOutputs(initial_scaled);
+      ASSERT_EQ(device.Run(precision, true, workspace.get(), bytes), ATTNGRAD_OK);
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      ExpectMeetsBar(unscaled(), want_accumulated, "accumulate " + what);
+    }
   }
 }
 

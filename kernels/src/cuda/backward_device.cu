@@ -1,7 +1,8 @@
 // Stage: the whole GPU backward of SPEC section 2 — the pipeline that strings the stages together on
 // the caller's stream with memory carved from the caller's workspace (no allocation, no host
 // synchronisation, so a caller can capture it in a CUDA graph):
-//   convert (FP16 mode)  X, dY, Wq|Wk|Wv, Wo -> fp16 operands
+//   convert (FP16 mode)  X, dY (times the power of two s found on the device), Wq|Wk|Wv, Wo
+//                        -> fp16 operands; every output GEMM then has alpha = 1/s (stages.h)
 //   qkv GEMM             qkv = X [Wq;Wk;Wv]^T                       (step 1)
 //   rmsnorm_rope         q', k' and 1/rms                            (steps 2-3)
 //   grad_attn GEMM       dA = dY Wo                                  (step 5)
@@ -18,8 +19,8 @@
 //   caller's stream: convert X, W | qkv GEMM, rmsnorm_rope | (wait dA) attention_forward (+ Delta)
 //                    | attention_backward dK/dV half | (wait dQ) rope_rmsnorm_bwd | grad_x GEMM,
 //                    dWv | (wait side)
-//   side stream:     convert dY, Wo | grad_attn GEMM | (wait A) attention_backward dQ half,
-//                    grad_o GEMM | (wait dqkv) norm-weight gradients' final sum, dWq, dWk
+//   side stream:     dY's scale, convert dY, Wo | grad_attn GEMM | (wait A) attention_backward
+//                    dQ half, grad_o GEMM | (wait dqkv) norm-weight gradients' final sum, dWq, dWk
 // With a StageObserver (per-stage timing) everything runs on the caller's stream, in that order.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -77,7 +78,7 @@ AttentionProblem ProblemOf(const LayerConfig& config, int batch, int seq_len,
 // Byte offsets (from the 256-aligned start of the workspace) of every intermediate tensor.
 // Tensors a mode does not use get zero bytes.
 struct WorkspaceLayout {
-  std::size_t x_half = 0, grad_y_half = 0, w_qkv_half = 0, w_o_half = 0;
+  std::size_t x_half = 0, grad_y_half = 0, w_qkv_half = 0, w_o_half = 0, gradient_scale = 0;
   std::size_t qkv = 0, attention_operands = 0, inv_rms = 0;
   std::size_t attention_out = 0, attention_out_half = 0, lse = 0;
   std::size_t grad_attention = 0, grad_q_rot = 0, grad_k_rot = 0, grad_v = 0;
@@ -105,6 +106,7 @@ struct WorkspaceLayout {
       w_qkv_half = carve(qkv_width * hidden * sizeof(__half));
       w_o_half = carve(hidden * q_width * sizeof(__half));
       attention_out_half = carve(tokens * q_width * sizeof(__half));
+      gradient_scale = carve(sizeof(GradientScale));
     }
     qkv = carve(tokens * qkv_width * sizeof(float));
     attention_operands = carve(tokens * qkv_width * operand_bytes);
@@ -213,6 +215,14 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
   float* qkv = static_cast<float*>(at(layout.qkv));
 
   // Operands of the projection GEMMs: fp16 copies in FP16 mode, the caller's fp32 tensors otherwise.
+  // FP16 mode: the GEMMs whose results are outputs read alpha = 1/s and beta from here.
+  GradientScale* gradient_scale =
+      mode.half() ? static_cast<GradientScale*>(at(layout.gradient_scale)) : nullptr;
+  auto unscale = [gradient_scale](GemmSpec& spec, bool accumulated) {
+    if (gradient_scale == nullptr) return;
+    spec.device_alpha = &gradient_scale->inverse;
+    spec.device_beta = accumulated ? &gradient_scale->weight_beta : &gradient_scale->zero;
+  };
   const void* x_operand = in.hidden_states;
   const void* grad_y_operand = in.grad_output;
   const void* w_o_operand = in.o_weight;
@@ -231,8 +241,10 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     // Wq|Wk|Wv for the qkv GEMM. (Converting X and Wq|Wk|Wv first, alone, measured slower at
     // small T on the H200: bench/RESULTS.md run 7.)
     ATTNGRAD_RETURN_IF_ERROR(order(0, stream, side));
+    ATTNGRAD_RETURN_IF_ERROR(
+        FindGradientScale(in.grad_output, activations, accumulate, gradient_scale, side));
     const ConvertSegment side_segments[] = {
-        {in.grad_output, grad_y_half, activations, 1.f},
+        {in.grad_output, grad_y_half, activations, 1.f, &gradient_scale->scale},
         {in.o_weight, w_o_half, static_cast<std::size_t>(hidden) * q_width, 1.f},
     };
     ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(side_segments, 2, side));
@@ -381,6 +393,7 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     spec.ldd = q_width;
     spec.arithmetic = mode.gemm;
     spec.beta = weight_beta;
+    unscale(spec, /*accumulated=*/true);
     ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, side_gemm_workspace, side));
     stage_done("grad_o_gemm");
   }
@@ -393,15 +406,16 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
   // Steps 7-8: dq, dk, dv side by side as [T, qkv_width]; norm-weight gradients.
   // The norm-weight gradients' final sum runs first on the side stream, beside the grad_x GEMM.
   void* grad_qkv = at(layout.grad_qkv);
-  const float grad_scale = 1.f;
   float* partials = static_cast<float*>(at(layout.partials));
   int partial_rows = 0;
-  ATTNGRAD_RETURN_IF_ERROR(RopeRmsNormBackward(
-      heads, grad_q_rot, grad_k_rot, grad_v, qkv, inv_rms, in.cos, in.sin, in.q_norm_weight,
-      in.k_norm_weight, mode.operand, grad_scale, grad_qkv, partials, &partial_rows, stream));
+  ATTNGRAD_RETURN_IF_ERROR(RopeRmsNormBackward(heads, grad_q_rot, grad_k_rot, grad_v, qkv, inv_rms,
+                                               in.cos, in.sin, in.q_norm_weight, in.k_norm_weight,
+                                               mode.operand, /*grad_scale=*/1.f, grad_qkv,
+                                               partials, &partial_rows, stream));
   ATTNGRAD_RETURN_IF_ERROR(order(3, stream, side));  // dqkv and the partials are ready
-  ATTNGRAD_RETURN_IF_ERROR(NormWeightGradientSum(partials, partial_rows, out.grad_q_norm_weight,
-                                                 out.grad_k_norm_weight, accumulate, side));
+  ATTNGRAD_RETURN_IF_ERROR(NormWeightGradientSum(
+      partials, partial_rows, gradient_scale ? &gradient_scale->inverse : nullptr,
+      out.grad_q_norm_weight, out.grad_k_norm_weight, accumulate, side));
   stage_done("rope_rmsnorm_backward");
 
   // Step 9a: dX[T, hidden] = dqkv W. Column-major: dX^T = W^T (as stored) * dqkv^T.
@@ -415,11 +429,11 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     spec.d = out.grad_hidden_states;
     spec.ldd = hidden;
     spec.arithmetic = mode.gemm;
-    spec.alpha = 1.f / grad_scale;
     if (mode.half()) {
       spec.k = qkv_width;
       spec.a = w_q_operand;
       spec.b = grad_qkv;
+      unscale(spec, /*accumulated=*/false);
       ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, gemm_workspace, stream));
     } else {
       const void* weights[3] = {w_q_operand, w_k_operand, w_v_operand};
@@ -459,8 +473,8 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
       spec.d = outputs[i];
       spec.ldd = hidden;
       spec.arithmetic = mode.gemm;
-      spec.alpha = 1.f / grad_scale;
       spec.beta = weight_beta;
+      unscale(spec, /*accumulated=*/true);
       ATTNGRAD_RETURN_IF_ERROR(i < 2 ? context->Gemm(spec, side_gemm_workspace, side)
                                      : context->Gemm(spec, gemm_workspace, stream));
       first_row += rows[i];

@@ -44,8 +44,12 @@ attngrad_status GemmPlan::Describe(const GemmSpec& spec) {
   if (!Ok(cublasLtMatmulDescCreate(&desc_, ComputeType(spec), CUDA_R_32F))) return ATTNGRAD_INTERNAL;
   const cublasOperation_t op_a = spec.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = spec.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasLtPointerMode_t pointer_mode =
+      spec.device_scalars() ? CUBLASLT_POINTER_MODE_DEVICE : CUBLASLT_POINTER_MODE_HOST;
   if (!Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a))) ||
-      !Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)))) {
+      !Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b))) ||
+      !Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
+                                         sizeof(pointer_mode)))) {
     return ATTNGRAD_INTERNAL;
   }
   // Stored shapes: A is m x k (k x m when transposed), B is k x n (n x k when transposed).
@@ -151,10 +155,13 @@ attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, in
 
 attngrad_status GemmPlan::Run(cublasLtHandle_t handle, const GemmSpec& spec, void* gemm_workspace,
                               cudaStream_t stream) const {
+  if (spec.device_scalars() != (spec.device_beta != nullptr)) return ATTNGRAD_INTERNAL;
+  const float* alpha = spec.device_scalars() ? spec.device_alpha : &spec.alpha;
+  const float* beta = spec.device_scalars() ? spec.device_beta : &spec.beta;
   const cublasStatus_t status =
-      cublasLtMatmul(handle, desc_, &spec.alpha, spec.a, layout_a_, spec.b, layout_b_, &spec.beta,
-                     spec.d, layout_d_, spec.d, layout_d_, &algo_, gemm_workspace,
-                     workspace_bytes_, stream);
+      cublasLtMatmul(handle, desc_, alpha, spec.a, layout_a_, spec.b, layout_b_, beta, spec.d,
+                     layout_d_, spec.d, layout_d_, &algo_, gemm_workspace, workspace_bytes_,
+                     stream);
   if (status == CUBLAS_STATUS_SUCCESS) return ATTNGRAD_OK;
   return status == CUBLAS_STATUS_EXECUTION_FAILED ? ATTNGRAD_CUDA_ERROR : ATTNGRAD_INTERNAL;
 }
@@ -215,7 +222,7 @@ attngrad_status DeviceContext::Gemm(const GemmSpec& spec, void* gemm_workspace,
   if (AlignmentOf(spec.d) < alignment) alignment = AlignmentOf(spec.d);
   const PlanKey key{spec.transpose_a ? 1 : 0, spec.transpose_b ? 1 : 0, spec.m, spec.n, spec.k,
                     spec.lda, spec.ldb, spec.ldd, static_cast<int>(spec.arithmetic),
-                    spec.d_is_half ? 1 : 0, alignment, 0};
+                    spec.d_is_half ? 1 : 0, alignment, spec.device_scalars() ? 1 : 0};
   const GemmPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);

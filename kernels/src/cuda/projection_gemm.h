@@ -52,6 +52,11 @@ struct GemmSpec {
   bool d_is_half = false;  // D element type: fp16 (only with kFp16) or fp32
   float alpha = 1.f;
   float beta = 0.f;
+  // When set (both), alpha and beta are read from device memory when the GEMM runs instead
+  // (cuBLASLt's device pointer mode): the FP16 mode's 1/s (GradientScale, stages.h).
+  const float* device_alpha = nullptr;
+  const float* device_beta = nullptr;
+  bool device_scalars() const { return device_alpha != nullptr; }
 };
 
 // One fully specified cuBLASLt algorithm (what cublasLtMatmulAlgoConfigGetAttribute reports), so a
@@ -141,7 +146,8 @@ class DeviceContext {
   PipelineGraphCache& pipeline_graphs() { return pipeline_graphs_; }
 
  private:
-  // Everything the heuristic's choice depends on: shape, leading dimensions, types, pointer alignment.
+  // Everything the heuristic's choice depends on: shape, leading dimensions, types, pointer
+  // alignment, where alpha and beta live.
   using PlanKey = std::tuple<int, int, int, int, int, int, int, int, int, int, int, int>;
 
   int device_;

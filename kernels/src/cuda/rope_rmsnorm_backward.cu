@@ -144,6 +144,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocksPerSm)
 // are then added in order. The result depends only on the number of rows, never on timing.
 __global__ void __launch_bounds__(kFinalThreads)
     NormWeightGradientFinalKernel(const float* __restrict__ partials, int rows,
+                                  const float* __restrict__ inverse_scale,
                                   float* __restrict__ grad_q_norm_weight,
                                   float* __restrict__ grad_k_norm_weight, bool accumulate) {
   constexpr int kParts = kFinalThreads / (2 * kHeadDim);
@@ -162,6 +163,7 @@ __global__ void __launch_bounds__(kFinalThreads)
     float sum = 0.f;
 #pragma unroll
     for (int p = 0; p < kParts; ++p) sum += part_sums[p][element];
+    if (inverse_scale != nullptr) sum *= *inverse_scale;
     float* destination = element < kHeadDim ? grad_q_norm_weight + element
                                             : grad_k_norm_weight + (element - kHeadDim);
     *destination = accumulate ? *destination + sum : sum;
@@ -227,11 +229,12 @@ attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_
 }
 
 attngrad_status NormWeightGradientSum(const float* partials, int partial_rows,
-                                      float* grad_q_norm_weight, float* grad_k_norm_weight,
-                                      bool accumulate, cudaStream_t stream) {
+                                      const float* inverse_scale, float* grad_q_norm_weight,
+                                      float* grad_k_norm_weight, bool accumulate,
+                                      cudaStream_t stream) {
   if (partial_rows < 1) return ATTNGRAD_INTERNAL;
   NormWeightGradientFinalKernel<<<1, kFinalThreads, 0, stream>>>(
-      partials, partial_rows, grad_q_norm_weight, grad_k_norm_weight, accumulate);
+      partials, partial_rows, inverse_scale, grad_q_norm_weight, grad_k_norm_weight, accumulate);
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
