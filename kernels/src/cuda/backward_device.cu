@@ -218,10 +218,10 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
   // FP16 mode: the GEMMs whose results are outputs read alpha = 1/s and beta from here.
   GradientScale* gradient_scale =
       mode.half() ? static_cast<GradientScale*>(at(layout.gradient_scale)) : nullptr;
-  auto unscale = [gradient_scale](GemmSpec& spec, bool accumulated) {
+  auto unscale = [gradient_scale, accumulate](GemmSpec& spec, bool weight_gradient) {
     if (gradient_scale == nullptr) return;
     spec.device_alpha = &gradient_scale->inverse;
-    spec.device_beta = accumulated ? &gradient_scale->weight_beta : &gradient_scale->zero;
+    spec.device_beta = weight_gradient && accumulate ? &gradient_scale->one : &gradient_scale->zero;
   };
   const void* x_operand = in.hidden_states;
   const void* grad_y_operand = in.grad_output;
@@ -241,13 +241,12 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     // Wq|Wk|Wv for the qkv GEMM. (Converting X and Wq|Wk|Wv first, alone, measured slower at
     // small T on the H200: bench/RESULTS.md run 7.)
     ATTNGRAD_RETURN_IF_ERROR(order(0, stream, side));
-    ATTNGRAD_RETURN_IF_ERROR(
-        FindGradientScale(in.grad_output, activations, accumulate, gradient_scale, side));
     const ConvertSegment side_segments[] = {
-        {in.grad_output, grad_y_half, activations, 1.f, &gradient_scale->scale},
+        {in.grad_output, grad_y_half, activations, 1.f, gradient_scale},
         {in.o_weight, w_o_half, static_cast<std::size_t>(hidden) * q_width, 1.f},
     };
     ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(side_segments, 2, side));
+    ATTNGRAD_RETURN_IF_ERROR(RescaleToHalf(side_segments[0], side));
     const ConvertSegment main_segments[] = {
         {in.hidden_states, x_half, activations, 1.f},
         {in.q_weight, w_qkv_half, q_weight, 1.f},
@@ -393,7 +392,7 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     spec.ldd = q_width;
     spec.arithmetic = mode.gemm;
     spec.beta = weight_beta;
-    unscale(spec, /*accumulated=*/true);
+    unscale(spec, /*weight_gradient=*/true);
     ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, side_gemm_workspace, side));
     stage_done("grad_o_gemm");
   }
@@ -433,7 +432,7 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
       spec.k = qkv_width;
       spec.a = w_q_operand;
       spec.b = grad_qkv;
-      unscale(spec, /*accumulated=*/false);
+      unscale(spec, /*weight_gradient=*/false);
       ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, gemm_workspace, stream));
     } else {
       const void* weights[3] = {w_q_operand, w_k_operand, w_v_operand};
@@ -474,7 +473,7 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
       spec.ldd = hidden;
       spec.arithmetic = mode.gemm;
       spec.beta = weight_beta;
-      unscale(spec, /*accumulated=*/true);
+      unscale(spec, /*weight_gradient=*/true);
       ATTNGRAD_RETURN_IF_ERROR(i < 2 ? context->Gemm(spec, side_gemm_workspace, side)
                                      : context->Gemm(spec, gemm_workspace, stream));
       first_row += rows[i];

@@ -24,37 +24,36 @@ enum class OperandType { kFloat, kHalf };
 
 // The FP16 mode's power-of-two scale of grad_output, found on the device every call (so a
 // caller's gradients of any magnitude, e.g. 1e-7 from a loss averaged over many tokens, stay in
-// fp16's normal range; SPEC section 4). Everything after dY in the backward is linear in it: the fp16 operands
-// derived from dY carry the factor s, and the GEMMs that write the outputs undo it exactly with
-// alpha = 1/s read from here (cuBLASLt device pointer mode), as does the norm-weight final sum.
-// s = 2^k with max|dY| * s in [4, 8), the range of SPEC section 3's randn draws, so the benchmark's
-// inputs get s = 1; s = 1 when dY is all zero or holds a NaN/Inf. Lives in the workspace.
+// fp16's normal range; SPEC section 4). Everything after dY in the backward is linear in it: the fp16
+// operands derived from dY carry the factor s, and the GEMMs that write the outputs undo it exactly
+// with alpha = 1/s read from here (cuBLASLt device pointer mode), as does the norm-weight final sum.
+// s = 2^k with max|dY| * s in [4, 8), the range of SPEC section 3's randn draws (so the benchmark's
+// inputs get s = 1); s = 1 when dY is all zero or holds a NaN/Inf. Lives in the workspace.
+inline constexpr unsigned int kMaxConvertBlocks = 2048;  // blocks per segment of a conversion
 struct GradientScale {
-  unsigned int abs_max_bits;  // max |dY| as the bits of a non-negative float (atomicMax order-free)
-  unsigned int blocks_done;   // the reduction's ticket counter
-  float scale;                // s
-  float inverse;              // 1/s: alpha of the dY-linear GEMMs
-  float weight_beta;          // beta of the weight-gradient GEMMs: 1 when accumulating, else 0
-  float zero;                 // beta of the grad_hidden_states GEMM
+  float scale;                 // s
+  float inverse;               // 1/s: alpha of the dY-linear GEMMs
+  float one, zero;             // their betas (accumulating or not) in the same pointer mode
+  unsigned int blocks;         // the conversion's blocks per segment
+  unsigned int block_maxima[kMaxConvertBlocks];  // max |dY| per block, as non-negative float bits
 };
-// Zeroes the counters and launches the reduction; every field is written before `stream` moves on.
-attngrad_status FindGradientScale(const float* grad_output, std::size_t count, bool accumulate,
-                                  GradientScale* scale, cudaStream_t stream);
 
 // fp32 -> fp16 conversion of up to kMaxConvertSegments tensors in one launch (FP16 mode operands:
 // hidden states, grad_output, the weights). Values are rounded to nearest after multiplying by
-// `scale` (a power of two), or by *device_scale when that is set (grad_output's
-// GradientScale::scale).
+// `scale` (a power of two). A segment with find_scale (at most one per launch; grad_output) is
+// converted with scale 1 while its blocks record their maxima; RescaleToHalf then completes
+// *find_scale and converts the segment again if the scale found is not 1.
 inline constexpr int kMaxConvertSegments = 8;
 struct ConvertSegment {
   const float* source = nullptr;
   __half* destination = nullptr;
   std::size_t count = 0;  // elements
   float scale = 1.f;
-  const float* device_scale = nullptr;
+  GradientScale* find_scale = nullptr;
 };
 attngrad_status ConvertToHalf(const ConvertSegment* segments, int num_segments,
                               cudaStream_t stream);
+attngrad_status RescaleToHalf(const ConvertSegment& segment, cudaStream_t stream);
 
 // Shape shared by the RMSNorm/RoPE stages.
 struct HeadLayout {
