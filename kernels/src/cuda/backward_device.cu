@@ -14,9 +14,11 @@
 //   grad_w_qkv GEMMs     dWq, dWk, dWv (+)= [dq dk dv]^T X            (step 9)
 // and the attngrad::BackwardDevice / DeviceWorkspaceSize / DeviceCount entry points of backward.h.
 //
-// Independent GEMMs run on a side stream forked from and joined back to the caller's stream with
-// events (so they overlap the attention at small sizes, where one GEMM does not fill the GPU):
-//   caller's stream: convert X, W | qkv GEMM, rmsnorm_rope | (wait dA) attention_forward (+ Delta)
+// Two streams forked from and joined back to the caller's stream with events: the critical path
+// on a lane of the greatest priority, the independent work beside it on a side stream of the
+// default priority (it overlaps the attention at small sizes, where one GEMM does not fill the
+// GPU, and yields SMs to the lane's kernels when both have blocks waiting):
+//   lane:            convert X, W | qkv GEMM, rmsnorm_rope | (wait dA) attention_forward (+ Delta)
 //                    | attention_backward dK/dV half | (wait dQ) rope_rmsnorm_bwd | grad_x GEMM,
 //                    dWv | (wait side)
 //   side stream:     dY's scale, convert dY, Wo | grad_attn GEMM | (wait A) attention_backward
@@ -153,7 +155,7 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
                                     const Scalars& scalars, Precision precision, bool accumulate,
                                     const BackwardInputs& in, const BackwardOutputs& out,
                                     void* workspace, std::size_t workspace_size,
-                                    cudaStream_t stream, StageObserver* observer,
+                                    cudaStream_t caller_stream, StageObserver* observer,
                                     SideStream* given_side) {
   if (!IsValidPrecision(static_cast<int>(precision))) return ATTNGRAD_INVALID_ARGUMENT;
   if (!Supported(config)) return ATTNGRAD_UNSUPPORTED;
@@ -172,12 +174,15 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
   DeviceContext* context = nullptr;
   ATTNGRAD_RETURN_IF_ERROR(DeviceContextRegistry::Instance().Get(device, &context));
   SideStreamLease side_lease(context);
-  SideStream* side_stream = nullptr;  // null with an observer: everything on `stream`
+  SideStream* side_stream = nullptr;  // null with an observer: everything on the caller's stream
   if (observer == nullptr) {
     if (given_side == nullptr) ATTNGRAD_RETURN_IF_ERROR(side_lease.Acquire());
     side_stream = given_side != nullptr ? given_side : side_lease.get();
   }
-  const cudaStream_t side = side_stream != nullptr ? side_stream->stream() : stream;
+  // `stream` carries the critical path: the side's high-priority lane, forked from the caller's
+  // stream here and joined back at the end.
+  const cudaStream_t stream = side_stream != nullptr ? side_stream->lane() : caller_stream;
+  const cudaStream_t side = side_stream != nullptr ? side_stream->stream() : caller_stream;
   // mark(i, s): event i of the side stream records what is enqueued so far on s; wait(i, s): s
   // waits for it.
   auto mark = [side_stream](int index, cudaStream_t signaller) {
@@ -196,6 +201,7 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     const attngrad_status status = mark(index, signaller);
     return status == ATTNGRAD_OK ? wait(index, waiter) : status;
   };
+  ATTNGRAD_RETURN_IF_ERROR(order(6, caller_stream, stream));  // fork the lane
 
   auto* base = reinterpret_cast<unsigned char*>(
       RoundUp(reinterpret_cast<std::uintptr_t>(workspace)));
@@ -480,7 +486,9 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
     }
     stage_done("grad_w_qkv_gemm");
   }
-  return order(4, side, stream);  // join: the call ends when both streams are done
+  // Join: the call ends on the caller's stream when both streams are done.
+  ATTNGRAD_RETURN_IF_ERROR(order(4, side, stream));
+  return order(7, stream, caller_stream);
 }
 
 }  // namespace cuda

@@ -24,8 +24,9 @@ class StageObserver {
 // where the FP16 mode's weight conversion costs most).
 Precision ResolvePrecision(Precision precision, int batch, int seq_len);
 
-// Enqueues the whole pipeline on `stream` (and a second stream: `side` when given, else one leased
-// from the device's pool; with an observer everything runs on `stream`).
+// Enqueues the whole pipeline on `stream`: forked onto the two streams of `side` when given, else of
+// one leased from the device's pool, and joined back (with an observer everything runs on
+// `stream`).
 class SideStream;
 attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
                                     const Scalars& scalars, Precision precision, bool accumulate,

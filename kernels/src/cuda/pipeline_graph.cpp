@@ -50,7 +50,7 @@ cudaGraphExec_t PipelineGraphCache::Build(const PipelineEnqueue& enqueue, Device
   const cudaError_t ended = cudaStreamEndCapture(capture, &graph);
   cudaGraphExec_t exec = nullptr;
   if (enqueued == ATTNGRAD_OK && ended == cudaSuccess && graph != nullptr &&
-      cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+      cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority) != cudaSuccess) {
     exec = nullptr;
   }
   if (graph != nullptr) cudaGraphDestroy(graph);

@@ -170,11 +170,15 @@ SideStream::~SideStream() {
   for (cudaEvent_t event : events_) {
     if (event) cudaEventDestroy(event);
   }
+  if (lane_) cudaStreamDestroy(lane_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
 attngrad_status SideStream::Init() {
-  if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
+  int least = 0, greatest = 0;
+  if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess ||
+      cudaStreamCreateWithPriority(&lane_, cudaStreamNonBlocking, greatest) != cudaSuccess) {
     return ATTNGRAD_CUDA_ERROR;
   }
   for (cudaEvent_t& event : events_) {

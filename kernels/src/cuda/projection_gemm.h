@@ -103,9 +103,12 @@ class GemmPlan {
   std::size_t workspace_bytes_ = 0;
 };
 
-// A second stream and the events that fork work onto it from the caller's stream and join it back
-// (graph-capturable: every fork is an event recorded on the caller's stream and waited for).
-inline constexpr int kForkEvents = 6;
+// Two streams of one call besides the caller's, and the events that fork work onto them from the
+// caller's stream and join it back (graph-capturable: every fork is an event recorded on one stream
+// and waited for on another): `stream()` at the default priority for the work beside the critical
+// path, `lane()` at the device's greatest priority for the critical path itself, so that its
+// kernels' blocks are scheduled first when both have some waiting.
+inline constexpr int kForkEvents = 8;
 class SideStream {
  public:
   SideStream() = default;
@@ -114,10 +117,12 @@ class SideStream {
   ~SideStream();
   attngrad_status Init();
   cudaStream_t stream() const { return stream_; }
+  cudaStream_t lane() const { return lane_; }
   cudaEvent_t event(int index) const { return events_[index]; }
 
  private:
   cudaStream_t stream_ = nullptr;
+  cudaStream_t lane_ = nullptr;
   cudaEvent_t events_[kForkEvents] = {};
 };
 
