@@ -47,6 +47,12 @@ ATTNGRAD_API size_t attngrad_workspace_size(int batch, int seq_len, int precisio
    grad_hidden_states is always overwritten. Asynchronous with respect to the host.
    cos, sin, q_norm_weight and k_norm_weight must be 16-byte aligned (cudaMalloc gives 256), else
    ATTNGRAD_INVALID_ARGUMENT. Uses the calling thread's current CUDA device.
+   FP16 (and AUTO, which is FP16): grad_output may have any magnitude (a trainer's gradients are
+   often ~1e-7, inside fp16's subnormals, or beyond its 65504): it is multiplied by a power of two
+   found on the device (max |grad_output| into [4, 8)) before it becomes an fp16 operand, and the
+   outputs are divided by it exactly; inputs already in that range (SPEC's benchmark) are converted
+   once, others a second time. hidden_states and the weights are converted as they are: their
+   magnitudes must suit fp16 (|x| < 65504), as a model's activations and weights do.
    Repeated calls with the same arguments (every pointer, the shape, mode and scalars) are replayed
    from a CUDA graph that the library captures and instantiates on the second such call and keeps
    (16 per device, least recently used dropped), cutting the host's work per call from ~100 us to
