@@ -84,6 +84,38 @@ const char* const kOutputNames[7] = {"grad_hidden_states", "grad_q_weight", "gra
                                      "grad_v_weight", "grad_o_weight", "grad_q_norm_weight",
                                      "grad_k_norm_weight"};
 
+// Every element `value` (NaN poisons outputs so that an unwritten element fails).
+HostGradients Filled(std::size_t tokens, float value) {
+  HostGradients result(tokens);
+  for (auto& t : result.tensors) std::fill(t.begin(), t.end(), value);
+  return result;
+}
+
+// Small random values: what accumulated outputs start from.
+HostGradients RandomGradients(std::size_t tokens, unsigned seed) {
+  HostGradients result(tokens);
+  std::mt19937 random(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (auto& t : result.tensors) {
+    for (float& x : t) x = normal(random) * 0.05f;
+  }
+  return result;
+}
+
+HostGradients Scaled(HostGradients values, float factor) {
+  for (auto& t : values.tensors) {
+    for (float& x : t) x *= factor;
+  }
+  return values;
+}
+
+void ExpectBitwiseEqual(const HostGradients& a, const HostGradients& b, const std::string& what) {
+  for (int i = 0; i < 7; ++i) {
+    EXPECT_EQ(std::memcmp(a.tensors[i].data(), b.tensors[i].data(), a.tensors[i].size() * 4), 0)
+        << what << " " << kOutputNames[i];
+  }
+}
+
 class DeviceMemory {
  public:
   DeviceMemory() = default;
@@ -228,10 +260,7 @@ TEST_F(GpuBackwardTest, MatchesCpuBackendOnSmallAndOddShapesInEveryMode) {
       const std::size_t bytes = attngrad_workspace_size(shape.batch, shape.seq_len, kModes[m]);
       ASSERT_GT(bytes, 0u);
       DeviceMemory workspace(bytes);
-      // Poison the outputs so that an unwritten element fails.
-      HostGradients poison(host.tokens());
-      for (auto& t : poison.tensors) std::fill(t.begin(), t.end(), NAN);
-      device.SetOutputs(poison);
+      device.SetOutputs(Filled(host.tokens(), NAN));
       ASSERT_EQ(device.Run(kModes[m], false, workspace.get(), bytes), ATTNGRAD_OK);
       ASSERT_CUDA(cudaDeviceSynchronize());
       ExpectMeetsBar(device.GetOutputs(), want,
@@ -243,12 +272,7 @@ TEST_F(GpuBackwardTest, MatchesCpuBackendOnSmallAndOddShapesInEveryMode) {
 
 TEST_F(GpuBackwardTest, AccumulateAddsWeightGradientsAndOverwritesGradHidden) {
   const HostProblem host(2, 33, 99);
-  HostGradients initial(host.tokens());
-  std::mt19937 random(5);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  for (auto& t : initial.tensors) {
-    for (auto& x : t) x = normal(random) * 0.05f;
-  }
+  const HostGradients initial = RandomGradients(host.tokens(), 5);
   const HostGradients want = Reference(host, true, &initial);
   DeviceProblem device(host);
   for (int m = 0; m < 4; ++m) {
@@ -267,41 +291,24 @@ TEST_F(GpuBackwardTest, Fp16KeepsGradientsOfAnyMagnitudeInRange) {
   // fp16's subnormals and c = 3e4 would overflow fp16 (max 65504) without the device-side scale.
   const HostProblem host(2, 97, 41);
   const HostGradients want = Reference(host, false, nullptr);
-  HostGradients initial(host.tokens());
-  std::mt19937 random(6);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  for (auto& t : initial.tensors) {
-    for (auto& x : t) x = normal(random) * 0.05f;
-  }
+  const HostGradients initial = RandomGradients(host.tokens(), 6);
   const HostGradients want_accumulated = Reference(host, true, &initial);
   for (const float factor : {1e-7f, 3e4f}) {
     HostProblem scaled = host;
     for (float& x : scaled.grad_output) x *= factor;
     DeviceProblem device(scaled);
-    auto unscaled = [&device, factor]() {
-      HostGradients result = device.GetOutputs();
-      for (auto& t : result.tensors) {
-        for (float& x : t) x /= factor;
-      }
-      return result;
-    };
+    auto unscaled = [&device, factor]() { return Scaled(device.GetOutputs(), 1.f / factor); };
     for (const int precision : {ATTNGRAD_PRECISION_AUTO, ATTNGRAD_PRECISION_FP16}) {
       const std::string what = "factor " + std::to_string(factor) + " precision " +
                                std::to_string(precision);
       const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, precision);
       DeviceMemory workspace(bytes);
-      HostGradients poison(host.tokens());  // beta = 0 must not read the outputs
-      for (auto& t : poison.tensors) std::fill(t.begin(), t.end(), NAN);
-      device.SetOutputs(poison);
+      device.SetOutputs(Filled(host.tokens(), NAN));  // beta = 0 must not read the outputs
       ASSERT_EQ(device.Run(precision, false, workspace.get(), bytes), ATTNGRAD_OK);
       ASSERT_CUDA(cudaDeviceSynchronize());
       ExpectMeetsBar(unscaled(), want, what);
 
-      HostGradients initial_scaled = initial;
-      for (auto& t : initial_scaled.tensors) {
-        for (float& x : t) x *= factor;
-      }
-      device.SetOutputs(initial_scaled);
+      device.SetOutputs(Scaled(initial, factor));
       ASSERT_EQ(device.Run(precision, true, workspace.get(), bytes), ATTNGRAD_OK);
       ASSERT_CUDA(cudaDeviceSynchronize());
       ExpectMeetsBar(unscaled(), want_accumulated, "accumulate " + what);
@@ -319,13 +326,7 @@ TEST_F(GpuBackwardTest, TwoCallsAreBitwiseEqual) {
     const HostGradients first = device.GetOutputs();
     ASSERT_CUDA(cudaMemset(workspace.get(), 0x5a, bytes));  // stale data must not matter
     ASSERT_EQ(device.Run(kModes[m], false, workspace.get(), bytes), ATTNGRAD_OK);
-    const HostGradients second = device.GetOutputs();
-    for (int i = 0; i < 7; ++i) {
-      EXPECT_EQ(std::memcmp(first.tensors[i].data(), second.tensors[i].data(),
-                            first.tensors[i].size() * 4),
-                0)
-          << kModeNames[m] << " " << kOutputNames[i];
-    }
+    ExpectBitwiseEqual(first, device.GetOutputs(), kModeNames[m]);
   }
 }
 
@@ -339,9 +340,7 @@ TEST_F(GpuBackwardTest, RepeatedCallsReplayAGraphThatReadsTheBuffersCurrentConte
   DeviceMemory workspace(bytes);
   HostGradients first(host.tokens());
   for (int call = 0; call < 4; ++call) {
-    HostGradients poison(host.tokens());
-    for (auto& t : poison.tensors) std::fill(t.begin(), t.end(), NAN);
-    device.SetOutputs(poison);
+    device.SetOutputs(Filled(host.tokens(), NAN));
     ASSERT_EQ(device.Run(precision, false, workspace.get(), bytes), ATTNGRAD_OK);
     ASSERT_CUDA(cudaDeviceSynchronize());
     const HostGradients result = device.GetOutputs();
@@ -349,12 +348,7 @@ TEST_F(GpuBackwardTest, RepeatedCallsReplayAGraphThatReadsTheBuffersCurrentConte
       first = result;
       continue;
     }
-    for (int i = 0; i < 7; ++i) {
-      EXPECT_EQ(std::memcmp(first.tensors[i].data(), result.tensors[i].data(),
-                            first.tensors[i].size() * 4),
-                0)
-          << "call " << call << " " << kOutputNames[i];
-    }
+    ExpectBitwiseEqual(first, result, "call " + std::to_string(call));
   }
   const HostProblem other(2, 70, 32);
   device.LoadInputs(other);
@@ -374,8 +368,7 @@ TEST_F(GpuBackwardTest, CapturedInACudaGraphGivesTheSameBits) {
   ASSERT_EQ(device.Run(precision, false, workspace.get(), bytes, stream), ATTNGRAD_OK);
   ASSERT_CUDA(cudaStreamSynchronize(stream));
   const HostGradients direct = device.GetOutputs();
-  HostGradients zeros(host.tokens());
-  device.SetOutputs(zeros);
+  device.SetOutputs(Filled(host.tokens(), 0.f));
 
   cudaGraph_t graph = nullptr;
   ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -386,13 +379,7 @@ TEST_F(GpuBackwardTest, CapturedInACudaGraphGivesTheSameBits) {
   ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   ASSERT_CUDA(cudaGraphLaunch(exec, stream));
   ASSERT_CUDA(cudaStreamSynchronize(stream));
-  const HostGradients replayed = device.GetOutputs();
-  for (int i = 0; i < 7; ++i) {
-    EXPECT_EQ(std::memcmp(direct.tensors[i].data(), replayed.tensors[i].data(),
-                          direct.tensors[i].size() * 4),
-              0)
-        << kOutputNames[i];
-  }
+  ExpectBitwiseEqual(direct, device.GetOutputs(), "replayed");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
@@ -432,17 +419,8 @@ TEST_F(GpuBackwardTest, ConcurrentCallsFromTwoThreadsMatchASingleCall) {
   thread_b.join();
   ASSERT_EQ(status_a, ATTNGRAD_OK);
   ASSERT_EQ(status_b, ATTNGRAD_OK);
-  const HostGradients after_a = device_a.GetOutputs(), after_b = device_b.GetOutputs();
-  for (int i = 0; i < 7; ++i) {
-    EXPECT_EQ(std::memcmp(alone_a.tensors[i].data(), after_a.tensors[i].data(),
-                          alone_a.tensors[i].size() * 4),
-              0)
-        << "problem a " << kOutputNames[i];
-    EXPECT_EQ(std::memcmp(alone_b.tensors[i].data(), after_b.tensors[i].data(),
-                          alone_b.tensors[i].size() * 4),
-              0)
-        << "problem b " << kOutputNames[i];
-  }
+  ExpectBitwiseEqual(alone_a, device_a.GetOutputs(), "problem a");
+  ExpectBitwiseEqual(alone_b, device_b.GetOutputs(), "problem b");
 }
 
 TEST_F(GpuBackwardTest, BadArgumentsAreRejectedBeforeAnyLaunch) {
@@ -452,9 +430,7 @@ TEST_F(GpuBackwardTest, BadArgumentsAreRejectedBeforeAnyLaunch) {
   const std::size_t bytes = attngrad_workspace_size(1, 5, precision);
   ASSERT_GT(bytes, 0u);
   DeviceMemory workspace(bytes);
-  HostGradients sentinel(host.tokens());
-  for (auto& t : sentinel.tensors) std::fill(t.begin(), t.end(), 1234.5f);
-  device.SetOutputs(sentinel);
+  device.SetOutputs(Filled(host.tokens(), 1234.5f));
 
   EXPECT_EQ(device.Run(precision, false, workspace.get(), bytes - 1),
             ATTNGRAD_WORKSPACE_TOO_SMALL);

@@ -33,9 +33,8 @@ __device__ __forceinline__ unsigned int AbsBits(float4 v) {
   return max(max(AbsBits(v.x), AbsBits(v.y)), max(AbsBits(v.z), AbsBits(v.w)));
 }
 
-// Each block of the tracked segment writes its maximum into its own slot (no atomics, no
-// zeroing: the slots of this launch are all rewritten); RescaleToHalfKernel reduces them in order.
-__device__ void RecordBlockMaximum(unsigned int bits, GradientScale* scale) {
+// The maximum of every thread's `bits` over the block, returned to every thread.
+__device__ unsigned int BlockMaximum(unsigned int bits) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
@@ -43,8 +42,15 @@ __device__ void RecordBlockMaximum(unsigned int bits, GradientScale* scale) {
   __shared__ unsigned int warp_maxima[kConvertThreads / 32];
   if ((threadIdx.x & 31) == 0) warp_maxima[threadIdx.x / 32] = bits;
   __syncthreads();
+  for (int warp = 0; warp < kConvertThreads / 32; ++warp) bits = max(bits, warp_maxima[warp]);
+  return bits;
+}
+
+// Each block of the tracked segment writes its maximum into its own slot (no atomics, no
+// zeroing: the slots of this launch are all rewritten); RescaleToHalfKernel reduces them in order.
+__device__ void RecordBlockMaximum(unsigned int bits, GradientScale* scale) {
+  bits = BlockMaximum(bits);
   if (threadIdx.x != 0) return;
-  for (int warp = 1; warp < kConvertThreads / 32; ++warp) bits = max(bits, warp_maxima[warp]);
   scale->block_maxima[blockIdx.x] = bits;
   if (blockIdx.x == 0) scale->blocks = gridDim.x;
 }
@@ -109,15 +115,7 @@ __global__ void __launch_bounds__(kConvertThreads)
   for (unsigned int i = threadIdx.x; i < blocks; i += kConvertThreads) {
     bits = max(bits, scale->block_maxima[i]);
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
-  }
-  __shared__ unsigned int warp_maxima[kConvertThreads / 32];
-  if ((threadIdx.x & 31) == 0) warp_maxima[threadIdx.x / 32] = bits;
-  __syncthreads();
-  for (int warp = 0; warp < kConvertThreads / 32; ++warp) bits = max(bits, warp_maxima[warp]);
-  const float s = ScaleForMaximum(bits);
+  const float s = ScaleForMaximum(BlockMaximum(bits));
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     scale->scale = s;
     scale->inverse = 1.f / s;  // exact: s is a power of two within the normal range
