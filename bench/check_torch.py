@@ -5,9 +5,10 @@
    fresh random inputs (SPEC section 3), every one of the 7 outputs of attngrad_backward, in each
    precision mode of --modes, against a float64 PyTorch autograd evaluation of SPEC section 2 on the
    same inputs: >= 99% of elements within atol + 1e-3 |ref| (at most one miss for each 128-element
-   norm-weight gradient), no NaN/Inf anywhere. With --grad-output-scale F, attngrad gets F * grad_output
-   and its outputs, divided by F, are checked against the reference for grad_output (every output is
-   linear in it): real gradients are far smaller than SPEC section 3's randn (e.g. F = 1e-7).
+   norm-weight gradient), no NaN/Inf anywhere. With --grad-output-scale F, attngrad gets
+   F * grad_output and its outputs, divided by F, are checked against the reference for grad_output
+   (every output is linear in it): real gradients are far smaller than SPEC section 3's randn
+   (e.g. F = 1e-7).
 2. Timing (SPEC section 5): attngrad (AUTO unless --time-mode), PyTorch eager fp32, eager TF32 and
    torch.compile TF32 — each one whole backward (forward recomputation + backward from the fp32
    inputs), L2 flushed by writing a 2x-L2 buffer before every iteration, warm-up then timed
@@ -15,7 +16,8 @@
 
 Usage: python3 bench/check_torch.py [--lib build-gpu/kernels/libattngrad.so] [--rounds 10]
           [--modes AUTO,FP16,TF32,FP32] [--mode-rounds FP32=3,TF32=3] [--workloads 1:128,2:541]
-          [--grad-output-scale 1e-7] [--no-check] [--no-time] [--torch eager32,eager_tf32,compile_tf32] [--torch-iters 50]
+          [--grad-output-scale 1e-7] [--no-check] [--no-time]
+          [--torch eager32,eager_tf32,compile_tf32] [--torch-iters 50]
 """
 import argparse
 import ctypes

@@ -87,8 +87,8 @@ __device__ unsigned int ConvertRange(const float* source, __half* destination, s
   return bits;
 }
 
-// blockIdx.y picks the segment; a grid-stride loop over it. A segment with find_scale also
-// records its maximum (every block of it takes part, so the last one can finish the scale).
+// blockIdx.y picks the segment; a grid-stride loop over it. A segment with find_scale is converted
+// with scale 1 and every block of it records its maximum (RescaleToHalfKernel finishes the scale).
 __global__ void __launch_bounds__(kConvertThreads)
     ConvertToHalfKernel(const __grid_constant__ ConvertBatch batch) {
   const ConvertSegment& segment = batch.segments[blockIdx.y];
@@ -158,7 +158,8 @@ attngrad_status ConvertToHalf(const ConvertSegment* segments, int num_segments,
 
 attngrad_status RescaleToHalf(const ConvertSegment& segment, cudaStream_t stream) {
   if (segment.find_scale == nullptr) return ATTNGRAD_INTERNAL;
-  // Always launched (the GEMMs read the scalars it publishes). Up to 4 blocks per SM of the H200: each first reads the <= 8 KB of block maxima.
+  // Always launched (the GEMMs read the scalars it publishes). Up to 4 blocks per SM of the H200:
+  // each first reads the <= 8 KB of block maxima.
   const unsigned blocks = BlocksFor(segment.count) < 528 ? BlocksFor(segment.count) : 528;
   RescaleToHalfKernel<<<blocks, kConvertThreads, 0, stream>>>(segment.source, segment.destination,
                                                               segment.count, segment.find_scale);
