@@ -415,8 +415,8 @@ attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int se
   int partial_rows = 0;
   ATTNGRAD_RETURN_IF_ERROR(RopeRmsNormBackward(heads, grad_q_rot, grad_k_rot, grad_v, qkv, inv_rms,
                                                in.cos, in.sin, in.q_norm_weight, in.k_norm_weight,
-                                               mode.operand, /*grad_scale=*/1.f, grad_qkv,
-                                               partials, &partial_rows, stream));
+                                               mode.operand, grad_qkv, partials, &partial_rows,
+                                               stream));
   ATTNGRAD_RETURN_IF_ERROR(order(3, stream, side));  // dqkv and the partials are ready
   ATTNGRAD_RETURN_IF_ERROR(NormWeightGradientSum(
       partials, partial_rows, gradient_scale ? &gradient_scale->inverse : nullptr,

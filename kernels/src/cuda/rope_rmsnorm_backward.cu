@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocksPerSm)
                               const float* __restrict__ inv_rms, const float* __restrict__ cos,
                               const float* __restrict__ sin,
                               const float* __restrict__ q_norm_weight,
-                              const float* __restrict__ k_norm_weight, float grad_scale,
+                              const float* __restrict__ k_norm_weight,
                               Operand* __restrict__ grad_qkv, float* __restrict__ partials) {
   __shared__ float block_sums[kWarps][2 * kHeadDim];
   const int warp = threadIdx.x / 32;
@@ -81,9 +81,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocksPerSm)
         const int head = base + i * kWarps;
         if (head >= tasks) continue;
         const int column = head * kHeadDim + 4 * lane;
-        if (head >= norm_heads) {  // dv: scale and convert only
-          Store4(out_row + column, make_float4(g[i].x * grad_scale, g[i].y * grad_scale,
-                                               g[i].z * grad_scale, g[i].w * grad_scale));
+        if (head >= norm_heads) {  // dv: convert only
+          Store4(out_row + column, g[i]);
           continue;
         }
         const bool is_q = head < layout.num_heads;
@@ -115,10 +114,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocksPerSm)
                                       dn.z * (1.f + w.z), dn.w * (1.f + w.w));
         const float mean =
             WarpSum(gg.x * xh.x + gg.y * xh.y + gg.z * xh.z + gg.w * xh.w) / kHeadDim;
-        const float rs = r[i] * grad_scale;
         Store4(out_row + column,
-               make_float4(rs * (gg.x - xh.x * mean), rs * (gg.y - xh.y * mean),
-                           rs * (gg.z - xh.z * mean), rs * (gg.w - xh.w * mean)));
+               make_float4(r[i] * (gg.x - xh.x * mean), r[i] * (gg.y - xh.y * mean),
+                           r[i] * (gg.z - xh.z * mean), r[i] * (gg.w - xh.w * mean)));
       }
     }
   }
@@ -203,7 +201,7 @@ attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_
                                     const float* grad_k_rot, const float* grad_v,
                                     const float* qkv, const float* inv_rms, const float* cos,
                                     const float* sin, const float* q_norm_weight,
-                                    const float* k_norm_weight, OperandType type, float grad_scale,
+                                    const float* k_norm_weight, OperandType type,
                                     void* grad_qkv, float* partials, int* partial_rows,
                                     cudaStream_t stream) {
   if (layout.tokens < 1 || partial_rows == nullptr) return ATTNGRAD_INTERNAL;
@@ -214,7 +212,7 @@ attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_
     if (sized != ATTNGRAD_OK) return sized;
     kernel<<<*partial_rows, kWarps * 32, 0, stream>>>(layout, grad_q_rot, grad_k_rot, grad_v, qkv,
                                                       inv_rms, cos, sin, q_norm_weight,
-                                                      k_norm_weight, grad_scale, operand, partials);
+                                                      k_norm_weight, operand, partials);
     return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
   };
   const bool many = layout.tokens >= kManyTokens;

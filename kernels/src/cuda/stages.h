@@ -84,15 +84,15 @@ inline std::size_t RopeRmsNormBackwardPartialsBytes(int tokens) {
 }
 
 // SPEC steps 7-8: from dq' fp32 [T, num_heads*128], dk' and dv fp32 [T, num_kv_heads*128] (the
-// attention backward's outputs), the forward's qkv and inv_rms, writes dq, dk and dv times
-// `grad_scale` (a power of two) into grad_qkv [T, qkv_width] (float or __half), and the first pass
+// attention backward's outputs), the forward's qkv and inv_rms, writes dq, dk and dv into grad_qkv
+// [T, qkv_width] (float or __half; in FP16 mode they carry grad_output's scale), and the first pass
 // of the norm-weight gradients' deterministic reduction: per-block partial sums, *partial_rows rows
 // of `partials` (a count that depends only on the device and T).
 attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_q_rot,
                                     const float* grad_k_rot, const float* grad_v,
                                     const float* qkv, const float* inv_rms, const float* cos,
                                     const float* sin, const float* q_norm_weight,
-                                    const float* k_norm_weight, OperandType type, float grad_scale,
+                                    const float* k_norm_weight, OperandType type,
                                     void* grad_qkv, float* partials, int* partial_rows,
                                     cudaStream_t stream);
 
