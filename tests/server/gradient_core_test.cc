@@ -4,8 +4,8 @@
 #include <cmath>
 #include <future>
 
-#include "cpu_worker.h"
-#include "gradient_core.h"
+#include "devices/cpu_worker.h"
+#include "scheduling/gradient_core.h"
 #include "server_test_util.h"
 
 namespace attngrad::server::testing {

@@ -3,7 +3,7 @@
 // this machine has NCCL (and the build nccl.h) it loads and reports a 2.x version.
 #include <gtest/gtest.h>
 
-#include "nccl_library.h"
+#include "devices/nccl_library.h"
 
 namespace attngrad::server::testing {
 namespace {

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <thread>
 
-#include "nccl_library.h"
+#include "devices/nccl_library.h"
 #include "server_test_util.h"
 
 namespace attngrad::server::testing {

@@ -14,7 +14,7 @@
 
 #include "attngrad/backward.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
-#include "layer_weights.h"
+#include "weights/layer_weights.h"
 #include "server.h"
 
 namespace attngrad::server::testing {

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "half_float.h"
-#include "safetensors.h"
+#include "weights/safetensors.h"
 #include "server_test_util.h"
 #include "tensor_codec.h"
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "layer_weights.h"
+#include "weights/layer_weights.h"
 
 namespace attngrad::server {
 

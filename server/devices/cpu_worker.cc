@@ -1,5 +1,5 @@
 // CPU worker: synchronous BackwardHost per batch; copies are free (host memory).
-#include "cpu_worker.h"
+#include "devices/cpu_worker.h"
 
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 // NcclLibrary (dlopen of libnccl.so.2) and NcclCommunicators; see nccl_library.h.
-#include "nccl_library.h"
+#include "devices/nccl_library.h"
 
 #include <dlfcn.h>
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "device_worker.h"
+#include "scheduling/device_worker.h"
 
 namespace attngrad::server {
 

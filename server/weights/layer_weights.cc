@@ -1,5 +1,5 @@
 // Weight names, shapes and the deterministic random initialisation.
-#include "layer_weights.h"
+#include "weights/layer_weights.h"
 
 #include <cmath>
 #include "attngrad/spec_random.h"

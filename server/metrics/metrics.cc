@@ -1,5 +1,5 @@
 // Metric families and their buckets.
-#include "metrics.h"
+#include "metrics/metrics.h"
 
 namespace attngrad::server {
 namespace {

@@ -21,8 +21,8 @@
 
 #include "absl/status/status.h"
 #include "attngrad/backward.h"
-#include "layer_weights.h"
-#include "metrics.h"
+#include "weights/layer_weights.h"
+#include "metrics/metrics.h"
 
 namespace attngrad::server {
 

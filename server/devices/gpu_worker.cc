@@ -19,7 +19,7 @@
 // barrier has confirmed that every worker's part succeeded; when one failed, none zeroes.
 // Without NCCL (one device, no nccl.h at build time, no libnccl.so.2 at run time, --nccl=off)
 // every worker copies its accumulators to the host and GradientCore adds them in worker order.
-#include "gpu_worker.h"
+#include "devices/gpu_worker.h"
 
 #include <cuda_runtime_api.h>
 
@@ -33,7 +33,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "nccl_library.h"
+#include "devices/nccl_library.h"
 
 namespace attngrad::server {
 namespace {

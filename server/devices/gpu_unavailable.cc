@@ -1,5 +1,5 @@
 // CreateGpuWorkers of a build without CUDA (ATTNGRAD_HAVE_CUDA unset).
-#include "gpu_worker.h"
+#include "devices/gpu_worker.h"
 
 namespace attngrad::server {
 

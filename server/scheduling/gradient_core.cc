@@ -1,6 +1,6 @@
 // Admission, weights versions, accumulation windows and the cross-device sums (the devices'
 // snapshots combined in worker order; with NCCL the root worker's snapshot already holds the sum).
-#include "gradient_core.h"
+#include "scheduling/gradient_core.h"
 
 #include <cmath>
 #include <random>

@@ -1,5 +1,5 @@
 // The reactors of attngrad.v1.AttentionGradient.
-#include "gradient_service.h"
+#include "rpc/gradient_service.h"
 
 #include <chrono>
 #include <deque>

@@ -8,9 +8,9 @@
 #include <string>
 
 #include "attngrad/v1/attngrad.grpc.pb.h"
-#include "backward_request.h"
-#include "gradient_core.h"
-#include "metrics.h"
+#include "rpc/backward_request.h"
+#include "scheduling/gradient_core.h"
+#include "metrics/metrics.h"
 
 namespace attngrad::server {
 

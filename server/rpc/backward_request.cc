@@ -1,11 +1,11 @@
 // BackwardRequest validation and conversion.
-#include "backward_request.h"
+#include "rpc/backward_request.h"
 
 #include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "rotary.h"
+#include "rpc/rotary.h"
 #include "tensor_codec.h"
 
 namespace attngrad::server {

@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "attngrad/v1/attngrad.pb.h"
-#include "device_worker.h"
+#include "scheduling/device_worker.h"
 
 namespace attngrad::server {
 

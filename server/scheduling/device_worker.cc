@@ -1,5 +1,5 @@
 // The worker queue, thread lifecycle and job bookkeeping shared by the CPU and GPU workers.
-#include "device_worker.h"
+#include "scheduling/device_worker.h"
 
 #include <future>
 

@@ -16,9 +16,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "device_worker.h"
-#include "layer_weights.h"
-#include "metrics.h"
+#include "scheduling/device_worker.h"
+#include "weights/layer_weights.h"
+#include "metrics/metrics.h"
 
 namespace attngrad::server {
 

@@ -1,6 +1,6 @@
 // safetensors header parsing and tensor reading with positioned reads (a checkpoint may be many GB;
 // only the requested tensors are read).
-#include "safetensors.h"
+#include "weights/safetensors.h"
 
 #include <cstring>
 #include <fstream>

@@ -1,5 +1,5 @@
 // Rotary tables from positions.
-#include "rotary.h"
+#include "rpc/rotary.h"
 
 #include <cmath>
 #include <cstddef>

@@ -5,7 +5,7 @@
 
 #include <memory>
 
-#include "device_worker.h"
+#include "scheduling/device_worker.h"
 
 namespace attngrad::server {
 
