@@ -10,7 +10,7 @@ build_packages=(
   build-essential cmake pkg-config git ca-certificates curl
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libopenblas-dev
-  libgtest-dev libgmock-dev
+  libgtest-dev libgmock-dev nlohmann-json3-dev
   prometheus                                         # prometheus + promtool for the metrics tests
   python3 python3-grpcio python3-numpy python3-yaml  # Python client and its tests
 )

@@ -1,0 +1,69 @@
+// attngrad.v1.Tensor (dtype, shape, raw little-endian bytes) to and from fp32 host arrays, with the
+// checks every tensor on the wire gets: a known dtype, the expected shape, a byte count equal to
+// product(shape) * element size; errors are INVALID_ARGUMENT naming the field and the expected
+// shape. Also the safetensors spelling of the wire dtypes.
+#ifndef ATTNGRAD_WIRE_TENSOR_H_
+#define ATTNGRAD_WIRE_TENSOR_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "attngrad/v1/tensor.pb.h"
+
+namespace attngrad::wire {
+
+// "[2,16,3072]".
+std::string ShapeString(absl::Span<const std::int64_t> shape);
+
+// The product of the dimensions, or -1 when one is negative or the product exceeds 2^60 (so that
+// it times an element size still fits in an int64).
+std::int64_t NumElements(absl::Span<const std::int64_t> shape);
+// NumElements, with INVALID_ARGUMENT naming `field` where it is -1.
+absl::StatusOr<std::int64_t> ElementCount(absl::Span<const std::int64_t> shape,
+                                          absl::string_view field);
+
+// Checks `shape` against `expected` (same rank; each dimension equal, or >= 1 where expected is -1,
+// which errors write "*").
+absl::Status CheckShape(absl::Span<const std::int64_t> shape, absl::string_view field,
+                        absl::Span<const std::int64_t> expected);
+
+// Checks a tensor's dtype, its shape against `expected` (as CheckShape) and its byte count, and
+// returns its shape.
+absl::StatusOr<std::vector<std::int64_t>> CheckTensor(const v1::Tensor& tensor,
+                                                      absl::string_view field,
+                                                      absl::Span<const std::int64_t> expected);
+
+// Converts raw little-endian elements of `dtype` to fp32 into `out`, which must hold exactly
+// raw.size() / DTypeSize(dtype) elements.
+absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view field,
+                           absl::Span<float> out);
+// INVALID_ARGUMENT naming `field` and the first element that is Inf or NaN, if any.
+absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field);
+
+// CheckTensor, then DecodeToFloat into `out` (resized to the tensor's element count).
+absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
+                          absl::Span<const std::int64_t> expected, std::vector<float>* out);
+
+// Appends `values` converted to `dtype` to `raw` (fp32 for any dtype but FLOAT16 and BFLOAT16).
+void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw);
+
+// Sets `tensor` to `values` with `shape`, converted to `dtype` (FLOAT32 where it is not a
+// supported wire dtype).
+void EncodeTensor(absl::Span<const float> values, absl::Span<const std::int64_t> shape, int dtype,
+                  v1::Tensor* tensor);
+v1::Tensor MakeTensor(absl::Span<const float> values, absl::Span<const std::int64_t> shape,
+                      int dtype = v1::DTYPE_FLOAT32);
+
+// The wire dtype of a safetensors dtype string ("F32", "F16", "BF16"); UNSPECIFIED otherwise.
+v1::DType DTypeFromSafetensors(absl::string_view safetensors_dtype);
+// "F32", "F16" or "BF16" for a wire dtype; "" otherwise.
+absl::string_view SafetensorsDTypeName(int dtype);
+
+}  // namespace attngrad::wire
+
+#endif  // ATTNGRAD_WIRE_TENSOR_H_

@@ -1,0 +1,208 @@
+// Wire tensor checks and fp32 <-> FLOAT32/FLOAT16/BFLOAT16 conversion (little-endian hosts).
+#include "attngrad/wire/tensor.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "attngrad/wire/dtype.h"
+
+namespace attngrad::wire {
+namespace {
+
+static_assert(sizeof(float) == 4, "fp32 is 4 bytes");
+
+constexpr std::int64_t kMaxElements = std::numeric_limits<std::int64_t>::max() / 8;
+
+std::string ExpectedShapeString(absl::Span<const std::int64_t> expected) {
+  std::vector<std::string> dimensions;
+  dimensions.reserve(expected.size());
+  for (std::int64_t dimension : expected) {
+    dimensions.push_back(dimension < 0 ? "*" : absl::StrCat(dimension));
+  }
+  return absl::StrCat("[", absl::StrJoin(dimensions, ","), "]");
+}
+
+std::uint16_t LoadBits16(const char* bytes) {
+  std::uint16_t bits;
+  std::memcpy(&bits, bytes, sizeof bits);
+  return bits;
+}
+
+void StoreBits16(std::uint16_t bits, char* bytes) { std::memcpy(bytes, &bits, sizeof bits); }
+
+}  // namespace
+
+std::string ShapeString(absl::Span<const std::int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+std::int64_t NumElements(absl::Span<const std::int64_t> shape) {
+  std::int64_t count = 1;
+  for (std::int64_t dimension : shape) {
+    if (dimension < 0) return -1;
+    if (dimension != 0 && count > kMaxElements / dimension) return -1;
+    count *= dimension;
+  }
+  return count;
+}
+
+absl::StatusOr<std::int64_t> ElementCount(absl::Span<const std::int64_t> shape,
+                                          absl::string_view field) {
+  const std::int64_t count = NumElements(shape);
+  if (count >= 0) return count;
+  for (std::int64_t dimension : shape) {
+    if (dimension < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": shape ", ShapeString(shape), " has a negative dimension"));
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": shape ", ShapeString(shape), " has too many elements"));
+}
+
+absl::Status CheckShape(absl::Span<const std::int64_t> shape, absl::string_view field,
+                        absl::Span<const std::int64_t> expected) {
+  if (shape.size() != expected.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ", ShapeString(shape),
+                                                   " (rank ", shape.size(), "), expected ",
+                                                   ExpectedShapeString(expected)));
+  }
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    const bool matches = expected[i] < 0 ? shape[i] >= 1 : shape[i] == expected[i];
+    if (!matches) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ", ShapeString(shape),
+                                                     ", expected ", ExpectedShapeString(expected),
+                                                     " (every dimension >= 1)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::int64_t>> CheckTensor(const v1::Tensor& tensor,
+                                                      absl::string_view field,
+                                                      absl::Span<const std::int64_t> expected) {
+  if (!IsSupportedDType(tensor.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype: ", DTypeName(tensor.dtype()),
+                     " is not supported; expected float32, float16 or bfloat16"));
+  }
+  std::vector<std::int64_t> shape(tensor.shape().begin(), tensor.shape().end());
+  absl::Status status = CheckShape(shape, field, expected);
+  if (!status.ok()) return status;
+  absl::StatusOr<std::int64_t> count = ElementCount(shape, field);
+  if (!count.ok()) return count.status();
+  const std::size_t element_size = DTypeSize(tensor.dtype());
+  const std::uint64_t expected_bytes = static_cast<std::uint64_t>(*count) * element_size;
+  if (tensor.raw_data().size() != expected_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".raw_data: got ", tensor.raw_data().size(), " bytes, expected ", expected_bytes,
+        " (", *count, " elements of ", DTypeName(tensor.dtype()), " for shape ",
+        ShapeString(shape), ")"));
+  }
+  return shape;
+}
+
+absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view field,
+                           absl::Span<float> out) {
+  const std::size_t element_size = DTypeSize(dtype);
+  if (element_size == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype: ", DTypeName(dtype), " is not supported"));
+  }
+  if (raw.size() != out.size() * element_size) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": got ", raw.size(), " bytes, expected ",
+                                                   out.size() * element_size, " (", out.size(),
+                                                   " elements of ", DTypeName(dtype), ")"));
+  }
+  const char* bytes = raw.data();
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      if (!raw.empty()) std::memcpy(out.data(), bytes, raw.size());
+      break;
+    case v1::DTYPE_FLOAT16:
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = HalfToFloat(LoadBits16(bytes + 2 * i));
+      break;
+    case v1::DTYPE_BFLOAT16:
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        out[i] = BFloat16ToFloat(LoadBits16(bytes + 2 * i));
+      }
+      break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field) {
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": element ", i, " is not finite (",
+                                                     values[i], "); every value must be finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
+                          absl::Span<const std::int64_t> expected, std::vector<float>* out) {
+  absl::StatusOr<std::vector<std::int64_t>> shape = CheckTensor(tensor, field, expected);
+  if (!shape.ok()) return shape.status();
+  out->resize(static_cast<std::size_t>(NumElements(*shape)));
+  return DecodeToFloat(tensor.raw_data(), tensor.dtype(), field, absl::MakeSpan(*out));
+}
+
+void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw) {
+  const std::size_t start = raw->size();
+  switch (dtype) {
+    case v1::DTYPE_FLOAT16:
+    case v1::DTYPE_BFLOAT16: {
+      raw->resize(start + 2 * values.size());
+      char* bytes = raw->data() + start;
+      const bool half = dtype == v1::DTYPE_FLOAT16;
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        StoreBits16(half ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]), bytes + 2 * i);
+      }
+      break;
+    }
+    default:
+      raw->append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+      break;
+  }
+}
+
+void EncodeTensor(absl::Span<const float> values, absl::Span<const std::int64_t> shape, int dtype,
+                  v1::Tensor* tensor) {
+  if (!IsSupportedDType(dtype)) dtype = v1::DTYPE_FLOAT32;
+  tensor->set_dtype(static_cast<v1::DType>(dtype));
+  tensor->clear_shape();
+  for (std::int64_t dimension : shape) tensor->add_shape(dimension);
+  std::string* raw = tensor->mutable_raw_data();
+  raw->clear();
+  EncodeFromFloat(values, dtype, raw);
+}
+
+v1::Tensor MakeTensor(absl::Span<const float> values, absl::Span<const std::int64_t> shape,
+                      int dtype) {
+  v1::Tensor tensor;
+  EncodeTensor(values, shape, dtype, &tensor);
+  return tensor;
+}
+
+v1::DType DTypeFromSafetensors(absl::string_view safetensors_dtype) {
+  if (safetensors_dtype == "F32") return v1::DTYPE_FLOAT32;
+  if (safetensors_dtype == "F16") return v1::DTYPE_FLOAT16;
+  if (safetensors_dtype == "BF16") return v1::DTYPE_BFLOAT16;
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::string_view SafetensorsDTypeName(int dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: return "F32";
+    case v1::DTYPE_FLOAT16: return "F16";
+    case v1::DTYPE_BFLOAT16: return "BF16";
+    default: return "";
+  }
+}
+
+}  // namespace attngrad::wire

@@ -1,0 +1,120 @@
+// attngrad/wire/tensor.h: encode/decode round trips in every wire dtype and the errors a bad tensor
+// gets (naming the field and the expected shape).
+#include "attngrad/wire/tensor.h"
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "attngrad/wire/dtype.h"
+
+namespace attngrad::wire {
+namespace {
+
+bool Contains(const absl::Status& status, const std::string& text) {
+  return std::string(status.message()).find(text) != std::string::npos;
+}
+
+TEST(TensorTest, ShapeStringsAndCounts) {
+  EXPECT_EQ(ShapeString({2, 16, 3072}), "[2,16,3072]");
+  EXPECT_EQ(ShapeString({}), "[]");
+  EXPECT_EQ(NumElements({2, 3, 4}), 24);
+  EXPECT_EQ(NumElements({}), 1);
+  EXPECT_EQ(NumElements({5, 0}), 0);
+  EXPECT_EQ(NumElements({2, -1}), -1);
+  EXPECT_EQ(NumElements({1 << 30, 1 << 30, 1 << 30}), -1);
+  EXPECT_EQ(*ElementCount({2, 3}, "x"), 6);
+  absl::StatusOr<std::int64_t> negative = ElementCount({2, -3}, "hidden_states");
+  ASSERT_FALSE(negative.ok());
+  EXPECT_TRUE(Contains(negative.status(), "hidden_states: shape [2,-3] has a negative dimension"))
+      << negative.status();
+  EXPECT_TRUE(Contains(ElementCount({1 << 30, 1 << 30, 1 << 30}, "x").status(), "too many"));
+}
+
+TEST(TensorTest, RoundTripsInEveryDType) {
+  const std::vector<float> values = {1.0f, -2.5f, 0.125f, 3.0f, 0.0f, -0.5f};  // exact in all three
+  for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    const v1::Tensor tensor = MakeTensor(values, {2, 3}, dtype);
+    EXPECT_EQ(tensor.dtype(), dtype);
+    EXPECT_EQ(tensor.raw_data().size(), 6 * DTypeSize(dtype));
+    std::vector<float> back;
+    ASSERT_TRUE(DecodeTensor(tensor, "t", {2, 3}, &back).ok());
+    EXPECT_EQ(back, values) << DTypeName(dtype);
+    ASSERT_TRUE(DecodeTensor(tensor, "t", {-1, 3}, &back).ok());
+    EXPECT_FALSE(DecodeTensor(tensor, "t", {3, 2}, &back).ok());
+  }
+  // UNSPECIFIED and unknown dtypes are encoded as fp32.
+  EXPECT_EQ(MakeTensor(values, {6}, v1::DTYPE_UNSPECIFIED).dtype(), v1::DTYPE_FLOAT32);
+  EXPECT_EQ(MakeTensor(values, {6}, 77).raw_data().size(), 24u);
+  // EncodeFromFloat appends.
+  std::string raw = "xy";
+  EncodeFromFloat(values, v1::DTYPE_FLOAT16, &raw);
+  EXPECT_EQ(raw.size(), 2 + 12u);
+  std::vector<float> decoded(6);
+  ASSERT_TRUE(DecodeToFloat(absl::string_view(raw).substr(2), v1::DTYPE_FLOAT16, "raw",
+                            absl::MakeSpan(decoded)).ok());
+  EXPECT_EQ(decoded, values);
+}
+
+TEST(TensorTest, CheckTensorErrorsNameTheFieldAndTheExpectedShape) {
+  const std::vector<float> values(2 * 4 * 8, 1.0f);
+  v1::Tensor tensor = MakeTensor(values, {2, 4, 8});
+  EXPECT_TRUE(CheckTensor(tensor, "hidden_states", {-1, -1, 8}).ok());
+
+  absl::Status rank = CheckTensor(tensor, "hidden_states", {-1, 8}).status();
+  EXPECT_EQ(rank.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(rank, "hidden_states.shape: got [2,4,8] (rank 3), expected [*,8]")) << rank;
+
+  absl::Status dimension = CheckTensor(tensor, "grad_output", {2, 4, 16}).status();
+  EXPECT_TRUE(Contains(dimension, "grad_output.shape: got [2,4,8], expected [2,4,16]")) << dimension;
+
+  v1::Tensor zero = MakeTensor({}, {0, 4, 8});
+  EXPECT_FALSE(CheckTensor(zero, "x", {-1, 4, 8}).ok());  // "*" means >= 1
+
+  v1::Tensor short_tensor = tensor;
+  short_tensor.mutable_raw_data()->resize(20);
+  absl::Status bytes = CheckTensor(short_tensor, "rotary_tables.cos", {2, 4, 8}).status();
+  EXPECT_TRUE(Contains(bytes, "rotary_tables.cos.raw_data: got 20 bytes, expected 256")) << bytes;
+
+  v1::Tensor unspecified = tensor;
+  unspecified.set_dtype(v1::DTYPE_UNSPECIFIED);
+  absl::Status dtype = CheckTensor(unspecified, "hidden_states", {2, 4, 8}).status();
+  EXPECT_TRUE(Contains(dtype, "hidden_states.dtype: unspecified is not supported")) << dtype;
+
+  v1::Tensor negative = tensor;
+  negative.set_shape(0, -2);
+  EXPECT_FALSE(CheckTensor(negative, "x", {-1, 4, 8}).ok());
+}
+
+TEST(TensorTest, DecodeErrors) {
+  std::vector<float> out(3);
+  absl::Status size = DecodeToFloat(std::string(10, '\0'), v1::DTYPE_FLOAT32, "chunk",
+                                    absl::MakeSpan(out));
+  EXPECT_TRUE(Contains(size, "chunk: got 10 bytes, expected 12")) << size;
+  absl::Status dtype = DecodeToFloat(std::string(6, '\0'), 9, "chunk", absl::MakeSpan(out));
+  EXPECT_TRUE(Contains(dtype, "chunk.dtype: dtype 9 is not supported")) << dtype;
+  EXPECT_TRUE(DecodeToFloat("", v1::DTYPE_FLOAT32, "empty", {}).ok());
+
+  const std::vector<float> finite = {1.f, 2.f};
+  EXPECT_TRUE(CheckFinite(finite, "x").ok());
+  const std::vector<float> bad = {1.f, std::numeric_limits<float>::infinity()};
+  absl::Status not_finite = CheckFinite(bad, "q_proj.data");
+  EXPECT_TRUE(Contains(not_finite, "q_proj.data: element 1 is not finite")) << not_finite;
+}
+
+TEST(TensorTest, SafetensorsDTypeNames) {
+  EXPECT_EQ(DTypeFromSafetensors("F32"), v1::DTYPE_FLOAT32);
+  EXPECT_EQ(DTypeFromSafetensors("F16"), v1::DTYPE_FLOAT16);
+  EXPECT_EQ(DTypeFromSafetensors("BF16"), v1::DTYPE_BFLOAT16);
+  EXPECT_EQ(DTypeFromSafetensors("I64"), v1::DTYPE_UNSPECIFIED);
+  for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    EXPECT_EQ(DTypeFromSafetensors(SafetensorsDTypeName(dtype)), dtype);
+  }
+  EXPECT_EQ(SafetensorsDTypeName(v1::DTYPE_UNSPECIFIED), "");
+}
+
+}  // namespace
+}  // namespace attngrad::wire
