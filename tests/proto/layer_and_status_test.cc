@@ -28,6 +28,30 @@ TEST(LayerNamesTest, WireNamesMapBothWays) {
   EXPECT_FALSE(WeightOfWireName(-1).has_value());
 }
 
+TEST(LayerNamesTest, GradientFieldsAndConfig) {
+  v1::WeightGradients gradients;
+  for (Weight weight : kAllWeights) MutableGradientTensor(&gradients, weight)->add_shape(IndexOf(weight));
+  for (Weight weight : kAllWeights) {
+    // The field named like the module holds the weight's gradient.
+    const google::protobuf::FieldDescriptor* field =
+        gradients.GetDescriptor()->FindFieldByName(WeightModuleName(weight));
+    ASSERT_NE(field, nullptr) << WeightModuleName(weight);
+    EXPECT_EQ(&gradients.GetReflection()->GetMessage(gradients, field),
+              &GradientTensor(gradients, weight));
+    EXPECT_EQ(GradientTensor(gradients, weight).shape(0), IndexOf(weight));
+  }
+  const LayerConfig config{640, 4, 1, 256};
+  v1::LayerConfig wire_config;
+  LayerConfigToWire(config, &wire_config);
+  EXPECT_EQ(wire_config.hidden_size(), 640);
+  EXPECT_EQ(wire_config.head_dim(), 256);
+  const LayerConfig back = LayerConfigFromWire(wire_config);
+  EXPECT_EQ(back.hidden_size, 640);
+  EXPECT_EQ(back.num_heads, 4);
+  EXPECT_EQ(back.num_kv_heads, 1);
+  EXPECT_EQ(back.head_dim, 256);
+}
+
 TEST(LayerNamesTest, HuggingFaceNames) {
   EXPECT_EQ(HuggingFaceTensorName(3, Weight::kQProj), "model.layers.3.self_attn.q_proj.weight");
   EXPECT_EQ(HuggingFaceTensorName(0, Weight::kKNorm), "model.layers.0.self_attn.k_norm.weight");
