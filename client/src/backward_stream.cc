@@ -12,12 +12,15 @@
 #include <grpcpp/client_context.h>
 #include <grpcpp/support/sync_stream.h>
 
+#include "attngrad/wire/layer.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "attngrad/client.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/tensor.h"
 #include "client_impl.h"
-#include "dtype.h"
 
 namespace attngrad {
 namespace {
@@ -38,57 +41,6 @@ uint64_t PartId(uint64_t batch_id, int64_t index, int64_t parts) {
          (uint64_t{1} << 63);
 }
 
-struct LayerShape {
-  int64_t hidden = 3072;
-  int64_t q_out = 3072;
-  int64_t kv_out = 1024;
-  int64_t head_dim = 128;
-};
-
-LayerShape ShapeOf(const v1::GetModelInfoResponse& info) {
-  LayerShape shape;
-  const v1::LayerConfig& config = info.config();
-  if (config.hidden_size() > 0 && config.num_heads() > 0 && config.num_kv_heads() > 0 &&
-      config.head_dim() > 0) {
-    shape.hidden = config.hidden_size();
-    shape.head_dim = config.head_dim();
-    shape.q_out = int64_t{config.num_heads()} * config.head_dim();
-    shape.kv_out = int64_t{config.num_kv_heads()} * config.head_dim();
-  }
-  return shape;
-}
-
-std::vector<int64_t> WeightShape(const LayerShape& layer, v1::WeightName name) {
-  switch (name) {
-    case v1::WEIGHT_NAME_Q_PROJ:
-      return {layer.q_out, layer.hidden};
-    case v1::WEIGHT_NAME_K_PROJ:
-    case v1::WEIGHT_NAME_V_PROJ:
-      return {layer.kv_out, layer.hidden};
-    case v1::WEIGHT_NAME_O_PROJ:
-      return {layer.hidden, layer.q_out};
-    default:
-      return {layer.head_dim};
-  }
-}
-
-const v1::Tensor& GradientTensor(const v1::WeightGradients& gradients, v1::WeightName name) {
-  switch (name) {
-    case v1::WEIGHT_NAME_Q_PROJ:
-      return gradients.q_proj();
-    case v1::WEIGHT_NAME_K_PROJ:
-      return gradients.k_proj();
-    case v1::WEIGHT_NAME_V_PROJ:
-      return gradients.v_proj();
-    case v1::WEIGHT_NAME_O_PROJ:
-      return gradients.o_proj();
-    case v1::WEIGHT_NAME_Q_NORM:
-      return gradients.q_norm();
-    default:
-      return gradients.k_norm();
-  }
-}
-
 void AddTimings(const v1::StageTimings& part, v1::StageTimings* sum) {
   sum->set_queue_seconds(sum->queue_seconds() + part.queue_seconds());
   sum->set_copy_in_seconds(sum->copy_in_seconds() + part.copy_in_seconds());
@@ -97,12 +49,21 @@ void AddTimings(const v1::StageTimings& part, v1::StageTimings* sum) {
   sum->set_total_seconds(sum->total_seconds() + part.total_seconds());
 }
 
+// Decodes a tensor of the server's answer into `out` after checking it against `expected`; a bad
+// one is INTERNAL (the server's fault), naming `what`.
+absl::Status ReadAnswerTensor(const v1::Tensor& tensor, const std::vector<int64_t>& expected,
+                              absl::string_view what, std::vector<float>* out) {
+  absl::Status status = wire::DecodeTensor(tensor, what, expected, out);
+  if (status.ok()) return status;
+  return absl::InternalError(absl::StrCat("server sent a bad ", what, ": ", status.message()));
+}
+
 }  // namespace
 
 class BackwardStream::Impl {
  public:
   Impl(std::shared_ptr<Client::Impl> client, absl::Duration deadline)
-      : client_(std::move(client)), layer_(ShapeOf(client_->cached_info())) {
+      : client_(std::move(client)), layer_config_(wire::LayerConfigFromWire(client_->cached_info().config())) {
     SetDeadline(&context_, deadline);
   }
 
@@ -155,7 +116,7 @@ class BackwardStream::Impl {
   absl::Status BrokenStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::shared_ptr<Client::Impl> client_;
-  const LayerShape layer_;  // from the model info when the stream opened
+  const LayerConfig layer_config_;  // from the model info when the stream opened
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>> stream_;
   std::thread reader_;
@@ -183,7 +144,7 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
   if (absl::Status restart = client_->RestartStatus(); !restart.ok()) return restart;
   const v1::GetModelInfoResponse info = client_->cached_info();
   const ClientOptions& options = client_->options();
-  const int64_t B = batch.batch, S = batch.seq_len, H = layer_.hidden, D = layer_.head_dim;
+  const int64_t B = batch.batch, S = batch.seq_len, H = layer_config_.hidden_size, D = layer_config_.head_dim;
   if (B < 1 || S < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch and seq_len must be >= 1, got batch=", B, " seq_len=", S));
@@ -202,7 +163,7 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
       !tables && static_cast<int64_t>(positions.size()) == B * S && B > 1;
 
   // Split plan from the server's limits and the client's own message limit.
-  const int64_t response_element = DTypeSize(
+  const int64_t response_element = wire::DTypeSize(
       batch.response_dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : batch.response_dtype);
   MessageSizes sizes;
   sizes.request_fixed = 4096 + (tables || per_sequence_positions ? 0 : 10 * S);
@@ -211,7 +172,7 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
   sizes.response_fixed = 4096;
   if (batch.mode != v1::GRADIENT_MODE_ACCUMULATE) {
     sizes.response_fixed +=
-        (2 * layer_.q_out * H + 2 * layer_.kv_out * H + 2 * D) * response_element;
+        (2 * int64_t{layer_config_.q_out()} * H + 2 * int64_t{layer_config_.kv_out()} * H + 2 * D) * response_element;
   }
   sizes.response_per_sequence = S * H * response_element;
   // The server's max_message_bytes bounds what it receives and what it sends.
@@ -295,11 +256,15 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     auto slice = [&](absl::Span<const float> span, int64_t width) {
       return parts == 1 ? span : span.subspan(first * S * width, count * S * width);
     };
-    *request.mutable_hidden_states() = MakeTensor(slice(batch.hidden_states, H), {count, S, H});
-    *request.mutable_grad_output() = MakeTensor(slice(batch.grad_output, H), {count, S, H});
+    wire::EncodeTensor(slice(batch.hidden_states, H), {count, S, H}, v1::DTYPE_FLOAT32,
+                       request.mutable_hidden_states());
+    wire::EncodeTensor(slice(batch.grad_output, H), {count, S, H}, v1::DTYPE_FLOAT32,
+                       request.mutable_grad_output());
     if (tables) {
-      *request.mutable_rotary_tables()->mutable_cos() = MakeTensor(slice(batch.cos, D), {count, S, D});
-      *request.mutable_rotary_tables()->mutable_sin() = MakeTensor(slice(batch.sin, D), {count, S, D});
+      wire::EncodeTensor(slice(batch.cos, D), {count, S, D}, v1::DTYPE_FLOAT32,
+                         request.mutable_rotary_tables()->mutable_cos());
+      wire::EncodeTensor(slice(batch.sin, D), {count, S, D}, v1::DTYPE_FLOAT32,
+                         request.mutable_rotary_tables()->mutable_sin());
     } else {
       v1::RotaryPositions* rotary = request.mutable_positions();
       rotary->set_rope_theta(batch.rope_theta);
@@ -411,17 +376,15 @@ absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& respons
   result.duplicate = result.duplicate || response.duplicate();
   AddTimings(response.timings(), &result.timings);
 
-  const int64_t S = pending->seq_len, H = layer_.hidden;
+  const int64_t S = pending->seq_len, H = layer_config_.hidden_size;
   const std::vector<int64_t> part_shape = {part.sequences, S, H};
   if (result.parts == 1) {
-    absl::Status status = ReadTensor(response.grad_hidden_states(), part_shape,
-                                     "grad_hidden_states", &result.grad_hidden_states);
-    if (!status.ok()) return status;
+    ATTNGRAD_RETURN_IF_ERROR(ReadAnswerTensor(response.grad_hidden_states(), part_shape,
+                                              "grad_hidden_states", &result.grad_hidden_states));
   } else {
     std::vector<float> piece;
-    absl::Status status =
-        ReadTensor(response.grad_hidden_states(), part_shape, "grad_hidden_states", &piece);
-    if (!status.ok()) return status;
+    ATTNGRAD_RETURN_IF_ERROR(
+        ReadAnswerTensor(response.grad_hidden_states(), part_shape, "grad_hidden_states", &piece));
     result.grad_hidden_states.resize(static_cast<size_t>(pending->batch * S * H));
     std::copy(piece.begin(), piece.end(),
               result.grad_hidden_states.begin() + part.first_sequence * S * H);
@@ -434,21 +397,19 @@ absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& respons
   }
   const bool first = !result.weight_gradients.has_value();
   if (first) result.weight_gradients.emplace();
-  for (v1::WeightName name : WeightSet::Names()) {
-    HostTensor& sum = result.weight_gradients->Get(name);
-    const std::vector<int64_t> shape = WeightShape(layer_, name);
-    const std::string what = absl::StrCat("weight_gradients.", WeightShortName(name));
+  for (Weight weight : kAllWeights) {
+    HostTensor& sum = (*result.weight_gradients)[weight];
+    const std::vector<int64_t> shape = WeightShape(layer_config_, weight);
+    const std::string what = absl::StrCat("weight_gradients.", WeightModuleName(weight));
     if (first) {
       sum.shape = shape;
-      absl::Status status =
-          ReadTensor(GradientTensor(response.weight_gradients(), name), shape, what, &sum.data);
-      if (!status.ok()) return status;
+      ATTNGRAD_RETURN_IF_ERROR(ReadAnswerTensor(
+          wire::GradientTensor(response.weight_gradients(), weight), shape, what, &sum.data));
       continue;
     }
     std::vector<float> piece;
-    absl::Status status =
-        ReadTensor(GradientTensor(response.weight_gradients(), name), shape, what, &piece);
-    if (!status.ok()) return status;
+    ATTNGRAD_RETURN_IF_ERROR(ReadAnswerTensor(
+        wire::GradientTensor(response.weight_gradients(), weight), shape, what, &piece));
     for (size_t i = 0; i < piece.size(); ++i) sum.data[i] += piece[i];
   }
   return absl::OkStatus();

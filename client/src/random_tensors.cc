@@ -7,31 +7,16 @@
 
 namespace attngrad {
 
-LayerConfig ConfigFromInfo(const v1::GetModelInfoResponse& info) {
-  LayerConfig config;
-  if (info.config().hidden_size() > 0) config.hidden_size = info.config().hidden_size();
-  if (info.config().num_heads() > 0) config.num_heads = info.config().num_heads();
-  if (info.config().num_kv_heads() > 0) config.num_kv_heads = info.config().num_kv_heads();
-  if (info.config().head_dim() > 0) config.head_dim = info.config().head_dim();
-  return config;
-}
-
 WeightSet RandomWeights(const LayerConfig& config, uint64_t seed) {
-  const int64_t hidden = config.hidden_size, q_out = config.q_out(), kv_out = config.kv_out();
   WeightSet weights;
-  weights.q_proj.shape = {q_out, hidden};
-  weights.k_proj.shape = {kv_out, hidden};
-  weights.v_proj.shape = {kv_out, hidden};
-  weights.o_proj.shape = {hidden, q_out};
-  weights.q_norm.shape = {config.head_dim};
-  weights.k_norm.shape = {config.head_dim};
-  for (v1::WeightName name : WeightSet::Names()) {
-    HostTensor& tensor = weights.Get(name);
+  PerWeight<float*> data;
+  for (Weight weight : kAllWeights) {
+    HostTensor& tensor = weights[weight];
+    tensor.shape = WeightShape(config, weight);
     tensor.data.resize(static_cast<size_t>(tensor.num_elements()));
+    data[weight] = tensor.data.data();
   }
-  FillRandomLayerWeights(config, seed, weights.q_proj.data.data(), weights.k_proj.data.data(),
-                         weights.v_proj.data.data(), weights.o_proj.data.data(),
-                         weights.q_norm.data.data(), weights.k_norm.data.data());
+  FillRandomLayerWeights(config, seed, data);
   return weights;
 }
 

@@ -13,9 +13,6 @@
 
 namespace attngrad {
 
-// The layer configuration the server reports (the Gemma-3-4B defaults where it reports none).
-LayerConfig ConfigFromInfo(const v1::GetModelInfoResponse& info);
-
 // Projection weights randn * sqrt(2/hidden), norm weights randn * 0.02 (FillRandomLayerWeights).
 WeightSet RandomWeights(const LayerConfig& config, uint64_t seed);
 

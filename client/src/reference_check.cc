@@ -25,31 +25,20 @@ absl::StatusOr<ReferenceOutputs> ComputeReference(const LayerConfig& config,
   }
   ReferenceOutputs out;
   out.grad_hidden_states.resize(sizes.activations);
-  for (v1::WeightName name : WeightSet::Names()) {
-    const HostTensor& weight = weights.Get(name);
-    HostTensor& gradient = out.gradients.Get(name);
-    gradient.shape = weight.shape;
-    gradient.data.assign(weight.data.size(), 0.0f);
-  }
   BackwardInputs in;
+  BackwardOutputs o;
+  for (Weight weight : kAllWeights) {
+    HostTensor& gradient = out.gradients[weight];
+    gradient.shape = weights[weight].shape;
+    gradient.data.assign(weights[weight].data.size(), 0.0f);
+    in.weights[weight] = weights[weight].data.data();
+    o.weight_gradients[weight] = gradient.data.data();
+  }
   in.grad_output = inputs.grad_output.data();
   in.hidden_states = inputs.hidden_states.data();
   in.cos = inputs.cos.data();
   in.sin = inputs.sin.data();
-  in.q_weight = weights.q_proj.data.data();
-  in.k_weight = weights.k_proj.data.data();
-  in.v_weight = weights.v_proj.data.data();
-  in.o_weight = weights.o_proj.data.data();
-  in.q_norm_weight = weights.q_norm.data.data();
-  in.k_norm_weight = weights.k_norm.data.data();
-  BackwardOutputs o;
   o.grad_hidden_states = out.grad_hidden_states.data();
-  o.grad_q_weight = out.gradients.q_proj.data.data();
-  o.grad_k_weight = out.gradients.k_proj.data.data();
-  o.grad_v_weight = out.gradients.v_proj.data.data();
-  o.grad_o_weight = out.gradients.o_proj.data.data();
-  o.grad_q_norm_weight = out.gradients.q_norm.data.data();
-  o.grad_k_norm_weight = out.gradients.k_norm.data.data();
   const attngrad_status status =
       BackwardHost(config, static_cast<int>(inputs.batch), static_cast<int>(inputs.seq_len),
                    scalars, /*accumulate=*/false, in, o);
@@ -125,20 +114,20 @@ CheckReport CheckAgainstReference(absl::Span<const float> grad_hidden_states,
   report.outputs.push_back(CompareOutput("grad_hidden_states", grad_hidden_states,
                                          reference.grad_hidden_states, atol, false));
   if (gradients != nullptr) {
-    for (v1::WeightName name : WeightSet::Names()) {
-      const bool norm = name == v1::WEIGHT_NAME_Q_NORM || name == v1::WEIGHT_NAME_K_NORM;
-      report.outputs.push_back(CompareOutput(absl::StrCat("grad_", WeightShortName(name)),
-                                             gradients->Get(name).data,
-                                             reference.gradients.Get(name).data, atol, norm));
+    for (Weight weight : kAllWeights) {
+      const bool norm = weight == Weight::kQNorm || weight == Weight::kKNorm;
+      report.outputs.push_back(CompareOutput(absl::StrCat("grad_", WeightModuleName(weight)),
+                                             (*gradients)[weight].data,
+                                             reference.gradients[weight].data, atol, norm));
     }
   }
   return report;
 }
 
 void AddInto(const WeightSet& b, WeightSet* a) {
-  for (v1::WeightName name : WeightSet::Names()) {
-    HostTensor& target = a->Get(name);
-    const HostTensor& source = b.Get(name);
+  for (Weight weight : kAllWeights) {
+    HostTensor& target = (*a)[weight];
+    const HostTensor& source = b[weight];
     if (target.data.empty()) {
       target = source;
       continue;

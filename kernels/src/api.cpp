@@ -18,13 +18,17 @@ bool Scalars::IsValid() const {
 }
 
 bool BackwardInputs::AnyNull() const {
-  return !grad_output || !hidden_states || !cos || !sin || !q_weight || !k_weight || !v_weight ||
-         !o_weight || !q_norm_weight || !k_norm_weight;
+  for (const float* weight : weights) {
+    if (weight == nullptr) return true;
+  }
+  return !grad_output || !hidden_states || !cos || !sin;
 }
 
 bool BackwardOutputs::AnyNull() const {
-  return !grad_hidden_states || !grad_q_weight || !grad_k_weight || !grad_v_weight ||
-         !grad_o_weight || !grad_q_norm_weight || !grad_k_norm_weight;
+  for (const float* gradient : weight_gradients) {
+    if (gradient == nullptr) return true;
+  }
+  return !grad_hidden_states;
 }
 
 bool IsValidPrecision(int precision) {
@@ -34,19 +38,54 @@ bool IsValidPrecision(int precision) {
 TensorSizes SizesOf(const LayerConfig& config, int batch, int seq_len) {
   const std::size_t tokens = static_cast<std::size_t>(batch) * static_cast<std::size_t>(seq_len);
   const std::size_t hidden = static_cast<std::size_t>(config.hidden_size);
-  return TensorSizes{tokens * hidden, tokens * static_cast<std::size_t>(config.head_dim),
-                     static_cast<std::size_t>(config.q_out()) * hidden,
-                     static_cast<std::size_t>(config.kv_out()) * hidden,
-                     static_cast<std::size_t>(config.head_dim)};
+  return TensorSizes{tokens * hidden, tokens * static_cast<std::size_t>(config.head_dim)};
+}
+
+Status CheckBackwardArguments(const LayerConfig& config, int batch, int seq_len,
+                              const Scalars& scalars, const BackwardInputs& in,
+                              const BackwardOutputs& out) {
+  constexpr attngrad_status kInvalid = ATTNGRAD_INVALID_ARGUMENT;
+  // One static message per weight, in Weight's order.
+  constexpr const char* kNullWeight[kNumWeights] = {
+      "weights[q_proj] is null", "weights[k_proj] is null", "weights[v_proj] is null",
+      "weights[o_proj] is null", "weights[q_norm] is null", "weights[k_norm] is null"};
+  constexpr const char* kNullGradient[kNumWeights] = {
+      "weight_gradients[q_proj] is null", "weight_gradients[k_proj] is null",
+      "weight_gradients[v_proj] is null", "weight_gradients[o_proj] is null",
+      "weight_gradients[q_norm] is null", "weight_gradients[k_norm] is null"};
+  if (!config.IsValid()) {
+    return {kInvalid,
+            "LayerConfig is invalid (sizes must be positive, num_heads a multiple of num_kv_heads, "
+            "head_dim even)"};
+  }
+  if (batch < 1) return {kInvalid, "batch must be at least 1"};
+  if (seq_len < 1) return {kInvalid, "seq_len must be at least 1"};
+  if (static_cast<long long>(batch) * seq_len > kMaxTokens) {
+    return {kInvalid, "batch * seq_len exceeds the 2^26 tokens one call may carry"};
+  }
+  if (!scalars.IsValid()) {
+    return {kInvalid, "scalars must be finite, with softcap > 0 and eps > 0"};
+  }
+  if (in.grad_output == nullptr) return {kInvalid, "grad_output is null"};
+  if (in.hidden_states == nullptr) return {kInvalid, "hidden_states is null"};
+  if (in.cos == nullptr) return {kInvalid, "cos is null"};
+  if (in.sin == nullptr) return {kInvalid, "sin is null"};
+  for (Weight weight : kAllWeights) {
+    if (in.weights[weight] == nullptr) return {kInvalid, kNullWeight[IndexOf(weight)]};
+  }
+  if (out.grad_hidden_states == nullptr) return {kInvalid, "grad_hidden_states is null"};
+  for (Weight weight : kAllWeights) {
+    if (out.weight_gradients[weight] == nullptr) {
+      return {kInvalid, kNullGradient[IndexOf(weight)]};
+    }
+  }
+  return {};
 }
 
 attngrad_status ValidateBackwardArguments(const LayerConfig& config, int batch, int seq_len,
                                           const Scalars& scalars, const BackwardInputs& in,
                                           const BackwardOutputs& out) {
-  if (!config.IsValid() || batch < 1 || seq_len < 1) return ATTNGRAD_INVALID_ARGUMENT;
-  if (static_cast<long long>(batch) * seq_len > kMaxTokens) return ATTNGRAD_INVALID_ARGUMENT;
-  if (!scalars.IsValid() || in.AnyNull() || out.AnyNull()) return ATTNGRAD_INVALID_ARGUMENT;
-  return ATTNGRAD_OK;
+  return CheckBackwardArguments(config, batch, seq_len, scalars, in, out).code;
 }
 
 namespace {
@@ -60,12 +99,7 @@ BackwardInputs MakeInputs(const float* grad_output, const float* hidden_states, 
   in.hidden_states = hidden_states;
   in.cos = cos;
   in.sin = sin;
-  in.q_weight = q_weight;
-  in.k_weight = k_weight;
-  in.v_weight = v_weight;
-  in.o_weight = o_weight;
-  in.q_norm_weight = q_norm_weight;
-  in.k_norm_weight = k_norm_weight;
+  in.weights = {{q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight}};
   return in;
 }
 
@@ -74,12 +108,8 @@ BackwardOutputs MakeOutputs(float* grad_hidden_states, float* grad_q_weight, flo
                             float* grad_k_norm_weight) {
   BackwardOutputs out;
   out.grad_hidden_states = grad_hidden_states;
-  out.grad_q_weight = grad_q_weight;
-  out.grad_k_weight = grad_k_weight;
-  out.grad_v_weight = grad_v_weight;
-  out.grad_o_weight = grad_o_weight;
-  out.grad_q_norm_weight = grad_q_norm_weight;
-  out.grad_k_norm_weight = grad_k_norm_weight;
+  out.weight_gradients = {{grad_q_weight, grad_k_weight, grad_v_weight, grad_o_weight,
+                           grad_q_norm_weight, grad_k_norm_weight}};
   return out;
 }
 
@@ -118,7 +148,8 @@ int attngrad_backward(int batch, int seq_len, float scaling, float softcap, floa
   if (status != ATTNGRAD_OK) return status;
   return attngrad::BackwardDevice(config, batch, seq_len, scalars,
                                   static_cast<attngrad::Precision>(precision), accumulate != 0, in,
-                                  out, workspace, workspace_size, stream);
+                                  out, workspace, workspace_size, stream)
+      .code;
 }
 
 int attngrad_backward_host(int batch, int seq_len, float scaling, float softcap, float eps,

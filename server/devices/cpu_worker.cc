@@ -15,8 +15,8 @@ CpuWorker::CpuWorker(std::shared_ptr<const LayerWeights> weights, int num_thread
 CpuWorker::~CpuWorker() { StopAndJoin(); }
 
 absl::Status CpuWorker::Initialize() {
-  accumulators_ = LayerTensors::Zeros(weights_->config);
-  scratch_ = LayerTensors::Zeros(weights_->config);
+  accumulators_ = ZeroWeights<std::vector<float>>(weights_->config);
+  scratch_ = ZeroWeights<std::vector<float>>(weights_->config);
   const long pages = sysconf(_SC_PHYS_PAGES);
   const long page_size = sysconf(_SC_PAGESIZE);
   memory_total_bytes_ = pages > 0 && page_size > 0 ? static_cast<long long>(pages) * page_size : 0;
@@ -52,24 +52,20 @@ void CpuWorker::Compute(BatchJob& job) {
   job.grad_hidden_states.assign(job.hidden_states.size(), 0.f);
   LayerTensors* gradients = &scratch_;
   if (job.return_weight_gradients) {
-    job.weight_gradients = LayerTensors::Zeros(config);
+    job.weight_gradients = ZeroWeights<std::vector<float>>(config);
     gradients = &job.weight_gradients;
   } else if (job.accumulate) {
     gradients = &accumulators_;
   }
-  BackwardInputs in = weights_->AsInputs();
+  BackwardInputs in;
+  in.weights = DataOf(weights_->values);
   in.grad_output = job.grad_output.data();
   in.hidden_states = job.hidden_states.data();
   in.cos = job.cos.data();
   in.sin = job.sin.data();
   BackwardOutputs out;
   out.grad_hidden_states = job.grad_hidden_states.data();
-  out.grad_q_weight = gradients->tensors[kQProj].data();
-  out.grad_k_weight = gradients->tensors[kKProj].data();
-  out.grad_v_weight = gradients->tensors[kVProj].data();
-  out.grad_o_weight = gradients->tensors[kOProj].data();
-  out.grad_q_norm_weight = gradients->tensors[kQNorm].data();
-  out.grad_k_norm_weight = gradients->tensors[kKNorm].data();
+  out.weight_gradients = DataOf(*gradients);
   const bool add = job.accumulate && !job.return_weight_gradients;
   // BackwardHost validates everything before writing anything, so a refused batch leaves the
   // accumulators as they were.
@@ -100,7 +96,7 @@ void CpuWorker::Control(WorkerControl& control) {
   snapshot.tokens = accumulated_tokens_;
   if (control.read_accumulators) snapshot.gradients = accumulators_;
   if (control.zero_accumulators) {
-    for (auto& tensor : accumulators_.tensors) std::fill(tensor.begin(), tensor.end(), 0.f);
+    for (std::vector<float>& tensor : accumulators_) std::fill(tensor.begin(), tensor.end(), 0.f);
     accumulated_batches_ = 0;
     accumulated_tokens_ = 0;
   }

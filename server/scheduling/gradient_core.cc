@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/tensor.h"
 
 namespace attngrad::server {
 
@@ -148,16 +150,9 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
 
 absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(LayerWeights weights,
                                                            std::uint64_t expected_version) {
-  absl::Status status = weights.values.CheckShapes(config_);
-  if (!status.ok()) return status;
-  for (int i = 0; i < kNumWeights; ++i) {
-    const std::vector<float>& values = weights.values.tensors[i];
-    for (std::size_t j = 0; j < values.size(); ++j) {
-      if (!std::isfinite(values[j])) {
-        return absl::InvalidArgumentError(absl::StrCat(WeightModuleName(i), ": element ", j,
-                                                       " is not finite"));
-      }
-    }
+  ATTNGRAD_RETURN_IF_ERROR(CheckShapes(weights.values, config_));
+  for (Weight weight : kAllWeights) {
+    ATTNGRAD_RETURN_IF_ERROR(wire::CheckFinite(weights.values[weight], WeightModuleName(weight)));
   }
   weights.config = config_;
   auto shared = std::make_shared<const LayerWeights>(std::move(weights));
@@ -214,15 +209,15 @@ void GradientCore::Collect(bool read, bool zero,
         AccumulatorSnapshot& snapshot = gather->snapshots[i];
         sum.batches += snapshot.batches;
         sum.tokens += snapshot.tokens;
-        if (snapshot.gradients.tensors[0].empty()) continue;  // not read, or a non-root NCCL rank
+        if (snapshot.gradients[Weight::kQProj].empty()) continue;  // not read, or a non-root NCCL rank
         if (!have_gradients) {
           sum.gradients = std::move(snapshot.gradients);
           have_gradients = true;
           continue;
         }
-        for (int w = 0; w < kNumWeights; ++w) {
-          std::vector<float>& into = sum.gradients.tensors[w];
-          const std::vector<float>& from = snapshot.gradients.tensors[w];
+        for (Weight weight : kAllWeights) {
+          std::vector<float>& into = sum.gradients[weight];
+          const std::vector<float>& from = snapshot.gradients[weight];
           for (std::size_t j = 0; j < into.size() && j < from.size(); ++j) into[j] += from[j];
         }
       }

@@ -263,12 +263,9 @@ TEST(CpuBackendInputs, AreNotWritten) {
   EXPECT_EQ(problem.hidden_states, copy.hidden_states);
   EXPECT_EQ(problem.cos, copy.cos);
   EXPECT_EQ(problem.sin, copy.sin);
-  EXPECT_EQ(problem.q_weight, copy.q_weight);
-  EXPECT_EQ(problem.k_weight, copy.k_weight);
-  EXPECT_EQ(problem.v_weight, copy.v_weight);
-  EXPECT_EQ(problem.o_weight, copy.o_weight);
-  EXPECT_EQ(problem.q_norm_weight, copy.q_norm_weight);
-  EXPECT_EQ(problem.k_norm_weight, copy.k_norm_weight);
+  for (attngrad::Weight weight : attngrad::kAllWeights) {
+    EXPECT_EQ(problem.weights[weight], copy.weights[weight]) << attngrad::WeightModuleName(weight);
+  }
 }
 
 // Invalid configurations, shapes, scalars and pointers through the C++ API: INVALID_ARGUMENT and
@@ -318,7 +315,7 @@ TEST(CpuBackendArguments, InvalidArgumentsAreRejected) {
     EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, scalars, false, missing, outs),
               ATTNGRAD_INVALID_ARGUMENT);
     attngrad::BackwardOutputs missing_out = outs;
-    missing_out.grad_k_norm_weight = nullptr;
+    missing_out.weight_gradients[attngrad::Weight::kKNorm] = nullptr;
     EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, scalars, false, in, missing_out),
               ATTNGRAD_INVALID_ARGUMENT);
   }

@@ -19,6 +19,7 @@ namespace attngrad_test {
 namespace {
 
 using attngrad::LayerConfig;
+using attngrad::Weight;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -38,8 +39,9 @@ struct AbiCall {
       : batch(p.batch), seq_len(p.seq_len), scaling(p.scalars.scaling),
         softcap(p.scalars.softcap), eps(p.scalars.eps), accumulate(accumulate_flag),
         inputs{p.grad_output.data(), p.hidden_states.data(), p.cos.data(), p.sin.data(),
-               p.q_weight.data(), p.k_weight.data(), p.v_weight.data(), p.o_weight.data(),
-               p.q_norm_weight.data(), p.k_norm_weight.data()},
+               p.weights[Weight::kQProj].data(), p.weights[Weight::kKProj].data(),
+               p.weights[Weight::kVProj].data(), p.weights[Weight::kOProj].data(),
+               p.weights[Weight::kQNorm].data(), p.weights[Weight::kKNorm].data()},
         outputs{out[0].data(), out[1].data(), out[2].data(), out[3].data(), out[4].data(),
                 out[5].data(), out[6].data()} {}
 
@@ -75,12 +77,10 @@ Problem ConstantProblem(const LayerConfig& config, int batch, int seq_len) {
   p.hidden_states.assign(sizes[0], 0.01f);
   p.cos.assign(rotary, 1.0f);
   p.sin.assign(rotary, 0.0f);
-  p.q_weight.assign(sizes[1], 0.02f);
-  p.k_weight.assign(sizes[2], -0.02f);
-  p.v_weight.assign(sizes[3], 0.03f);
-  p.o_weight.assign(sizes[4], 0.01f);
-  p.q_norm_weight.assign(sizes[5], 0.1f);
-  p.k_norm_weight.assign(sizes[6], -0.1f);
+  const attngrad::PerWeight<float> values = {{0.02f, -0.02f, 0.03f, 0.01f, 0.1f, -0.1f}};
+  for (Weight weight : attngrad::kAllWeights) {
+    p.weights[weight].assign(attngrad::WeightElements(config, weight), values[weight]);
+  }
   return p;
 }
 

@@ -24,15 +24,8 @@ using attngrad::Scalars;
 
 // The input whose gradient output `gradient_index` is (SPEC order of the outputs).
 std::vector<double>& InputOf(Inputs64& in, int gradient_index) {
-  switch (gradient_index) {
-    case 0: return in.hidden_states;
-    case 1: return in.q_weight;
-    case 2: return in.k_weight;
-    case 3: return in.v_weight;
-    case 4: return in.o_weight;
-    case 5: return in.q_norm_weight;
-    default: return in.k_norm_weight;
-  }
+  if (gradient_index < kFirstWeightGradient) return in.hidden_states;
+  return in.weights[attngrad::kAllWeights[gradient_index - kFirstWeightGradient]];
 }
 
 double Rms(const std::vector<double>& v) {

@@ -28,12 +28,7 @@ attngrad::BackwardInputs Problem::Inputs() const {
   in.hidden_states = hidden_states.data();
   in.cos = cos.data();
   in.sin = sin.data();
-  in.q_weight = q_weight.data();
-  in.k_weight = k_weight.data();
-  in.v_weight = v_weight.data();
-  in.o_weight = o_weight.data();
-  in.q_norm_weight = q_norm_weight.data();
-  in.k_norm_weight = k_norm_weight.data();
+  in.weights = attngrad::DataOf(weights);
   return in;
 }
 
@@ -49,12 +44,7 @@ Inputs64 Problem::Widened() const {
   in.hidden_states = Widen(hidden_states);
   in.cos = Widen(cos);
   in.sin = Widen(sin);
-  in.q_weight = Widen(q_weight);
-  in.k_weight = Widen(k_weight);
-  in.v_weight = Widen(v_weight);
-  in.o_weight = Widen(o_weight);
-  in.q_norm_weight = Widen(q_norm_weight);
-  in.k_norm_weight = Widen(k_norm_weight);
+  for (attngrad::Weight weight : attngrad::kAllWeights) in.weights[weight] = Widen(weights[weight]);
   return in;
 }
 
@@ -72,12 +62,11 @@ Problem MakeProblem(const attngrad::LayerConfig& config, int batch, int seq_len,
   const double weight_scale = std::sqrt(2.0 / hidden);
   p.hidden_states = RandomNormal(rng, sizes[0], 1.0 / std::sqrt(hidden));
   p.grad_output = RandomNormal(rng, sizes[0], 1.0);
-  p.q_weight = RandomNormal(rng, sizes[1], weight_scale);
-  p.k_weight = RandomNormal(rng, sizes[2], weight_scale);
-  p.v_weight = RandomNormal(rng, sizes[3], weight_scale);
-  p.o_weight = RandomNormal(rng, sizes[4], weight_scale);
-  p.q_norm_weight = RandomNormal(rng, sizes[5], options.norm_weight_std);
-  p.k_norm_weight = RandomNormal(rng, sizes[6], options.norm_weight_std);
+  for (attngrad::Weight weight : attngrad::kAllWeights) {
+    const bool is_norm = weight == attngrad::Weight::kQNorm || weight == attngrad::Weight::kKNorm;
+    p.weights[weight] = RandomNormal(rng, attngrad::WeightElements(config, weight),
+                                     is_norm ? options.norm_weight_std : weight_scale);
+  }
 
   if (options.zero_token >= 0) {
     const std::size_t row = static_cast<std::size_t>(options.zero_token) * config.hidden_size;
@@ -120,12 +109,9 @@ Gradients<float> MakeOutputBuffers(const attngrad::LayerConfig& config, int batc
 attngrad::BackwardOutputs OutputsOf(Gradients<float>& buffers) {
   attngrad::BackwardOutputs out;
   out.grad_hidden_states = buffers[0].data();
-  out.grad_q_weight = buffers[1].data();
-  out.grad_k_weight = buffers[2].data();
-  out.grad_v_weight = buffers[3].data();
-  out.grad_o_weight = buffers[4].data();
-  out.grad_q_norm_weight = buffers[5].data();
-  out.grad_k_norm_weight = buffers[6].data();
+  for (attngrad::Weight weight : attngrad::kAllWeights) {
+    out.weight_gradients[weight] = buffers[kFirstWeightGradient + attngrad::IndexOf(weight)].data();
+  }
   return out;
 }
 

@@ -31,8 +31,8 @@ struct Problem {
   int batch = 1;
   int seq_len = 1;
   attngrad::Scalars scalars;
-  std::vector<float> grad_output, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight,
-      q_norm_weight, k_norm_weight;
+  std::vector<float> grad_output, hidden_states, cos, sin;
+  attngrad::PerWeight<std::vector<float>> weights;
 
   attngrad::BackwardInputs Inputs() const;
   // The same values widened to float64 (scalars too) for the reference.

@@ -124,12 +124,12 @@ Forward RunForward(const Inputs64& in) {
   Forward f;
   const Dims& d = f.d = DimsOf(in);
   // Step 1.
-  const std::vector<double> q = ProjectRows(in.hidden_states, in.q_weight, d.tokens, d.hidden, d.q_out);
-  const std::vector<double> k = ProjectRows(in.hidden_states, in.k_weight, d.tokens, d.hidden, d.kv_out);
-  f.v = ProjectRows(in.hidden_states, in.v_weight, d.tokens, d.hidden, d.kv_out);
+  const std::vector<double> q = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kQProj], d.tokens, d.hidden, d.q_out);
+  const std::vector<double> k = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kKProj], d.tokens, d.hidden, d.kv_out);
+  f.v = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kVProj], d.tokens, d.hidden, d.kv_out);
   // Steps 2-3.
-  f.q = NormRopeForward(d, q, d.heads, in.q_norm_weight, in);
-  f.k = NormRopeForward(d, k, d.kv_heads, in.k_norm_weight, in);
+  f.q = NormRopeForward(d, q, d.heads, in.weights[attngrad::Weight::kQNorm], in);
+  f.k = NormRopeForward(d, k, d.kv_heads, in.weights[attngrad::Weight::kKNorm], in);
   // Step 4.
   f.a.assign(d.tokens * d.q_out, 0.0);
   std::vector<double> t_row(d.seq), p_row(d.seq);
@@ -219,7 +219,7 @@ std::array<std::size_t, kNumGradients> GradientSizes(const attngrad::LayerConfig
 
 std::vector<double> ReferenceLayerOutput(const Inputs64& in) {
   const Forward f = RunForward(in);
-  return ProjectRows(f.a, in.o_weight, f.d.tokens, f.d.q_out, f.d.hidden);
+  return ProjectRows(f.a, in.weights[attngrad::Weight::kOProj], f.d.tokens, f.d.q_out, f.d.hidden);
 }
 
 double ReferenceLoss(const Inputs64& in) {
@@ -254,7 +254,7 @@ Gradients<double> ReferenceBackward(const Inputs64& in) {
   // Step 5: dWo = dYᵀ A; dA = dY Wo.
   out[4] = WeightGradient(in.grad_output, f.a, d.tokens, d.hidden, d.q_out);
   std::vector<double> d_a(d.tokens * d.q_out, 0.0);
-  AddInputGradient(in.grad_output, in.o_weight, d.tokens, d.hidden, d.q_out, d_a);
+  AddInputGradient(in.grad_output, in.weights[attngrad::Weight::kOProj], d.tokens, d.hidden, d.q_out, d_a);
 
   // Step 6, per (batch, query head), with P and t recomputed row by row.
   std::vector<double> d_q_rot(d.tokens * d.q_out, 0.0);
@@ -292,14 +292,14 @@ Gradients<double> ReferenceBackward(const Inputs64& in) {
 
   // Steps 7-8.
   std::vector<double> d_q, d_k;
-  NormRopeBackward(d, in, f.q, d.heads, in.q_norm_weight, d_q_rot, d_q, out[5]);
-  NormRopeBackward(d, in, f.k, d.kv_heads, in.k_norm_weight, d_k_rot, d_k, out[6]);
+  NormRopeBackward(d, in, f.q, d.heads, in.weights[attngrad::Weight::kQNorm], d_q_rot, d_q, out[5]);
+  NormRopeBackward(d, in, f.k, d.kv_heads, in.weights[attngrad::Weight::kKNorm], d_k_rot, d_k, out[6]);
 
   // Step 9.
   out[0].assign(d.tokens * d.hidden, 0.0);
-  AddInputGradient(d_q, in.q_weight, d.tokens, d.q_out, d.hidden, out[0]);
-  AddInputGradient(d_k, in.k_weight, d.tokens, d.kv_out, d.hidden, out[0]);
-  AddInputGradient(d_v, in.v_weight, d.tokens, d.kv_out, d.hidden, out[0]);
+  AddInputGradient(d_q, in.weights[attngrad::Weight::kQProj], d.tokens, d.q_out, d.hidden, out[0]);
+  AddInputGradient(d_k, in.weights[attngrad::Weight::kKProj], d.tokens, d.kv_out, d.hidden, out[0]);
+  AddInputGradient(d_v, in.weights[attngrad::Weight::kVProj], d.tokens, d.kv_out, d.hidden, out[0]);
   out[1] = WeightGradient(d_q, in.hidden_states, d.tokens, d.q_out, d.hidden);
   out[2] = WeightGradient(d_k, in.hidden_states, d.tokens, d.kv_out, d.hidden);
   out[3] = WeightGradient(d_v, in.hidden_states, d.tokens, d.kv_out, d.hidden);

@@ -21,8 +21,8 @@ struct Inputs64 {
   double scaling = 0.0;
   double softcap = 0.0;
   double eps = 0.0;
-  std::vector<double> grad_output, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight,
-      q_norm_weight, k_norm_weight;
+  std::vector<double> grad_output, hidden_states, cos, sin;
+  attngrad::PerWeight<std::vector<double>> weights;
 };
 
 // The seven outputs, in SPEC order. Element type float (backend) or double (reference).
@@ -30,6 +30,9 @@ inline constexpr int kNumGradients = 7;
 inline const std::array<const char*, kNumGradients> kGradientNames = {
     "grad_hidden_states", "grad_q_weight",      "grad_k_weight",     "grad_v_weight",
     "grad_o_weight",      "grad_q_norm_weight", "grad_k_norm_weight"};
+
+// Index in Gradients of the first weight gradient; the six follow in attngrad::Weight order.
+inline constexpr int kFirstWeightGradient = 1;
 
 template <typename T>
 struct Gradients {

@@ -64,12 +64,12 @@ bool Take(const std::string& bytes, std::size_t& offset, std::size_t count, std:
   const auto sizes = GradientSizes(p.config, p.batch, p.seq_len);
   const std::size_t rotary = static_cast<std::size_t>(p.batch) * p.seq_len * p.config.head_dim;
   std::size_t offset = 48;
-  const bool ok =
+  bool ok =
       Take(bytes, offset, sizes[0], p.grad_output) && Take(bytes, offset, sizes[0], p.hidden_states) &&
-      Take(bytes, offset, rotary, p.cos) && Take(bytes, offset, rotary, p.sin) &&
-      Take(bytes, offset, sizes[1], p.q_weight) && Take(bytes, offset, sizes[2], p.k_weight) &&
-      Take(bytes, offset, sizes[3], p.v_weight) && Take(bytes, offset, sizes[4], p.o_weight) &&
-      Take(bytes, offset, sizes[5], p.q_norm_weight) && Take(bytes, offset, sizes[6], p.k_norm_weight);
+      Take(bytes, offset, rotary, p.cos) && Take(bytes, offset, rotary, p.sin);
+  for (attngrad::Weight weight : attngrad::kAllWeights) {
+    ok = ok && Take(bytes, offset, attngrad::WeightElements(p.config, weight), p.weights[weight]);
+  }
   bool ok_out = ok;
   for (int i = 0; i < kNumGradients && ok_out; ++i)
     ok_out = Take(bytes, offset, sizes[static_cast<std::size_t>(i)], f.gradients[i]);

@@ -129,11 +129,11 @@ TEST_F(ServerBadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
   const Fetched fetched = Fetch(stub(), v1::FetchGradientsRequest());
   ASSERT_TRUE(fetched.status.ok());
   EXPECT_EQ(fetched.state.batches(), static_cast<long long>(good_batches.size()));
-  LayerTensors sum = LayerTensors::Zeros(config());
+  LayerTensors sum = ZeroWeights<std::vector<float>>(config());
   for (const Batch& batch : good_batches) {
     const Gradients gradients = Reference(weights(), batch);
-    for (int w = 0; w < kNumWeights; ++w) {
-      for (std::size_t j = 0; j < sum.tensors[w].size(); ++j) sum.tensors[w][j] += gradients.weights.tensors[w][j];
+    for (Weight w : kAllWeights) {
+      for (std::size_t j = 0; j < sum[w].size(); ++j) sum[w][j] += gradients.weights[w][j];
     }
   }
   EXPECT_TRUE(Close(fetched.gradients, sum, Tolerance(1e-5), "good batches only"));

@@ -49,7 +49,7 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
   constexpr int kBatches = 12;
   std::vector<Batch> batches;
   std::vector<std::future<absl::Status>> finished;
-  LayerTensors expected = LayerTensors::Zeros(config);
+  LayerTensors expected = ZeroWeights<std::vector<float>>(config);
   for (int i = 0; i < kBatches; ++i) {
     batches.push_back(MakeBatch(config, 1 + i % 2, 5 + i % 3, 900 + i));
     const Batch& batch = batches.back();
@@ -68,9 +68,9 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
     job->on_done = [done](std::unique_ptr<BatchJob> job) { done->set_value(job->status); };
     ASSERT_TRUE(core.Admit(std::move(job), i, 0, 0).ok());
     const Gradients reference = Reference(*weights, batch);
-    for (int w = 0; w < kNumWeights; ++w) {
-      for (std::size_t j = 0; j < expected.tensors[w].size(); ++j) {
-        expected.tensors[w][j] += reference.weights.tensors[w][j];
+    for (Weight w : kAllWeights) {
+      for (std::size_t j = 0; j < expected[w].size(); ++j) {
+        expected[w][j] += reference.weights[w][j];
       }
     }
   }
@@ -95,16 +95,16 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
 
   const absl::StatusOr<FetchResult> second = fetch(/*zero=*/true);
   ASSERT_TRUE(second.ok()) << second.status();
-  for (int w = 0; w < kNumWeights; ++w) {
-    EXPECT_EQ(second->gradients.tensors[w], first->gradients.tensors[w])
+  for (Weight w : kAllWeights) {
+    EXPECT_EQ(second->gradients[w], first->gradients[w])
         << WeightModuleName(w) << ": two fetches of the same accumulators differ";
   }
   const absl::StatusOr<FetchResult> after = fetch(/*zero=*/false);
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->state.batches, 0);
   EXPECT_NE(after->state.window_id, first->state.window_id);
-  for (int w = 0; w < kNumWeights; ++w) {
-    for (float value : after->gradients.tensors[w]) ASSERT_EQ(value, 0.f);
+  for (Weight w : kAllWeights) {
+    for (float value : after->gradients[w]) ASSERT_EQ(value, 0.f);
   }
 }
 

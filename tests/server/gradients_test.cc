@@ -11,12 +11,12 @@ class ServerGradientsTest : public ServerTest {
  protected:
   // Sum of the reference weight gradients of `batches`.
   LayerTensors SumOfReferences(const std::vector<Batch>& batches) {
-    LayerTensors sum = LayerTensors::Zeros(config());
+    LayerTensors sum = ZeroWeights<std::vector<float>>(config());
     for (const Batch& batch : batches) {
       const Gradients gradients = Reference(weights(), batch);
-      for (int i = 0; i < kNumWeights; ++i) {
-        for (std::size_t j = 0; j < sum.tensors[i].size(); ++j) {
-          sum.tensors[i][j] += gradients.weights.tensors[i][j];
+      for (Weight i : kAllWeights) {
+        for (std::size_t j = 0; j < sum[i].size(); ++j) {
+          sum[i][j] += gradients.weights[i][j];
         }
       }
     }
@@ -68,8 +68,8 @@ TEST_F(ServerGradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
   LayerTensors sum = ResponseWeightGradients(returned);
   for (std::size_t i = 1; i < batches.size(); ++i) {
     const Gradients gradients = Reference(weights(), batches[i]);
-    for (int w = 0; w < kNumWeights; ++w) {
-      for (std::size_t j = 0; j < sum.tensors[w].size(); ++j) sum.tensors[w][j] += gradients.weights.tensors[w][j];
+    for (Weight w : kAllWeights) {
+      for (std::size_t j = 0; j < sum[w].size(); ++j) sum[w][j] += gradients.weights[w][j];
     }
   }
   const Fetched fetched = FetchAll(/*zero=*/false);
@@ -135,7 +135,7 @@ TEST_F(ServerGradientsTest, FetchAndZeroStartsANewWindow) {
   ASSERT_TRUE(after.status.ok());
   EXPECT_EQ(after.state.window_id(), window + 1);
   EXPECT_EQ(after.state.batches(), 0);
-  EXPECT_TRUE(Close(after.gradients, LayerTensors::Zeros(config()), Tolerance(0), "zeroed"));
+  EXPECT_TRUE(Close(after.gradients, ZeroWeights<std::vector<float>>(config()), Tolerance(0), "zeroed"));
 
   // Naming the old window is refused, in-band, and nothing is added.
   v1::BackwardRequest stale = MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE);
@@ -169,7 +169,7 @@ TEST_F(ServerGradientsTest, FetchAndZeroStartsANewWindow) {
   EXPECT_EQ(zeroed.current().batches(), 0);
   const Fetched empty = FetchAll(/*zero=*/false);
   EXPECT_EQ(empty.state.batches(), 0);
-  EXPECT_TRUE(Close(empty.gradients, LayerTensors::Zeros(config()), Tolerance(0), "after ZeroGradients"));
+  EXPECT_TRUE(Close(empty.gradients, ZeroWeights<std::vector<float>>(config()), Tolerance(0), "after ZeroGradients"));
 }
 
 TEST_F(ServerGradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {

@@ -105,7 +105,7 @@ TEST_F(ServerNcclSumTest, FetchSumsBothDevicesWithNccl) {
 
   // The reference: the same batches in RETURN mode through the server, summed here in double
   // (eight at a time: each response carries all six weight gradients, ~100 MB).
-  std::vector<std::vector<double>> expected(kNumWeights);
+  PerWeight<std::vector<double>> expected;
   long long tokens = 0;
   for (std::size_t start = 0; start < batches.size(); start += 8) {
     const std::vector<Batch> group(batches.begin() + start,
@@ -116,16 +116,16 @@ TEST_F(ServerNcclSumTest, FetchSumsBothDevicesWithNccl) {
     for (const v1::BackwardResponse& response : returned) {
       ASSERT_FALSE(response.has_error()) << response.error().message();
       const LayerTensors gradients = ResponseWeightGradients(response);
-      for (int w = 0; w < kNumWeights; ++w) {
-        expected[w].resize(gradients.tensors[w].size(), 0.0);
-        for (std::size_t j = 0; j < gradients.tensors[w].size(); ++j) {
-          expected[w][j] += gradients.tensors[w][j];
+      for (Weight w : kAllWeights) {
+        expected[w].resize(gradients[w].size(), 0.0);
+        for (std::size_t j = 0; j < gradients[w].size(); ++j) {
+          expected[w][j] += gradients[w][j];
         }
       }
     }
   }
   LayerTensors reference;
-  for (int w = 0; w < kNumWeights; ++w) reference.tensors[w].assign(expected[w].begin(), expected[w].end());
+  for (Weight w : kAllWeights) reference[w].assign(expected[w].begin(), expected[w].end());
   for (const Batch& batch : batches) tokens += static_cast<long long>(batch.batch) * batch.seq_len;
 
   const Fetched first = FetchAll(/*zero=*/false);
@@ -136,14 +136,14 @@ TEST_F(ServerNcclSumTest, FetchSumsBothDevicesWithNccl) {
   EXPECT_TRUE(Close(first.gradients, reference, 1e-3, "NCCL-summed accumulators"));
   // SPEC section 4 style: at least 99% of each gradient's elements within 1e-3 relative of the
   // reference plus a small absolute term (here relative to the tensor's largest value).
-  for (int w = 0; w < kNumWeights; ++w) {
-    const std::vector<float>& got = first.gradients.tensors[w];
-    ASSERT_EQ(got.size(), reference.tensors[w].size());
+  for (Weight w : kAllWeights) {
+    const std::vector<float>& got = first.gradients[w];
+    ASSERT_EQ(got.size(), reference[w].size());
     double scale = 0;
-    for (float value : reference.tensors[w]) scale = std::max(scale, std::fabs(double(value)));
+    for (float value : reference[w]) scale = std::max(scale, std::fabs(double(value)));
     std::size_t misses = 0;
     for (std::size_t j = 0; j < got.size(); ++j) {
-      const double ref = reference.tensors[w][j];
+      const double ref = reference[w][j];
       if (!(std::fabs(got[j] - ref) <= 1e-5 * scale + 1e-3 * std::fabs(ref))) ++misses;
     }
     EXPECT_LE(misses, got.size() / 100) << WeightModuleName(w) << ": " << misses << " of "
@@ -154,10 +154,10 @@ TEST_F(ServerNcclSumTest, FetchSumsBothDevicesWithNccl) {
   const Fetched second = FetchAll(/*zero=*/true);
   ASSERT_TRUE(second.status.ok()) << second.status.error_message();
   EXPECT_EQ(second.state.window_id(), first.state.window_id());
-  for (int w = 0; w < kNumWeights; ++w) {
-    ASSERT_EQ(second.gradients.tensors[w].size(), first.gradients.tensors[w].size());
-    EXPECT_EQ(std::memcmp(second.gradients.tensors[w].data(), first.gradients.tensors[w].data(),
-                          first.gradients.tensors[w].size() * sizeof(float)),
+  for (Weight w : kAllWeights) {
+    ASSERT_EQ(second.gradients[w].size(), first.gradients[w].size());
+    EXPECT_EQ(std::memcmp(second.gradients[w].data(), first.gradients[w].data(),
+                          first.gradients[w].size() * sizeof(float)),
               0)
         << WeightModuleName(w) << " differs between two fetches of the same accumulators";
   }
@@ -168,8 +168,8 @@ TEST_F(ServerNcclSumTest, FetchSumsBothDevicesWithNccl) {
   EXPECT_NE(after.state.window_id(), first.state.window_id());
   EXPECT_EQ(after.state.batches(), 0);
   EXPECT_EQ(after.state.tokens(), 0);
-  for (int w = 0; w < kNumWeights; ++w) {
-    for (float value : after.gradients.tensors[w]) ASSERT_EQ(value, 0.f) << WeightModuleName(w);
+  for (Weight w : kAllWeights) {
+    for (float value : after.gradients[w]) ASSERT_EQ(value, 0.f) << WeightModuleName(w);
   }
 
   // And accumulating again after the zero works: one batch, equal to its RETURN gradients.

@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "attngrad/layer_weights.h"
 #include "attngrad/v1/attngrad.pb.h"
 
 namespace attngrad {
@@ -60,23 +61,9 @@ struct HostTensor {
   int64_t num_elements() const;
 };
 
-// The six weights, or weight gradients, of the layer (Hugging Face names q_proj ... k_norm).
-struct WeightSet {
-  HostTensor q_proj;  // [num_heads*head_dim, hidden]
-  HostTensor k_proj;  // [num_kv_heads*head_dim, hidden]
-  HostTensor v_proj;  // [num_kv_heads*head_dim, hidden]
-  HostTensor o_proj;  // [hidden, num_heads*head_dim]
-  HostTensor q_norm;  // [head_dim]
-  HostTensor k_norm;  // [head_dim]
-
-  HostTensor& Get(v1::WeightName name);
-  const HostTensor& Get(v1::WeightName name) const;
-  // The six names in proto order (Q_PROJ ... K_NORM).
-  static const std::vector<v1::WeightName>& Names();
-};
-
-// The Hugging Face suffix of a weight ("q_proj", ..., "k_norm"), or "" for UNSPECIFIED.
-absl::string_view WeightShortName(v1::WeightName name);
+// The six weights, or weight gradients, of the layer, indexed by attngrad::Weight
+// (attngrad/layer_weights.h: names q_proj ... k_norm and shapes).
+using WeightSet = PerWeight<HostTensor>;
 
 // One batch for the Backward stream. The spans are read during Submit/Backward only (the data is
 // serialised before the call returns), so they may point into the caller's buffers.
@@ -135,7 +122,7 @@ struct FetchedGradients {
 // One weight to upload, in any wire dtype the server supports; `data` holds the raw little-endian
 // elements (product(shape) of them) and must outlive the LoadWeights call.
 struct WeightUpload {
-  v1::WeightName name = v1::WEIGHT_NAME_UNSPECIFIED;
+  Weight weight = Weight::kQProj;
   v1::DType dtype = v1::DTYPE_FLOAT32;
   std::vector<int64_t> shape;
   absl::string_view data;

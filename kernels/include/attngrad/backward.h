@@ -1,6 +1,7 @@
 // The C++ API behind the C ABI: the layer configuration, the tensors of one backward call, and the
-// CPU and GPU entry points. Everything returns an attngrad_status; kernels/ knows nothing of Abseil,
-// gRPC or protobuf (the server maps these statuses to absl::Status).
+// CPU and GPU entry points. Everything returns an attngrad_status, or a Status that also says which
+// check failed; kernels/ knows nothing of Abseil, gRPC or protobuf (the server maps these to
+// absl::Status).
 #ifndef ATTNGRAD_BACKWARD_H_
 #define ATTNGRAD_BACKWARD_H_
 
@@ -8,24 +9,18 @@
 #include <cstdint>
 
 #include "attngrad/attngrad.h"
+#include "attngrad/layer_config.h"
+#include "attngrad/layer_weights.h"
 
 namespace attngrad {
 
-// Shape of one attention layer. Gemma3_4B() is the configuration of SPEC.md; other Gemma-3 sizes
-// differ in these four numbers. The CPU backend serves any configuration; the GPU kernels support
-// head_dim == 128 only and return ATTNGRAD_UNSUPPORTED otherwise.
-struct ATTNGRAD_API LayerConfig {
-  int hidden_size = 3072;
-  int num_heads = 24;
-  int num_kv_heads = 8;
-  int head_dim = 128;
-
-  static constexpr LayerConfig Gemma3_4B() { return LayerConfig{}; }
-  constexpr int q_out() const { return num_heads * head_dim; }
-  constexpr int kv_out() const { return num_kv_heads * head_dim; }
-  constexpr int group_size() const { return num_heads / num_kv_heads; }
-  // True when the numbers are positive, num_heads is a multiple of num_kv_heads and head_dim is even.
-  bool IsValid() const;
+// The outcome of a call: the C ABI's code and, when it is not ATTNGRAD_OK, which check failed or
+// which step went wrong ("hidden_states is null", "cos is not 16-byte aligned", "workspace is
+// smaller than DeviceWorkspaceSize", ...). `message` is a static string: never null, never freed.
+struct ATTNGRAD_API Status {
+  attngrad_status code = ATTNGRAD_OK;
+  const char* message = "";
+  bool ok() const { return code == ATTNGRAD_OK; }
 };
 
 // Scalars of SPEC section 2, with the benchmark values as defaults.
@@ -36,31 +31,21 @@ struct ATTNGRAD_API Scalars {
   bool IsValid() const;                  // finite; softcap > 0 and eps > 0
 };
 
-// The ten input tensors (never written). Host or device pointers depending on the entry point.
+// The input tensors (never written). Host or device pointers depending on the entry point.
 struct ATTNGRAD_API BackwardInputs {
   const float* grad_output = nullptr;    // [B,S,hidden]
   const float* hidden_states = nullptr;  // [B,S,hidden]
   const float* cos = nullptr;            // [B,S,head_dim]
   const float* sin = nullptr;            // [B,S,head_dim]
-  const float* q_weight = nullptr;       // [q_out,hidden]
-  const float* k_weight = nullptr;       // [kv_out,hidden]
-  const float* v_weight = nullptr;       // [kv_out,hidden]
-  const float* o_weight = nullptr;       // [hidden,q_out]
-  const float* q_norm_weight = nullptr;  // [head_dim]
-  const float* k_norm_weight = nullptr;  // [head_dim]
+  PerWeight<const float*> weights;       // WeightShape(config, w) each
   bool AnyNull() const;
 };
 
-// The seven outputs. grad_hidden_states is always overwritten; the six weight gradients are
-// overwritten, or added to when `accumulate` is set.
+// The outputs. grad_hidden_states is always overwritten; the six weight gradients are overwritten,
+// or added to when `accumulate` is set.
 struct ATTNGRAD_API BackwardOutputs {
   float* grad_hidden_states = nullptr;  // [B,S,hidden]
-  float* grad_q_weight = nullptr;
-  float* grad_k_weight = nullptr;
-  float* grad_v_weight = nullptr;
-  float* grad_o_weight = nullptr;
-  float* grad_q_norm_weight = nullptr;
-  float* grad_k_norm_weight = nullptr;
+  PerWeight<float*> weight_gradients;   // WeightShape(config, w) each
   bool AnyNull() const;
 };
 
@@ -72,15 +57,19 @@ enum class Precision : int {
 };
 ATTNGRAD_API bool IsValidPrecision(int precision);
 
-// Element counts of the tensors for a configuration and shape.
+// Element counts of the activation tensors for a configuration and shape (the weights':
+// WeightElements in layer_weights.h).
 struct TensorSizes {
   std::size_t activations;  // B*S*hidden
   std::size_t rotary;       // B*S*head_dim
-  std::size_t q_weight;     // q_out*hidden (also o_weight)
-  std::size_t kv_weight;    // kv_out*hidden
-  std::size_t norm_weight;  // head_dim
 };
 ATTNGRAD_API TensorSizes SizesOf(const LayerConfig& config, int batch, int seq_len);
+
+// The checks every entry point makes before any work (configuration, shape, scalars, the 17
+// pointers non-null); the first that fails is named in the message.
+ATTNGRAD_API Status CheckBackwardArguments(const LayerConfig& config, int batch, int seq_len,
+                                           const Scalars& scalars, const BackwardInputs& in,
+                                           const BackwardOutputs& out);
 
 // CPU reference backend (host pointers; synchronous). Any valid configuration, any B, S >= 1.
 // num_threads: threads for the attention and the element-wise stages (0 = all hardware threads);
@@ -94,13 +83,13 @@ ATTNGRAD_API attngrad_status BackwardHost(const LayerConfig& config, int batch, 
 // allocation, no host synchronisation, so it can be captured in a CUDA graph; repeated calls are
 // replayed from a graph the library keeps, as attngrad_backward says). Returns
 // ATTNGRAD_UNSUPPORTED when the library was built without CUDA or the configuration is not one the
-// kernels support.
+// kernels support. The Status names the check or the step that failed.
 ATTNGRAD_API std::size_t DeviceWorkspaceSize(const LayerConfig& config, int batch, int seq_len,
                                 Precision precision);
-ATTNGRAD_API attngrad_status BackwardDevice(const LayerConfig& config, int batch, int seq_len,
-                               const Scalars& scalars, Precision precision, bool accumulate,
-                               const BackwardInputs& in, const BackwardOutputs& out,
-                               void* workspace, std::size_t workspace_size, void* stream);
+ATTNGRAD_API Status BackwardDevice(const LayerConfig& config, int batch, int seq_len,
+                                   const Scalars& scalars, Precision precision, bool accumulate,
+                                   const BackwardInputs& in, const BackwardOutputs& out,
+                                   void* workspace, std::size_t workspace_size, void* stream);
 
 // Number of CUDA devices usable by this build (0 without CUDA or without a device).
 ATTNGRAD_API int DeviceCount();

@@ -47,19 +47,15 @@ class SpecNormalGenerator {
 
 // The six weights of a layer as SPEC section 3 draws them: each projection randn * sqrt(2 / hidden),
 // the norm weights randn * 0.02, from one SpecNormalGenerator(seed) filling q, k, v, o, q_norm,
-// k_norm in that order, each row-major. Each pointer holds SizesOf(config, ...)'s element count.
-inline void FillRandomLayerWeights(const LayerConfig& config, std::uint64_t seed, float* q_weight,
-                                   float* k_weight, float* v_weight, float* o_weight,
-                                   float* q_norm_weight, float* k_norm_weight) {
+// k_norm in that order, each row-major. Each pointer holds WeightElements(config, w) elements.
+inline void FillRandomLayerWeights(const LayerConfig& config, std::uint64_t seed,
+                                   const PerWeight<float*>& weights) {
   SpecNormalGenerator normal(seed);
-  const TensorSizes sizes = SizesOf(config, 1, 1);
   const double projection_scale = std::sqrt(2.0 / config.hidden_size);
-  normal.Fill(q_weight, sizes.q_weight, projection_scale);
-  normal.Fill(k_weight, sizes.kv_weight, projection_scale);
-  normal.Fill(v_weight, sizes.kv_weight, projection_scale);
-  normal.Fill(o_weight, sizes.q_weight, projection_scale);
-  normal.Fill(q_norm_weight, sizes.norm_weight, 0.02);
-  normal.Fill(k_norm_weight, sizes.norm_weight, 0.02);
+  for (Weight weight : kAllWeights) {
+    const bool is_norm = weight == Weight::kQNorm || weight == Weight::kKNorm;
+    normal.Fill(weights[weight], WeightElements(config, weight), is_norm ? 0.02 : projection_scale);
+  }
 }
 
 }  // namespace attngrad

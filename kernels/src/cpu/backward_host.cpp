@@ -225,19 +225,19 @@ attngrad_status BackwardHost(const LayerConfig& config, int batch, int seq_len,
   // Step 1: recompute the projections.
   std::vector<float> q(q_elems), k(kv_elems), v(kv_elems);
   GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, q_width, hidden, 1.f, in.hidden_states,
-               hidden, in.q_weight, hidden, 0.f, q.data(), q_width, p.threads);
+               hidden, in.weights[Weight::kQProj], hidden, 0.f, q.data(), q_width, p.threads);
   GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, kv_width, hidden, 1.f, in.hidden_states,
-               hidden, in.k_weight, hidden, 0.f, k.data(), kv_width, p.threads);
+               hidden, in.weights[Weight::kKProj], hidden, 0.f, k.data(), kv_width, p.threads);
   GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, kv_width, hidden, 1.f, in.hidden_states,
-               hidden, in.v_weight, hidden, 0.f, v.data(), kv_width, p.threads);
+               hidden, in.weights[Weight::kVProj], hidden, 0.f, v.data(), kv_width, p.threads);
 
   // Steps 2-3: RMSNorm + RoPE (q and k keep x_hat and 1/rms for the backward).
   std::vector<float> q_hat(q_elems), k_hat(kv_elems), q_rot(q_elems), k_rot(kv_elems);
   std::vector<float> q_inv_rms(static_cast<std::size_t>(tokens) * config.num_heads);
   std::vector<float> k_inv_rms(static_cast<std::size_t>(tokens) * config.num_kv_heads);
-  NormRopeForward(p, config.num_heads, q.data(), in.q_norm_weight, in.cos, in.sin, q_hat.data(),
+  NormRopeForward(p, config.num_heads, q.data(), in.weights[Weight::kQNorm], in.cos, in.sin, q_hat.data(),
                   q_inv_rms.data(), q_rot.data());
-  NormRopeForward(p, config.num_kv_heads, k.data(), in.k_norm_weight, in.cos, in.sin, k_hat.data(),
+  NormRopeForward(p, config.num_kv_heads, k.data(), in.weights[Weight::kKNorm], in.cos, in.sin, k_hat.data(),
                   k_inv_rms.data(), k_rot.data());
 
   // Step 4: attention forward (A and the row log-sum-exp).
@@ -247,11 +247,11 @@ attngrad_status BackwardHost(const LayerConfig& config, int batch, int seq_len,
 
   // Step 5: dWo = dY^T A, dA = dY Wo.
   GemmRowMajor(Transpose::kYes, Transpose::kNo, hidden, q_width, tokens, 1.f, in.grad_output,
-               hidden, attention_out.data(), q_width, weight_beta, out.grad_o_weight, q_width,
+               hidden, attention_out.data(), q_width, weight_beta, out.weight_gradients[Weight::kOProj], q_width,
                p.threads);
   std::vector<float> grad_attention(q_elems);
   GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, q_width, hidden, 1.f, in.grad_output,
-               hidden, in.o_weight, q_width, 0.f, grad_attention.data(), q_width, p.threads);
+               hidden, in.weights[Weight::kOProj], q_width, 0.f, grad_attention.data(), q_width, p.threads);
 
   // Step 6: attention backward. dq' and dk' reuse the storage of q and k (no longer needed).
   float* grad_q = q.data();
@@ -262,24 +262,24 @@ attngrad_status BackwardHost(const LayerConfig& config, int batch, int seq_len,
                     grad_attention.data(), lse, grad_q, grad_k, grad_v);
 
   // Steps 7-8: RoPE + RMSNorm backward, norm-weight gradients.
-  RopeNormBackward(p, config.num_heads, q_hat.data(), q_inv_rms.data(), in.q_norm_weight, in.cos,
-                   in.sin, grad_q, out.grad_q_norm_weight, accumulate);
-  RopeNormBackward(p, config.num_kv_heads, k_hat.data(), k_inv_rms.data(), in.k_norm_weight,
-                   in.cos, in.sin, grad_k, out.grad_k_norm_weight, accumulate);
+  RopeNormBackward(p, config.num_heads, q_hat.data(), q_inv_rms.data(), in.weights[Weight::kQNorm], in.cos,
+                   in.sin, grad_q, out.weight_gradients[Weight::kQNorm], accumulate);
+  RopeNormBackward(p, config.num_kv_heads, k_hat.data(), k_inv_rms.data(), in.weights[Weight::kKNorm],
+                   in.cos, in.sin, grad_k, out.weight_gradients[Weight::kKNorm], accumulate);
 
   // Step 9: grad_hidden_states = dq Wq + dk Wk + dv Wv; dW = d^T X.
   GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, hidden, q_width, 1.f, grad_q, q_width,
-               in.q_weight, hidden, 0.f, out.grad_hidden_states, hidden, p.threads);
+               in.weights[Weight::kQProj], hidden, 0.f, out.grad_hidden_states, hidden, p.threads);
   GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, hidden, kv_width, 1.f, grad_k, kv_width,
-               in.k_weight, hidden, 1.f, out.grad_hidden_states, hidden, p.threads);
+               in.weights[Weight::kKProj], hidden, 1.f, out.grad_hidden_states, hidden, p.threads);
   GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, hidden, kv_width, 1.f, grad_v, kv_width,
-               in.v_weight, hidden, 1.f, out.grad_hidden_states, hidden, p.threads);
+               in.weights[Weight::kVProj], hidden, 1.f, out.grad_hidden_states, hidden, p.threads);
   GemmRowMajor(Transpose::kYes, Transpose::kNo, q_width, hidden, tokens, 1.f, grad_q, q_width,
-               in.hidden_states, hidden, weight_beta, out.grad_q_weight, hidden, p.threads);
+               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kQProj], hidden, p.threads);
   GemmRowMajor(Transpose::kYes, Transpose::kNo, kv_width, hidden, tokens, 1.f, grad_k, kv_width,
-               in.hidden_states, hidden, weight_beta, out.grad_k_weight, hidden, p.threads);
+               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kKProj], hidden, p.threads);
   GemmRowMajor(Transpose::kYes, Transpose::kNo, kv_width, hidden, tokens, 1.f, grad_v, kv_width,
-               in.hidden_states, hidden, weight_beta, out.grad_v_weight, hidden, p.threads);
+               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kVProj], hidden, p.threads);
   return ATTNGRAD_OK;
 }
 
