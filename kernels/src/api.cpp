@@ -13,8 +13,8 @@ bool LayerConfig::IsValid() const {
 }
 
 bool Scalars::IsValid() const {
-  return std::isfinite(scaling) && std::isfinite(softcap) && std::isfinite(eps) && softcap > 0.f &&
-         eps > 0.f;
+  return std::isfinite(scaling) && std::isfinite(softcap) && std::isfinite(eps) && eps > 0.f &&
+         sliding_window >= 0;
 }
 
 bool BackwardInputs::AnyNull() const {

@@ -71,6 +71,20 @@ std::vector<SmallCase> SmallCases() {
   same_positions.distinct_positions = false;
   ProblemOptions padding_token;  // token 9 = (b 1, s 2) of a B 2, S 7 batch is all zeros
   padding_token.zero_token = 9;
+  // Gemma-3 as published: no soft-capping (softcap 0), local layers with a sliding window.
+  Scalars uncapped = DefaultScalarsFor(16);
+  uncapped.softcap = 0.0f;
+  Scalars window4 = uncapped;
+  window4.sliding_window = 4;
+  Scalars window1 = uncapped;  // each query sees only its own key
+  window1.sliding_window = 1;
+  Scalars capped_window = capped;
+  capped_window.sliding_window = 5;
+  Scalars wide_window = uncapped;  // wider than the sequence: the same as no window
+  wide_window.sliding_window = 64;
+  Scalars head_dim_256 = uncapped;
+  head_dim_256.scaling = 1.0f / 16.0f;
+  head_dim_256.sliding_window = 3;
   Scalars sharp;                 // scores of several hundred, cap far away: softmax must be stable
   sharp.scaling = 60.0f;
   sharp.softcap = 1e4f;
@@ -90,6 +104,12 @@ std::vector<SmallCase> SmallCases() {
       {"Group3_B4_S1", small, 4, 1, DefaultScalarsFor(16), {}, 0},
       {"PaddingTokenOfZeros_B2_S7", small, 2, 7, DefaultScalarsFor(16), padding_token, 0},
       {"LargeScores_B2_S9", small, 2, 9, sharp, {}, 300.0},
+      {"NoSoftcap_B2_S13", small, 2, 13, uncapped, {}, 0},
+      {"SlidingWindow4_B2_S13", small, 2, 13, window4, {}, 0},
+      {"SlidingWindow1_B2_S6", small, 2, 6, window1, {}, 0},
+      {"SlidingWindow5Capped_B3_S17", small, 3, 17, capped_window, big_norm_weights, 5.0},
+      {"SlidingWindowWiderThanSequence_B2_S9", small, 2, 9, wide_window, {}, 0},
+      {"HeadDim256_Window3_B2_S7", Config(64, 2, 1, 256), 2, 7, head_dim_256, {}, 0},
   };
 }
 
@@ -235,6 +255,40 @@ TEST(CpuBackendAccumulate, WithoutAccumulateEveryOutputIsOverwritten) {
 }
 
 // backward.h: "The result does not depend on [num_threads]": bit-identical for 1, 2, 3 and 7 threads.
+// A sliding window changes the result only where a query has keys beyond it: a window at least as
+// long as the sequence is bit for bit full causal attention; a shorter one differs from it.
+TEST(CpuBackendSlidingWindow, MattersOnlyBeyondTheWindow) {
+  const LayerConfig config = Config(64, 6, 2, 16);
+  Scalars full = DefaultScalarsFor(16);
+  full.softcap = 0.0f;
+  const Problem causal = MakeProblem(config, 2, 11, full, 91);
+  Gradients<float> causal_out = MakeOutputBuffers(config, 2, 11, kNaN);
+  ASSERT_EQ(RunHost(causal, false, causal_out), ATTNGRAD_OK);
+
+  Problem as_long = causal;
+  as_long.scalars.sliding_window = 11;
+  Gradients<float> as_long_out = MakeOutputBuffers(config, 2, 11, kNaN);
+  ASSERT_EQ(RunHost(as_long, false, as_long_out), ATTNGRAD_OK);
+  for (int i = 0; i < kNumGradients; ++i) EXPECT_EQ(as_long_out[i], causal_out[i]) << kGradientNames[i];
+
+  Problem shorter = causal;
+  shorter.scalars.sliding_window = 10;
+  Gradients<float> shorter_out = MakeOutputBuffers(config, 2, 11, kNaN);
+  ASSERT_EQ(RunHost(shorter, false, shorter_out), ATTNGRAD_OK);
+  EXPECT_NE(shorter_out[0], causal_out[0]) << "window 10 of 11 tokens must change grad_hidden_states";
+}
+
+// A negative window is an invalid argument; softcap 0 (no capping) is valid.
+TEST(CpuBackendSlidingWindow, NegativeWindowIsRefused) {
+  const LayerConfig config = Config(64, 6, 2, 16);
+  Problem problem = MakeProblem(config, 1, 4, DefaultScalarsFor(16), 92);
+  problem.scalars.softcap = 0.0f;
+  Gradients<float> out = MakeOutputBuffers(config, 1, 4, 0.0f);
+  EXPECT_EQ(RunHost(problem, false, out), ATTNGRAD_OK);
+  problem.scalars.sliding_window = -1;
+  EXPECT_EQ(RunHost(problem, false, out), ATTNGRAD_INVALID_ARGUMENT);
+}
+
 TEST(CpuBackendThreads, ResultIsIndependentOfThreadCount) {
   const LayerConfig config = Config(64, 6, 2, 16);
   const int batch = 3, seq_len = 150;  // more than one 64-token chunk per sequence
@@ -299,12 +353,14 @@ TEST(CpuBackendArguments, InvalidArgumentsAreRejected) {
     EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs), ATTNGRAD_INVALID_ARGUMENT)
         << "scaling " << bad;
   }
-  for (float bad : {kNaN, inf, -inf, 0.0f, -1.0f}) {
+  for (float bad : {kNaN, inf, -inf}) {
     Scalars s = scalars;
     s.softcap = bad;
     EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs), ATTNGRAD_INVALID_ARGUMENT)
         << "softcap " << bad;
-    s = scalars;
+  }
+  for (float bad : {kNaN, inf, -inf, 0.0f, -1.0f}) {
+    Scalars s = scalars;
     s.eps = bad;
     EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs), ATTNGRAD_INVALID_ARGUMENT)
         << "eps " << bad;

@@ -148,11 +148,13 @@ TEST_F(CAbiArguments, EachNullPointerReturnsInvalidArgument) {
 }
 
 TEST_F(CAbiArguments, BadScalarsReturnInvalidArgument) {
-  for (float bad : {kNaN, kInf, -kInf, 0.0f, -0.0f, -1.0f, -std::numeric_limits<float>::min()}) {
+  for (float bad : {kNaN, kInf, -kInf}) {
     AbiCall c = Call();
     c.softcap = bad;
     EXPECT_EQ(c.Host(), ATTNGRAD_INVALID_ARGUMENT) << "softcap " << bad;
-    c = Call();
+  }
+  for (float bad : {kNaN, kInf, -kInf, 0.0f, -0.0f, -1.0f, -std::numeric_limits<float>::min()}) {
+    AbiCall c = Call();
     c.eps = bad;
     EXPECT_EQ(c.Host(), ATTNGRAD_INVALID_ARGUMENT) << "eps " << bad;
   }

@@ -40,6 +40,7 @@ Inputs64 Problem::Widened() const {
   in.scaling = scalars.scaling;
   in.softcap = scalars.softcap;
   in.eps = scalars.eps;
+  in.sliding_window = scalars.sliding_window;
   in.grad_output = Widen(grad_output);
   in.hidden_states = Widen(hidden_states);
   in.cos = Widen(cos);

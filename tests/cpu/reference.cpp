@@ -89,6 +89,8 @@ NormRope NormRopeForward(const Dims& d, const std::vector<double>& projected, si
 }
 
 // Softmax row of step 4 for query i of head h: fills tanh values t[j] and probabilities p[j], j <= i.
+// Without soft-capping (softcap <= 0) c = s and t = 0. Keys outside a sliding window (j <= i - window)
+// are masked: c = -inf, so p = 0 and they add nothing anywhere.
 void AttentionRow(const Dims& d, const Inputs64& in, const std::vector<double>& q_rot,
                   const std::vector<double>& k_rot, size_t b, size_t h, size_t i,
                   std::vector<double>& t_row, std::vector<double>& p_row) {
@@ -100,8 +102,10 @@ void AttentionRow(const Dims& d, const Inputs64& in, const std::vector<double>& 
     double dot = 0.0;
     for (size_t e = 0; e < d.dim; ++e) dot += qi[e] * kj[e];
     const double s = dot * in.scaling;
-    t_row[j] = std::tanh(s / in.softcap);
-    const double c = in.softcap * t_row[j];
+    t_row[j] = in.softcap > 0.0 ? std::tanh(s / in.softcap) : 0.0;
+    const bool masked = in.sliding_window > 0 && i - j >= static_cast<size_t>(in.sliding_window);
+    const double c = masked ? -std::numeric_limits<double>::infinity()
+                            : (in.softcap > 0.0 ? in.softcap * t_row[j] : s);
     p_row[j] = c;
     if (c > max_c) max_c = c;
   }

@@ -19,7 +19,8 @@ struct Inputs64 {
   int batch = 1;
   int seq_len = 1;
   double scaling = 0.0;
-  double softcap = 0.0;
+  double softcap = 0.0;     // <= 0: no soft-capping
+  int sliding_window = 0;   // > 0: keys j with i - window < j <= i only
   double eps = 0.0;
   std::vector<double> grad_output, hidden_states, cos, sin;
   attngrad::PerWeight<std::vector<double>> weights;

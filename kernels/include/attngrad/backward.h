@@ -24,11 +24,17 @@ struct ATTNGRAD_API Status {
 };
 
 // Scalars of SPEC section 2, with the benchmark values as defaults.
+// softcap <= 0 means no soft-capping (Gemma-3's published configs: attn_logit_softcapping null):
+// the score is s itself. sliding_window > 0 restricts a query at position i (its index in the
+// sequence) to the keys j with i - sliding_window < j <= i (Gemma-3's local layers); 0 means full
+// causal attention.
 struct ATTNGRAD_API Scalars {
   float scaling = 0.08838834764831845f;  // 1/sqrt(128)
-  float softcap = 50.0f;                 // attn_logit_softcapping
+  float softcap = 50.0f;                 // attn_logit_softcapping; <= 0: none
   float eps = 1e-6f;                     // rms_norm_eps
-  bool IsValid() const;                  // finite; softcap > 0 and eps > 0
+  int sliding_window = 0;                // sliding_window of a local layer; 0: none
+  bool IsValid() const;                  // finite; eps > 0; sliding_window >= 0
+  bool capped() const { return softcap > 0.f; }
 };
 
 // The input tensors (never written). Host or device pointers depending on the entry point.

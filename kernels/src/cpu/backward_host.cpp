@@ -63,14 +63,24 @@ void NormRopeForward(const Problem& p, int heads, const float* projected, const 
   });
 }
 
-// Capped score of SPEC step 4 for one (query, key) pair: returns c and sets tanh_out = t.
+// Capped score of SPEC step 4 for one (query, key) pair: returns c and sets tanh_out = t. Without
+// soft-capping (softcap <= 0) c = s and t = 0, so the backward's factor (1 - t^2) is 1.
 inline double CappedScore(const float* q_row, const float* k_row, int head_dim, double scaling,
                           double softcap, double* tanh_out) {
   double dot = 0.0;
   for (int d = 0; d < head_dim; ++d) dot += double(q_row[d]) * k_row[d];
+  if (softcap <= 0.0) {
+    *tanh_out = 0.0;
+    return dot * scaling;
+  }
   const double t = std::tanh(dot * scaling / softcap);
   *tanh_out = t;
   return softcap * t;
+}
+
+// The first key a query at position i sees: 0 (causal) or i - window + 1 (sliding window).
+inline int FirstKey(int i, int sliding_window) {
+  return sliding_window > 0 && i >= sliding_window ? i - sliding_window + 1 : 0;
 }
 
 // Step 4: causal soft-capped attention per (sequence, query head); writes A and the row log-sum-exp.
@@ -86,16 +96,17 @@ void AttentionForward(const Problem& p, const float* q_rot, const float* k_rot, 
       const std::size_t qi = static_cast<std::size_t>(b * seq + i);
       const float* q_row = q_rot + qi * q_width + h * head_dim;
       double max_score = -INFINITY;
-      for (int j = 0; j <= i; ++j) {
+      const int first = FirstKey(i, p.scalars.sliding_window);
+      for (int j = first; j <= i; ++j) {
         const float* k_row = k_rot + static_cast<std::size_t>(b * seq + j) * kv_width + kv_head * head_dim;
         double t;
         scores[j] = CappedScore(q_row, k_row, head_dim, p.scalars.scaling, p.scalars.softcap, &t);
         if (scores[j] > max_score) max_score = scores[j];
       }
       double sum = 0.0;
-      for (int j = 0; j <= i; ++j) sum += (scores[j] = std::exp(scores[j] - max_score));
+      for (int j = first; j <= i; ++j) sum += (scores[j] = std::exp(scores[j] - max_score));
       std::fill(out_row.begin(), out_row.end(), 0.0);
-      for (int j = 0; j <= i; ++j) {
+      for (int j = first; j <= i; ++j) {
         const float* v_row = v + static_cast<std::size_t>(b * seq + j) * kv_width + kv_head * head_dim;
         const double weight = scores[j] / sum;
         for (int d = 0; d < head_dim; ++d) out_row[d] += weight * v_row[d];
@@ -134,7 +145,7 @@ void AttentionBackward(const Problem& p, const float* q_rot, const float* k_rot,
         double delta = 0.0;
         for (int d = 0; d < head_dim; ++d) delta += double(do_row[d]) * o_row[d];
         std::fill(grad_q.begin(), grad_q.end(), 0.0);
-        for (int j = 0; j <= i; ++j) {
+        for (int j = FirstKey(i, p.scalars.sliding_window); j <= i; ++j) {
           const float* k_row = kv_row(k_rot, j);
           const float* v_row = kv_row(v, j);
           double t;
