@@ -12,17 +12,14 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "metrics/http_request.h"
 #include "prometheus/text_serializer.h"
 
 namespace attngrad::server {
 namespace {
-
-constexpr int kRequestTimeoutMs = 5000;
-constexpr size_t kMaxRequestBytes = 16384;
 
 // Splits "host:port" or "[v6]:port" into host and port.
 absl::Status SplitHostPort(const std::string& address, std::string* host, std::string* port) {
@@ -44,22 +41,11 @@ absl::Status SplitHostPort(const std::string& address, std::string* host, std::s
   return absl::OkStatus();
 }
 
-// Writes all of `data`; a client that stops reading only loses its own answer.
-void WriteAll(int fd, absl::string_view data) {
-  while (!data.empty()) {
-    const ssize_t written = send(fd, data.data(), data.size(), MSG_NOSIGNAL);
-    if (written <= 0) {
-      if (written < 0 && errno == EINTR) continue;
-      return;
-    }
-    data.remove_prefix(static_cast<size_t>(written));
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& listen_address, std::shared_ptr<prometheus::Registry> registry) {
+    const std::string& listen_address, std::shared_ptr<prometheus::Registry> registry,
+    const MetricsHttpOptions& options) {
   std::string host, port;
   if (absl::Status status = SplitHostPort(listen_address, &host, &port); !status.ok()) return status;
   addrinfo hints{};
@@ -107,21 +93,24 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     return absl::InternalError(absl::StrCat("metrics server: pipe: ", std::strerror(errno)));
   }
   return std::unique_ptr<MetricsHttpServer>(
-      new MetricsHttpServer(listen_fd, wake[0], wake[1], bound_port, std::move(registry)));
+      new MetricsHttpServer(listen_fd, wake[0], wake[1], bound_port, std::move(registry), options));
 }
 
 MetricsHttpServer::MetricsHttpServer(int listen_fd, int wake_read_fd, int wake_write_fd, int port,
-                                     std::shared_ptr<prometheus::Registry> registry)
+                                     std::shared_ptr<prometheus::Registry> registry,
+                                     const MetricsHttpOptions& options)
     : listen_fd_(listen_fd),
       wake_read_fd_(wake_read_fd),
       wake_write_fd_(wake_write_fd),
       port_(port),
       registry_(std::move(registry)),
+      options_(options),
       thread_([this] { Serve(); }) {}
 
 MetricsHttpServer::~MetricsHttpServer() {
-  close(wake_write_fd_);  // wakes Serve(), which sees the pipe's end of file
+  close(wake_write_fd_);  // wakes Serve() and every connection, which see the pipe's end of file
   thread_.join();
+  for (Connection& connection : connections_) connection.thread.join();
   close(wake_read_fd_);
   close(listen_fd_);
 }
@@ -135,47 +124,110 @@ void MetricsHttpServer::Serve() {
     }
     if (watched[1].revents != 0) return;
     if ((watched[0].revents & POLLIN) == 0) continue;
-    const int connection = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (connection < 0) continue;
-    Answer(connection);
-    close(connection);
+    const int connection_fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (connection_fd < 0) continue;
+    JoinFinishedConnections();
+    if (connections_.size() >= static_cast<std::size_t>(options_.max_connections)) {
+      // Busy: say so without waiting for the request (one non-blocking send; a client that does
+      // not read it loses only its own answer).
+      static constexpr char kBusy[] =
+          "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 36\r\n"
+          "Connection: close\r\nRetry-After: 1\r\n\r\ntoo many /metrics connections open\r\n";
+      [[maybe_unused]] const ssize_t sent = send(connection_fd, kBusy, sizeof(kBusy) - 1, MSG_NOSIGNAL);
+      close(connection_fd);
+      continue;
+    }
+    Connection& connection = connections_.emplace_back();
+    connection.thread = std::thread([this, connection_fd, &connection] {
+      Answer(connection_fd);
+      close(connection_fd);
+      connection.finished.store(true, std::memory_order_release);
+    });
   }
 }
 
-void MetricsHttpServer::Answer(int connection_fd) const {
-  // Read the request head (up to the blank line), waiting at most kRequestTimeoutMs per read.
-  std::string request;
-  char buffer[2048];
-  while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
-    pollfd readable{connection_fd, POLLIN, 0};
-    if (poll(&readable, 1, kRequestTimeoutMs) <= 0) return;
-    const ssize_t received = recv(connection_fd, buffer, sizeof(buffer), 0);
-    if (received <= 0) return;
-    request.append(buffer, static_cast<size_t>(received));
+void MetricsHttpServer::JoinFinishedConnections() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if (it->finished.load(std::memory_order_acquire)) {
+      it->thread.join();
+      it = connections_.erase(it);
+    } else {
+      ++it;
+    }
   }
-  const absl::string_view line = absl::string_view(request).substr(0, request.find("\r\n"));
-  const bool is_get = absl::StartsWith(line, "GET ");
-  const bool is_head = absl::StartsWith(line, "HEAD ");
-  const size_t path_start = line.find(' ') + 1;
-  const size_t path_end = line.find_first_of(" ?", path_start);
-  const absl::string_view path = line.substr(path_start, path_end - path_start);
+}
 
-  std::string status = "200 OK", content_type = "text/plain; version=0.0.4; charset=utf-8", body;
-  if (!is_get && !is_head) {
-    status = "405 Method Not Allowed";
-    content_type = "text/plain";
-    body = "only GET and HEAD\n";
-  } else if (path != "/metrics") {
-    status = "404 Not Found";
-    content_type = "text/plain";
-    body = "metrics are at /metrics\n";
-  } else {
-    body = prometheus::TextSerializer().Serialize(registry_->Collect());
+bool MetricsHttpServer::WaitFor(int connection_fd, short events, absl::Time deadline) const {
+  while (true) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    pollfd watched[2] = {{connection_fd, events, 0}, {wake_read_fd_, POLLIN, 0}};
+    const int timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(left)) + 1;
+    const int ready = poll(watched, 2, timeout_ms);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0 || watched[1].revents != 0) return false;
+    if (ready == 0) continue;  // re-check the deadline
+    return (watched[0].revents & (events | POLLERR | POLLHUP)) != 0;
   }
-  std::string head = absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
-                                  "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n");
-  WriteAll(connection_fd, head);
-  if (!is_head) WriteAll(connection_fd, body);
+}
+
+bool MetricsHttpServer::SendAll(int connection_fd, absl::string_view data, absl::Time deadline) const {
+  while (!data.empty()) {
+    const ssize_t written = send(connection_fd, data.data(), data.size(), MSG_NOSIGNAL);
+    if (written > 0) {
+      data.remove_prefix(static_cast<std::size_t>(written));
+      continue;
+    }
+    if (written < 0 && errno == EINTR) continue;
+    if (written < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!WaitFor(connection_fd, POLLOUT, deadline)) return false;
+      continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+void MetricsHttpServer::Answer(int connection_fd) const {
+  // Read the request head: all of it within read_timeout (a client trickling bytes gets no more).
+  const absl::Time read_deadline = absl::Now() + options_.read_timeout;
+  std::string request;
+  HttpParseResult parsed;
+  char buffer[2048];
+  while (true) {
+    parsed = ParseHttpRequestHead(request, options_.max_request_bytes);
+    if (parsed.outcome != HttpParseResult::Outcome::kNeedMore) break;
+    const ssize_t received = recv(connection_fd, buffer, sizeof(buffer), 0);
+    if (received > 0) {
+      request.append(buffer, static_cast<std::size_t>(received));
+      continue;
+    }
+    if (received == 0) return;  // the client went away before a whole head
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return;
+    if (!WaitFor(connection_fd, POLLIN, read_deadline)) {
+      // Too slow (or stopping): a short 408 if the socket takes it at once, then close.
+      static constexpr char kTimeout[] =
+          "HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+      [[maybe_unused]] const ssize_t sent =
+          send(connection_fd, kTimeout, sizeof(kTimeout) - 1, MSG_NOSIGNAL);
+      return;
+    }
+  }
+
+  const HttpAnswer answer = ChooseHttpAnswer(parsed);
+  std::string body = answer.body;
+  std::string content_type = "text/plain";
+  if (answer.serve_metrics) {
+    body = prometheus::TextSerializer().Serialize(registry_->Collect());
+    content_type = "text/plain; version=0.0.4; charset=utf-8";
+  }
+  const std::string head =
+      absl::StrCat("HTTP/1.1 ", answer.status, " ", answer.reason, "\r\nContent-Type: ", content_type,
+                   "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n");
+  const absl::Time write_deadline = absl::Now() + options_.write_timeout;
+  if (!SendAll(connection_fd, head, write_deadline)) return;
+  if (answer.send_body) SendAll(connection_fd, body, write_deadline);
 }
 
 }  // namespace attngrad::server
