@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "attngrad/wire/status_macros.h"
 #include "devices/cpu_worker.h"
 #include "devices/gpu_worker.h"
 #include "scheduling/gradient_core.h"
@@ -86,8 +87,8 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
                                                    "' is not one of auto, on, off"));
   }
 
-  absl::StatusOr<DeviceSelection> devices = ParseDevices(options.devices, DeviceCount());
-  if (!devices.ok()) return devices.status();
+  ATTNGRAD_ASSIGN_OR_RETURN(const DeviceSelection devices,
+                            ParseDevices(options.devices, DeviceCount()));
 
   // Weights.
   absl::StatusOr<LayerWeights> weights;
@@ -107,21 +108,21 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
 
   // Workers.
   std::vector<std::unique_ptr<DeviceWorker>> workers;
-  if (devices->cpu) {
+  if (devices.cpu) {
     auto worker = std::make_unique<CpuWorker>(shared_weights, options.cpu_threads,
                                               server->metrics_.get());
-    absl::Status status = worker->Start();
-    if (!status.ok()) return status;
+    ATTNGRAD_RETURN_IF_ERROR(worker->Start());
     workers.push_back(std::move(worker));
     server->gradient_sum_ = "gradients: one device (cpu), nothing to sum across devices";
   } else {
-    absl::StatusOr<GpuWorkers> gpu_workers = CreateGpuWorkers(
-        devices->gpus, shared_weights, options.queue_depth, nccl_mode, server->metrics_.get());
-    if (!gpu_workers.ok()) return gpu_workers.status();
-    workers = std::move(gpu_workers->workers);
-    server->uses_nccl_ = gpu_workers->sum.nccl;
-    server->nccl_version_ = gpu_workers->sum.nccl_version;
-    server->gradient_sum_ = gpu_workers->sum.description;
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        GpuWorkers gpu_workers,
+        CreateGpuWorkers(devices.gpus, shared_weights, options.queue_depth, nccl_mode,
+                         server->metrics_.get()));
+    workers = std::move(gpu_workers.workers);
+    server->uses_nccl_ = gpu_workers.sum.nccl;
+    server->nccl_version_ = gpu_workers.sum.nccl_version;
+    server->gradient_sum_ = gpu_workers.sum.description;
   }
   server->metrics_->SetGradientSumPath(server->uses_nccl_ ? "nccl" : "host", server->nccl_version_);
   server->core_ = std::make_unique<GradientCore>(shared_weights, std::move(workers),
@@ -137,10 +138,9 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
 
   // Metrics.
   if (!options.metrics_listen.empty()) {
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_http =
-        MetricsHttpServer::Start(options.metrics_listen, server->metrics_->registry());
-    if (!metrics_http.ok()) return metrics_http.status();
-    server->metrics_http_ = *std::move(metrics_http);
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        server->metrics_http_,
+        MetricsHttpServer::Start(options.metrics_listen, server->metrics_->registry()));
     server->metrics_port_ = server->metrics_http_->port();
   }
 

@@ -5,8 +5,10 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/tensor.h"
 #include "rpc/rotary.h"
-#include "tensor_codec.h"
 
 namespace attngrad::server {
 namespace {
@@ -21,6 +23,12 @@ absl::Status CheckScalar(bool present, float value, const char* field, bool posi
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", value, " must be > 0"));
   }
   return absl::OkStatus();
+}
+
+// Decodes a checked tensor's raw data into `out` and checks that every value is finite.
+absl::Status DecodeFinite(const v1::Tensor& tensor, const std::string& field, absl::Span<float> out) {
+  ATTNGRAD_RETURN_IF_ERROR(wire::DecodeToFloat(tensor.raw_data(), tensor.dtype(), field, out));
+  return wire::CheckFinite(out, field);
 }
 
 }  // namespace
@@ -41,10 +49,11 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   }
   const int response_dtype =
       request.response_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.response_dtype();
-  if (!IsSupportedWireDType(response_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("response_dtype: ", DTypeName(response_dtype),
-                                                   " is not supported; expected FLOAT32, FLOAT16 "
-                                                   "or BFLOAT16"));
+  if (!wire::IsSupportedDType(response_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("response_dtype: ",
+                                                   wire::DTypeName(response_dtype),
+                                                   " is not supported; expected float32, float16 "
+                                                   "or bfloat16"));
   }
   parsed.response_dtype = response_dtype;
   if (!parsed.accumulate && request.accumulation_window_id() != 0) {
@@ -59,11 +68,11 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
     return absl::InvalidArgumentError(
         absl::StrCat("hidden_states: missing; expected a [B,S,", hidden, "] tensor"));
   }
-  absl::StatusOr<std::vector<std::int64_t>> shape =
-      CheckTensor(request.hidden_states(), "hidden_states", {-1, -1, hidden});
-  if (!shape.ok()) return shape.status();
-  const std::int64_t batch = (*shape)[0];
-  const std::int64_t seq_len = (*shape)[1];
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::vector<std::int64_t> shape,
+                            wire::CheckTensor(request.hidden_states(), "hidden_states",
+                                              {-1, -1, hidden}));
+  const std::int64_t batch = shape[0];
+  const std::int64_t seq_len = shape[1];
   const std::int64_t tokens = batch * seq_len;
   if (tokens > limits.max_batch_tokens || batch > std::numeric_limits<int>::max() ||
       seq_len > std::numeric_limits<int>::max()) {
@@ -84,10 +93,11 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   const std::vector<std::int64_t> activation_shape = {batch, seq_len, hidden};
   if (!request.has_grad_output()) {
     return absl::InvalidArgumentError(absl::StrCat("grad_output: missing; expected a ",
-                                                   ShapeString(activation_shape), " tensor"));
+                                                   wire::ShapeString(activation_shape),
+                                                   " tensor"));
   }
-  absl::Status status = CheckTensor(request.grad_output(), "grad_output", activation_shape).status();
-  if (!status.ok()) return status;
+  ATTNGRAD_RETURN_IF_ERROR(
+      wire::CheckTensor(request.grad_output(), "grad_output", activation_shape));
 
   // Rotary inputs.
   const std::int64_t head_dim = config.head_dim;
@@ -97,12 +107,13 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
     case v1::BackwardRequest::kRotaryTables:
       if (!request.rotary_tables().has_cos() || !request.rotary_tables().has_sin()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "rotary_tables: both cos and sin are required, each ", ShapeString(rotary_shape)));
+            "rotary_tables: both cos and sin are required, each ",
+            wire::ShapeString(rotary_shape)));
       }
-      status = CheckTensor(request.rotary_tables().cos(), "rotary_tables.cos", rotary_shape).status();
-      if (!status.ok()) return status;
-      status = CheckTensor(request.rotary_tables().sin(), "rotary_tables.sin", rotary_shape).status();
-      if (!status.ok()) return status;
+      ATTNGRAD_RETURN_IF_ERROR(
+          wire::CheckTensor(request.rotary_tables().cos(), "rotary_tables.cos", rotary_shape));
+      ATTNGRAD_RETURN_IF_ERROR(
+          wire::CheckTensor(request.rotary_tables().sin(), "rotary_tables.sin", rotary_shape));
       break;
     case v1::BackwardRequest::kPositions: {
       const auto& positions = request.positions();
@@ -128,7 +139,7 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
     }
     default:
       return absl::InvalidArgumentError(absl::StrCat(
-          "rotary: neither rotary_tables (cos/sin ", ShapeString(rotary_shape),
+          "rotary: neither rotary_tables (cos/sin ", wire::ShapeString(rotary_shape),
           ") nor positions (position_ids, rope_theta) is set"));
   }
 
@@ -137,10 +148,9 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   scalars.scaling = request.has_scaling() ? request.scaling() : 1.0f / std::sqrt(float(head_dim));
   if (request.has_softcap()) scalars.softcap = request.softcap();
   if (request.has_eps()) scalars.eps = request.eps();
-  status = CheckScalar(request.has_scaling(), request.scaling(), "scaling", false);
-  if (status.ok()) status = CheckScalar(request.has_softcap(), request.softcap(), "softcap", true);
-  if (status.ok()) status = CheckScalar(request.has_eps(), request.eps(), "eps", true);
-  if (!status.ok()) return status;
+  ATTNGRAD_RETURN_IF_ERROR(CheckScalar(request.has_scaling(), request.scaling(), "scaling", false));
+  ATTNGRAD_RETURN_IF_ERROR(CheckScalar(request.has_softcap(), request.softcap(), "softcap", true));
+  ATTNGRAD_RETURN_IF_ERROR(CheckScalar(request.has_eps(), request.eps(), "eps", true));
 
   // The response must fit in one message.
   const std::int64_t response_elements =
@@ -150,7 +160,7 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
                                2 * static_cast<std::int64_t>(config.kv_out()) * hidden +
                                2 * head_dim);
   const std::int64_t response_bytes =
-      response_elements * static_cast<std::int64_t>(DTypeSize(response_dtype)) + 4096;
+      response_elements * static_cast<std::int64_t>(wire::DTypeSize(response_dtype)) + 4096;
   if (response_bytes > limits.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "hidden_states: the response would be about ", response_bytes,
@@ -175,27 +185,20 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   job->grad_output.resize(activations);
   job->cos.resize(rotary);
   job->sin.resize(rotary);
-  status = DecodeToFloat(request.hidden_states().raw_data(), request.hidden_states().dtype(),
-                         "hidden_states.raw_data", true, absl::MakeSpan(job->hidden_states));
-  if (status.ok()) {
-    status = DecodeToFloat(request.grad_output().raw_data(), request.grad_output().dtype(),
-                           "grad_output.raw_data", true, absl::MakeSpan(job->grad_output));
-  }
-  if (status.ok() && request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
-    status = DecodeToFloat(request.rotary_tables().cos().raw_data(),
-                           request.rotary_tables().cos().dtype(), "rotary_tables.cos.raw_data",
-                           true, absl::MakeSpan(job->cos));
-    if (status.ok()) {
-      status = DecodeToFloat(request.rotary_tables().sin().raw_data(),
-                             request.rotary_tables().sin().dtype(), "rotary_tables.sin.raw_data",
-                             true, absl::MakeSpan(job->sin));
-    }
-  } else if (status.ok()) {
+  ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.hidden_states(), "hidden_states.raw_data",
+                                        absl::MakeSpan(job->hidden_states)));
+  ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.grad_output(), "grad_output.raw_data",
+                                        absl::MakeSpan(job->grad_output)));
+  if (request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
+    ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().cos(),
+                                          "rotary_tables.cos.raw_data", absl::MakeSpan(job->cos)));
+    ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().sin(),
+                                          "rotary_tables.sin.raw_data", absl::MakeSpan(job->sin)));
+  } else {
     const auto& ids = request.positions().position_ids();
     BuildRotaryTables(absl::MakeConstSpan(ids.data(), ids.size()), job->batch, job->seq_len,
                       config.head_dim, theta, absl::MakeSpan(job->cos), absl::MakeSpan(job->sin));
   }
-  if (!status.ok()) return status;
   parsed.job = std::move(job);
   return parsed;
 }
@@ -205,21 +208,22 @@ void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardR
       job.batch > 0 && job.seq_len > 0
           ? static_cast<std::int64_t>(job.grad_hidden_states.size()) / job.batch / job.seq_len
           : 0;
-  EncodeTensor(job.grad_hidden_states, {job.batch, job.seq_len, hidden}, response_dtype,
-               response->mutable_grad_hidden_states());
+  wire::EncodeTensor(job.grad_hidden_states, {job.batch, job.seq_len, hidden}, response_dtype,
+                     response->mutable_grad_hidden_states());
   if (job.return_weight_gradients) {
     v1::WeightGradients* gradients = response->mutable_weight_gradients();
-    v1::Tensor* targets[kNumWeights] = {gradients->mutable_q_proj(), gradients->mutable_k_proj(),
-                                        gradients->mutable_v_proj(), gradients->mutable_o_proj(),
-                                        gradients->mutable_q_norm(), gradients->mutable_k_norm()};
-    // Shapes from the sizes: [rows, hidden] for the projections ([hidden, q_out] for o_proj).
-    const std::int64_t head_dim = static_cast<std::int64_t>(job.weight_gradients.tensors[kQNorm].size());
-    const std::int64_t q_out = static_cast<std::int64_t>(job.weight_gradients.tensors[kQProj].size()) / hidden;
-    const std::int64_t kv_out = static_cast<std::int64_t>(job.weight_gradients.tensors[kKProj].size()) / hidden;
-    const std::vector<std::int64_t> shapes[kNumWeights] = {
-        {q_out, hidden}, {kv_out, hidden}, {kv_out, hidden}, {hidden, q_out}, {head_dim}, {head_dim}};
-    for (int i = 0; i < kNumWeights; ++i) {
-      EncodeTensor(job.weight_gradients.tensors[i], shapes[i], response_dtype, targets[i]);
+    // The layer's shape from the gradients' sizes (head_dim from a norm weight, the head counts
+    // from the projections).
+    LayerConfig config;
+    config.hidden_size = static_cast<int>(hidden);
+    config.head_dim = static_cast<int>(job.weight_gradients[Weight::kQNorm].size());
+    config.num_heads = static_cast<int>(job.weight_gradients[Weight::kQProj].size() /
+                                        static_cast<std::size_t>(hidden * config.head_dim));
+    config.num_kv_heads = static_cast<int>(job.weight_gradients[Weight::kKProj].size() /
+                                           static_cast<std::size_t>(hidden * config.head_dim));
+    for (Weight weight : kAllWeights) {
+      wire::EncodeTensor(job.weight_gradients[weight], WeightShape(config, weight),
+                         response_dtype, wire::MutableGradientTensor(gradients, weight));
     }
   }
   v1::StageTimings* timings = response->mutable_timings();

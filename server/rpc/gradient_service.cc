@@ -6,7 +6,9 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "tensor_codec.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/tensor.h"
 
 namespace attngrad::server {
 namespace {
@@ -233,9 +235,9 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
         response_(response),
         start_(Clock::now()),
         config_(service->core().config()),
-        staging_(LayerTensors::Zeros(config_)) {
-    received_.fill(0);
-    dtypes_.fill(v1::DTYPE_UNSPECIFIED);
+        staging_(ZeroWeights<std::vector<float>>(config_)) {
+    received_.items.fill(0);
+    dtypes_.items.fill(v1::DTYPE_UNSPECIFIED);
     StartRead(&request_);
   }
 
@@ -265,12 +267,13 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
  private:
   absl::Status HandleChunk() {
     service_->metrics().AddReceivedBytes("LoadWeights", static_cast<double>(request_.data().size()));
-    const int index = WeightIndexOf(request_.name());
-    if (index < 0) {
+    const std::optional<Weight> named = wire::WeightOfWireName(request_.name());
+    if (!named.has_value()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "name: unknown weight ", request_.name(),
           "; expected WEIGHT_NAME_Q_PROJ, K_PROJ, V_PROJ, O_PROJ, Q_NORM or K_NORM"));
     }
+    const Weight index = *named;
     const std::string field = WeightModuleName(index);
     if (request_.expected_weights_version() != 0) {
       if (expected_version_ != 0 && expected_version_ != request_.expected_weights_version()) {
@@ -283,29 +286,32 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     const std::vector<std::int64_t> expected_shape = WeightShape(config_, index);
     const std::vector<std::int64_t> shape(request_.shape().begin(), request_.shape().end());
     if (dtypes_[index] == v1::DTYPE_UNSPECIFIED) {  // first chunk of this weight
-      if (!IsSupportedWireDType(request_.dtype())) {
+      if (!wire::IsSupportedDType(request_.dtype())) {
         return absl::InvalidArgumentError(absl::StrCat(
-            field, ".dtype: ", DTypeName(request_.dtype()),
-            " is not supported; the first chunk of a weight must name FLOAT32, FLOAT16 or BFLOAT16"));
+            field, ".dtype: ", wire::DTypeName(request_.dtype()),
+            " is not supported; the first chunk of a weight must name float32, float16 or bfloat16"));
       }
       if (shape != expected_shape) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ", ShapeString(shape),
-                                                       ", expected ", ShapeString(expected_shape)));
+        return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ",
+                                                       wire::ShapeString(shape), ", expected ",
+                                                       wire::ShapeString(expected_shape)));
       }
       dtypes_[index] = request_.dtype();
     } else {
       if (request_.dtype() != v1::DTYPE_UNSPECIFIED && request_.dtype() != dtypes_[index]) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(request_.dtype()),
+        return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ",
+                                                       wire::DTypeName(request_.dtype()),
                                                        " differs from the weight's first chunk (",
-                                                       DTypeName(dtypes_[index]), ")"));
+                                                       wire::DTypeName(dtypes_[index]), ")"));
       }
       if (!shape.empty() && shape != expected_shape) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ", ShapeString(shape),
-                                                       ", expected ", ShapeString(expected_shape)));
+        return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ",
+                                                       wire::ShapeString(shape), ", expected ",
+                                                       wire::ShapeString(expected_shape)));
       }
     }
-    const std::size_t element_size = DTypeSize(dtypes_[index]);
-    const std::size_t total = staging_.tensors[index].size();
+    const std::size_t element_size = wire::DTypeSize(dtypes_[index]);
+    const std::size_t total = staging_[index].size();
     if (request_.offset() != static_cast<std::int64_t>(received_[index])) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".offset: got ", request_.offset(), ", expected ", received_[index],
@@ -314,27 +320,29 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     if (request_.data().size() % element_size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", request_.data().size(),
                                                      " bytes is not a whole number of ",
-                                                     DTypeName(dtypes_[index]), " elements"));
+                                                     wire::DTypeName(dtypes_[index]), " elements"));
     }
     const std::size_t count = request_.data().size() / element_size;
     if (count > total - received_[index]) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", count, " elements at offset ",
                                                      received_[index], " overflow the ", total,
-                                                     " elements of ", ShapeString(expected_shape)));
+                                                     " elements of ",
+                                                     wire::ShapeString(expected_shape)));
     }
-    absl::Status status = DecodeToFloat(
-        request_.data(), dtypes_[index], field + ".data", /*require_finite=*/true,
-        absl::MakeSpan(staging_.tensors[index].data() + received_[index], count));
-    if (!status.ok()) return status;
+    const absl::Span<float> values =
+        absl::MakeSpan(staging_[index].data() + received_[index], count);
+    ATTNGRAD_RETURN_IF_ERROR(
+        wire::DecodeToFloat(request_.data(), dtypes_[index], field + ".data", values));
+    ATTNGRAD_RETURN_IF_ERROR(wire::CheckFinite(values, field + ".data"));
     received_[index] += count;
     return absl::OkStatus();
   }
 
   absl::Status Commit() {
-    for (int i = 0; i < kNumWeights; ++i) {
-      if (received_[i] != staging_.tensors[i].size()) {
+    for (Weight weight : kAllWeights) {
+      if (received_[weight] != staging_[weight].size()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            WeightModuleName(i), ": got ", received_[i], " of ", staging_.tensors[i].size(),
+            WeightModuleName(weight), ": got ", received_[weight], " of ", staging_[weight].size(),
             " elements; every weight must be sent in full; nothing was changed"));
       }
     }
@@ -342,10 +350,10 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     weights.config = config_;
     weights.values = std::move(staging_);
     weights.source = "upload";
-    absl::StatusOr<std::uint64_t> version =
-        service_->core().ReplaceWeights(std::move(weights), expected_version_);
-    if (!version.ok()) return version.status();
-    response_->set_weights_version(*version);
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        const std::uint64_t version,
+        service_->core().ReplaceWeights(std::move(weights), expected_version_));
+    response_->set_weights_version(version);
     return absl::OkStatus();
   }
 
@@ -361,8 +369,8 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
   const Clock::time_point start_;
   const LayerConfig config_;
   LayerTensors staging_;
-  std::array<std::size_t, kNumWeights> received_;
-  std::array<int, kNumWeights> dtypes_;
+  PerWeight<std::size_t> received_;
+  PerWeight<int> dtypes_;
   std::uint64_t expected_version_ = 0;
   v1::LoadWeightsRequest request_;
   int finish_code_ = 0;
@@ -375,9 +383,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   FetchReactor(GradientService* service, const v1::FetchGradientsRequest& request)
       : service_(service), start_(Clock::now()) {
     dtype_ = request.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.dtype();
-    if (!IsSupportedWireDType(dtype_)) {
+    if (!wire::IsSupportedDType(dtype_)) {
       FinishWith(absl::InvalidArgumentError(absl::StrCat(
-          "dtype: ", DTypeName(dtype_), " is not supported; expected FLOAT32, FLOAT16 or BFLOAT16")));
+          "dtype: ", wire::DTypeName(dtype_),
+          " is not supported; expected float32, float16 or bfloat16")));
       return;
     }
     if (request.chunk_bytes() < 0) {
@@ -390,7 +399,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
     chunk_bytes = std::min<std::int64_t>(chunk_bytes,
                                          service_->limits().batch.max_message_bytes - 65536);
     chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
-    elements_per_chunk_ = static_cast<std::size_t>(chunk_bytes) / DTypeSize(dtype_);
+    elements_per_chunk_ = static_cast<std::size_t>(chunk_bytes) / wire::DTypeSize(dtype_);
     service_->core().Fetch(request.zero_after_fetch(), request.expected_window_id(),
                            [this](absl::StatusOr<FetchResult> result) {
                              if (!result.ok()) {
@@ -419,28 +428,29 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
 
  private:
   void WriteNext() {
-    if (weight_ == kNumWeights) {
+    if (weight_index_ == kNumWeights) {
       FinishWith(absl::OkStatus());
       return;
     }
-    const std::vector<float>& values = result_.gradients.tensors[weight_];
+    const Weight weight = kAllWeights[static_cast<std::size_t>(weight_index_)];
+    const std::vector<float>& values = result_.gradients[weight];
     const std::size_t count = std::min(elements_per_chunk_, values.size() - offset_);
     chunk_.Clear();
     if (first_) {
       FillState(result_.state, chunk_.mutable_state());
       first_ = false;
     }
-    chunk_.set_name(WireWeightName(weight_));
+    chunk_.set_name(wire::WireWeightName(weight));
     chunk_.set_dtype(static_cast<v1::DType>(dtype_));
     if (offset_ == 0) {
-      for (std::int64_t dim : WeightShape(service_->core().config(), weight_)) chunk_.add_shape(dim);
+      for (std::int64_t dim : WeightShape(service_->core().config(), weight)) chunk_.add_shape(dim);
     }
     chunk_.set_offset(static_cast<std::int64_t>(offset_));
-    EncodeFromFloat(absl::MakeConstSpan(values.data() + offset_, count), dtype_,
-                    chunk_.mutable_data());
+    wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset_, count), dtype_,
+                          chunk_.mutable_data());
     offset_ += count;
     if (offset_ == values.size()) {
-      ++weight_;
+      ++weight_index_;
       offset_ = 0;
     }
     StartWrite(&chunk_);
@@ -458,7 +468,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   std::size_t elements_per_chunk_ = 0;
   FetchResult result_;
   v1::GradientChunk chunk_;
-  int weight_ = 0;
+  int weight_index_ = 0;  // into kAllWeights
   std::size_t offset_ = 0;
   bool first_ = true;
   int finish_code_ = 0;
@@ -484,11 +494,7 @@ grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerCont
                                                         v1::GetModelInfoResponse* response) {
   const auto start = Clock::now();
   const LayerConfig& config = core_->config();
-  v1::LayerConfig* out = response->mutable_config();
-  out->set_hidden_size(config.hidden_size);
-  out->set_num_heads(config.num_heads);
-  out->set_num_kv_heads(config.num_kv_heads);
-  out->set_head_dim(config.head_dim);
+  wire::LayerConfigToWire(config, response->mutable_config());
   response->set_weights_version(core_->weights_version());
   response->set_weights_source(core_->weights_source());
   response->set_server_instance_id(core_->instance_id());

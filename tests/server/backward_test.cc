@@ -2,9 +2,9 @@
 // and 16-bit wire dtypes, with rotary tables or positions.
 #include <cmath>
 
-#include "half_float.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/tensor.h"
 #include "server_test_util.h"
-#include "tensor_codec.h"
 
 namespace attngrad::server::testing {
 namespace {
@@ -68,12 +68,14 @@ TEST_F(ServerBackwardTest, SixteenBitWireDtypes) {
   Batch batch = MakeBatch(config(), 1, 4, 303);
   // Round the inputs to what travels: hidden_states as bf16, grad_output as fp16.
   v1::BackwardRequest request = MakeRequest(config(), batch, 9, v1::GRADIENT_MODE_RETURN);
-  EncodeTensor(batch.hidden_states, {1, 4, config().hidden_size}, v1::DTYPE_BFLOAT16,
-               request.mutable_hidden_states());
-  EncodeTensor(batch.grad_output, {1, 4, config().hidden_size}, v1::DTYPE_FLOAT16,
-               request.mutable_grad_output());
-  for (float& value : batch.hidden_states) value = BFloat16ToFloat(FloatToBFloat16(value));
-  for (float& value : batch.grad_output) value = HalfToFloat(FloatToHalf(value));
+  wire::EncodeTensor(batch.hidden_states, {1, 4, config().hidden_size}, v1::DTYPE_BFLOAT16,
+                     request.mutable_hidden_states());
+  wire::EncodeTensor(batch.grad_output, {1, 4, config().hidden_size}, v1::DTYPE_FLOAT16,
+                     request.mutable_grad_output());
+  for (float& value : batch.hidden_states) {
+    value = wire::BFloat16ToFloat(wire::FloatToBFloat16(value));
+  }
+  for (float& value : batch.grad_output) value = wire::HalfToFloat(wire::FloatToHalf(value));
   request.set_response_dtype(v1::DTYPE_FLOAT16);
   const Gradients expected = Reference(weights(), batch);
   const v1::BackwardResponse response = RunOne(stub(), request);

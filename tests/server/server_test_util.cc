@@ -1,19 +1,16 @@
 // Test helpers for the in-process server.
 #include "server_test_util.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <random>
 #include <thread>
 
-#include "half_float.h"
-#include "tensor_codec.h"
+#include "absl/strings/str_cat.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/http_get.h"
+#include "attngrad/wire/tensor.h"
 
 namespace attngrad::server::testing {
 
@@ -47,19 +44,14 @@ Batch MakeBatch(const LayerConfig& config, int batch, int seq_len, std::uint64_t
 }
 
 v1::Tensor FloatTensor(const std::vector<float>& values, std::vector<std::int64_t> shape) {
-  v1::Tensor tensor;
-  tensor.set_dtype(v1::DTYPE_FLOAT32);
-  for (std::int64_t dim : shape) tensor.add_shape(dim);
-  tensor.set_raw_data(std::string(reinterpret_cast<const char*>(values.data()),
-                                  values.size() * sizeof(float)));
-  return tensor;
+  return wire::MakeTensor(values, shape, v1::DTYPE_FLOAT32);
 }
 
 std::vector<float> ToFloats(const v1::Tensor& tensor) {
-  const std::size_t size = DTypeSize(tensor.dtype());
+  const std::size_t size = wire::DTypeSize(tensor.dtype());
   std::vector<float> values(size == 0 ? 0 : tensor.raw_data().size() / size);
-  EXPECT_TRUE(DecodeToFloat(tensor.raw_data(), tensor.dtype(), "tensor", false,
-                            absl::MakeSpan(values)).ok());
+  EXPECT_TRUE(
+      wire::DecodeToFloat(tensor.raw_data(), tensor.dtype(), "tensor", absl::MakeSpan(values)).ok());
   return values;
 }
 
@@ -80,20 +72,16 @@ v1::BackwardRequest MakeRequest(const LayerConfig& config, const Batch& batch,
 Gradients Reference(const LayerWeights& weights, const Batch& batch) {
   Gradients result;
   result.grad_hidden_states.assign(batch.hidden_states.size(), 0.f);
-  result.weights = LayerTensors::Zeros(weights.config);
-  BackwardInputs in = weights.AsInputs();
+  result.weights = ZeroWeights<std::vector<float>>(weights.config);
+  BackwardInputs in;
+  in.weights = DataOf(weights.values);
   in.hidden_states = batch.hidden_states.data();
   in.grad_output = batch.grad_output.data();
   in.cos = batch.cos.data();
   in.sin = batch.sin.data();
   BackwardOutputs out;
   out.grad_hidden_states = result.grad_hidden_states.data();
-  out.grad_q_weight = result.weights.tensors[kQProj].data();
-  out.grad_k_weight = result.weights.tensors[kKProj].data();
-  out.grad_v_weight = result.weights.tensors[kVProj].data();
-  out.grad_o_weight = result.weights.tensors[kOProj].data();
-  out.grad_q_norm_weight = result.weights.tensors[kQNorm].data();
-  out.grad_k_norm_weight = result.weights.tensors[kKNorm].data();
+  out.weight_gradients = DataOf(result.weights);
   Scalars scalars;  // the server's defaults: scaling 1/sqrt(head_dim), softcap 50, eps 1e-6
   scalars.scaling = 1.0f / std::sqrt(static_cast<float>(weights.config.head_dim));
   EXPECT_EQ(BackwardHost(weights.config, batch.batch, batch.seq_len, scalars, false, in, out),
@@ -103,13 +91,9 @@ Gradients Reference(const LayerWeights& weights, const Batch& batch) {
 
 LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response) {
   LayerTensors result;
-  const v1::WeightGradients& g = response.weight_gradients();
-  result.tensors[kQProj] = ToFloats(g.q_proj());
-  result.tensors[kKProj] = ToFloats(g.k_proj());
-  result.tensors[kVProj] = ToFloats(g.v_proj());
-  result.tensors[kOProj] = ToFloats(g.o_proj());
-  result.tensors[kQNorm] = ToFloats(g.q_norm());
-  result.tensors[kKNorm] = ToFloats(g.k_norm());
+  for (Weight weight : kAllWeights) {
+    result[weight] = ToFloats(wire::GradientTensor(response.weight_gradients(), weight));
+  }
   return result;
 }
 
@@ -139,10 +123,9 @@ LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response) {
 
 ::testing::AssertionResult Close(const LayerTensors& actual, const LayerTensors& expected,
                                  double relative, const std::string& what) {
-  for (int i = 0; i < kNumWeights; ++i) {
+  for (Weight weight : kAllWeights) {
     ::testing::AssertionResult result =
-        Close(actual.tensors[i], expected.tensors[i], relative,
-              what + " " + WeightModuleName(i));
+        Close(actual[weight], expected[weight], relative, what + " " + WeightModuleName(weight));
     if (!result) return result;
   }
   return ::testing::AssertionSuccess();
@@ -180,28 +163,30 @@ Fetched Fetch(v1::AttentionGradient::Stub& stub, const v1::FetchGradientsRequest
   grpc::ClientContext context;
   auto reader = stub.FetchGradients(&context, request);
   v1::GradientChunk chunk;
-  std::array<int, kNumWeights> dtypes{};
+  PerWeight<int> dtypes;
   while (reader->Read(&chunk)) {
     if (fetched.chunks++ == 0) {
       EXPECT_TRUE(chunk.has_state());
       fetched.state = chunk.state();
     }
-    const int index = WeightIndexOf(chunk.name());
-    EXPECT_GE(index, 0);
-    if (index < 0) continue;
-    std::vector<float>& values = fetched.gradients.tensors[index];
+    const std::optional<Weight> named = wire::WeightOfWireName(chunk.name());
+    EXPECT_TRUE(named.has_value()) << chunk.name();
+    if (!named.has_value()) continue;
+    const Weight index = *named;
+    std::vector<float>& values = fetched.gradients[index];
     if (chunk.shape_size() > 0) {
       std::size_t count = 1;
       for (std::int64_t dim : chunk.shape()) count *= dim;
       values.assign(count, NAN);
       dtypes[index] = chunk.dtype();
     }
-    const std::size_t size = DTypeSize(dtypes[index]);
+    const std::size_t size = wire::DTypeSize(dtypes[index]);
     const std::size_t count = size == 0 ? 0 : chunk.data().size() / size;
     EXPECT_LE(chunk.offset() + count, values.size());
     if (chunk.offset() + count > values.size()) continue;
-    EXPECT_TRUE(DecodeToFloat(chunk.data(), dtypes[index], "chunk", false,
-                              absl::MakeSpan(values.data() + chunk.offset(), count)).ok());
+    EXPECT_TRUE(wire::DecodeToFloat(chunk.data(), dtypes[index], "chunk",
+                                    absl::MakeSpan(values.data() + chunk.offset(), count))
+                    .ok());
   }
   fetched.status = reader->Finish();
   return fetched;
@@ -269,22 +254,10 @@ std::unique_ptr<v1::AttentionGradient::Stub> ServerTest::NewStub() {
 }
 
 std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<std::uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string body;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
-    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[65536];
-      ssize_t n;
-      while ((n = read(fd, buffer, sizeof buffer)) > 0) body.append(buffer, static_cast<std::size_t>(n));
-    }
-  }
-  close(fd);
-  return body;
+  absl::StatusOr<wire::HttpResponse> response =
+      wire::HttpGet(absl::StrCat("127.0.0.1:", port), path);
+  EXPECT_TRUE(response.ok()) << response.status();
+  return response.ok() ? response->body : std::string();
 }
 
 }  // namespace attngrad::server::testing

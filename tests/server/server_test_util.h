@@ -50,12 +50,13 @@ LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response);
 ::testing::AssertionResult Close(const LayerTensors& actual, const LayerTensors& expected,
                                  double relative, const std::string& what);
 
+// The body of an HTTP/1.0 GET of `path` on a loopback port (attngrad/wire/http_get.h); empty, with
+// a test failure, when the GET fails.
+std::string HttpGet(int port, const std::string& path);
+
 // ATTNGRAD_TEST_DEVICES (environment): --devices for the fixture's server ("cpu" when unset), so
 // the same tests can drive the GPU workers on a GPU machine. On a GPU, tolerances widen to 1e-3
 // (the kernels' accumulation order differs from the CPU reference's).
-// The body (with the status line and headers) of an HTTP/1.0 GET of `path` on a loopback port.
-std::string HttpGet(int port, const std::string& path);
-
 std::string TestDevices();
 bool TestOnGpu();
 double Tolerance(double cpu_tolerance);

@@ -1,14 +1,15 @@
 // Weights: LoadWeights (streamed upload, versions, refusals) and safetensors checkpoints (fp32,
 // bf16 and fp16 tensors, Gemma-3 names behind a prefix, a chosen layer, sharded index files).
+#include <optional>
 #include <cstdio>
 #include <fstream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "half_float.h"
-#include "weights/safetensors.h"
+#include "attngrad/wire/safetensors.h"
+#include "attngrad/wire/tensor.h"
 #include "server_test_util.h"
-#include "tensor_codec.h"
+#include "weights/safetensors.h"
 
 namespace attngrad::server::testing {
 namespace {
@@ -16,16 +17,17 @@ namespace {
 // Streams `weights` in chunks of at most chunk_elements, in `dtype`.
 grpc::Status Upload(v1::AttentionGradient::Stub& stub, const LayerWeights& weights,
                     std::uint64_t expected_version, v1::LoadWeightsResponse* response,
-                    std::size_t chunk_elements = 1 << 18, int skip_weight = -1,
+                    std::size_t chunk_elements = 1 << 18,
+                    std::optional<Weight> skip_weight = std::nullopt,
                     std::vector<std::int64_t> shape_override = {}) {
   grpc::ClientContext context;
   auto writer = stub.LoadWeights(&context, response);
-  for (int i = 0; i < kNumWeights; ++i) {
-    if (i == skip_weight) continue;
-    const std::vector<float>& values = weights.values.tensors[i];
+  for (Weight i : kAllWeights) {
+    if (skip_weight == i) continue;
+    const std::vector<float>& values = weights.values[i];
     for (std::size_t offset = 0; offset < values.size(); offset += chunk_elements) {
       v1::LoadWeightsRequest chunk;
-      chunk.set_name(WireWeightName(i));
+      chunk.set_name(wire::WireWeightName(i));
       chunk.set_offset(static_cast<std::int64_t>(offset));
       chunk.set_expected_weights_version(expected_version);
       if (offset == 0) {
@@ -35,8 +37,8 @@ grpc::Status Upload(v1::AttentionGradient::Stub& stub, const LayerWeights& weigh
         for (std::int64_t dim : shape) chunk.add_shape(dim);
       }
       const std::size_t count = std::min(chunk_elements, values.size() - offset);
-      EncodeFromFloat(absl::MakeConstSpan(values.data() + offset, count), v1::DTYPE_FLOAT32,
-                      chunk.mutable_data());
+      wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset, count),
+                            v1::DTYPE_FLOAT32, chunk.mutable_data());
       if (!writer->Write(chunk)) return writer->Finish();
     }
   }
@@ -99,18 +101,18 @@ TEST_F(ServerLoadWeightsTest, UploadBumpsTheVersionAndIsUsed) {
 TEST_F(ServerLoadWeightsTest, BadUploadsChangeNothing) {
   LayerWeights small;
   small.config = config();
-  small.values = LayerTensors::Zeros(config());
+  small.values = ZeroWeights<std::vector<float>>(config());
   v1::LoadWeightsResponse response;
   // A weight missing.
-  grpc::Status status = Upload(stub(), small, 0, &response, 1 << 20, /*skip_weight=*/kKNorm);
+  grpc::Status status = Upload(stub(), small, 0, &response, 1 << 20, /*skip_weight=*/Weight::kKNorm);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("k_norm"), std::string::npos) << status.error_message();
   // A wrong shape.
-  status = Upload(stub(), small, 0, &response, 1 << 20, -1, {3, 3});
+  status = Upload(stub(), small, 0, &response, 1 << 20, std::nullopt, {3, 3});
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("q_proj.shape"), std::string::npos) << status.error_message();
   // A non-finite value.
-  small.values.tensors[kVProj][5] = std::numeric_limits<float>::infinity();
+  small.values[Weight::kVProj][5] = std::numeric_limits<float>::infinity();
   status = Upload(stub(), small, 0, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("v_proj.data"), std::string::npos) << status.error_message();
@@ -136,35 +138,23 @@ TEST_F(ServerLoadWeightsTest, BadUploadsChangeNothing) {
 // safetensors
 
 struct StoredTensor {
-  std::string name, dtype;
+  std::string name;
+  v1::DType dtype;
   std::vector<std::int64_t> shape;
-  std::vector<float> values;  // stored rounded to dtype
+  std::vector<float> values;  // rounded to dtype by WriteSafetensors
 };
 
+// Writes the tensors with Hugging Face's metadata and rounds their values to what was stored.
 void WriteSafetensors(const std::string& path, std::vector<StoredTensor>& tensors) {
-  std::string data, header = "{\"__metadata__\":{\"format\":\"pt\"}";
+  std::vector<wire::SafetensorsTensor> written;
   for (StoredTensor& tensor : tensors) {
-    const std::size_t begin = data.size();
-    for (float& value : tensor.values) {
-      if (tensor.dtype == "F32") {
-        data.append(reinterpret_cast<const char*>(&value), 4);
-      } else {
-        const std::uint16_t bits =
-            tensor.dtype == "BF16" ? FloatToBFloat16(value) : FloatToHalf(value);
-        value = tensor.dtype == "BF16" ? BFloat16ToFloat(bits) : HalfToFloat(bits);
-        data.append(reinterpret_cast<const char*>(&bits), 2);
-      }
-    }
-    std::string shape;
-    for (std::int64_t dim : tensor.shape) shape += (shape.empty() ? "" : ",") + std::to_string(dim);
-    header += absl::StrCat(",\"", tensor.name, "\":{\"dtype\":\"", tensor.dtype, "\",\"shape\":[",
-                           shape, "],\"data_offsets\":[", begin, ",", data.size(), "]}");
+    std::string raw;
+    wire::EncodeFromFloat(tensor.values, tensor.dtype, &raw);
+    ASSERT_TRUE(
+        wire::DecodeToFloat(raw, tensor.dtype, tensor.name, absl::MakeSpan(tensor.values)).ok());
+    written.push_back({tensor.name, tensor.shape, tensor.values, tensor.dtype});
   }
-  header += "}";
-  std::ofstream file(path, std::ios::binary);
-  const std::uint64_t length = header.size();
-  file.write(reinterpret_cast<const char*>(&length), 8);
-  file << header << data;
+  ASSERT_TRUE(wire::WriteSafetensors(path, written, {{"format", "pt"}}).ok());
 }
 
 class ServerSafetensorsTest : public ServerTest {
@@ -179,20 +169,22 @@ class ServerSafetensorsTest : public ServerTest {
     path_ = ::testing::TempDir() + "attngrad_server_test_" + std::to_string(::getpid()) + ".safetensors";
     const LayerWeights layer3 = RandomLayerWeights(small_, 31);
     const LayerWeights layer2 = RandomLayerWeights(small_, 32);
-    const char* dtypes[kNumWeights] = {"F32", "BF16", "F16", "F32", "BF16", "F16"};
+    const v1::DType dtypes[kNumWeights] = {v1::DTYPE_FLOAT32,  v1::DTYPE_BFLOAT16,
+                                           v1::DTYPE_FLOAT16,  v1::DTYPE_FLOAT32,
+                                           v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT16};
     for (const auto& [layer, weights] : {std::pair<int, const LayerWeights*>{2, &layer2}, {kLayer, &layer3}}) {
-      for (int i = 0; i < kNumWeights; ++i) {
+      for (Weight i : kAllWeights) {
         tensors_.push_back(StoredTensor{
             absl::StrCat("language_model.model.layers.", layer, ".self_attn.", WeightModuleName(i), ".weight"),
-            dtypes[i], WeightShape(small_, i), weights->values.tensors[i]});
+            dtypes[IndexOf(i)], WeightShape(small_, i), weights->values[i]});
       }
     }
     // A vision-tower layer with the same suffix shape must not be picked up.
     tensors_.push_back(StoredTensor{"vision_tower.vision_model.encoder.layers.3.self_attn.q_proj.weight",
-                                    "F32", {4, 4}, std::vector<float>(16, 1.f)});
+                                    v1::DTYPE_FLOAT32, {4, 4}, std::vector<float>(16, 1.f)});
     WriteSafetensors(path_, tensors_);
     expected_.config = small_;
-    for (int i = 0; i < kNumWeights; ++i) expected_.values.tensors[i] = tensors_[kNumWeights + i].values;
+    for (Weight i : kAllWeights) expected_.values[i] = tensors_[kNumWeights + IndexOf(i)].values;
     options.weights = path_;
     options.weights_layer = kLayer;
     options.devices = "cpu";  // a head_dim-16 layer: the GPU kernels need 128
