@@ -8,8 +8,11 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "dtype.h"
-#include "tensor_files.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/layer.h"
+#include "attngrad/wire/safetensors.h"
+#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/tensor.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "gRPC address of the attngrad server");
 ABSL_FLAG(double, deadline_seconds, 300, "deadline of each call (and of one-batch streams)");
@@ -95,12 +98,8 @@ absl::StatusOr<v1::Precision> ParsePrecision(const std::string& text) {
 }
 
 absl::StatusOr<v1::DType> ParseDType(const std::string& text) {
-  const std::string t = absl::AsciiStrToLower(text);
-  if (t == "float32" || t == "fp32" || t.empty()) return v1::DTYPE_FLOAT32;
-  if (t == "float16" || t == "fp16") return v1::DTYPE_FLOAT16;
-  if (t == "bfloat16" || t == "bf16") return v1::DTYPE_BFLOAT16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("dtype must be float32, float16 or bfloat16, got '", text, "'"));
+  if (text.empty()) return v1::DTYPE_FLOAT32;
+  return wire::ParseDTypeName(text);
 }
 
 std::string ModeName(v1::GradientMode mode) {
@@ -113,10 +112,6 @@ int Fail(const std::string& command, const absl::Status& status) {
   return 1;
 }
 
-std::string HuggingFaceName(int layer, v1::WeightName name) {
-  return absl::StrCat("model.layers.", layer, ".self_attn.", WeightShortName(name), ".weight");
-}
-
 std::string LocalWeightsSource() {
   const std::string file = absl::GetFlag(FLAGS_weights_file);
   if (!file.empty()) {
@@ -125,46 +120,29 @@ std::string LocalWeightsSource() {
   return absl::StrCat("random:seed=", absl::GetFlag(FLAGS_weights_seed));
 }
 
+absl::StatusOr<std::string> LayerTensorName(const wire::SafetensorsCheckpoint& checkpoint,
+                                            Weight weight) {
+  return wire::FindLayerTensorName(checkpoint.TensorNames(), absl::GetFlag(FLAGS_weights_layer),
+                                   weight, checkpoint.path());
+}
+
 absl::StatusOr<WeightSet> LocalWeights(const LayerConfig& config) {
   const std::string path = absl::GetFlag(FLAGS_weights_file);
   if (path.empty()) return RandomWeights(config, absl::GetFlag(FLAGS_weights_seed));
-  auto file = SafetensorsFile::Open(path);
-  if (!file.ok()) return file.status();
+  ATTNGRAD_ASSIGN_OR_RETURN(const wire::SafetensorsCheckpoint checkpoint,
+                            wire::SafetensorsCheckpoint::Open(path));
   WeightSet weights;
-  const WeightSet expected = [&] {
-    WeightSet shapes;
-    shapes.q_proj.shape = {config.q_out(), config.hidden_size};
-    shapes.k_proj.shape = {config.kv_out(), config.hidden_size};
-    shapes.v_proj.shape = {config.kv_out(), config.hidden_size};
-    shapes.o_proj.shape = {config.hidden_size, config.q_out()};
-    shapes.q_norm.shape = {config.head_dim};
-    shapes.k_norm.shape = {config.head_dim};
-    return shapes;
-  }();
-  for (v1::WeightName name : WeightSet::Names()) {
-    const std::string tensor_name = HuggingFaceName(absl::GetFlag(FLAGS_weights_layer), name);
-    auto entry = file->entries().find(tensor_name);
-    if (entry == file->entries().end()) {
-      return absl::NotFoundError(absl::StrCat(path, ": no tensor ", tensor_name));
-    }
-    const v1::DType dtype = WireDTypeOf(entry->second.dtype);
-    if (dtype == v1::DTYPE_UNSPECIFIED) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", tensor_name, " has dtype ",
-                                                     entry->second.dtype,
-                                                     "; expected F32, F16 or BF16"));
-    }
-    if (entry->second.shape != expected.Get(name).shape) {
+  for (Weight weight : kAllWeights) {
+    ATTNGRAD_ASSIGN_OR_RETURN(const std::string name, LayerTensorName(checkpoint, weight));
+    ATTNGRAD_ASSIGN_OR_RETURN(const wire::SafetensorsEntry* entry, checkpoint.Find(name));
+    if (entry->shape != WeightShape(config, weight)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          path, ": ", tensor_name, " has shape ", ShapeString(entry->second.shape), ", expected ",
-          ShapeString(expected.Get(name).shape)));
+          path, ": ", name, " has shape ", wire::ShapeString(entry->shape), ", expected ",
+          wire::ShapeString(WeightShape(config, weight))));
     }
-    auto bytes = file->ReadBytes(tensor_name);
-    if (!bytes.ok()) return bytes.status();
-    HostTensor& tensor = weights.Get(name);
-    tensor.shape = entry->second.shape;
-    tensor.data.resize(static_cast<size_t>(tensor.num_elements()));
-    absl::Status status = DecodeFloats(*bytes, dtype, absl::MakeSpan(tensor.data));
-    if (!status.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", tensor_name, ": ", status.message()));
+    HostTensor& tensor = weights[weight];
+    tensor.shape = entry->shape;
+    ATTNGRAD_ASSIGN_OR_RETURN(tensor.data, checkpoint.ReadFloats(name));
   }
   return weights;
 }
@@ -183,7 +161,7 @@ std::string TensorSummary(const HostTensor& tensor) {
   }
   const double n = tensor.data.empty() ? 1.0 : static_cast<double>(tensor.data.size());
   std::string text = absl::StrFormat("%-14s l2 %-11.5g max|x| %-11.5g mean % .4e",
-                                     ShapeString(tensor.shape), std::sqrt(sum_squares), max_abs,
+                                     wire::ShapeString(tensor.shape), std::sqrt(sum_squares), max_abs,
                                      sum / n);
   if (non_finite) absl::StrAppend(&text, "  NON-FINITE: ", non_finite);
   return text;

@@ -10,6 +10,7 @@
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "attngrad/client.h"
+#include "attngrad/wire/safetensors.h"
 #include "random_tensors.h"
 
 // Connection.
@@ -66,13 +67,16 @@ std::string ModeName(v1::GradientMode mode);
 // Prints `status` to stderr as "attngrad-cli <command>: CODE: message" and returns exit status 1.
 int Fail(const std::string& command, const absl::Status& status);
 
-// The six weights for --check or load-weights: from --weights_file (layer --weights_layer, converted
-// to fp32) or random from --weights_seed (the server's generator).
+// The six weights for --check or load-weights: from --weights_file (a safetensors file, a sharded
+// checkpoint's index or a folder; layer --weights_layer, converted to fp32) or random from
+// --weights_seed (the server's generator).
 absl::StatusOr<WeightSet> LocalWeights(const LayerConfig& config);
 // "random:seed=N" or "safetensors:PATH#layer=I", as the server names its weights source.
 std::string LocalWeightsSource();
-// The Hugging Face tensor name of a weight of layer `layer`.
-std::string HuggingFaceName(int layer, v1::WeightName name);
+// The checkpoint's name of a weight of layer --weights_layer (Hugging Face names, possibly behind
+// a prefix).
+absl::StatusOr<std::string> LayerTensorName(const wire::SafetensorsCheckpoint& checkpoint,
+                                            Weight weight);
 
 // L2 norm, max |x| and mean of a tensor, for summaries.
 std::string TensorSummary(const HostTensor& tensor);

@@ -8,8 +8,10 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "attngrad/wire/layer.h"
+#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/tensor.h"
 #include "cli_common.h"
-#include "dtype.h"
 #include "reference_check.h"
 #include "tensor_files.h"
 
@@ -18,21 +20,19 @@ namespace {
 
 // Inputs from --hidden_states/--grad_output[/--cos/--sin] .npy files.
 absl::StatusOr<BatchInputs> FileInputs(const LayerConfig& config) {
-  auto hidden = ReadNpy(absl::GetFlag(FLAGS_hidden_states));
-  if (!hidden.ok()) return hidden.status();
-  auto grad = ReadNpy(absl::GetFlag(FLAGS_grad_output));
-  if (!grad.ok()) return grad.status();
-  if (hidden->shape.size() != 3 || hidden->shape[2] != config.hidden_size ||
-      grad->shape != hidden->shape) {
+  ATTNGRAD_ASSIGN_OR_RETURN(HostTensor hidden, ReadNpy(absl::GetFlag(FLAGS_hidden_states)));
+  ATTNGRAD_ASSIGN_OR_RETURN(HostTensor grad, ReadNpy(absl::GetFlag(FLAGS_grad_output)));
+  if (hidden.shape.size() != 3 || hidden.shape[2] != config.hidden_size ||
+      grad.shape != hidden.shape) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--hidden_states ", ShapeString(hidden->shape), " and --grad_output ",
-        ShapeString(grad->shape), " must both be [B,S,", config.hidden_size, "]"));
+        "--hidden_states ", wire::ShapeString(hidden.shape), " and --grad_output ",
+        wire::ShapeString(grad.shape), " must both be [B,S,", config.hidden_size, "]"));
   }
   BatchInputs inputs;
-  inputs.batch = hidden->shape[0];
-  inputs.seq_len = hidden->shape[1];
-  inputs.hidden_states = std::move(hidden->data);
-  inputs.grad_output = std::move(grad->data);
+  inputs.batch = hidden.shape[0];
+  inputs.seq_len = hidden.shape[1];
+  inputs.hidden_states = std::move(hidden.data);
+  inputs.grad_output = std::move(grad.data);
   const std::string cos_path = absl::GetFlag(FLAGS_cos), sin_path = absl::GetFlag(FLAGS_sin);
   if (cos_path.empty() != sin_path.empty()) {
     return absl::InvalidArgumentError("give both --cos and --sin, or neither");
@@ -41,18 +41,16 @@ absl::StatusOr<BatchInputs> FileInputs(const LayerConfig& config) {
     RotaryTables(inputs.batch, inputs.seq_len, config.head_dim, 10000.0, &inputs.cos, &inputs.sin);
     return inputs;
   }
-  auto cos = ReadNpy(cos_path);
-  if (!cos.ok()) return cos.status();
-  auto sin = ReadNpy(sin_path);
-  if (!sin.ok()) return sin.status();
+  ATTNGRAD_ASSIGN_OR_RETURN(HostTensor cos, ReadNpy(cos_path));
+  ATTNGRAD_ASSIGN_OR_RETURN(HostTensor sin, ReadNpy(sin_path));
   const std::vector<int64_t> rotary_shape = {inputs.batch, inputs.seq_len, config.head_dim};
-  if (cos->shape != rotary_shape || sin->shape != rotary_shape) {
-    return absl::InvalidArgumentError(absl::StrCat("--cos ", ShapeString(cos->shape), " and --sin ",
-                                                   ShapeString(sin->shape), " must be ",
-                                                   ShapeString(rotary_shape)));
+  if (cos.shape != rotary_shape || sin.shape != rotary_shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--cos ", wire::ShapeString(cos.shape), " and --sin ", wire::ShapeString(sin.shape),
+        " must be ", wire::ShapeString(rotary_shape)));
   }
-  inputs.cos = std::move(cos->data);
-  inputs.sin = std::move(sin->data);
+  inputs.cos = std::move(cos.data);
+  inputs.sin = std::move(sin.data);
   return inputs;
 }
 
@@ -81,7 +79,7 @@ int RunBackward() {
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(command, client.status());
   const v1::GetModelInfoResponse info = (*client)->cached_info();
-  const LayerConfig config = ConfigFromInfo(info);
+  const LayerConfig config = wire::LayerConfigFromWire(info.config());
 
   const bool from_files = !absl::GetFlag(FLAGS_hidden_states).empty() ||
                           !absl::GetFlag(FLAGS_grad_output).empty();
@@ -185,10 +183,10 @@ int RunBackward() {
       const std::string prefix = absl::StrCat(output, "/batch", index, "_");
       absl::Status status = WriteNpy(prefix + "grad_hidden_states.npy", grad);
       if (status.ok() && result.weight_gradients) {
-        for (v1::WeightName name : WeightSet::Names()) {
+        for (Weight weight : kAllWeights) {
           if (!status.ok()) break;
-          status = WriteNpy(absl::StrCat(prefix, "grad_", WeightShortName(name), ".npy"),
-                            result.weight_gradients->Get(name));
+          status = WriteNpy(absl::StrCat(prefix, "grad_", WeightModuleName(weight), ".npy"),
+                            (*result.weight_gradients)[weight]);
         }
       }
       if (!status.ok()) {

@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include "attngrad/wire/layer.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -51,7 +52,7 @@ int RunBench() {
   if (!response_dtype.ok()) return Fail(command, response_dtype.status());
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(command, client.status());
-  const LayerConfig config = ConfigFromInfo((*client)->cached_info());
+  const LayerConfig config = wire::LayerConfigFromWire((*client)->cached_info().config());
   const int64_t B = absl::GetFlag(FLAGS_batch), S = absl::GetFlag(FLAGS_seq_len);
   const int64_t count = absl::GetFlag(FLAGS_count);
   const int streams = std::max(1, absl::GetFlag(FLAGS_streams));

@@ -7,8 +7,10 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "attngrad/wire/layer.h"
+#include "attngrad/wire/safetensors.h"
+#include "attngrad/wire/tensor.h"
 #include "cli_common.h"
-#include "dtype.h"
 #include "tensor_files.h"
 
 namespace attngrad::cli {
@@ -30,26 +32,27 @@ int RunFetch() {
   if (!fetched.ok()) return Fail(command, fetched.status());
   std::cout << StateLine(fetched->state)
             << (absl::GetFlag(FLAGS_zero_after) ? " (zeroed: a new window started)" : "") << "\n";
-  for (v1::WeightName name : WeightSet::Names()) {
-    std::cout << "  grad_" << WeightShortName(name) << "  "
-              << TensorSummary(fetched->gradients.Get(name)) << "\n";
+  for (Weight weight : kAllWeights) {
+    std::cout << "  grad_" << WeightModuleName(weight) << "  "
+              << TensorSummary(fetched->gradients[weight]) << "\n";
   }
   const std::string output = absl::GetFlag(FLAGS_output);
   if (output.empty()) return 0;
   absl::Status status;
   if (absl::EndsWith(output, ".safetensors")) {
-    std::vector<std::pair<std::string, const HostTensor*>> tensors;
-    for (v1::WeightName name : WeightSet::Names()) {
-      tensors.emplace_back(HuggingFaceName(absl::GetFlag(FLAGS_weights_layer), name),
-                           &fetched->gradients.Get(name));
+    std::vector<wire::SafetensorsTensor> tensors;
+    for (Weight weight : kAllWeights) {
+      const HostTensor& gradient = fetched->gradients[weight];
+      tensors.push_back({wire::HuggingFaceTensorName(absl::GetFlag(FLAGS_weights_layer), weight),
+                         gradient.shape, gradient.data});
     }
-    status = WriteSafetensors(output, tensors);
+    status = wire::WriteSafetensors(output, tensors);
   } else {
     std::filesystem::create_directories(output);
-    for (v1::WeightName name : WeightSet::Names()) {
+    for (Weight weight : kAllWeights) {
       if (!status.ok()) break;
-      status = WriteNpy(absl::StrCat(output, "/grad_", WeightShortName(name), ".npy"),
-                        fetched->gradients.Get(name));
+      status = WriteNpy(absl::StrCat(output, "/grad_", WeightModuleName(weight), ".npy"),
+                        fetched->gradients[weight]);
     }
   }
   if (!status.ok()) return Fail(command, status);
@@ -73,7 +76,7 @@ int RunLoadWeights() {
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(command, client.status());
   const v1::GetModelInfoResponse info = (*client)->cached_info();
-  const LayerConfig config = ConfigFromInfo(info);
+  const LayerConfig config = wire::LayerConfigFromWire(info.config());
   const uint64_t expected = absl::GetFlag(FLAGS_expected_weights_version);
   const std::string path = absl::GetFlag(FLAGS_weights_file);
   absl::StatusOr<uint64_t> version;
@@ -84,18 +87,17 @@ int RunLoadWeights() {
     version = (*client)->LoadWeights(*weights, expected);
   } else {
     // The file's own dtype on the wire when the server accepts it (half the bytes for bf16/fp16).
-    auto file = SafetensorsFile::Open(path);
-    if (!file.ok()) return Fail(command, file.status());
+    auto checkpoint = wire::SafetensorsCheckpoint::Open(path);
+    if (!checkpoint.ok()) return Fail(command, checkpoint.status());
     std::vector<std::string> storage;
     std::vector<WeightUpload> uploads;
-    storage.reserve(WeightSet::Names().size());
-    for (v1::WeightName name : WeightSet::Names()) {
-      const std::string tensor_name = HuggingFaceName(absl::GetFlag(FLAGS_weights_layer), name);
-      auto entry = file->entries().find(tensor_name);
-      if (entry == file->entries().end()) {
-        return Fail(command, absl::NotFoundError(absl::StrCat(path, ": no tensor ", tensor_name)));
-      }
-      const v1::DType dtype = WireDTypeOf(entry->second.dtype);
+    storage.reserve(kNumWeights);
+    for (Weight weight : kAllWeights) {
+      auto tensor_name = LayerTensorName(*checkpoint, weight);
+      if (!tensor_name.ok()) return Fail(command, tensor_name.status());
+      auto entry = checkpoint->Find(*tensor_name);
+      if (!entry.ok()) return Fail(command, entry.status());
+      const v1::DType dtype = wire::DTypeFromSafetensors((*entry)->dtype);
       bool accepted = false;
       for (int d : info.supported_wire_dtypes()) accepted = accepted || d == dtype;
       if (dtype == v1::DTYPE_UNSPECIFIED || !accepted) {
@@ -106,10 +108,10 @@ int RunLoadWeights() {
         version = (*client)->LoadWeights(*weights, expected);
         break;
       }
-      auto bytes = file->ReadBytes(tensor_name);
+      auto bytes = checkpoint->ReadBytes(*tensor_name);
       if (!bytes.ok()) return Fail(command, bytes.status());
       storage.push_back(*std::move(bytes));
-      uploads.push_back(WeightUpload{name, dtype, entry->second.shape, storage.back()});
+      uploads.push_back(WeightUpload{weight, dtype, (*entry)->shape, storage.back()});
     }
     if (!uploads.empty()) version = (*client)->LoadWeights(uploads, expected);
   }

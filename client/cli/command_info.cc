@@ -3,8 +3,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_join.h"
+#include "attngrad/wire/dtype.h"
 #include "cli_common.h"
-#include "dtype.h"
 
 namespace attngrad::cli {
 
@@ -28,7 +28,7 @@ int RunInfo() {
             << " softcap=" << info->default_softcap() << " eps=" << info->default_eps() << "\n";
   std::vector<std::string> precisions, dtypes;
   for (int p : info->supported_precisions()) precisions.push_back(v1::Precision_Name(p));
-  for (int d : info->supported_wire_dtypes()) dtypes.push_back(std::string(DTypeName(static_cast<v1::DType>(d))));
+  for (int d : info->supported_wire_dtypes()) dtypes.push_back(wire::DTypeName(d));
   std::cout << "precisions           " << absl::StrJoin(precisions, " ") << "\n"
             << "wire dtypes          " << absl::StrJoin(dtypes, " ") << "\n";
   for (const v1::DeviceInfo& d : info->devices()) {

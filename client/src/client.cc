@@ -17,8 +17,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "attngrad/client.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/layer.h"
+#include "attngrad/wire/tensor.h"
 #include "client_impl.h"
-#include "dtype.h"
 
 namespace attngrad {
 
@@ -36,54 +38,7 @@ void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
   context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
-int64_t HostTensor::num_elements() const { return NumElements(shape); }
-
-HostTensor& WeightSet::Get(v1::WeightName name) {
-  return const_cast<HostTensor&>(static_cast<const WeightSet*>(this)->Get(name));
-}
-
-const HostTensor& WeightSet::Get(v1::WeightName name) const {
-  switch (name) {
-    case v1::WEIGHT_NAME_Q_PROJ:
-      return q_proj;
-    case v1::WEIGHT_NAME_K_PROJ:
-      return k_proj;
-    case v1::WEIGHT_NAME_V_PROJ:
-      return v_proj;
-    case v1::WEIGHT_NAME_O_PROJ:
-      return o_proj;
-    case v1::WEIGHT_NAME_Q_NORM:
-      return q_norm;
-    default:
-      return k_norm;
-  }
-}
-
-const std::vector<v1::WeightName>& WeightSet::Names() {
-  static const auto* const names = new std::vector<v1::WeightName>{
-      v1::WEIGHT_NAME_Q_PROJ, v1::WEIGHT_NAME_K_PROJ, v1::WEIGHT_NAME_V_PROJ,
-      v1::WEIGHT_NAME_O_PROJ, v1::WEIGHT_NAME_Q_NORM, v1::WEIGHT_NAME_K_NORM};
-  return *names;
-}
-
-absl::string_view WeightShortName(v1::WeightName name) {
-  switch (name) {
-    case v1::WEIGHT_NAME_Q_PROJ:
-      return "q_proj";
-    case v1::WEIGHT_NAME_K_PROJ:
-      return "k_proj";
-    case v1::WEIGHT_NAME_V_PROJ:
-      return "v_proj";
-    case v1::WEIGHT_NAME_O_PROJ:
-      return "o_proj";
-    case v1::WEIGHT_NAME_Q_NORM:
-      return "q_norm";
-    case v1::WEIGHT_NAME_K_NORM:
-      return "k_norm";
-    default:
-      return "";
-  }
-}
+int64_t HostTensor::num_elements() const { return wire::NumElements(shape); }
 
 absl::string_view HealthStatusName(HealthStatus status) {
   switch (status) {
@@ -388,7 +343,7 @@ absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expecte
       v1::DType dtype = v1::DTYPE_FLOAT32;
       int64_t received = 0;
     };
-    std::map<v1::WeightName, Progress> progress;
+    PerWeight<Progress> progress;
     bool have_state = false;
     absl::Status problem;
     v1::GradientChunk chunk;
@@ -399,49 +354,51 @@ absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expecte
         have_state = true;
       }
       if (chunk.name() == v1::WEIGHT_NAME_UNSPECIFIED) continue;  // a state-only chunk
-      if (!WeightShortName(chunk.name()).size()) {
+      const std::optional<Weight> named = wire::WeightOfWireName(chunk.name());
+      if (!named.has_value()) {
         problem = absl::InternalError(
             absl::StrCat("FetchGradients: unknown weight name ", static_cast<int>(chunk.name())));
         continue;
       }
-      Progress& p = progress[chunk.name()];
-      HostTensor& tensor = fetched.gradients.Get(chunk.name());
+      const Weight weight = *named;
+      Progress& p = progress[weight];
+      HostTensor& tensor = fetched.gradients[weight];
       if (!p.started) {
         if (chunk.shape().empty()) {
           problem = absl::InternalError(absl::StrCat("FetchGradients: the first chunk of ",
-                                                     WeightShortName(chunk.name()),
+                                                     WeightModuleName(weight),
                                                      " carries no shape"));
           continue;
         }
         p.started = true;
         p.dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : chunk.dtype();
         tensor.shape.assign(chunk.shape().begin(), chunk.shape().end());
-        tensor.data.assign(static_cast<size_t>(NumElements(tensor.shape)), 0.0f);
+        tensor.data.assign(static_cast<size_t>(wire::NumElements(tensor.shape)), 0.0f);
       }
-      const int64_t element = DTypeSize(p.dtype);
+      const int64_t element = wire::DTypeSize(p.dtype);
       const int64_t count = element ? static_cast<int64_t>(chunk.data().size()) / element : 0;
       if (element == 0 || count * element != static_cast<int64_t>(chunk.data().size()) ||
           chunk.offset() < 0 || chunk.offset() + count > tensor.num_elements()) {
         problem = absl::InternalError(absl::StrCat(
-            "FetchGradients: chunk of ", WeightShortName(chunk.name()), " at offset ",
-            chunk.offset(), " with ", chunk.data().size(), " bytes of ", DTypeName(p.dtype),
-            " does not fit shape ", ShapeString(tensor.shape)));
+            "FetchGradients: chunk of ", WeightModuleName(weight), " at offset ",
+            chunk.offset(), " with ", chunk.data().size(), " bytes of ", wire::DTypeName(p.dtype),
+            " does not fit shape ", wire::ShapeString(tensor.shape)));
         continue;
       }
-      problem = DecodeFloats(chunk.data(), p.dtype,
-                             absl::MakeSpan(tensor.data).subspan(chunk.offset(), count));
+      problem = wire::DecodeToFloat(chunk.data(), p.dtype, "FetchGradients chunk",
+                                    absl::MakeSpan(tensor.data).subspan(chunk.offset(), count));
       p.received += count;
     }
     absl::Status status = FromGrpc(reader->Finish(), "FetchGradients");
     if (!status.ok()) return status;
     if (!problem.ok()) return problem;
     if (!have_state) return absl::InternalError("FetchGradients: the server sent no state");
-    for (v1::WeightName name : WeightSet::Names()) {
-      const HostTensor& tensor = fetched.gradients.Get(name);
-      if (!progress[name].started || progress[name].received != tensor.num_elements()) {
+    for (Weight weight : kAllWeights) {
+      const HostTensor& tensor = fetched.gradients[weight];
+      if (!progress[weight].started || progress[weight].received != tensor.num_elements()) {
         return absl::InternalError(absl::StrCat(
-            "FetchGradients: ", WeightShortName(name), " incomplete: received ",
-            progress[name].received, " of ", tensor.num_elements(), " elements"));
+            "FetchGradients: ", WeightModuleName(weight), " incomplete: received ",
+            progress[weight].received, " of ", tensor.num_elements(), " elements"));
       }
     }
     return absl::OkStatus();
@@ -476,16 +433,17 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& we
                                              uint64_t expected_version) {
   if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
   for (const WeightUpload& weight : weights) {
-    const int64_t element = DTypeSize(weight.dtype);
-    if (element == 0 || WeightShortName(weight.name).empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "LoadWeights: weight ", static_cast<int>(weight.name), " has an unknown name or dtype ",
-          static_cast<int>(weight.dtype)));
+    const int64_t element = wire::DTypeSize(weight.dtype);
+    if (element == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("LoadWeights: ",
+                                                     WeightModuleName(weight.weight),
+                                                     " has an unknown dtype ",
+                                                     static_cast<int>(weight.dtype)));
     }
-    if (static_cast<int64_t>(weight.data.size()) != NumElements(weight.shape) * element) {
+    if (static_cast<int64_t>(weight.data.size()) != wire::NumElements(weight.shape) * element) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "LoadWeights: ", WeightShortName(weight.name), " has shape ", ShapeString(weight.shape),
-          " of ", DTypeName(weight.dtype), " (", NumElements(weight.shape) * element,
+          "LoadWeights: ", WeightModuleName(weight.weight), " has shape ", wire::ShapeString(weight.shape),
+          " of ", wire::DTypeName(weight.dtype), " (", wire::NumElements(weight.shape) * element,
           " bytes) but ", weight.data.size(), " bytes of data"));
     }
   }
@@ -496,14 +454,14 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& we
   const int64_t chunk_bytes = std::max<int64_t>(impl_->options().chunk_bytes, 1024);
   bool writing = true;
   for (const WeightUpload& weight : weights) {
-    const int64_t element = DTypeSize(weight.dtype);
+    const int64_t element = wire::DTypeSize(weight.dtype);
     const int64_t per_chunk = std::max<int64_t>(1, chunk_bytes / element);
-    const int64_t total = NumElements(weight.shape);
+    const int64_t total = wire::NumElements(weight.shape);
     int64_t offset = 0;
     do {
       const int64_t count = std::min(per_chunk, total - offset);
       v1::LoadWeightsRequest request;
-      request.set_name(weight.name);
+      request.set_name(wire::WireWeightName(weight.weight));
       request.set_dtype(weight.dtype);
       if (offset == 0) {
         for (int64_t d : weight.shape) request.add_shape(d);
@@ -525,10 +483,10 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& we
 
 absl::StatusOr<uint64_t> Client::LoadWeights(const WeightSet& weights, uint64_t expected_version) {
   std::vector<WeightUpload> uploads;
-  for (v1::WeightName name : WeightSet::Names()) {
-    const HostTensor& tensor = weights.Get(name);
+  for (Weight weight : kAllWeights) {
+    const HostTensor& tensor = weights[weight];
     uploads.push_back(WeightUpload{
-        name, v1::DTYPE_FLOAT32, tensor.shape,
+        weight, v1::DTYPE_FLOAT32, tensor.shape,
         absl::string_view(reinterpret_cast<const char*>(tensor.data.data()),
                           tensor.data.size() * sizeof(float))});
   }

@@ -5,11 +5,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "attngrad/client.h"
+#include "attngrad/wire/layer.h"
+#include "attngrad/wire/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "random_tensors.h"
 #include "reference_check.h"
-#include "tensor_files.h"
 #include "test_support.h"
 
 namespace attngrad {
@@ -95,10 +96,10 @@ TEST_F(CliTest, AccumulateFetchZeroAndBench) {
   const std::string file = dir.path() + "/grads.safetensors";
   ASSERT_EQ(Cli({"fetch", "--output=" + file}, &out), 0) << out;
   EXPECT_THAT(out, HasSubstr("3 batches, 24 tokens"));
-  auto written = SafetensorsFile::Open(file);
+  auto written = wire::SafetensorsFile::Open(file);
   ASSERT_TRUE(written.ok()) << written.status();
-  EXPECT_EQ(written->entries().size(), 6u);
-  EXPECT_EQ(written->entries().at("model.layers.0.self_attn.q_proj.weight").shape,
+  EXPECT_EQ(written->tensors().size(), 6u);
+  EXPECT_EQ(written->tensors().at("model.layers.0.self_attn.q_proj.weight").shape,
             (std::vector<int64_t>{3072, 3072}));
   ASSERT_EQ(Cli({"fetch", "--zero_after"}, &out), 0) << out;
   EXPECT_THAT(out, HasSubstr("zeroed"));
@@ -128,16 +129,16 @@ TEST_F(CliTest, LoadWeightsFromSafetensors) {
   TempDir dir;
   auto client = Client::Connect(server_->target());
   ASSERT_TRUE(client.ok()) << client.status();
-  const LayerConfig config = ConfigFromInfo((*client)->cached_info());
+  const LayerConfig config = wire::LayerConfigFromWire((*client)->cached_info().config());
   const uint64_t version = (*client)->cached_info().weights_version();
   const WeightSet weights = RandomWeights(config, 11);
-  std::vector<std::pair<std::string, const HostTensor*>> tensors;
-  for (v1::WeightName name : WeightSet::Names()) {
-    tensors.emplace_back(absl::StrCat("model.layers.2.self_attn.", WeightShortName(name), ".weight"),
-                         &weights.Get(name));
+  std::vector<wire::SafetensorsTensor> tensors;
+  for (Weight weight : kAllWeights) {
+    tensors.push_back({wire::HuggingFaceTensorName(2, weight), weights[weight].shape,
+                       weights[weight].data});
   }
   const std::string file = dir.path() + "/layer.safetensors";
-  ASSERT_TRUE(WriteSafetensors(file, tensors).ok());
+  ASSERT_TRUE(wire::WriteSafetensors(file, tensors).ok());
   std::string out;
   ASSERT_EQ(Cli({"load-weights", "--weights_file=" + file, "--weights_layer=2"}, &out), 0) << out;
   EXPECT_THAT(out, HasSubstr(absl::StrCat("weights version ", version + 1)));

@@ -1,12 +1,12 @@
-// The client library's pieces that need no server: wire dtype conversions, the split plan, .npy and
-// safetensors files, the SPEC section 4 comparison rule and the deterministic generators.
+// The client library's pieces that need no server: the split plan, .npy files, the SPEC section 4
+// comparison rule and the deterministic generators. (Wire dtypes, tensors and safetensors files are
+// the wire library's: tests/proto.)
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
 
 #include "client_impl.h"
-#include "dtype.h"
 #include "gtest/gtest.h"
 #include "random_tensors.h"
 #include "reference_check.h"
@@ -15,47 +15,6 @@
 
 namespace attngrad {
 namespace {
-
-TEST(DTypeTest, HalfConversions) {
-  EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
-  EXPECT_EQ(FloatToHalf(-2.0f), 0xc000);
-  EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);
-  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);  // rounds to inf
-  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
-  EXPECT_EQ(FloatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3c00);  // tie: to even
-  EXPECT_EQ(FloatToHalf(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);  // tie: to even (up)
-  EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(std::nanf("")))));
-  for (float v : {0.0f, 1.5f, -3.25f, 1e-5f, 6.1e-5f, 1000.5f, -0.099975586f}) {
-    const float back = HalfToFloat(FloatToHalf(v));
-    EXPECT_NEAR(back, v, std::fabs(v) * 1e-3 + 6e-8) << v;
-  }
-}
-
-TEST(DTypeTest, BFloat16Conversions) {
-  EXPECT_EQ(FloatToBFloat16(1.0f), 0x3f80);
-  EXPECT_EQ(BFloat16ToFloat(0x3f80), 1.0f);
-  EXPECT_EQ(FloatToBFloat16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);      // tie: to even
-  EXPECT_EQ(FloatToBFloat16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);  // tie: to even (up)
-  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(std::nanf("")))));
-}
-
-TEST(DTypeTest, TensorRoundTripAndErrors) {
-  const std::vector<float> values = {1.0f, -2.5f, 0.125f, 3.0f, 0.0f, -0.5f};
-  for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
-    const v1::Tensor tensor = MakeTensor(values, {2, 3}, dtype);
-    EXPECT_EQ(static_cast<int64_t>(tensor.raw_data().size()), 6 * DTypeSize(dtype));
-    std::vector<float> back;
-    ASSERT_TRUE(ReadTensor(tensor, {2, 3}, "t", &back).ok());
-    EXPECT_EQ(back, values) << DTypeName(dtype);  // all exactly representable
-    EXPECT_FALSE(ReadTensor(tensor, {3, 2}, "t", &back).ok());
-  }
-  v1::Tensor short_tensor = MakeTensor(values, {2, 3});
-  short_tensor.mutable_raw_data()->resize(20);
-  std::vector<float> out;
-  const absl::Status status = ReadTensor(short_tensor, {2, 3}, "grad_hidden_states", &out);
-  EXPECT_FALSE(status.ok());
-  EXPECT_NE(status.message().find("grad_hidden_states"), absl::string_view::npos);
-}
 
 TEST(SplitPlanTest, TokensAndMessageLimits) {
   MessageSizes sizes;
@@ -94,56 +53,6 @@ TEST(TensorFilesTest, NpyRoundTrip) {
   EXPECT_FALSE(ReadNpy(dir.path() + "/missing.npy").ok());
 }
 
-TEST(TensorFilesTest, SafetensorsReadsWhatItWritesAndBf16) {
-  testing::TempDir dir;
-  HostTensor a{{2, 2}, {1, 2, 3, 4}};
-  HostTensor b{{3}, {-1, 0.5f, 8}};
-  const std::string path = dir.path() + "/x.safetensors";
-  ASSERT_TRUE(WriteSafetensors(path, {{"a", &a}, {"b.weight", &b}}).ok());
-  auto file = SafetensorsFile::Open(path);
-  ASSERT_TRUE(file.ok()) << file.status();
-  ASSERT_EQ(file->entries().size(), 2u);
-  EXPECT_EQ(file->entries().at("b.weight").dtype, "F32");
-  auto bytes = file->ReadBytes("b.weight");
-  ASSERT_TRUE(bytes.ok());
-  std::vector<float> values(3);
-  ASSERT_TRUE(DecodeFloats(*bytes, v1::DTYPE_FLOAT32, absl::MakeSpan(values)).ok());
-  EXPECT_EQ(values, b.data);
-  EXPECT_EQ(file->ReadBytes("nope").status().code(), absl::StatusCode::kNotFound);
-
-  // A hand-written BF16 file with metadata, as Hugging Face writes them.
-  const std::string header =
-      R"({"__metadata__":{"format":"pt"},"w":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}})";
-  const std::string bf16_path = dir.path() + "/bf16.safetensors";
-  {
-    std::ofstream out(bf16_path, std::ios::binary);
-    uint64_t length = header.size();
-    out.write(reinterpret_cast<const char*>(&length), 8);
-    out << header;
-    const uint16_t data[2] = {FloatToBFloat16(1.5f), FloatToBFloat16(-2.0f)};
-    out.write(reinterpret_cast<const char*>(data), 4);
-  }
-  auto bf16 = SafetensorsFile::Open(bf16_path);
-  ASSERT_TRUE(bf16.ok()) << bf16.status();
-  EXPECT_EQ(WireDTypeOf(bf16->entries().at("w").dtype), v1::DTYPE_BFLOAT16);
-  auto raw = bf16->ReadBytes("w");
-  ASSERT_TRUE(raw.ok());
-  std::vector<float> decoded(2);
-  ASSERT_TRUE(DecodeFloats(*raw, v1::DTYPE_BFLOAT16, absl::MakeSpan(decoded)).ok());
-  EXPECT_EQ(decoded, (std::vector<float>{1.5f, -2.0f}));
-
-  // A broken header is an error, not a crash.
-  const std::string bad_path = dir.path() + "/bad.safetensors";
-  {
-    std::ofstream out(bad_path, std::ios::binary);
-    const std::string bad = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0})";
-    uint64_t length = bad.size();
-    out.write(reinterpret_cast<const char*>(&length), 8);
-    out << bad;
-  }
-  EXPECT_EQ(SafetensorsFile::Open(bad_path).status().code(), absl::StatusCode::kInvalidArgument);
-}
-
 TEST(ReferenceCheckTest, SpecSectionFourRule) {
   EXPECT_DOUBLE_EQ(SpecAtol(2, 541), .0079);
   EXPECT_DOUBLE_EQ(SpecAtol(64, 256), .0099);
@@ -169,13 +78,13 @@ TEST(ReferenceCheckTest, SpecSectionFourRule) {
 TEST(RandomTensorsTest, DeterministicAndShapedAsSpecSectionThree) {
   const LayerConfig config;
   const WeightSet a = RandomWeights(config, 5), b = RandomWeights(config, 5), c = RandomWeights(config, 6);
-  EXPECT_EQ(a.q_norm.data, b.q_norm.data);
-  EXPECT_NE(a.q_norm.data, c.q_norm.data);
-  EXPECT_EQ(a.o_proj.shape, (std::vector<int64_t>{3072, 3072}));
-  EXPECT_EQ(a.k_proj.shape, (std::vector<int64_t>{1024, 3072}));
+  EXPECT_EQ(a[Weight::kQNorm].data, b[Weight::kQNorm].data);
+  EXPECT_NE(a[Weight::kQNorm].data, c[Weight::kQNorm].data);
+  EXPECT_EQ(a[Weight::kOProj].shape, (std::vector<int64_t>{3072, 3072}));
+  EXPECT_EQ(a[Weight::kKProj].shape, (std::vector<int64_t>{1024, 3072}));
   double sum_squares = 0;
-  for (float v : a.q_proj.data) sum_squares += double{v} * v;
-  EXPECT_NEAR(std::sqrt(sum_squares / a.q_proj.data.size()), std::sqrt(2.0 / 3072), 1e-4);
+  for (float v : a[Weight::kQProj].data) sum_squares += double{v} * v;
+  EXPECT_NEAR(std::sqrt(sum_squares / a[Weight::kQProj].data.size()), std::sqrt(2.0 / 3072), 1e-4);
   const BatchInputs inputs = RandomBatchInputs(config, 2, 5, 1);
   EXPECT_EQ(inputs.hidden_states.size(), 2u * 5 * 3072);
   EXPECT_EQ(inputs.cos.size(), 2u * 5 * 128);

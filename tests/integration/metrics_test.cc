@@ -6,6 +6,7 @@
 #include <fstream>
 #include <memory>
 
+#include "attngrad/wire/layer.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "attngrad/client.h"
@@ -58,7 +59,7 @@ TEST(MetricsTest, PrometheusScrapesServerMetricsAndPromtoolAcceptsThem) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto client = Client::Connect((*server)->target());
   ASSERT_TRUE(client.ok()) << client.status();
-  const LayerConfig config = ConfigFromInfo((*client)->cached_info());
+  const LayerConfig config = wire::LayerConfigFromWire((*client)->cached_info().config());
   ASSERT_TRUE((*client)->Zero().ok());
 
   // 3 RETURN batches of 8 tokens, 2 ACCUMULATE batches of 16 tokens, 1 refused batch.

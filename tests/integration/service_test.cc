@@ -11,7 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "attngrad/client.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
-#include "dtype.h"
+#include "attngrad/wire/layer.h"
+#include "attngrad/wire/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "random_tensors.h"
@@ -37,7 +38,7 @@ class EndToEndTest : public ::testing::Test {
     server_ = *std::move(server);
     client_ = Connect();
     ASSERT_NE(client_, nullptr);
-    config_ = ConfigFromInfo(client_->cached_info());
+    config_ = wire::LayerConfigFromWire(client_->cached_info().config());
   }
 
   void TearDown() override {
@@ -78,27 +79,27 @@ class EndToEndTest : public ::testing::Test {
 
 // Every element of `got` within `relative` * max|want| of `want`.
 void ExpectNear(const WeightSet& got, const WeightSet& want, double relative, const std::string& what) {
-  for (v1::WeightName name : WeightSet::Names()) {
-    const HostTensor& g = got.Get(name);
-    const HostTensor& w = want.Get(name);
-    ASSERT_EQ(g.shape, w.shape) << what << " " << WeightShortName(name);
+  for (Weight weight : kAllWeights) {
+    const HostTensor& g = got[weight];
+    const HostTensor& w = want[weight];
+    ASSERT_EQ(g.shape, w.shape) << what << " " << WeightModuleName(weight);
     double scale = 0, worst = 0;
     for (float v : w.data) scale = std::max(scale, std::fabs(double{v}));
     for (size_t i = 0; i < g.data.size(); ++i) {
       worst = std::max(worst, std::fabs(double{g.data[i]} - w.data[i]));
     }
-    EXPECT_GT(scale, 0) << what << " " << WeightShortName(name) << " is all zeros";
-    EXPECT_LE(worst, relative * scale) << what << " " << WeightShortName(name);
+    EXPECT_GT(scale, 0) << what << " " << WeightModuleName(weight) << " is all zeros";
+    EXPECT_LE(worst, relative * scale) << what << " " << WeightModuleName(weight);
   }
 }
 
 // SPEC section 4 on each of the six weight gradients.
 void ExpectSpecMatch(const WeightSet& got, const WeightSet& reference, double atol,
                      const std::string& what) {
-  for (v1::WeightName name : WeightSet::Names()) {
-    const bool norm = name == v1::WEIGHT_NAME_Q_NORM || name == v1::WEIGHT_NAME_K_NORM;
-    const OutputComparison c = CompareOutput(std::string(WeightShortName(name)),
-                                             got.Get(name).data, reference.Get(name).data, atol, norm);
+  for (Weight weight : kAllWeights) {
+    const bool norm = weight == Weight::kQNorm || weight == Weight::kKNorm;
+    const OutputComparison c = CompareOutput(std::string(WeightModuleName(weight)),
+                                             got[weight].data, reference[weight].data, atol, norm);
     EXPECT_TRUE(c.passed) << what << ": " << c.name << " " << c.misses << "/" << c.elements
                           << " outside tolerance, max |err| " << c.max_abs_error;
   }
@@ -261,17 +262,17 @@ TEST_F(EndToEndTest, AccumulateFromConcurrentClientsEqualsReturnSumAndReference)
   auto after_retry = client_->Fetch(false, window);
   ASSERT_TRUE(after_retry.ok()) << after_retry.status();
   EXPECT_EQ(after_retry->state.batches(), static_cast<int64_t>(shapes.size()));
-  EXPECT_EQ(after_retry->gradients.q_proj.data, fetched->gradients.q_proj.data);
+  EXPECT_EQ(after_retry->gradients[Weight::kQProj].data, fetched->gradients[Weight::kQProj].data);
 
   // Fetch-and-zero: the sums once more, then an empty new window.
   auto drained = client_->Fetch(/*zero_after=*/true, window);
   ASSERT_TRUE(drained.ok()) << drained.status();
-  EXPECT_EQ(drained->gradients.o_proj.data, fetched->gradients.o_proj.data);
+  EXPECT_EQ(drained->gradients[Weight::kOProj].data, fetched->gradients[Weight::kOProj].data);
   auto empty = client_->Fetch(false);
   ASSERT_TRUE(empty.ok()) << empty.status();
   EXPECT_NE(empty->state.window_id(), window);
   EXPECT_EQ(empty->state.batches(), 0);
-  for (float v : empty->gradients.k_proj.data) ASSERT_EQ(v, 0.0f);
+  for (float v : empty->gradients[Weight::kKProj].data) ASSERT_EQ(v, 0.0f);
   retry.accumulation_window_id = window;  // the old window
   auto stale = client_->Backward(retry);
   ASSERT_FALSE(stale.ok());
@@ -357,15 +358,15 @@ TEST_F(EndToEndTest, BadInputReachesClientWithServerMessage) {
   const BatchInputs big = RandomBatchInputs(config_, 2, 32, 22);  // 64 tokens > 32
   v1::BackwardRequest bad_dtype;
   bad_dtype.set_batch_id(1);
-  *bad_dtype.mutable_hidden_states() = MakeTensor(good.hidden_states, {1, 8, 3072});
+  *bad_dtype.mutable_hidden_states() = wire::MakeTensor(good.hidden_states, {1, 8, 3072});
   bad_dtype.mutable_hidden_states()->set_dtype(static_cast<v1::DType>(9));
-  *bad_dtype.mutable_grad_output() = MakeTensor(good.grad_output, {1, 8, 3072});
-  *bad_dtype.mutable_rotary_tables()->mutable_cos() = MakeTensor(good.cos, {1, 8, 128});
-  *bad_dtype.mutable_rotary_tables()->mutable_sin() = MakeTensor(good.sin, {1, 8, 128});
+  *bad_dtype.mutable_grad_output() = wire::MakeTensor(good.grad_output, {1, 8, 3072});
+  *bad_dtype.mutable_rotary_tables()->mutable_cos() = wire::MakeTensor(good.cos, {1, 8, 128});
+  *bad_dtype.mutable_rotary_tables()->mutable_sin() = wire::MakeTensor(good.sin, {1, 8, 128});
   v1::BackwardRequest too_big;
   too_big.set_batch_id(2);
-  *too_big.mutable_hidden_states() = MakeTensor(big.hidden_states, {2, 32, 3072});
-  *too_big.mutable_grad_output() = MakeTensor(big.grad_output, {2, 32, 3072});
+  *too_big.mutable_hidden_states() = wire::MakeTensor(big.hidden_states, {2, 32, 3072});
+  *too_big.mutable_grad_output() = wire::MakeTensor(big.grad_output, {2, 32, 3072});
   too_big.mutable_positions()->add_position_ids(0);
   for (const v1::BackwardRequest* request : {&bad_dtype, &too_big}) {
     ASSERT_TRUE(raw->Write(*request));
@@ -393,8 +394,8 @@ TEST_F(EndToEndTest, BadInputReachesClientWithServerMessage) {
   auto stale_upload = client_->LoadWeights(weights, version + 100);
   EXPECT_EQ(stale_upload.status().code(), absl::StatusCode::kFailedPrecondition)
       << stale_upload.status();
-  weights.q_proj.shape = {3072, 3071};
-  weights.q_proj.data.resize(3072 * 3071);
+  weights[Weight::kQProj].shape = {3072, 3071};
+  weights[Weight::kQProj].data.resize(3072 * 3071);
   auto bad_upload = client_->LoadWeights(weights);
   EXPECT_EQ(bad_upload.status().code(), absl::StatusCode::kInvalidArgument) << bad_upload.status();
   EXPECT_THAT(std::string(bad_upload.status().message()), HasSubstr("q_proj"));
@@ -404,7 +405,7 @@ TEST_F(EndToEndTest, BadInputReachesClientWithServerMessage) {
   ASSERT_TRUE(state.ok()) << state.status();
   EXPECT_EQ(state->state.batches(), 0);
   EXPECT_EQ(state->state.tokens(), 0);
-  for (float v : state->gradients.q_proj.data) ASSERT_EQ(v, 0.0f);
+  for (float v : state->gradients[Weight::kQProj].data) ASSERT_EQ(v, 0.0f);
   auto info = client_->Info();
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->weights_version(), version);

@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "http_get.h"
+#include "attngrad/wire/http_get.h"
 
 namespace attngrad::testing {
 
@@ -56,10 +56,11 @@ int RunCommand(const std::vector<std::string>& argv, std::string* output,
 // A random loopback port in [20000, 60000) that could be bound just now.
 int PickPort();
 
-// GET http://127.0.0.1:port<path> (client/src/http_get.h).
+// GET http://127.0.0.1:port<path> (attngrad/wire/http_get.h).
+using ::attngrad::wire::HttpResponse;
 absl::StatusOr<HttpResponse> HttpGet(int port, const std::string& path,
                                      absl::Duration timeout = absl::Seconds(10));
-using ::attngrad::UrlEncode;
+using ::attngrad::wire::UrlEncode;
 
 // The real attngrad-server on loopback ports with the CPU backend and random weights of seed 7.
 class TestServer {
