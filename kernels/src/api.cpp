@@ -64,7 +64,7 @@ Status CheckBackwardArguments(const LayerConfig& config, int batch, int seq_len,
     return {kInvalid, "batch * seq_len exceeds the 2^26 tokens one call may carry"};
   }
   if (!scalars.IsValid()) {
-    return {kInvalid, "scalars must be finite, with softcap > 0 and eps > 0"};
+    return {kInvalid, "scalars must be finite, with eps > 0 and sliding_window >= 0"};
   }
   if (in.grad_output == nullptr) return {kInvalid, "grad_output is null"};
   if (in.hidden_states == nullptr) return {kInvalid, "hidden_states is null"};
@@ -113,10 +113,73 @@ BackwardOutputs MakeOutputs(float* grad_hidden_states, float* grad_q_weight, flo
   return out;
 }
 
+LayerConfig ConfigOf(const attngrad_layer& layer) {
+  LayerConfig config;
+  config.hidden_size = layer.hidden_size;
+  config.num_heads = layer.num_heads;
+  config.num_kv_heads = layer.num_kv_heads;
+  config.head_dim = layer.head_dim;
+  return config;
+}
+
+Scalars ScalarsOf(const attngrad_layer& layer) {
+  Scalars scalars;
+  scalars.scaling = layer.scaling;
+  scalars.softcap = layer.softcap;
+  scalars.eps = layer.eps;
+  scalars.sliding_window = layer.sliding_window;
+  return scalars;
+}
+
+BackwardInputs InputsOf(const attngrad_inputs& in) {
+  return MakeInputs(in.grad_output, in.hidden_states, in.cos, in.sin, in.q_weight, in.k_weight,
+                    in.v_weight, in.o_weight, in.q_norm_weight, in.k_norm_weight);
+}
+
+BackwardOutputs OutputsOf(const attngrad_outputs& out) {
+  return MakeOutputs(out.grad_hidden_states, out.grad_q_weight, out.grad_k_weight,
+                     out.grad_v_weight, out.grad_o_weight, out.grad_q_norm_weight,
+                     out.grad_k_norm_weight);
+}
+
 }  // namespace
 }  // namespace attngrad
 
 extern "C" {
+
+size_t attngrad_workspace_size_ex(const attngrad_layer* layer, int batch, int seq_len,
+                                  int precision) {
+  if (layer == nullptr || batch < 1 || seq_len < 1 || !attngrad::IsValidPrecision(precision)) {
+    return 0;
+  }
+  if (static_cast<long long>(batch) * seq_len > attngrad::kMaxTokens) return 0;
+  const attngrad::LayerConfig config = attngrad::ConfigOf(*layer);
+  if (!config.IsValid() || !attngrad::ScalarsOf(*layer).IsValid()) return 0;
+  return attngrad::DeviceWorkspaceSize(config, batch, seq_len,
+                                       static_cast<attngrad::Precision>(precision));
+}
+
+int attngrad_backward_ex(const attngrad_layer* layer, int batch, int seq_len, int precision,
+                         int accumulate, const attngrad_inputs* inputs,
+                         const attngrad_outputs* outputs, void* workspace, size_t workspace_size,
+                         void* stream) {
+  if (layer == nullptr || inputs == nullptr || outputs == nullptr) return ATTNGRAD_INVALID_ARGUMENT;
+  if (!attngrad::IsValidPrecision(precision)) return ATTNGRAD_INVALID_ARGUMENT;
+  return attngrad::BackwardDevice(attngrad::ConfigOf(*layer), batch, seq_len,
+                                  attngrad::ScalarsOf(*layer),
+                                  static_cast<attngrad::Precision>(precision), accumulate != 0,
+                                  attngrad::InputsOf(*inputs), attngrad::OutputsOf(*outputs),
+                                  workspace, workspace_size, stream)
+      .code;
+}
+
+int attngrad_backward_host_ex(const attngrad_layer* layer, int batch, int seq_len, int accumulate,
+                              const attngrad_inputs* inputs, const attngrad_outputs* outputs) {
+  if (layer == nullptr || inputs == nullptr || outputs == nullptr) return ATTNGRAD_INVALID_ARGUMENT;
+  return attngrad::BackwardHost(attngrad::ConfigOf(*layer), batch, seq_len,
+                                attngrad::ScalarsOf(*layer), accumulate != 0,
+                                attngrad::InputsOf(*inputs), attngrad::OutputsOf(*outputs));
+}
 
 size_t attngrad_workspace_size(int batch, int seq_len, int precision) {
   if (batch < 1 || seq_len < 1 || !attngrad::IsValidPrecision(precision)) return 0;

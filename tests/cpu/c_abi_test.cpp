@@ -1,6 +1,7 @@
 // The C ABI of attngrad.h on the CPU: attngrad_backward_host for the 4B configuration against the
 // float64 loops, accumulate through the ABI, every bad-argument path of attngrad_backward_host and
-// attngrad_backward, attngrad_workspace_size on bad arguments, and attngrad_status_string.
+// attngrad_backward, attngrad_workspace_size on bad arguments, attngrad_status_string, and the
+// _ex entry points that take any Gemma-3 layer.
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -287,6 +288,75 @@ TEST(CAbiHost, Gemma4BMatchesFloat64LoopsAndAccumulates) {
           << kGradientNames[static_cast<std::size_t>(i)] << "[" << e << "]";
     }
   }
+}
+
+// attngrad_backward_host_ex: a Gemma-3 layer of another shape (head_dim 256, 4/1 heads like the 1B),
+// no soft-capping and a sliding window, against the float64 loops; the SPEC layer through the _ex
+// entry is bit for bit attngrad_backward_host; null structs are invalid arguments.
+attngrad_layer AbiLayerOf(const Problem& p) {
+  return attngrad_layer{p.config.hidden_size, p.config.num_heads,  p.config.num_kv_heads,
+                        p.config.head_dim,    p.scalars.scaling,   p.scalars.softcap,
+                        p.scalars.eps,        p.scalars.sliding_window};
+}
+
+attngrad_inputs AbiInputsOf(const Problem& p) {
+  return attngrad_inputs{p.grad_output.data(),
+                         p.hidden_states.data(),
+                         p.cos.data(),
+                         p.sin.data(),
+                         p.weights[Weight::kQProj].data(),
+                         p.weights[Weight::kKProj].data(),
+                         p.weights[Weight::kVProj].data(),
+                         p.weights[Weight::kOProj].data(),
+                         p.weights[Weight::kQNorm].data(),
+                         p.weights[Weight::kKNorm].data()};
+}
+
+attngrad_outputs AbiOutputsOf(Gradients<float>& out) {
+  return attngrad_outputs{out[0].data(), out[1].data(), out[2].data(), out[3].data(),
+                          out[4].data(), out[5].data(), out[6].data()};
+}
+
+TEST(CAbiHostEx, AnyGemma3LayerMatchesFloat64Loops) {
+  attngrad::Scalars scalars;
+  scalars.scaling = 1.0f / 16.0f;
+  scalars.softcap = 0.0f;
+  scalars.sliding_window = 4;
+  const LayerConfig config{64, 4, 1, 256};
+  const Problem problem = MakeProblem(config, 2, 9, scalars, 4545);
+  Gradients<float> got = MakeOutputBuffers(config, 2, 9, kNaN);
+  const attngrad_layer layer = AbiLayerOf(problem);
+  const attngrad_inputs inputs = AbiInputsOf(problem);
+  const attngrad_outputs outputs = AbiOutputsOf(got);
+  ASSERT_EQ(attngrad_backward_host_ex(&layer, 2, 9, 0, &inputs, &outputs), ATTNGRAD_OK);
+  EXPECT_TRUE(AllMatch("C ABI _ex, head_dim 256, 4/1 heads, no soft-cap, window 4", got,
+                       ReferenceBackward(problem.Widened()), Tolerance()));
+
+  EXPECT_EQ(attngrad_backward_host_ex(nullptr, 2, 9, 0, &inputs, &outputs),
+            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad_backward_host_ex(&layer, 2, 9, 0, nullptr, &outputs),
+            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad_backward_host_ex(&layer, 2, 9, 0, &inputs, nullptr),
+            ATTNGRAD_INVALID_ARGUMENT);
+  attngrad_layer negative_window = layer;
+  negative_window.sliding_window = -2;
+  EXPECT_EQ(attngrad_backward_host_ex(&negative_window, 2, 9, 0, &inputs, &outputs),
+            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad_workspace_size_ex(nullptr, 1, 1, ATTNGRAD_PRECISION_AUTO), 0u);
+  EXPECT_EQ(attngrad_workspace_size_ex(&negative_window, 1, 1, ATTNGRAD_PRECISION_AUTO), 0u);
+}
+
+TEST(CAbiHostEx, SpecLayerIsTheSeedsEntryPoint) {
+  const Problem problem =
+      MakeProblem(LayerConfig::Gemma3_4B(), 1, 3, attngrad::Scalars(), 4646);
+  Gradients<float> seed = MakeOutputBuffers(LayerConfig::Gemma3_4B(), 1, 3, kNaN);
+  Gradients<float> extended = MakeOutputBuffers(LayerConfig::Gemma3_4B(), 1, 3, kNaN);
+  ASSERT_EQ(AbiCall(problem, seed, 0).Host(), ATTNGRAD_OK);
+  const attngrad_layer layer = AbiLayerOf(problem);
+  const attngrad_inputs inputs = AbiInputsOf(problem);
+  const attngrad_outputs outputs = AbiOutputsOf(extended);
+  ASSERT_EQ(attngrad_backward_host_ex(&layer, 1, 3, 0, &inputs, &outputs), ATTNGRAD_OK);
+  for (int i = 0; i < kNumGradients; ++i) EXPECT_EQ(extended[i], seed[i]) << kGradientNames[i];
 }
 
 }  // namespace

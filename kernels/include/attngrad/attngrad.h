@@ -85,6 +85,63 @@ ATTNGRAD_API int attngrad_backward_host(int batch, int seq_len, float scaling, f
                                         float* grad_o_weight, float* grad_q_norm_weight,
                                         float* grad_k_norm_weight);
 
+/* ---- Any Gemma-3 layer ------------------------------------------------------------------------
+ * The entry points above compute SPEC.md's layer (hidden 3072, 24/8 heads, head_dim 128, soft-cap
+ * > 0, full causal attention). These take the layer as a struct, so every attention layer of the
+ * published Gemma-3 models can be computed: any head counts and head_dim (the CPU any; the GPU
+ * kernels the ones attngrad_workspace_size_ex does not answer 0 for), no soft-capping
+ * (softcap <= 0: the score is s itself, as Gemma-3's attn_logit_softcapping null), and a sliding
+ * window (a query at position i of its sequence sees the keys j with i - sliding_window < j <= i;
+ * 0 = full causal attention, Gemma-3's global layers). The tensors' shapes follow the layer: hidden
+ * = hidden_size, q_out = num_heads * head_dim, kv_out = num_kv_heads * head_dim, D = head_dim. */
+typedef struct {
+  int hidden_size;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  float scaling;       /* e.g. query_pre_attn_scalar^-0.5 */
+  float softcap;       /* attn_logit_softcapping; <= 0: none */
+  float eps;           /* rms_norm_eps */
+  int sliding_window;  /* 0: full causal attention */
+} attngrad_layer;
+
+typedef struct {
+  const float* grad_output;    /* [B,S,hidden] */
+  const float* hidden_states;  /* [B,S,hidden] */
+  const float* cos;            /* [B,S,D] */
+  const float* sin;            /* [B,S,D] */
+  const float* q_weight;       /* [q_out,hidden] */
+  const float* k_weight;       /* [kv_out,hidden] */
+  const float* v_weight;       /* [kv_out,hidden] */
+  const float* o_weight;       /* [hidden,q_out] */
+  const float* q_norm_weight;  /* [D] */
+  const float* k_norm_weight;  /* [D] */
+} attngrad_inputs;
+
+typedef struct {
+  float* grad_hidden_states;  /* [B,S,hidden], always overwritten */
+  float* grad_q_weight;       /* the weight gradients: the weights' shapes */
+  float* grad_k_weight;
+  float* grad_v_weight;
+  float* grad_o_weight;
+  float* grad_q_norm_weight;
+  float* grad_k_norm_weight;
+} attngrad_outputs;
+
+/* Bytes of device workspace attngrad_backward_ex needs; 0 for invalid arguments or a layer the GPU
+ * kernels do not compute. */
+ATTNGRAD_API size_t attngrad_workspace_size_ex(const attngrad_layer* layer, int batch, int seq_len,
+                                               int precision);
+/* attngrad_backward for `layer` (ATTNGRAD_UNSUPPORTED for a layer the GPU kernels do not compute). */
+ATTNGRAD_API int attngrad_backward_ex(const attngrad_layer* layer, int batch, int seq_len,
+                                      int precision, int accumulate, const attngrad_inputs* inputs,
+                                      const attngrad_outputs* outputs, void* workspace,
+                                      size_t workspace_size, void* stream);
+/* attngrad_backward_host for `layer` (any valid layer). */
+ATTNGRAD_API int attngrad_backward_host_ex(const attngrad_layer* layer, int batch, int seq_len,
+                                           int accumulate, const attngrad_inputs* inputs,
+                                           const attngrad_outputs* outputs);
+
 /* A static, human-readable name for a status code ("ATTNGRAD_OK", ...; "unknown status" otherwise). */
 ATTNGRAD_API const char* attngrad_status_string(int status);
 
