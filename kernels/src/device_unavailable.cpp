@@ -6,10 +6,9 @@ namespace attngrad {
 
 std::size_t DeviceWorkspaceSize(const LayerConfig&, int, int, Precision) { return 0; }
 
-attngrad_status BackwardDevice(const LayerConfig&, int, int, const Scalars&, Precision, bool,
-                               const BackwardInputs&, const BackwardOutputs&, void*, std::size_t,
-                               void*) {
-  return ATTNGRAD_UNSUPPORTED;
+Status BackwardDevice(const LayerConfig&, int, int, const Scalars&, Precision, bool,
+                      const BackwardInputs&, const BackwardOutputs&, void*, std::size_t, void*) {
+  return {ATTNGRAD_UNSUPPORTED, "this build of attngrad has no CUDA backend"};
 }
 
 int DeviceCount() { return 0; }

@@ -44,18 +44,57 @@ std::size_t PartialBytes(const AttentionProblem& problem) {
                     problem.num_kv_heads * kHeadDim * sizeof(float));
 }
 
+// The tiles of KeyValueGradientKernel in shared memory: the block's keys and values (16 rows per
+// warp, held for the whole block), and per step kKvBlockM query rows of q and dO with their lse and
+// Delta, double-buffered.
 template <class Op, int kWarps>
-constexpr std::size_t KeyValueSharedBytes() {
-  return static_cast<std::size_t>(2 * 16 * kWarps + 4 * kKvBlockM) * Op::kPitch *
-             sizeof(typename Op::Elem) +
-         4 * kKvBlockM * sizeof(float);
-}
+struct KeyValueTile {
+  using Elem = typename Op::Elem;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kKeys = 16 * kWarps;
+  static constexpr int kQueries = kKvBlockM;
+  static constexpr int kScoreTiles = kQueries / 8;  // n-tiles (queries) of S^T per warp
+  static constexpr std::size_t kSharedBytes =
+      static_cast<std::size_t>(2 * kKeys + 4 * kQueries) * Op::kPitch * sizeof(Elem) +
+      4 * kQueries * sizeof(float);
 
+  Elem* keys;      // [kKeys][kPitch]
+  Elem* values;    // [kKeys][kPitch]
+  Elem* queries;   // [2][kQueries][kPitch]
+  Elem* grad_out;  // [2][kQueries][kPitch]
+  float* lse;      // [2][kQueries], log2 units
+  float* delta;    // [2][kQueries]
+  __device__ explicit KeyValueTile(unsigned char* shared)
+      : keys(reinterpret_cast<Elem*>(shared)),
+        values(keys + kKeys * Op::kPitch),
+        queries(values + kKeys * Op::kPitch),
+        grad_out(queries + 2 * kQueries * Op::kPitch),
+        lse(reinterpret_cast<float*>(grad_out + 2 * kQueries * Op::kPitch)),
+        delta(lse + 2 * kQueries) {}
+};
+
+// The tiles of QueryGradientKernel in shared memory: the block's query rows of q and dO (16 per
+// warp), and kQBlockN keys and values per step, double-buffered.
 template <class Op, int kWarps>
-constexpr std::size_t QuerySharedBytes() {
-  return static_cast<std::size_t>(2 * 16 * kWarps + 4 * kQBlockN) * Op::kPitch *
-         sizeof(typename Op::Elem);
-}
+struct QueryTile {
+  using Elem = typename Op::Elem;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kQueries = 16 * kWarps;
+  static constexpr int kKeys = kQBlockN;
+  static constexpr int kScoreTiles = kKeys / 8;  // n-tiles (keys) of S per warp
+  static constexpr std::size_t kSharedBytes =
+      static_cast<std::size_t>(2 * kQueries + 4 * kKeys) * Op::kPitch * sizeof(Elem);
+
+  Elem* queries;   // [kQueries][kPitch]
+  Elem* grad_out;  // [kQueries][kPitch]
+  Elem* keys;      // [2][kKeys][kPitch]
+  Elem* values;    // [2][kKeys][kPitch]
+  __device__ explicit QueryTile(unsigned char* shared)
+      : queries(reinterpret_cast<Elem*>(shared)),
+        grad_out(queries + kQueries * Op::kPitch),
+        keys(grad_out + kQueries * Op::kPitch),
+        values(keys + 2 * kKeys * Op::kPitch) {}
+};
 
 // Split mode: dK, dV = the sum over the query heads of each group of the partials, in head order.
 __global__ void __launch_bounds__(256) SumPartialsKernel(const AttentionParams p) {
@@ -105,17 +144,19 @@ __global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
 template <class Op, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
-  constexpr int kThreads = kWarps * 32;
-  constexpr int kBN = 16 * kWarps, kBM = kKvBlockM, kP = Op::kPitch;
-  constexpr int kNT = kBM / 8;  // n-tiles (queries) of S^T per warp
+  using Tile = KeyValueTile<Op, kWarps>;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kBN = Tile::kKeys, kBM = Tile::kQueries, kP = Op::kPitch;
+  constexpr int kNT = Tile::kScoreTiles;
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  Elem* k_tile = reinterpret_cast<Elem*>(shared_raw);
-  Elem* v_tile = k_tile + kBN * kP;
-  Elem* q_tiles = v_tile + kBN * kP;        // [2][kBM][kP]
-  Elem* do_tiles = q_tiles + 2 * kBM * kP;  // [2][kBM][kP]
-  float* lse_tiles = reinterpret_cast<float*>(do_tiles + 2 * kBM * kP);  // [2][kBM], log2 units
-  float* delta_tiles = lse_tiles + 2 * kBM;                                // [2][kBM]
+  const Tile tile(shared_raw);
+  Elem* k_tile = tile.keys;
+  Elem* v_tile = tile.values;
+  Elem* q_tiles = tile.queries;
+  Elem* do_tiles = tile.grad_out;
+  float* lse_tiles = tile.lse;
+  float* delta_tiles = tile.delta;
 
   const int seq_len = p.seq_len;
   const int num_kv_tiles = (seq_len + kBN - 1) / kBN;
@@ -164,11 +205,8 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
   const float ds_factor = p.scaling * p.ds_scale;
 
   float acc_dk[16][4], acc_dv[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[n][e] = acc_dv[n][e] = 0.f;
-  }
+  ClearAccumulators(acc_dk);
+  ClearAccumulators(acc_dv);
 
   for (int step = 0; step < steps; ++step) {
     const int stage = step & 1;
@@ -189,11 +227,8 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
     // Skip a warp whose keys all follow this tile's queries (fully masked for it).
     if (q0 + kBM - 1 >= key0 + warp * 16) {
       float s[kNT][4], dp[kNT][4];
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-      }
+      ClearAccumulators(s);
+      ClearAccumulators(dp);
       WarpProductNk<Op, kNT>(s, k_tile, warp * 16, q_tile);
       WarpProductNk<Op, kNT>(dp, v_tile, warp * 16, do_tile);
       const float* lse_tile = lse_tiles + stage * kBM;
@@ -227,53 +262,40 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
     grad_k = p.partials + (static_cast<long long>(item.head % p.group) * 2) * per_output;
     grad_v = grad_k + per_output;
   }
-#pragma unroll
-  for (int half_rows = 0; half_rows < 2; ++half_rows) {
-    const int key = half_rows == 0 ? key_a : key_b;
-    if (key >= seq_len) continue;
-    const long long offset = (token0 + key) * out_ld + kv_head * kHeadDim + 2 * t;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      *reinterpret_cast<float2*>(grad_k + offset + n * 8) =
-          make_float2(acc_dk[n][2 * half_rows] * p.inv_ds_scale,
-                      acc_dk[n][2 * half_rows + 1] * p.inv_ds_scale);
-      *reinterpret_cast<float2*>(grad_v + offset + n * 8) =
-          make_float2(acc_dv[n][2 * half_rows], acc_dv[n][2 * half_rows + 1]);
-    }
-  }
+  StoreAccumulatorRows(acc_dk, grad_k, token0, out_ld, kv_head * kHeadDim, key_a, seq_len,
+                       p.inv_ds_scale);
+  StoreAccumulatorRows(acc_dv, grad_v, token0, out_ld, kv_head * kHeadDim, key_a, seq_len, 1.f);
 }
 
 template <class Op, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
-  constexpr int kThreads = kWarps * 32;
-  constexpr int kBM = 16 * kWarps, kBN = kQBlockN, kP = Op::kPitch;
-  constexpr int kNT = kBN / 8;
+  using Tile = QueryTile<Op, kWarps>;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kBM = Tile::kQueries, kBN = Tile::kKeys, kP = Op::kPitch;
+  constexpr int kNT = Tile::kScoreTiles;
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  Elem* q_tile = reinterpret_cast<Elem*>(shared_raw);
-  Elem* do_tile = q_tile + kBM * kP;
-  Elem* k_tiles = do_tile + kBM * kP;      // [2][kBN][kP]
-  Elem* v_tiles = k_tiles + 2 * kBN * kP;  // [2][kBN][kP]
+  const Tile tile(shared_raw);
+  Elem* q_tile = tile.queries;
+  Elem* do_tile = tile.grad_out;
+  Elem* k_tiles = tile.keys;
+  Elem* v_tiles = tile.values;
 
   const int seq_len = p.seq_len;
-  const int num_q_tiles = (seq_len + kBM - 1) / kBM;
-  const WorkItem item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
-  const int q0 = item.tile * kBM;
-  const int kv_head = item.head / p.group;
-  const long long token0 = static_cast<long long>(item.batch) * seq_len;
-
-  const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
-  const Elem* do_base =
-      static_cast<const Elem*>(p.grad_out) + token0 * p.ldo + item.head * kHeadDim;
-  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
-  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+  const QueryBlock block = DecodeQueryBlock(p, kBM);
+  const WorkItem item = block.item;
+  const int q0 = block.q0;
+  const long long token0 = block.token0;
+  const HeadOperands<Op> operands = OperandsOf<Op>(p, token0, item.head, block.kv_head);
+  const Elem* k_base = operands.k;
+  const Elem* v_base = operands.v;
 
   const int last_key = min(seq_len, q0 + kBM);
   const int num_kv_tiles = (last_key + kBN - 1) / kBN;
 
-  LoadTileAsync<Op, kBM, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
-  LoadTileAsync<Op, kBM, kThreads>(do_tile, do_base, p.ldo, q0, seq_len);
+  LoadTileAsync<Op, kBM, kThreads>(q_tile, operands.q, p.ldq, q0, seq_len);
+  LoadTileAsync<Op, kBM, kThreads>(do_tile, operands.grad_out, p.ldo, q0, seq_len);
   LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, 0, seq_len);
   LoadTileAsync<Op, kBN, kThreads>(v_tiles, v_base, p.ldkv, 0, seq_len);
   CpAsyncCommit();
@@ -282,15 +304,11 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
   const int g = lane >> 2, t = lane & 3;
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
   const long long stat0 = (static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len;
-  const float lse_a = row_a < seq_len ? p.lse_in[stat0 + row_a] * kLog2e : INFINITY;
-  const float lse_b = row_b < seq_len ? p.lse_in[stat0 + row_b] * kLog2e : INFINITY;
-  const float delta_a = row_a < seq_len ? p.delta[stat0 + row_a] : 0.f;
-  const float delta_b = row_b < seq_len ? p.delta[stat0 + row_b] : 0.f;
+  const RowStatistics rows = LoadRowStatistics(p, stat0, row_a, row_b);
   const float ds_factor = p.scaling * p.ds_scale;
 
   float acc_dq[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) acc_dq[n][0] = acc_dq[n][1] = acc_dq[n][2] = acc_dq[n][3] = 0.f;
+  ClearAccumulators(acc_dq);
 
   for (int j = 0; j < num_kv_tiles; ++j) {
     const int stage = j & 1;
@@ -315,11 +333,8 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
     const int key0 = j * kBN;
     if (key0 <= q0 + warp * 16 + 15) {
       float s[kNT][4], dp[kNT][4];
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-      }
+      ClearAccumulators(s);
+      ClearAccumulators(dp);
       WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
       WarpProductNk<Op, kNT>(dp, do_tile, warp * 16, v_tile);
 #pragma unroll
@@ -329,8 +344,8 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
           const int key = key0 + n * 8 + 2 * t + (e & 1);
           const int row = e < 2 ? row_a : row_b;
           float ds;
-          SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? lse_a : lse_b,
-                              e < 2 ? delta_a : delta_b, ds_factor, key > row, ds);
+          SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
+                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor, key > row, ds);
           dp[n][e] = ds;
         }
       }
@@ -341,19 +356,8 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
     __syncthreads();
   }
 
-  const int out_ld = p.num_heads * kHeadDim;
-#pragma unroll
-  for (int half_rows = 0; half_rows < 2; ++half_rows) {
-    const int row = half_rows == 0 ? row_a : row_b;
-    if (row >= seq_len) continue;
-    float* out_row = p.grad_q + (token0 + row) * out_ld + item.head * kHeadDim + 2 * t;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      *reinterpret_cast<float2*>(out_row + n * 8) =
-          make_float2(acc_dq[n][2 * half_rows] * p.inv_ds_scale,
-                      acc_dq[n][2 * half_rows + 1] * p.inv_ds_scale);
-    }
-  }
+  StoreAccumulatorRows(acc_dq, p.grad_q, token0, p.num_heads * kHeadDim, item.head * kHeadDim,
+                       row_a, seq_len, p.inv_ds_scale);
 }
 
 template <class Kernel>
@@ -366,7 +370,7 @@ attngrad_status SetSharedBytes(Kernel kernel, std::size_t bytes) {
 
 template <class Op, int kWarps>
 attngrad_status LaunchKeyValue(const AttentionParams& params, cudaStream_t stream) {
-  constexpr std::size_t kShared = KeyValueSharedBytes<Op, kWarps>();
+  constexpr std::size_t kShared = KeyValueTile<Op, kWarps>::kSharedBytes;
   if (SetSharedBytes(KeyValueGradientKernel<Op, kWarps>, kShared) != ATTNGRAD_OK) {
     return ATTNGRAD_CUDA_ERROR;
   }
@@ -380,7 +384,7 @@ attngrad_status LaunchKeyValue(const AttentionParams& params, cudaStream_t strea
 
 template <class Op, int kWarps>
 attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) {
-  constexpr std::size_t kShared = QuerySharedBytes<Op, kWarps>();
+  constexpr std::size_t kShared = QueryTile<Op, kWarps>::kSharedBytes;
   if (SetSharedBytes(QueryGradientKernel<Op, kWarps>, kShared) != ATTNGRAD_OK) {
     return ATTNGRAD_CUDA_ERROR;
   }

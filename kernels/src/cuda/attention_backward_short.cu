@@ -34,8 +34,25 @@ constexpr int kChunk = 16 * kWarps;  // queries per chunk (phase 1: one warp per
 constexpr int kKeyBlock = 128;       // keys per phase-1 product
 constexpr int kPitch = Op::kPitch;
 
-constexpr std::size_t kSharedBytes =
-    static_cast<std::size_t>(2 * kChunk + 2 * kShortSequenceMaxLength) * kPitch * sizeof(__half);
+// The tiles of ShortSequenceBackwardKernel in shared memory: one chunk of queries of q and dO, and
+// every key and value of the sequence; after phase 1 of a chunk the key and value rows of each key
+// block hold that block's dS and P instead.
+struct ShortSequenceTile {
+  static constexpr std::size_t kSharedBytes =
+      static_cast<std::size_t>(2 * kChunk + 2 * kShortSequenceMaxLength) * kPitch *
+      sizeof(__half);
+
+  __half* queries;   // [kChunk][kPitch]
+  __half* grad_out;  // [kChunk][kPitch]
+  __half* keys;      // [256][kPitch]; then dS
+  __half* values;    // [256][kPitch]; then P
+  __device__ explicit ShortSequenceTile(unsigned char* shared)
+      : queries(reinterpret_cast<__half*>(shared)),
+        grad_out(queries + kChunk * kPitch),
+        keys(grad_out + kChunk * kPitch),
+        values(keys + kShortSequenceMaxLength * kPitch) {}
+};
+constexpr std::size_t kSharedBytes = ShortSequenceTile::kSharedBytes;
 
 // A fragment of rows [row0, row0 + 16) and k-step k0 of A = T^T, where `tile` holds T stored
 // [k][row] (the staged P or dS, [query][key], read as [key][query]).
@@ -67,10 +84,11 @@ __device__ __forceinline__ void StoreFragments(const AccumulatorA<Op, 16>& a, __
 
 __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const AttentionParams p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  __half* q_tile = reinterpret_cast<__half*>(shared_raw);  // [kChunk][kPitch]
-  __half* do_tile = q_tile + kChunk * kPitch;              // [kChunk][kPitch]
-  __half* k_tile = do_tile + kChunk * kPitch;  // [256][kPitch]; after phase 1 of a chunk: dS
-  __half* v_tile = k_tile + kShortSequenceMaxLength * kPitch;  // [256][kPitch]; then: P
+  const ShortSequenceTile tile(shared_raw);
+  __half* q_tile = tile.queries;
+  __half* do_tile = tile.grad_out;
+  __half* k_tile = tile.keys;
+  __half* v_tile = tile.values;
 
   const int seq_len = p.seq_len;
   const int slots = p.kv_split ? p.num_heads : p.num_kv_heads;
@@ -126,13 +144,9 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
       // ---- Phase 1: this warp's 16 queries against every visible key block ----
       const int warp_row0 = warp * 16;  // within the chunk
       const int row_a = q0 + warp_row0 + g, row_b = row_a + 8;
-      const float lse_a = row_a < seq_len ? p.lse_in[stat0 + row_a] * kLog2e : INFINITY;
-      const float lse_b = row_b < seq_len ? p.lse_in[stat0 + row_b] * kLog2e : INFINITY;
-      const float delta_a = row_a < seq_len ? p.delta[stat0 + row_a] : 0.f;
-      const float delta_b = row_b < seq_len ? p.delta[stat0 + row_b] : 0.f;
+      const RowStatistics rows = LoadRowStatistics(p, stat0, row_a, row_b);
       float acc_dq[16][4];
-#pragma unroll
-      for (int n = 0; n < 16; ++n) acc_dq[n][0] = acc_dq[n][1] = acc_dq[n][2] = acc_dq[n][3] = 0.f;
+      ClearAccumulators(acc_dq);
 
       for (int block = 0; block < key_blocks; ++block) {
         const int key0 = block * kKeyBlock;
@@ -144,11 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
         AccumulatorA<Op, 16> prob_a, ds_a;
         if (active) {
           float s[16][4], dp[16][4];
-#pragma unroll
-          for (int n = 0; n < 16; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-          }
+          ClearAccumulators(s);
+          ClearAccumulators(dp);
           WarpProductNk<Op, 16>(s, q_tile, warp_row0, k_block, visible);
           WarpProductNk<Op, 16>(dp, do_tile, warp_row0, v_block, visible);
 #pragma unroll
@@ -159,8 +170,9 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
               const int row = e < 2 ? row_a : row_b;
               // key > row also masks every key >= seq_len of a valid row.
               float ds;
-              s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? lse_a : lse_b,
-                                            e < 2 ? delta_a : delta_b, ds_factor, key > row, ds);
+              s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
+                                            e < 2 ? rows.delta_a : rows.delta_b, ds_factor,
+                                            key > row, ds);
               dp[n][e] = ds;
             }
           }
@@ -168,30 +180,16 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
           AccumulatorToA<Op, 16>(dp, 1.f, ds_a);
           WarpProductKn<Op, 16>(acc_dq, ds_a, k_block, visible);
         } else {
-#pragma unroll
-          for (int kk = 0; kk < AccumulatorA<Op, 16>::kSteps; ++kk) {
-            prob_a.a[kk][0] = prob_a.a[kk][1] = prob_a.a[kk][2] = prob_a.a[kk][3] = 0u;
-            ds_a.a[kk][0] = ds_a.a[kk][1] = ds_a.a[kk][2] = ds_a.a[kk][3] = 0u;
-          }
+          ClearOperand(prob_a);
+          ClearOperand(ds_a);
         }
         __syncthreads();  // every warp is done with this block's K and V
         StoreFragments(prob_a, v_block, warp_row0);
         StoreFragments(ds_a, k_block, warp_row0);
       }
       // dQ of the chunk's rows is complete.
-      const int q_ld = p.num_heads * kHeadDim;
-#pragma unroll
-      for (int half_rows = 0; half_rows < 2; ++half_rows) {
-        const int row = half_rows == 0 ? row_a : row_b;
-        if (row >= seq_len) continue;
-        float* out_row = p.grad_q + (token0 + row) * q_ld + head * kHeadDim + 2 * t;
-#pragma unroll
-        for (int n = 0; n < 16; ++n) {
-          *reinterpret_cast<float2*>(out_row + n * 8) =
-              make_float2(acc_dq[n][2 * half_rows] * p.inv_ds_scale,
-                          acc_dq[n][2 * half_rows + 1] * p.inv_ds_scale);
-        }
-      }
+      StoreAccumulatorRows(acc_dq, p.grad_q, token0, p.num_heads * kHeadDim, head * kHeadDim,
+                           row_a, seq_len, p.inv_ds_scale);
       __syncthreads();  // P and dS of every key block are staged
 
       // ---- Phase 2: 16 keys per warp, dV += P^T dO and dK += dS^T Q over the chunk's queries ----
@@ -209,8 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
           const __half* staged = (which == 0 ? v_tile : k_tile) + block * kKeyBlock * kPitch;
           const __half* b_tile = which == 0 ? do_tile : q_tile;
           float acc[16][4];
-#pragma unroll
-          for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+          ClearAccumulators(acc);
           for (int step = first_step; step < steps; ++step) {
             std::uint32_t a[4];
             LoadATransposed(a, staged, in_block, step * 16);
@@ -222,25 +219,9 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
               Mma<Op>(acc[n + 1], a, b[1]);
             }
           }
-          float* out = which == 0 ? grad_v : grad_k;
-          const float scale = which == 0 ? 1.f : p.inv_ds_scale;
-#pragma unroll
-          for (int half_rows = 0; half_rows < 2; ++half_rows) {
-            const int key = key_row0 + g + 8 * half_rows;
-            if (key >= seq_len) continue;
-            float* out_row = out + (token0 + key) * kv_ld + kv_head * kHeadDim + 2 * t;
-#pragma unroll
-            for (int n = 0; n < 16; ++n) {
-              float2 value = make_float2(acc[n][2 * half_rows] * scale,
-                                         acc[n][2 * half_rows + 1] * scale);
-              if (!first) {
-                const float2 previous = *reinterpret_cast<const float2*>(out_row + n * 8);
-                value.x += previous.x;
-                value.y += previous.y;
-              }
-              *reinterpret_cast<float2*>(out_row + n * 8) = value;
-            }
-          }
+          StoreAccumulatorRows(acc, which == 0 ? grad_v : grad_k, token0, kv_ld,
+                               kv_head * kHeadDim, key_row0 + g, seq_len,
+                               which == 0 ? 1.f : p.inv_ds_scale, /*add=*/!first);
         }
       }
       __syncthreads();  // the next chunk's loads overwrite every tile

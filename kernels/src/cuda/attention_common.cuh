@@ -300,6 +300,88 @@ __device__ __forceinline__ void AccumulatorToA(const float (&c)[kNT][4], float s
   }
 }
 
+// ---- Accumulator tiles: clearing and storing -------------------------------------------------------
+// Every kernel's fp32 accumulators (scores, dP, O, dQ, dK, dV) are arrays of 16 x 8 tiles in the mma
+// layout above; these clear them, and store a warp's 16 x 128 output tile to global memory.
+template <int kTiles>
+__device__ __forceinline__ void ClearAccumulators(float (&acc)[kTiles][4]) {
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+}
+
+// Zeros as an A operand (a warp with nothing to add still stages its part of a tile).
+template <class Op, int kNT>
+__device__ __forceinline__ void ClearOperand(AccumulatorA<Op, kNT>& operand) {
+#pragma unroll
+  for (int kk = 0; kk < AccumulatorA<Op, kNT>::kSteps; ++kk) {
+    operand.a[kk][0] = operand.a[kk][1] = operand.a[kk][2] = operand.a[kk][3] = 0u;
+  }
+}
+
+// A warp's 16 x 128 fp32 tile of one head, rows row_a and row_a + 8 for this thread (row_a = the
+// warp's first row + g), into out[(token0 + row) * ld + column0 + column] times `scale`, added to
+// what is there when `add`; rows at or past seq_len are skipped.
+__device__ __forceinline__ void StoreAccumulatorRows(const float (&acc)[16][4], float* out,
+                                                     long long token0, int ld, int column0,
+                                                     int row_a, int seq_len, float scale,
+                                                     bool add = false) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int half_rows = 0; half_rows < 2; ++half_rows) {
+    const int row = row_a + 8 * half_rows;
+    if (row >= seq_len) continue;
+    float* out_row = out + (token0 + row) * ld + column0 + 2 * t;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      float2 value =
+          make_float2(acc[n][2 * half_rows] * scale, acc[n][2 * half_rows + 1] * scale);
+      if (add) {
+        const float2 previous = *reinterpret_cast<const float2*>(out_row + n * 8);
+        value.x += previous.x;
+        value.y += previous.y;
+      }
+      *reinterpret_cast<float2*>(out_row + n * 8) = value;
+    }
+  }
+}
+
+// The backward's per-row statistics of a warp's two rows (row_a, row_b = row_a + 8): the forward's
+// log-sum-exp in log2 units and Delta; rows past the sequence get lse = inf (P = 0) and Delta = 0.
+struct RowStatistics {
+  float lse_a, lse_b, delta_a, delta_b;
+};
+__device__ __forceinline__ RowStatistics LoadRowStatistics(const AttentionParams& p,
+                                                           long long stat0, int row_a,
+                                                           int row_b) {
+  RowStatistics rows;
+  rows.lse_a = row_a < p.seq_len ? p.lse_in[stat0 + row_a] * kLog2e : INFINITY;
+  rows.lse_b = row_b < p.seq_len ? p.lse_in[stat0 + row_b] * kLog2e : INFINITY;
+  rows.delta_a = row_a < p.seq_len ? p.delta[stat0 + row_a] : 0.f;
+  rows.delta_b = row_b < p.seq_len ? p.delta[stat0 + row_b] : 0.f;
+  return rows;
+}
+
+// The operands of one (batch, query head) as typed pointers to its first row: q and dO of the
+// query head, k and v of its key-value head.
+template <class Op>
+struct HeadOperands {
+  const typename Op::Elem* q;
+  const typename Op::Elem* grad_out;
+  const typename Op::Elem* k;
+  const typename Op::Elem* v;
+};
+template <class Op>
+__device__ __forceinline__ HeadOperands<Op> OperandsOf(const AttentionParams& p, long long token0,
+                                                       int head, int kv_head) {
+  using Elem = typename Op::Elem;
+  HeadOperands<Op> operands;
+  operands.q = static_cast<const Elem*>(p.q) + token0 * p.ldq + head * kHeadDim;
+  operands.grad_out = static_cast<const Elem*>(p.grad_out) + token0 * p.ldo + head * kHeadDim;
+  operands.k = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  operands.v = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+  return operands;
+}
+
 // ---- Warp tile products --------------------------------------------------------------------------
 // acc[16 x 8*kNT] += A[16 x 128] B[8*kNT x 128]^T; A rows [a_row0, +16) of a_tile; B rows [0, 8*kNT).
 // Only the columns of acc below n_limit (rounded up to 16) are computed, the rest left untouched
@@ -438,6 +520,24 @@ __device__ __forceinline__ WorkItem DecodeBlock(int num_tiles, int num_heads, in
   item.batch = rest / num_heads;
   item.tile = heavy_last ? num_tiles - 1 - rank : rank;
   return item;
+}
+
+// The block of a query-tiled kernel (the forward, the dQ half): its tile of kRows query rows, query
+// head and batch (heaviest tiles first), the key-value head it reads and its sequence's first token.
+struct QueryBlock {
+  WorkItem item;
+  int q0;       // first query row of the tile
+  int kv_head;
+  long long token0;
+};
+__device__ __forceinline__ QueryBlock DecodeQueryBlock(const AttentionParams& p, int rows) {
+  QueryBlock block;
+  const int num_q_tiles = (p.seq_len + rows - 1) / rows;
+  block.item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
+  block.q0 = block.item.tile * rows;
+  block.kv_head = block.item.head / p.group;
+  block.token0 = static_cast<long long>(block.item.batch) * p.seq_len;
+  return block;
 }
 
 // ---- Host-side argument checks shared by the forward and the backward ---------------------------

@@ -23,12 +23,26 @@ constexpr int kForwardBlockN = 64;  // keys per tile
 // ~170 registers only one 8-warp block fits per SM and its barrier waits are not covered.
 constexpr int kForwardWarps = 4;
 
-// Query tile, two key tiles, one value tile.
+// The tiles of AttentionForwardKernel in shared memory: the block's query rows (16 per warp), two
+// key tiles (double-buffered) and one value tile of kForwardBlockN keys.
 template <class Op, int kWarps>
-constexpr std::size_t ForwardSharedBytes() {
-  return static_cast<std::size_t>(16 * kWarps + 3 * kForwardBlockN) * Op::kPitch *
-         sizeof(typename Op::Elem);
-}
+struct ForwardTile {
+  using Elem = typename Op::Elem;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kQueries = 16 * kWarps;
+  static constexpr int kKeys = kForwardBlockN;
+  static constexpr int kScoreTiles = kKeys / 8;  // score n-tiles per warp
+  static constexpr std::size_t kSharedBytes =
+      static_cast<std::size_t>(kQueries + 3 * kKeys) * Op::kPitch * sizeof(Elem);
+
+  Elem* queries;  // [kQueries][kPitch]
+  Elem* keys;     // [2][kKeys][kPitch]
+  Elem* values;   // [kKeys][kPitch]
+  __device__ explicit ForwardTile(unsigned char* shared)
+      : queries(reinterpret_cast<Elem*>(shared)),
+        keys(queries + kQueries * Op::kPitch),
+        values(keys + 2 * kKeys * Op::kPitch) {}
+};
 
 // fp16: 69.6 KB of shared memory per block, so 3 blocks per SM when registers stay <= 168.
 template <class Op>
@@ -40,14 +54,16 @@ template <class Op, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
     AttentionForwardKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
-  constexpr int kThreads = kWarps * 32;
-  constexpr int kBM = 16 * kWarps, kBN = kForwardBlockN, kP = Op::kPitch;
-  constexpr int kNT = kBN / 8;  // score n-tiles per warp
+  using Tile = ForwardTile<Op, kWarps>;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kBM = Tile::kQueries, kBN = Tile::kKeys, kP = Op::kPitch;
+  constexpr int kNT = Tile::kScoreTiles;
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  Elem* q_tile = reinterpret_cast<Elem*>(shared_raw);
-  Elem* k_tiles = q_tile + kBM * kP;      // [2][kBN][kP]
-  Elem* v_tile = k_tiles + 2 * kBN * kP;  // [kBN][kP]
+  const Tile tile(shared_raw);
+  Elem* q_tile = tile.queries;
+  Elem* k_tiles = tile.keys;
+  Elem* v_tile = tile.values;
 
   const int seq_len = p.seq_len;
   const int num_q_tiles = (seq_len + kBM - 1) / kBM;
@@ -56,12 +72,11 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   const int kv_head = item.head / p.group;
   const long long token0 = static_cast<long long>(item.batch) * seq_len;
 
-  const Elem* q_base =
-      static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
-  const Elem* k_base =
-      static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
-  const Elem* v_base =
-      static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+  // Computed here rather than with OperandsOf/DecodeQueryBlock (attention_common.cuh): that form
+  // made ptxas spill 8 bytes in the fp16 instance, which must fit 168 registers (3 blocks per SM).
+  const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
+  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
 
   // Keys [0, q0 + kBM) can be visible to this tile's rows.
   const int last_key = min(seq_len, q0 + kBM);
@@ -80,8 +95,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
 
   float acc_o[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) acc_o[n][0] = acc_o[n][1] = acc_o[n][2] = acc_o[n][3] = 0.f;
+  ClearAccumulators(acc_o);
   float max_a = -INFINITY, max_b = -INFINITY;  // running max of c*log2e
   float sum_a = 0.f, sum_b = 0.f;              // this thread's part of the row sums
 
@@ -104,8 +118,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
     const bool active = key0 <= q0 + warp * 16 + 15;
     float s[kNT][4];
     if (active) {
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      ClearAccumulators(s);
       WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
 
       const bool needs_mask = key0 + kBN - 1 > q0 + warp * 16 || key0 + kBN > seq_len;
@@ -225,7 +238,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
 
 template <class Op, int kWarps>
 attngrad_status LaunchForward(const AttentionParams& params, cudaStream_t stream) {
-  constexpr std::size_t kShared = ForwardSharedBytes<Op, kWarps>();
+  constexpr std::size_t kShared = ForwardTile<Op, kWarps>::kSharedBytes;
   cudaError_t error = cudaFuncSetAttribute(AttentionForwardKernel<Op, kWarps>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(kShared));

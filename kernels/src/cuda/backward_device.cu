@@ -24,6 +24,11 @@
 //   side stream:     dY's scale, convert dY, Wo | grad_attn GEMM | (wait A) attention_backward
 //                    dQ half, grad_o GEMM | (wait dqkv) norm-weight gradients' final sum, dWq, dWk
 // With a StageObserver (per-stage timing) everything runs on the caller's stream, in that order.
+//
+// How it is written: a PipelinePlan (widths, attention problem, workspace layout) is computed once
+// per call from the configuration, shape and mode; PipelineBuffers are the plan's tensors in the
+// caller's workspace; then one function per stage above enqueues its kernels, and the streams meet
+// at the named ForkJoinEvents (projection_gemm.h).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -72,7 +77,7 @@ AttentionProblem ProblemOf(const LayerConfig& config, int batch, int seq_len,
   problem.num_heads = config.num_heads;
   problem.num_kv_heads = config.num_kv_heads;
   problem.scaling = scalars.scaling;
-  problem.softcap = scalars.softcap;
+  problem.softcap = scalars.capped() ? scalars.softcap : 0.f;  // 0: no soft-cap
   problem.operand = mode.attention;
   return problem;
 }
@@ -130,17 +135,486 @@ struct WorkspaceLayout {
   }
 };
 
+// The three projections in the order of a qkv row (q heads, then k, then v).
+constexpr Weight kQkvWeights[3] = {Weight::kQProj, Weight::kKProj, Weight::kVProj};
+
+// Everything a call's configuration, shape, scalars and mode decide, computed once per call before
+// anything is enqueued: the widths of the products, the attention problem, the head layout of the
+// element-wise stages and the workspace layout.
+struct PipelinePlan {
+  ModeChoice mode;
+  int tokens, hidden, q_width, kv_width, qkv_width;
+  int qkv_rows[3];       // rows of Wq, Wk, Wv: their widths in a qkv row
+  int qkv_first_row[3];  // where each starts in a qkv row
+  std::size_t operand_bytes;  // of the GEMM and attention operands: 2 in FP16 mode, else 4
+  AttentionProblem attention;
+  HeadLayout heads;
+  WorkspaceLayout layout;
+
+  PipelinePlan(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+               const ModeChoice& choice)
+      : mode(choice),
+        tokens(batch * seq_len),
+        hidden(config.hidden_size),
+        q_width(config.q_out()),
+        kv_width(config.kv_out()),
+        qkv_width(config.q_out() + 2 * config.kv_out()),
+        qkv_rows{q_width, kv_width, kv_width},
+        qkv_first_row{0, q_width, q_width + kv_width},
+        operand_bytes(choice.half() ? sizeof(__half) : sizeof(float)),
+        attention(ProblemOf(config, batch, seq_len, scalars, choice)),
+        layout(config, batch, seq_len, choice) {
+    heads.tokens = tokens;
+    heads.num_heads = config.num_heads;
+    heads.num_kv_heads = config.num_kv_heads;
+  }
+};
+
+// The tensors of one call: the intermediate ones carved from the caller's workspace at the plan's
+// offsets, and the operands the products read (fp16 copies in FP16 mode, the caller's fp32
+// tensors otherwise).
+struct PipelineBuffers {
+  // FP16 mode only (null otherwise).
+  __half* x_half = nullptr;
+  __half* grad_y_half = nullptr;
+  __half* w_qkv_half = nullptr;  // [Wq; Wk; Wv], contiguous
+  __half* w_o_half = nullptr;
+  GradientScale* gradient_scale = nullptr;  // dY's power of two; the output GEMMs' alpha and beta
+  // The projection GEMMs' operands.
+  const void* x = nullptr;
+  const void* grad_y = nullptr;
+  const void* w_o = nullptr;
+  const void* w_qkv[3] = {};  // Wq, Wk, Wv (FP16: consecutive parts of w_qkv_half)
+  // Steps 1-4.
+  float* qkv = nullptr;                    // fp32 projections [T, qkv_width]
+  void* attention_operands = nullptr;      // q', k' (and v in FP16 mode) [T, qkv_width]
+  const void* q = nullptr;                 // the attention's operands, row stride qkv_width
+  const void* k = nullptr;
+  const void* v = nullptr;                 // fp32 modes: straight from qkv
+  float* inv_rms = nullptr;
+  void* grad_attention = nullptr;          // dA [T, q_width]
+  float* attention_out = nullptr;          // A in fp32 (fp32 modes only)
+  void* attention_out_half = nullptr;      // A in fp16 (FP16 mode only)
+  float* lse = nullptr;
+  void* attention_workspace = nullptr;     // Delta (written by the forward) and dK/dV partials
+  // Steps 6-9.
+  float* grad_q_rot = nullptr;
+  float* grad_k_rot = nullptr;
+  float* grad_v = nullptr;
+  void* grad_qkv = nullptr;                // dq, dk, dv [T, qkv_width]
+  float* partials = nullptr;               // the norm-weight gradients' per-block sums
+  void* gemm_workspace = nullptr;          // cuBLASLt's, for the lane's GEMMs
+  void* side_gemm_workspace = nullptr;     // and for the side stream's
+
+  PipelineBuffers(const PipelinePlan& plan, const BackwardInputs& in, void* workspace) {
+    auto* base = reinterpret_cast<unsigned char*>(
+        RoundUp(reinterpret_cast<std::uintptr_t>(workspace)));
+    auto at = [base](std::size_t offset) { return static_cast<void*>(base + offset); };
+    const WorkspaceLayout& layout = plan.layout;
+    x = in.hidden_states;
+    grad_y = in.grad_output;
+    w_o = in.weights[Weight::kOProj];
+    for (int i = 0; i < 3; ++i) w_qkv[i] = in.weights[kQkvWeights[i]];
+    if (plan.mode.half()) {
+      x_half = static_cast<__half*>(at(layout.x_half));
+      grad_y_half = static_cast<__half*>(at(layout.grad_y_half));
+      w_qkv_half = static_cast<__half*>(at(layout.w_qkv_half));
+      w_o_half = static_cast<__half*>(at(layout.w_o_half));
+      gradient_scale = static_cast<GradientScale*>(at(layout.gradient_scale));
+      x = x_half;
+      grad_y = grad_y_half;
+      w_o = w_o_half;
+      for (int i = 0; i < 3; ++i) {
+        w_qkv[i] = w_qkv_half + static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden;
+      }
+      attention_out_half = at(layout.attention_out_half);
+    } else {
+      attention_out = static_cast<float*>(at(layout.attention_out));
+    }
+    qkv = static_cast<float*>(at(layout.qkv));
+    attention_operands = at(layout.attention_operands);
+    q = attention_operands;
+    k = Offset(plan, attention_operands, plan.q_width);
+    v = plan.mode.half() ? Offset(plan, attention_operands, plan.q_width + plan.kv_width)
+                         : static_cast<const void*>(qkv + plan.q_width + plan.kv_width);
+    inv_rms = static_cast<float*>(at(layout.inv_rms));
+    grad_attention = at(layout.grad_attention);
+    lse = static_cast<float*>(at(layout.lse));
+    attention_workspace = at(layout.attention_workspace);
+    grad_q_rot = static_cast<float*>(at(layout.grad_q_rot));
+    grad_k_rot = static_cast<float*>(at(layout.grad_k_rot));
+    grad_v = static_cast<float*>(at(layout.grad_v));
+    grad_qkv = at(layout.grad_qkv);
+    partials = static_cast<float*>(at(layout.partials));
+    gemm_workspace = at(layout.gemm_workspace);
+    side_gemm_workspace = at(layout.side_gemm_workspace);
+  }
+
+  // `elements` operands past `pointer` (operands are the plan's operand_bytes wide).
+  static const void* Offset(const PipelinePlan& plan, const void* pointer, std::size_t elements) {
+    return static_cast<const unsigned char*>(pointer) + elements * plan.operand_bytes;
+  }
+};
+
+// A failed step of the pipeline as a Status naming it (`what` is a static string).
+Status StepStatus(attngrad_status code, const char* what) {
+  return code == ATTNGRAD_OK ? Status{} : Status{code, what};
+}
+
+#define ATTNGRAD_RETURN_IF_ERROR(expression)   \
+  do {                                         \
+    const Status status_ = (expression);       \
+    if (!status_.ok()) return status_;         \
+  } while (0)
+
+// One call being enqueued: its plan, buffers and arguments, the streams it runs on and the
+// events that order them. `lane` carries the critical path and `side` the work beside it; with a
+// StageObserver both are the caller's stream and the events are not used.
+struct PipelineCall {
+  const PipelinePlan& plan;
+  const PipelineBuffers& buffers;
+  const Scalars& scalars;
+  bool accumulate;
+  const BackwardInputs& in;
+  const BackwardOutputs& out;
+  DeviceContext* context;
+  SideStream* streams;  // null: everything on the caller's stream
+  cudaStream_t caller, lane, side;
+  StageObserver* observer;
+
+  // `signaller` records `event` (what is enqueued on it so far); `waiter` waits for it.
+  Status Signal(ForkJoinEvent event, cudaStream_t signaller) const {
+    if (streams == nullptr) return {};
+    return StepStatus(cudaEventRecord(streams->event(event), signaller) == cudaSuccess
+                          ? ATTNGRAD_OK
+                          : ATTNGRAD_CUDA_ERROR,
+                      "cudaEventRecord of a fork/join event failed");
+  }
+  Status Wait(ForkJoinEvent event, cudaStream_t waiter) const {
+    if (streams == nullptr) return {};
+    return StepStatus(cudaStreamWaitEvent(waiter, streams->event(event), 0) == cudaSuccess
+                          ? ATTNGRAD_OK
+                          : ATTNGRAD_CUDA_ERROR,
+                      "cudaStreamWaitEvent on a fork/join event failed");
+  }
+  Status Order(ForkJoinEvent event, cudaStream_t signaller, cudaStream_t waiter) const {
+    ATTNGRAD_RETURN_IF_ERROR(Signal(event, signaller));
+    return Wait(event, waiter);
+  }
+  void StageDone(const char* stage) const {
+    if (observer != nullptr) observer->StageDone(stage, lane);
+  }
+  // A GEMM on the lane or on the side stream, each with its own cuBLASLt workspace.
+  Status LaneGemm(const GemmSpec& spec, const char* what) const {
+    return StepStatus(context->Gemm(spec, buffers.gemm_workspace, lane), what);
+  }
+  Status SideGemm(const GemmSpec& spec, const char* what) const {
+    return StepStatus(context->Gemm(spec, buffers.side_gemm_workspace, side), what);
+  }
+  // FP16 mode: the GEMMs whose results are outputs read alpha = 1/s (and beta) from the device.
+  void Unscale(GemmSpec& spec, bool weight_gradient) const {
+    GradientScale* scale = buffers.gradient_scale;
+    if (scale == nullptr) return;
+    spec.device_alpha = &scale->inverse;
+    spec.device_beta = weight_gradient && accumulate ? &scale->one : &scale->zero;
+  }
+};
+
+// ---- One function per stage of SPEC section 2, in the order they are enqueued ---------------------
+
+// FP16 mode: X, dY (with its power of two s), Wq|Wk|Wv and Wo -> fp16 operands. The side stream
+// converts dY and Wo for its grad_attn GEMM while the lane converts X and Wq|Wk|Wv for the qkv
+// GEMM. (Converting X and Wq|Wk|Wv first, alone, measured slower at small T on the H200:
+// bench/RESULTS.md run 7.)
+Status ConvertOperands(const PipelineCall& call) {
+  const PipelinePlan& plan = call.plan;
+  const PipelineBuffers& buffers = call.buffers;
+  const std::size_t activations = static_cast<std::size_t>(plan.tokens) * plan.hidden;
+  const ConvertSegment side_segments[] = {
+      {call.in.grad_output, buffers.grad_y_half, activations, 1.f, buffers.gradient_scale},
+      {call.in.weights[Weight::kOProj], buffers.w_o_half,
+       static_cast<std::size_t>(plan.hidden) * plan.q_width, 1.f},
+  };
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(ConvertToHalf(side_segments, 2, call.side),
+                                      "conversion of grad_output and o_proj to fp16 failed"));
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(RescaleToHalf(side_segments[0], call.side),
+                                      "rescale of grad_output to fp16 failed"));
+  ConvertSegment lane_segments[4] = {{call.in.hidden_states, buffers.x_half, activations, 1.f}};
+  for (int i = 0; i < 3; ++i) {
+    lane_segments[1 + i] = {call.in.weights[kQkvWeights[i]],
+                            buffers.w_qkv_half +
+                                static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden,
+                            static_cast<std::size_t>(plan.qkv_rows[i]) * plan.hidden, 1.f};
+  }
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(ConvertToHalf(lane_segments, 4, call.lane),
+                                      "conversion of hidden_states and q/k/v_proj to fp16 failed"));
+  call.StageDone("convert");
+  return {};
+}
+
+// Step 1: qkv[T, qkv_width] = X W^T. Column-major: qkv^T (qkv_width x T) = W (T-op) * X^T.
+// FP16: one product over the contiguous fp16 [Wq;Wk;Wv]; fp32 modes: one per weight, each into
+// its columns of qkv.
+Status ProjectQkv(const PipelineCall& call) {
+  const PipelinePlan& plan = call.plan;
+  GemmSpec spec;
+  spec.transpose_a = true;
+  spec.n = plan.tokens;
+  spec.k = plan.hidden;
+  spec.lda = plan.hidden;
+  spec.b = call.buffers.x;
+  spec.ldb = plan.hidden;
+  spec.ldd = plan.qkv_width;
+  spec.arithmetic = plan.mode.gemm;
+  const int products = plan.mode.half() ? 1 : 3;
+  for (int i = 0; i < products; ++i) {
+    spec.m = plan.mode.half() ? plan.qkv_width : plan.qkv_rows[i];
+    spec.a = call.buffers.w_qkv[i];
+    spec.d = call.buffers.qkv + plan.qkv_first_row[i];
+    ATTNGRAD_RETURN_IF_ERROR(call.LaneGemm(spec, "qkv GEMM (X W^T) failed"));
+  }
+  call.StageDone("qkv_gemm");
+  return {};
+}
+
+// Steps 2-3: q', k' (and v in fp16) as the attention's operands; 1/rms kept.
+Status NormalizeAndRotate(const PipelineCall& call) {
+  const PipelineBuffers& buffers = call.buffers;
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(
+      RmsNormRopeForward(call.plan.heads, buffers.qkv, call.in.cos, call.in.sin,
+                         call.in.weights[Weight::kQNorm], call.in.weights[Weight::kKNorm],
+                         call.scalars.eps, call.plan.mode.operand, /*write_v=*/call.plan.mode.half(),
+                         buffers.attention_operands, buffers.inv_rms, call.lane),
+      "rmsnorm_rope (RMSNorm and RoPE forward) failed"));
+  call.StageDone("rmsnorm_rope");
+  return {};
+}
+
+// Step 5a, on the side stream: dA[T, q_width] = dY Wo. Column-major: dA^T = Wo^T (as stored) *
+// dY^T.
+Status GradAttentionGemm(const PipelineCall& call) {
+  const PipelinePlan& plan = call.plan;
+  GemmSpec spec;
+  spec.m = plan.q_width;
+  spec.n = plan.tokens;
+  spec.k = plan.hidden;
+  spec.a = call.buffers.w_o;
+  spec.lda = plan.q_width;
+  spec.b = call.buffers.grad_y;
+  spec.ldb = plan.hidden;
+  spec.d = call.buffers.grad_attention;
+  spec.ldd = plan.q_width;
+  spec.arithmetic = plan.mode.gemm;
+  spec.d_is_half = plan.mode.half();
+  ATTNGRAD_RETURN_IF_ERROR(call.SideGemm(spec, "grad_attn GEMM (dY Wo) failed"));
+  ATTNGRAD_RETURN_IF_ERROR(call.Signal(ForkJoinEvent::kGradAttentionReady, call.side));
+  call.StageDone("grad_attn_gemm");
+  return {};
+}
+
+// Step 4: A and the log-sum-exp, and the backward's Delta = rowsum(dA * A) from A in registers
+// (so the forward waits for dA; the grad_attn GEMM is the smaller product, done first). A in fp32
+// only where the grad_o GEMM reads it (fp32 modes); the FP16 mode's backward takes Delta from the
+// forward and its GEMM reads the fp16 copy.
+Status AttentionForwardStage(const PipelineCall& call) {
+  const PipelinePlan& plan = call.plan;
+  const PipelineBuffers& buffers = call.buffers;
+  ATTNGRAD_RETURN_IF_ERROR(call.Wait(ForkJoinEvent::kGradAttentionReady, call.lane));
+  FusedDelta fused_delta;
+  fused_delta.grad_out = buffers.grad_attention;
+  fused_delta.ldo = plan.q_width;
+  fused_delta.backward_workspace = buffers.attention_workspace;
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(
+      AttentionForward(plan.attention, buffers.q, plan.qkv_width, buffers.k, buffers.v,
+                       plan.qkv_width, buffers.attention_out, buffers.attention_out_half,
+                       buffers.lse, call.lane, &fused_delta),
+      "attention forward failed"));
+  call.StageDone("attention_forward");
+  return call.Order(ForkJoinEvent::kAttentionForwardDone, call.lane, call.side);
+}
+
+// Step 6, one of its two independent halves (AttentionBackwardPart) on `stream`.
+attngrad_status AttentionBackwardPartOn(const PipelineCall& call, AttentionBackwardPart part,
+                                        cudaStream_t stream) {
+  const PipelinePlan& plan = call.plan;
+  const PipelineBuffers& buffers = call.buffers;
+  return AttentionBackward(plan.attention, buffers.q, plan.qkv_width, buffers.k, buffers.v,
+                           plan.qkv_width, buffers.attention_out, buffers.grad_attention,
+                           plan.q_width, buffers.lse, buffers.grad_q_rot, buffers.grad_k_rot,
+                           buffers.grad_v, buffers.attention_workspace,
+                           plan.layout.attention_workspace_bytes, stream, /*delta_ready=*/true,
+                           part);
+}
+
+// Step 6, dq' half: on the side stream, beside the dk'/dv half (independent kernels).
+Status AttentionBackwardQuery(const PipelineCall& call) {
+  ATTNGRAD_RETURN_IF_ERROR(
+      StepStatus(AttentionBackwardPartOn(call, AttentionBackwardPart::kQuery, call.side),
+                 "attention backward (dq half) failed"));
+  ATTNGRAD_RETURN_IF_ERROR(call.Signal(ForkJoinEvent::kGradQueryReady, call.side));
+  call.StageDone("attention_backward_dq");
+  return {};
+}
+
+// Step 5b, on the side stream after the dq' half: dWo[hidden, q_width] (+)= dY^T A.
+// Column-major: dWo^T = A^T (as stored) * dY (T-op).
+Status GradOutputWeightGemm(const PipelineCall& call) {
+  const PipelinePlan& plan = call.plan;
+  const PipelineBuffers& buffers = call.buffers;
+  GemmSpec spec;
+  spec.transpose_b = true;
+  spec.m = plan.q_width;
+  spec.n = plan.hidden;
+  spec.k = plan.tokens;
+  spec.a = plan.mode.half() ? static_cast<const void*>(buffers.attention_out_half)
+                            : buffers.attention_out;
+  spec.lda = plan.q_width;
+  spec.b = buffers.grad_y;
+  spec.ldb = plan.hidden;
+  spec.d = call.out.weight_gradients[Weight::kOProj];
+  spec.ldd = plan.q_width;
+  spec.arithmetic = plan.mode.gemm;
+  spec.beta = call.accumulate ? 1.f : 0.f;
+  call.Unscale(spec, /*weight_gradient=*/true);
+  ATTNGRAD_RETURN_IF_ERROR(call.SideGemm(spec, "grad_o GEMM (dY^T A) failed"));
+  call.StageDone("grad_o_gemm");
+  return {};
+}
+
+// Step 6, dk'/dv half on the lane (for short sequences the whole backward, dq' included); then the
+// lane waits for the dq' half.
+Status AttentionBackwardKeyValue(const PipelineCall& call) {
+  ATTNGRAD_RETURN_IF_ERROR(
+      StepStatus(AttentionBackwardPartOn(call, AttentionBackwardPart::kKeyValue, call.lane),
+                 "attention backward (dk/dv half) failed"));
+  ATTNGRAD_RETURN_IF_ERROR(call.Wait(ForkJoinEvent::kGradQueryReady, call.lane));
+  call.StageDone("attention_backward_dkdv");
+  return {};
+}
+
+// Steps 7-8: dq, dk, dv side by side as [T, qkv_width] and the norm-weight gradients' per-block
+// partial sums on the lane; their final sum first on the side stream, beside the grad_x GEMM.
+Status RopeRmsNormBackwardStage(const PipelineCall& call) {
+  const PipelineBuffers& buffers = call.buffers;
+  int partial_rows = 0;
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(
+      RopeRmsNormBackward(call.plan.heads, buffers.grad_q_rot, buffers.grad_k_rot, buffers.grad_v,
+                          buffers.qkv, buffers.inv_rms, call.in.cos, call.in.sin,
+                          call.in.weights[Weight::kQNorm], call.in.weights[Weight::kKNorm],
+                          call.plan.mode.operand, buffers.grad_qkv, buffers.partials,
+                          &partial_rows, call.lane),
+      "rope_rmsnorm_backward failed"));
+  ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kGradQkvReady, call.lane, call.side));
+  GradientScale* scale = buffers.gradient_scale;
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(
+      NormWeightGradientSum(buffers.partials, partial_rows,
+                            scale != nullptr ? &scale->inverse : nullptr,
+                            call.out.weight_gradients[Weight::kQNorm],
+                            call.out.weight_gradients[Weight::kKNorm], call.accumulate, call.side),
+      "norm-weight gradients' final sum failed"));
+  call.StageDone("rope_rmsnorm_backward");
+  return {};
+}
+
+// Step 9a: dX[T, hidden] = dqkv W. Column-major: dX^T = W^T (as stored) * dqkv^T.
+// FP16: one product with K = qkv_width; fp32 modes: three, added in a fixed order (beta = 1).
+Status GradHiddenGemm(const PipelineCall& call) {
+  const PipelinePlan& plan = call.plan;
+  const PipelineBuffers& buffers = call.buffers;
+  GemmSpec spec;
+  spec.m = plan.hidden;
+  spec.n = plan.tokens;
+  spec.lda = plan.hidden;
+  spec.ldb = plan.qkv_width;
+  spec.d = call.out.grad_hidden_states;
+  spec.ldd = plan.hidden;
+  spec.arithmetic = plan.mode.gemm;
+  call.Unscale(spec, /*weight_gradient=*/false);
+  const int products = plan.mode.half() ? 1 : 3;
+  for (int i = 0; i < products; ++i) {
+    spec.k = plan.mode.half() ? plan.qkv_width : plan.qkv_rows[i];
+    spec.a = buffers.w_qkv[i];
+    spec.b = PipelineBuffers::Offset(plan, buffers.grad_qkv, plan.qkv_first_row[i]);
+    spec.beta = i == 0 ? 0.f : 1.f;
+    ATTNGRAD_RETURN_IF_ERROR(call.LaneGemm(spec, "grad_x GEMM (dqkv W) failed"));
+  }
+  call.StageDone("grad_x_gemm");
+  return {};
+}
+
+// Step 9b: dW[rows, hidden] (+)= dqkv[:, rows]^T X. Column-major: dW^T = X^T (as stored) *
+// dqkv[:, rows] (T-op); one product per weight (separate outputs). dWq and dWk on the side stream
+// next to the grad_x GEMM, dWv after it on the lane: at small T all four are bound by memory
+// (grad_x reads the 31.5 MB of fp16 weights, the dW write 63 MB of fp32), and this split gives the
+// two streams ~44 and ~50 MB.
+Status GradQkvWeightGemms(const PipelineCall& call) {
+  const PipelinePlan& plan = call.plan;
+  for (int i = 0; i < 3; ++i) {
+    GemmSpec spec;
+    spec.transpose_b = true;
+    spec.m = plan.hidden;
+    spec.n = plan.qkv_rows[i];
+    spec.k = plan.tokens;
+    spec.a = call.buffers.x;
+    spec.lda = plan.hidden;
+    spec.b = PipelineBuffers::Offset(plan, call.buffers.grad_qkv, plan.qkv_first_row[i]);
+    spec.ldb = plan.qkv_width;
+    spec.d = call.out.weight_gradients[kQkvWeights[i]];
+    spec.ldd = plan.hidden;
+    spec.arithmetic = plan.mode.gemm;
+    spec.beta = call.accumulate ? 1.f : 0.f;
+    call.Unscale(spec, /*weight_gradient=*/true);
+    constexpr const char* kWhat = "grad_w_qkv GEMMs (dqkv^T X) failed";
+    ATTNGRAD_RETURN_IF_ERROR(i < 2 ? call.SideGemm(spec, kWhat) : call.LaneGemm(spec, kWhat));
+  }
+  call.StageDone("grad_w_qkv_gemm");
+  return {};
+}
+
 bool Supported(const LayerConfig& config) {
   return config.IsValid() && config.head_dim == kHeadDim;
 }
 
 bool Aligned16(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
 
-#define ATTNGRAD_RETURN_IF_ERROR(expression)        \
-  do {                                              \
-    const attngrad_status status_ = (expression);   \
-    if (status_ != ATTNGRAD_OK) return status_;     \
-  } while (0)
+// The checks of a call's arguments before anything is enqueued (the workspace's: CheckWorkspace);
+// the first that fails is named.
+Status CheckCall(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                 Precision precision, const BackwardInputs& in, const BackwardOutputs& out) {
+  if (!IsValidPrecision(static_cast<int>(precision))) {
+    return {ATTNGRAD_INVALID_ARGUMENT, "precision is not one of AUTO, FP32, TF32, FP16"};
+  }
+  if (!Supported(config)) {
+    return {ATTNGRAD_UNSUPPORTED,
+            config.IsValid() ? "the GPU kernels support head_dim 128 only"
+                             : "LayerConfig is invalid (sizes must be positive, num_heads a "
+                               "multiple of num_kv_heads, head_dim even)"};
+  }
+  ATTNGRAD_RETURN_IF_ERROR(CheckBackwardArguments(config, batch, seq_len, scalars, in, out));
+  if (scalars.sliding_window != 0) {
+    return {ATTNGRAD_UNSUPPORTED, "the GPU kernels do not support sliding_window (local layers)"};
+  }
+  // The element-wise kernels read 16 bytes at a time from these (cudaMalloc gives 256).
+  if (!Aligned16(in.cos)) return {ATTNGRAD_INVALID_ARGUMENT, "cos is not 16-byte aligned"};
+  if (!Aligned16(in.sin)) return {ATTNGRAD_INVALID_ARGUMENT, "sin is not 16-byte aligned"};
+  if (!Aligned16(in.weights[Weight::kQNorm])) {
+    return {ATTNGRAD_INVALID_ARGUMENT, "weights[q_norm] is not 16-byte aligned"};
+  }
+  if (!Aligned16(in.weights[Weight::kKNorm])) {
+    return {ATTNGRAD_INVALID_ARGUMENT, "weights[k_norm] is not 16-byte aligned"};
+  }
+  return {};
+}
+
+// The workspace must hold `needed` bytes (WorkspaceLayout::total, what DeviceWorkspaceSize says).
+Status CheckWorkspace(const void* workspace, std::size_t workspace_size, std::size_t needed) {
+  if (workspace == nullptr) return {ATTNGRAD_WORKSPACE_TOO_SMALL, "workspace is null"};
+  if (workspace_size < needed) {
+    return {ATTNGRAD_WORKSPACE_TOO_SMALL,
+            "workspace_size is smaller than DeviceWorkspaceSize for this shape and precision"};
+  }
+  return {};
+}
 
 }  // namespace
 
@@ -151,344 +625,63 @@ Precision ResolvePrecision(Precision precision, int batch, int seq_len) {
   return Precision::kFp16;
 }
 
-attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
-                                    const Scalars& scalars, Precision precision, bool accumulate,
-                                    const BackwardInputs& in, const BackwardOutputs& out,
-                                    void* workspace, std::size_t workspace_size,
-                                    cudaStream_t caller_stream, StageObserver* observer,
-                                    SideStream* given_side) {
-  if (!IsValidPrecision(static_cast<int>(precision))) return ATTNGRAD_INVALID_ARGUMENT;
-  if (!Supported(config)) return ATTNGRAD_UNSUPPORTED;
-  ATTNGRAD_RETURN_IF_ERROR(ValidateBackwardArguments(config, batch, seq_len, scalars, in, out));
-  // The element-wise kernels read 16 bytes at a time from these (cudaMalloc gives 256).
-  if (!Aligned16(in.cos) || !Aligned16(in.sin) || !Aligned16(in.q_norm_weight) ||
-      !Aligned16(in.k_norm_weight)) {
-    return ATTNGRAD_INVALID_ARGUMENT;
-  }
-  const ModeChoice mode = ChoiceOf(ResolvePrecision(precision, batch, seq_len));
-  const WorkspaceLayout layout(config, batch, seq_len, mode);
-  if (workspace == nullptr || workspace_size < layout.total) return ATTNGRAD_WORKSPACE_TOO_SMALL;
+Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
+                           const Scalars& scalars, Precision precision, bool accumulate,
+                           const BackwardInputs& in, const BackwardOutputs& out, void* workspace,
+                           std::size_t workspace_size, cudaStream_t caller_stream,
+                           StageObserver* observer, SideStream* given_side) {
+  ATTNGRAD_RETURN_IF_ERROR(CheckCall(config, batch, seq_len, scalars, precision, in, out));
+  const PipelinePlan plan(config, batch, seq_len, scalars,
+                          ChoiceOf(ResolvePrecision(precision, batch, seq_len)));
+  ATTNGRAD_RETURN_IF_ERROR(CheckWorkspace(workspace, workspace_size, plan.layout.total));
+  const PipelineBuffers buffers(plan, in, workspace);
 
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    return {ATTNGRAD_CUDA_ERROR, "cudaGetDevice failed"};
+  }
   DeviceContext* context = nullptr;
-  ATTNGRAD_RETURN_IF_ERROR(DeviceContextRegistry::Instance().Get(device, &context));
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(DeviceContextRegistry::Instance().Get(device, &context),
+                                      "creating the device's cuBLASLt context failed"));
   SideStreamLease side_lease(context);
-  SideStream* side_stream = nullptr;  // null with an observer: everything on the caller's stream
+  SideStream* streams = nullptr;  // null with an observer: everything on the caller's stream
   if (observer == nullptr) {
-    if (given_side == nullptr) ATTNGRAD_RETURN_IF_ERROR(side_lease.Acquire());
-    side_stream = given_side != nullptr ? given_side : side_lease.get();
-  }
-  // `stream` carries the critical path: the side's high-priority lane, forked from the caller's
-  // stream here and joined back at the end.
-  const cudaStream_t stream = side_stream != nullptr ? side_stream->lane() : caller_stream;
-  const cudaStream_t side = side_stream != nullptr ? side_stream->stream() : caller_stream;
-  // mark(i, s): event i of the side stream records what is enqueued so far on s; wait(i, s): s
-  // waits for it.
-  auto mark = [side_stream](int index, cudaStream_t signaller) {
-    if (side_stream == nullptr) return ATTNGRAD_OK;
-    return cudaEventRecord(side_stream->event(index), signaller) == cudaSuccess
-               ? ATTNGRAD_OK
-               : ATTNGRAD_CUDA_ERROR;
-  };
-  auto wait = [side_stream](int index, cudaStream_t waiter) {
-    if (side_stream == nullptr) return ATTNGRAD_OK;
-    return cudaStreamWaitEvent(waiter, side_stream->event(index), 0) == cudaSuccess
-               ? ATTNGRAD_OK
-               : ATTNGRAD_CUDA_ERROR;
-  };
-  auto order = [&mark, &wait](int index, cudaStream_t signaller, cudaStream_t waiter) {
-    const attngrad_status status = mark(index, signaller);
-    return status == ATTNGRAD_OK ? wait(index, waiter) : status;
-  };
-  ATTNGRAD_RETURN_IF_ERROR(order(6, caller_stream, stream));  // fork the lane
-
-  auto* base = reinterpret_cast<unsigned char*>(
-      RoundUp(reinterpret_cast<std::uintptr_t>(workspace)));
-  auto at = [base](std::size_t offset) { return static_cast<void*>(base + offset); };
-  auto stage_done = [observer, stream](const char* stage) {
-    if (observer) observer->StageDone(stage, stream);
-  };
-
-  const int tokens = batch * seq_len;
-  const int hidden = config.hidden_size;
-  const int q_width = config.q_out();
-  const int kv_width = config.kv_out();
-  const int qkv_width = q_width + 2 * kv_width;
-  const float weight_beta = accumulate ? 1.f : 0.f;
-  void* gemm_workspace = at(layout.gemm_workspace);
-  void* side_gemm_workspace = at(layout.side_gemm_workspace);
-  float* qkv = static_cast<float*>(at(layout.qkv));
-
-  // Operands of the projection GEMMs: fp16 copies in FP16 mode, the caller's fp32 tensors otherwise.
-  // FP16 mode: the GEMMs whose results are outputs read alpha = 1/s and beta from here.
-  GradientScale* gradient_scale =
-      mode.half() ? static_cast<GradientScale*>(at(layout.gradient_scale)) : nullptr;
-  auto unscale = [gradient_scale, accumulate](GemmSpec& spec, bool weight_gradient) {
-    if (gradient_scale == nullptr) return;
-    spec.device_alpha = &gradient_scale->inverse;
-    spec.device_beta = weight_gradient && accumulate ? &gradient_scale->one : &gradient_scale->zero;
-  };
-  const void* x_operand = in.hidden_states;
-  const void* grad_y_operand = in.grad_output;
-  const void* w_o_operand = in.o_weight;
-  const void* w_q_operand = in.q_weight;
-  const void* w_k_operand = in.k_weight;
-  const void* w_v_operand = in.v_weight;
-  if (mode.half()) {
-    auto* x_half = static_cast<__half*>(at(layout.x_half));
-    auto* grad_y_half = static_cast<__half*>(at(layout.grad_y_half));
-    auto* w_qkv_half = static_cast<__half*>(at(layout.w_qkv_half));
-    auto* w_o_half = static_cast<__half*>(at(layout.w_o_half));
-    const std::size_t activations = static_cast<std::size_t>(tokens) * hidden;
-    const std::size_t q_weight = static_cast<std::size_t>(q_width) * hidden;
-    const std::size_t kv_weight = static_cast<std::size_t>(kv_width) * hidden;
-    // The side stream converts dY and Wo for its grad_attn GEMM while this one converts X and
-    // Wq|Wk|Wv for the qkv GEMM. (Converting X and Wq|Wk|Wv first, alone, measured slower at
-    // small T on the H200: bench/RESULTS.md run 7.)
-    ATTNGRAD_RETURN_IF_ERROR(order(0, stream, side));
-    const ConvertSegment side_segments[] = {
-        {in.grad_output, grad_y_half, activations, 1.f, gradient_scale},
-        {in.o_weight, w_o_half, static_cast<std::size_t>(hidden) * q_width, 1.f},
-    };
-    ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(side_segments, 2, side));
-    ATTNGRAD_RETURN_IF_ERROR(RescaleToHalf(side_segments[0], side));
-    const ConvertSegment main_segments[] = {
-        {in.hidden_states, x_half, activations, 1.f},
-        {in.q_weight, w_qkv_half, q_weight, 1.f},
-        {in.k_weight, w_qkv_half + q_weight, kv_weight, 1.f},
-        {in.v_weight, w_qkv_half + q_weight + kv_weight, kv_weight, 1.f},
-    };
-    ATTNGRAD_RETURN_IF_ERROR(ConvertToHalf(main_segments, 4, stream));
-    x_operand = x_half;
-    grad_y_operand = grad_y_half;
-    w_o_operand = w_o_half;
-    w_q_operand = w_qkv_half;
-    w_k_operand = w_qkv_half + q_weight;
-    w_v_operand = w_qkv_half + q_weight + kv_weight;
-    stage_done("convert");
-  }
-  const std::size_t operand_bytes = mode.half() ? sizeof(__half) : sizeof(float);
-  auto offset_operand = [operand_bytes](const void* pointer, std::size_t elements) {
-    return static_cast<const void*>(static_cast<const unsigned char*>(pointer) +
-                                    elements * operand_bytes);
-  };
-
-  if (!mode.half()) {
-    ATTNGRAD_RETURN_IF_ERROR(order(0, stream, side));  // fork: the side stream may read the inputs
-  }
-
-  // Step 1: qkv[T, qkv_width] = X W^T. Column-major: qkv^T (qkv_width x T) = W (T-op) * X^T.
-  // FP16: one product over the contiguous fp16 [Wq;Wk;Wv]; fp32 modes: one per weight, each into
-  // its columns of qkv.
-  {
-    GemmSpec spec;
-    spec.transpose_a = true;
-    spec.n = tokens;
-    spec.k = hidden;
-    spec.lda = hidden;
-    spec.b = x_operand;
-    spec.ldb = hidden;
-    spec.ldd = qkv_width;
-    spec.arithmetic = mode.gemm;
-    if (mode.half()) {
-      spec.m = qkv_width;
-      spec.a = w_q_operand;
-      spec.d = qkv;
-      ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, gemm_workspace, stream));
-    } else {
-      const void* weights[3] = {w_q_operand, w_k_operand, w_v_operand};
-      const int rows[3] = {q_width, kv_width, kv_width};
-      int first_row = 0;
-      for (int i = 0; i < 3; ++i) {
-        spec.m = rows[i];
-        spec.a = weights[i];
-        spec.d = qkv + first_row;
-        ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, gemm_workspace, stream));
-        first_row += rows[i];
-      }
+    if (given_side == nullptr) {
+      ATTNGRAD_RETURN_IF_ERROR(
+          StepStatus(side_lease.Acquire(), "creating the pipeline's side streams failed"));
     }
-    stage_done("qkv_gemm");
+    streams = given_side != nullptr ? given_side : side_lease.get();
   }
+  const PipelineCall call{plan,
+                          buffers,
+                          scalars,
+                          accumulate,
+                          in,
+                          out,
+                          context,
+                          streams,
+                          caller_stream,
+                          streams != nullptr ? streams->lane() : caller_stream,
+                          streams != nullptr ? streams->stream() : caller_stream,
+                          observer};
 
-  // Steps 2-3: q', k' (and v in fp16) as the attention's operands; 1/rms kept.
-  HeadLayout heads;
-  heads.tokens = tokens;
-  heads.num_heads = config.num_heads;
-  heads.num_kv_heads = config.num_kv_heads;
-  void* attention_operands = at(layout.attention_operands);
-  float* inv_rms = static_cast<float*>(at(layout.inv_rms));
-  ATTNGRAD_RETURN_IF_ERROR(RmsNormRopeForward(heads, qkv, in.cos, in.sin, in.q_norm_weight,
-                                              in.k_norm_weight, scalars.eps, mode.operand,
-                                              /*write_v=*/mode.half(), attention_operands,
-                                              inv_rms, stream));
-  stage_done("rmsnorm_rope");
-  const void* q_operand = attention_operands;
-  const void* k_operand = offset_operand(attention_operands, q_width);
-  // fp32 modes read v straight from the projections (same row stride).
-  const void* v_operand = mode.half() ? offset_operand(attention_operands, q_width + kv_width)
-                                      : static_cast<const void*>(qkv + q_width + kv_width);
-
-  // Step 5a: dA[T, q_width] = dY Wo. Column-major: dA^T = Wo^T (as stored) * dY^T.
-  void* grad_attention = at(layout.grad_attention);
-  {
-    GemmSpec spec;
-    spec.m = q_width;
-    spec.n = tokens;
-    spec.k = hidden;
-    spec.a = w_o_operand;
-    spec.lda = q_width;
-    spec.b = grad_y_operand;
-    spec.ldb = hidden;
-    spec.d = grad_attention;
-    spec.ldd = q_width;
-    spec.arithmetic = mode.gemm;
-    spec.d_is_half = mode.half();
-    ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, side_gemm_workspace, side));
-    ATTNGRAD_RETURN_IF_ERROR(mark(2, side));  // dA is ready for the attention backward
-    stage_done("grad_attn_gemm");
-  }
-
-  // Step 4: A and the log-sum-exp, and the backward's Delta = rowsum(dA * A) from A in registers
-  // (so the forward waits for dA; the grad_attn GEMM is the smaller product, done first).
-  const AttentionProblem problem = ProblemOf(config, batch, seq_len, scalars, mode);
-  // A in fp32 only where the grad_o GEMM reads it (fp32 modes); the FP16 mode's backward takes
-  // Delta from the forward and its GEMM reads the fp16 copy.
-  float* attention_out = mode.half() ? nullptr : static_cast<float*>(at(layout.attention_out));
-  void* attention_out_half = mode.half() ? at(layout.attention_out_half) : nullptr;
-  float* lse = static_cast<float*>(at(layout.lse));
-  ATTNGRAD_RETURN_IF_ERROR(wait(2, stream));
-  FusedDelta fused_delta;
-  fused_delta.grad_out = grad_attention;
-  fused_delta.ldo = q_width;
-  fused_delta.backward_workspace = at(layout.attention_workspace);
-  ATTNGRAD_RETURN_IF_ERROR(AttentionForward(problem, q_operand, qkv_width, k_operand, v_operand,
-                                            qkv_width, attention_out, attention_out_half, lse,
-                                            stream, &fused_delta));
-  stage_done("attention_forward");
-  ATTNGRAD_RETURN_IF_ERROR(order(1, stream, side));  // A, lse and Delta are ready
-
-  // Step 6, dq' half: on the side stream, beside the dk'/dv half below (independent kernels), then
-  // the grad_o GEMM there.
-  float* grad_q_rot = static_cast<float*>(at(layout.grad_q_rot));
-  float* grad_k_rot = static_cast<float*>(at(layout.grad_k_rot));
-  float* grad_v = static_cast<float*>(at(layout.grad_v));
-  auto attention_backward = [&](AttentionBackwardPart part, cudaStream_t on) {
-    return AttentionBackward(problem, q_operand, qkv_width, k_operand, v_operand, qkv_width,
-                             attention_out, grad_attention, q_width, lse, grad_q_rot, grad_k_rot,
-                             grad_v, at(layout.attention_workspace),
-                             layout.attention_workspace_bytes, on, /*delta_ready=*/true, part);
-  };
-  ATTNGRAD_RETURN_IF_ERROR(attention_backward(AttentionBackwardPart::kQuery, side));
-  ATTNGRAD_RETURN_IF_ERROR(mark(5, side));  // dq' is ready
-  stage_done("attention_backward_dq");
-
-  // Step 5b: dWo[hidden, q_width] (+)= dY^T A. Column-major: dWo^T = A^T (as stored) * dY (T-op).
-  {
-    GemmSpec spec;
-    spec.transpose_b = true;
-    spec.m = q_width;
-    spec.n = hidden;
-    spec.k = tokens;
-    spec.a = mode.half() ? static_cast<const void*>(attention_out_half) : attention_out;
-    spec.lda = q_width;
-    spec.b = grad_y_operand;
-    spec.ldb = hidden;
-    spec.d = out.grad_o_weight;
-    spec.ldd = q_width;
-    spec.arithmetic = mode.gemm;
-    spec.beta = weight_beta;
-    unscale(spec, /*weight_gradient=*/true);
-    ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, side_gemm_workspace, side));
-    stage_done("grad_o_gemm");
-  }
-
-  // Step 6, dk'/dv half (for short sequences the whole backward, dq' included).
-  ATTNGRAD_RETURN_IF_ERROR(attention_backward(AttentionBackwardPart::kKeyValue, stream));
-  ATTNGRAD_RETURN_IF_ERROR(wait(5, stream));
-  stage_done("attention_backward_dkdv");
-
-  // Steps 7-8: dq, dk, dv side by side as [T, qkv_width]; norm-weight gradients.
-  // The norm-weight gradients' final sum runs first on the side stream, beside the grad_x GEMM.
-  void* grad_qkv = at(layout.grad_qkv);
-  float* partials = static_cast<float*>(at(layout.partials));
-  int partial_rows = 0;
-  ATTNGRAD_RETURN_IF_ERROR(RopeRmsNormBackward(heads, grad_q_rot, grad_k_rot, grad_v, qkv, inv_rms,
-                                               in.cos, in.sin, in.q_norm_weight, in.k_norm_weight,
-                                               mode.operand, grad_qkv, partials, &partial_rows,
-                                               stream));
-  ATTNGRAD_RETURN_IF_ERROR(order(3, stream, side));  // dqkv and the partials are ready
-  ATTNGRAD_RETURN_IF_ERROR(NormWeightGradientSum(
-      partials, partial_rows, gradient_scale ? &gradient_scale->inverse : nullptr,
-      out.grad_q_norm_weight, out.grad_k_norm_weight, accumulate, side));
-  stage_done("rope_rmsnorm_backward");
-
-  // Step 9a: dX[T, hidden] = dqkv W. Column-major: dX^T = W^T (as stored) * dqkv^T.
-  // FP16: one product with K = qkv_width; fp32 modes: three, added in a fixed order (beta = 1).
-  {
-    GemmSpec spec;
-    spec.m = hidden;
-    spec.n = tokens;
-    spec.lda = hidden;
-    spec.ldb = qkv_width;
-    spec.d = out.grad_hidden_states;
-    spec.ldd = hidden;
-    spec.arithmetic = mode.gemm;
-    if (mode.half()) {
-      spec.k = qkv_width;
-      spec.a = w_q_operand;
-      spec.b = grad_qkv;
-      unscale(spec, /*weight_gradient=*/false);
-      ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, gemm_workspace, stream));
-    } else {
-      const void* weights[3] = {w_q_operand, w_k_operand, w_v_operand};
-      const int rows[3] = {q_width, kv_width, kv_width};
-      int first_row = 0;
-      for (int i = 0; i < 3; ++i) {
-        spec.k = rows[i];
-        spec.a = weights[i];
-        spec.b = offset_operand(grad_qkv, first_row);
-        spec.beta = i == 0 ? 0.f : 1.f;
-        ATTNGRAD_RETURN_IF_ERROR(context->Gemm(spec, gemm_workspace, stream));
-        first_row += rows[i];
-      }
-    }
-    stage_done("grad_x_gemm");
-  }
-
-  // Step 9b: dW[rows, hidden] (+)= dqkv[:, rows]^T X. Column-major: dW^T = X^T (as stored) *
-  // dqkv[:, rows] (T-op); one product per weight (separate outputs). dWq and dWk on the side stream
-  // next to the grad_x GEMM, dWv after it on the caller's stream: at small T all four are bound by
-  // memory (grad_x reads the 31.5 MB of fp16 weights, the dW write 63 MB of fp32), and this split
-  // gives the two streams ~44 and ~50 MB.
-  {
-    float* outputs[3] = {out.grad_q_weight, out.grad_k_weight, out.grad_v_weight};
-    const int rows[3] = {q_width, kv_width, kv_width};
-    int first_row = 0;
-    for (int i = 0; i < 3; ++i) {
-      GemmSpec spec;
-      spec.transpose_b = true;
-      spec.m = hidden;
-      spec.n = rows[i];
-      spec.k = tokens;
-      spec.a = x_operand;
-      spec.lda = hidden;
-      spec.b = offset_operand(grad_qkv, first_row);
-      spec.ldb = qkv_width;
-      spec.d = outputs[i];
-      spec.ldd = hidden;
-      spec.arithmetic = mode.gemm;
-      spec.beta = weight_beta;
-      unscale(spec, /*weight_gradient=*/true);
-      ATTNGRAD_RETURN_IF_ERROR(i < 2 ? context->Gemm(spec, side_gemm_workspace, side)
-                                     : context->Gemm(spec, gemm_workspace, stream));
-      first_row += rows[i];
-    }
-    stage_done("grad_w_qkv_gemm");
-  }
+  // Fork: the lane from the caller's stream, the side stream from the lane.
+  ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kLaneForked, call.caller, call.lane));
+  ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kSideForked, call.lane, call.side));
+  if (plan.mode.half()) ATTNGRAD_RETURN_IF_ERROR(ConvertOperands(call));  // lane and side
+  ATTNGRAD_RETURN_IF_ERROR(ProjectQkv(call));                // lane
+  ATTNGRAD_RETURN_IF_ERROR(NormalizeAndRotate(call));        // lane
+  ATTNGRAD_RETURN_IF_ERROR(GradAttentionGemm(call));         // side
+  ATTNGRAD_RETURN_IF_ERROR(AttentionForwardStage(call));     // lane, after dA
+  ATTNGRAD_RETURN_IF_ERROR(AttentionBackwardQuery(call));    // side, after the forward
+  ATTNGRAD_RETURN_IF_ERROR(GradOutputWeightGemm(call));      // side
+  ATTNGRAD_RETURN_IF_ERROR(AttentionBackwardKeyValue(call)); // lane, then waits for dq'
+  ATTNGRAD_RETURN_IF_ERROR(RopeRmsNormBackwardStage(call));  // lane, final sum on the side
+  ATTNGRAD_RETURN_IF_ERROR(GradHiddenGemm(call));            // lane
+  ATTNGRAD_RETURN_IF_ERROR(GradQkvWeightGemms(call));        // side (dWq, dWk) and lane (dWv)
   // Join: the call ends on the caller's stream when both streams are done.
-  ATTNGRAD_RETURN_IF_ERROR(order(4, side, stream));
-  return order(7, stream, caller_stream);
+  ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kSideDone, call.side, call.lane));
+  return call.Order(ForkJoinEvent::kLaneDone, call.lane, call.caller);
 }
 
 }  // namespace cuda
@@ -510,58 +703,82 @@ namespace {
 PipelineKey KeyOf(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
                   Precision precision, bool accumulate, const BackwardInputs& in,
                   const BackwardOutputs& out, const void* workspace, std::size_t workspace_size) {
-  auto word = [](const void* pointer) {
-    return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(pointer));
+  PipelineKey key{};
+  std::size_t next = 0;
+  auto add = [&key, &next](std::uint64_t word) { key[next++] = word; };
+  auto add_pointer = [&add](const void* pointer) {
+    add(static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(pointer)));
   };
-  auto bits = [](float value) {
+  auto add_float = [&add](float value) {
     std::uint32_t raw = 0;
     static_assert(sizeof raw == sizeof value);
     std::memcpy(&raw, &value, sizeof raw);
-    return static_cast<std::uint64_t>(raw);
+    add(raw);
   };
-  const PipelineKey key = {
-      word(in.grad_output), word(in.hidden_states), word(in.cos), word(in.sin),
-      word(in.q_weight), word(in.k_weight), word(in.v_weight), word(in.o_weight),
-      word(in.q_norm_weight), word(in.k_norm_weight), word(out.grad_hidden_states),
-      word(out.grad_q_weight), word(out.grad_k_weight), word(out.grad_v_weight),
-      word(out.grad_o_weight), word(out.grad_q_norm_weight), word(out.grad_k_norm_weight),
-      word(workspace), static_cast<std::uint64_t>(workspace_size),
-      static_cast<std::uint64_t>(batch), static_cast<std::uint64_t>(seq_len),
-      static_cast<std::uint64_t>(precision), accumulate ? 1u : 0u, bits(scalars.scaling),
-      bits(scalars.softcap), bits(scalars.eps), static_cast<std::uint64_t>(config.hidden_size),
-      static_cast<std::uint64_t>(config.num_heads), static_cast<std::uint64_t>(config.num_kv_heads),
-      static_cast<std::uint64_t>(config.head_dim), 0, 0};
-  return key;
+  for (const float* tensor : {in.grad_output, in.hidden_states, in.cos, in.sin}) {
+    add_pointer(tensor);
+  }
+  for (const float* weight : in.weights) add_pointer(weight);
+  add_pointer(out.grad_hidden_states);
+  for (const float* gradient : out.weight_gradients) add_pointer(gradient);
+  add_pointer(workspace);
+  for (const long long value :
+       {static_cast<long long>(workspace_size), static_cast<long long>(batch),
+        static_cast<long long>(seq_len), static_cast<long long>(precision),
+        static_cast<long long>(accumulate), static_cast<long long>(config.hidden_size),
+        static_cast<long long>(config.num_heads), static_cast<long long>(config.num_kv_heads),
+        static_cast<long long>(config.head_dim)}) {
+    add(static_cast<std::uint64_t>(value));
+  }
+  for (const float value : {scalars.scaling, scalars.softcap, scalars.eps}) add_float(value);
+  return key;  // words past `next` stay 0
 }
 
 }  // namespace
 }  // namespace cuda
 
-attngrad_status BackwardDevice(const LayerConfig& config, int batch, int seq_len,
-                               const Scalars& scalars, Precision precision, bool accumulate,
-                               const BackwardInputs& in, const BackwardOutputs& out,
-                               void* workspace, std::size_t workspace_size, void* stream) {
+Status BackwardDevice(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                      Precision precision, bool accumulate, const BackwardInputs& in,
+                      const BackwardOutputs& out, void* workspace, std::size_t workspace_size,
+                      void* stream) {
   const auto caller_stream = static_cast<cudaStream_t>(stream);
+  // Checked before the graph cache sees the call (a bad call is never remembered).
+  Status checked = cuda::CheckCall(config, batch, seq_len, scalars, precision, in, out);
+  if (checked.ok()) {
+    checked = cuda::CheckWorkspace(workspace, workspace_size,
+                                   DeviceWorkspaceSize(config, batch, seq_len, precision));
+  }
+  if (!checked.ok()) return checked;
+  // The graph cache's enqueue callback returns a code; the message of a failure is kept here.
+  Status failed;
   auto enqueue = [&](cudaStream_t on, cuda::SideStream* side) {
-    return cuda::RunBackwardPipeline(config, batch, seq_len, scalars, precision, accumulate, in, out,
-                                     workspace, workspace_size, on, /*observer=*/nullptr, side);
+    const Status status =
+        cuda::RunBackwardPipeline(config, batch, seq_len, scalars, precision, accumulate, in, out,
+                                  workspace, workspace_size, on, /*observer=*/nullptr, side);
+    if (!status.ok()) failed = status;
+    return status.code;
+  };
+  auto result = [&failed](attngrad_status code, const char* otherwise) {
+    if (code == ATTNGRAD_OK) return Status{};
+    return failed.code == code ? failed : Status{code, otherwise};
   };
   // A caller capturing its stream gets the kernels in its own graph.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(caller_stream, &capture) != cudaSuccess) {
     cudaGetLastError();
-    return enqueue(caller_stream, nullptr);
+    return result(enqueue(caller_stream, nullptr), "");
   }
-  if (capture != cudaStreamCaptureStatusNone) return enqueue(caller_stream, nullptr);
+  if (capture != cudaStreamCaptureStatusNone) return result(enqueue(caller_stream, nullptr), "");
   int device = 0;
   cuda::DeviceContext* context = nullptr;
-  if (cudaGetDevice(&device) != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
+  if (cudaGetDevice(&device) != cudaSuccess) return {ATTNGRAD_CUDA_ERROR, "cudaGetDevice failed"};
   const attngrad_status got = cuda::DeviceContextRegistry::Instance().Get(device, &context);
-  if (got != ATTNGRAD_OK) return got;
-  return context->pipeline_graphs().Run(
-      cuda::KeyOf(config, batch, seq_len, scalars, precision, accumulate, in, out, workspace,
-                  workspace_size),
-      enqueue, caller_stream, context);
+  if (got != ATTNGRAD_OK) return {got, "creating the device's cuBLASLt context failed"};
+  return result(context->pipeline_graphs().Run(cuda::KeyOf(config, batch, seq_len, scalars,
+                                                           precision, accumulate, in, out,
+                                                           workspace, workspace_size),
+                                               enqueue, caller_stream, context),
+                "launching the pipeline's CUDA graph failed");
 }
 
 int DeviceCount() {

@@ -26,14 +26,13 @@ Precision ResolvePrecision(Precision precision, int batch, int seq_len);
 
 // Enqueues the whole pipeline on `stream`: forked onto the two streams of `side` when given, else of
 // one leased from the device's pool, and joined back (with an observer everything runs on
-// `stream`).
+// `stream`). The Status names the check or the stage that failed.
 class SideStream;
-attngrad_status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
-                                    const Scalars& scalars, Precision precision, bool accumulate,
-                                    const BackwardInputs& in, const BackwardOutputs& out,
-                                    void* workspace, std::size_t workspace_size,
-                                    cudaStream_t stream, StageObserver* observer,
-                                    SideStream* side = nullptr);
+Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
+                           const Scalars& scalars, Precision precision, bool accumulate,
+                           const BackwardInputs& in, const BackwardOutputs& out, void* workspace,
+                           std::size_t workspace_size, cudaStream_t stream,
+                           StageObserver* observer, SideStream* side = nullptr);
 
 }  // namespace attngrad::cuda
 

@@ -166,25 +166,15 @@ attngrad_status GemmPlan::Run(cublasLtHandle_t handle, const GemmSpec& spec, voi
   return status == CUBLAS_STATUS_EXECUTION_FAILED ? ATTNGRAD_CUDA_ERROR : ATTNGRAD_INTERNAL;
 }
 
-SideStream::~SideStream() {
-  for (cudaEvent_t event : events_) {
-    if (event) cudaEventDestroy(event);
-  }
-  if (lane_) cudaStreamDestroy(lane_);
-  if (stream_) cudaStreamDestroy(stream_);
-}
-
 attngrad_status SideStream::Init() {
   int least = 0, greatest = 0;
-  if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
+  if (Stream::Create(&stream_) != cudaSuccess ||
       cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess ||
-      cudaStreamCreateWithPriority(&lane_, cudaStreamNonBlocking, greatest) != cudaSuccess) {
+      Stream::CreateWithPriority(&lane_, greatest) != cudaSuccess) {
     return ATTNGRAD_CUDA_ERROR;
   }
-  for (cudaEvent_t& event : events_) {
-    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
-      return ATTNGRAD_CUDA_ERROR;
-    }
+  for (Event& event : events_) {
+    if (Event::Create(&event, cudaEventDisableTiming) != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
   }
   return ATTNGRAD_OK;
 }

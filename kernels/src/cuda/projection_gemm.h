@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "attngrad/attngrad.h"
+#include "attngrad/cuda_resources.h"
 #include "cuda/pipeline_graph.h"
 
 namespace attngrad::cuda {
@@ -103,27 +104,39 @@ class GemmPlan {
   std::size_t workspace_bytes_ = 0;
 };
 
+// The events that fork one call's work from the caller's stream onto the lane and the side stream
+// and join it back, each recorded once per call on one stream and waited for on another
+// (backward_device.cu's RunBackwardPipeline says where).
+enum class ForkJoinEvent : int {
+  kLaneForked,              // caller -> lane: the call starts
+  kSideForked,              // lane -> side: the side stream may read the inputs
+  kGradAttentionReady,      // side -> lane: dA = dY Wo, read by the attention forward
+  kAttentionForwardDone,    // lane -> side: A, lse and Delta, read by the dQ half and dWo
+  kGradQueryReady,          // side -> lane: dq', read by rope_rmsnorm_backward
+  kGradQkvReady,            // lane -> side: dq, dk, dv and the norm-weight partials
+  kSideDone,                // side -> lane: everything on the side stream
+  kLaneDone,                // lane -> caller: the call ends
+};
+inline constexpr int kForkJoinEvents = 8;
+
 // Two streams of one call besides the caller's, and the events that fork work onto them from the
 // caller's stream and join it back (graph-capturable: every fork is an event recorded on one stream
 // and waited for on another): `stream()` at the default priority for the work beside the critical
 // path, `lane()` at the device's greatest priority for the critical path itself, so that its
 // kernels' blocks are scheduled first when both have some waiting.
-inline constexpr int kForkEvents = 8;
 class SideStream {
  public:
-  SideStream() = default;
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  ~SideStream();
   attngrad_status Init();
-  cudaStream_t stream() const { return stream_; }
-  cudaStream_t lane() const { return lane_; }
-  cudaEvent_t event(int index) const { return events_[index]; }
+  cudaStream_t stream() const { return stream_.get(); }
+  cudaStream_t lane() const { return lane_.get(); }
+  cudaEvent_t event(ForkJoinEvent which) const {
+    return events_[static_cast<int>(which)].get();
+  }
 
  private:
-  cudaStream_t stream_ = nullptr;
-  cudaStream_t lane_ = nullptr;
-  cudaEvent_t events_[kForkEvents] = {};
+  Stream stream_;
+  Stream lane_;
+  Event events_[kForkJoinEvents];
 };
 
 // cuBLASLt handle, plans, side streams and replayable pipeline graphs of one device.
