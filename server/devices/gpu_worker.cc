@@ -1,5 +1,6 @@
 // GPU device worker. Everything CUDA happens on the worker's own thread. Per device: fp32 resident
-// weights and weight-gradient accumulators (cudaMalloc), one device workspace, and three streams:
+// weights and weight-gradient accumulators, one device workspace, and three streams (all owned by
+// the types of attngrad/cuda_resources.h, released when the worker's thread drops them):
 // copy-in, compute and copy-out. Each batch in flight owns a slot (pinned host staging buffers,
 // device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
 // compute of batch n and the copy-out of batch n-1 overlap. Kernels run in order on the compute
@@ -33,6 +34,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attngrad/cuda_resources.h"
 #include "devices/nccl_library.h"
 
 namespace attngrad::server {
@@ -49,23 +51,6 @@ absl::Status CudaStatus(cudaError_t error, const char* what) {
     absl::Status cuda_status_ = CudaStatus((call), #call);           \
     if (!cuda_status_.ok()) return cuda_status_;                     \
   } while (false)
-
-std::size_t TotalWeightElements(const LayerConfig& config) {
-  std::size_t total = 0;
-  for (int i = 0; i < kNumWeights; ++i) total += WeightElements(config, i);
-  return total;
-}
-
-// Offsets of the six tensors inside one contiguous allocation (order q, k, v, o, q_norm, k_norm).
-std::array<std::size_t, kNumWeights> WeightOffsets(const LayerConfig& config) {
-  std::array<std::size_t, kNumWeights> offsets{};
-  std::size_t offset = 0;
-  for (int i = 0; i < kNumWeights; ++i) {
-    offsets[i] = offset;
-    offset += WeightElements(config, i);
-  }
-  return offsets;
-}
 
 #ifdef ATTNGRAD_HAVE_NCCL_HEADER
 // What the GPU workers share when NCCL sums their accumulators: the communicators (rank i is
@@ -124,8 +109,7 @@ class GpuWorker final : public DeviceWorker {
         cuda_device_(cuda_device),
         weights_(std::move(weights)),
         config_(weights_->config),
-        offsets_(WeightOffsets(config_)),
-        weight_elements_(TotalWeightElements(config_)) {}
+        layout_(config_) {}
 
   ~GpuWorker() override { StopAndJoin(); }
 
@@ -140,20 +124,16 @@ class GpuWorker final : public DeviceWorker {
   }
 
  private:
-  // One batch in flight and the buffers it uses.
+  // One batch in flight and the buffers it uses (grown as batches need, never shrunk).
   struct Slot {
     std::unique_ptr<BatchJob> job;
-    float* host_in = nullptr;  // pinned: hidden_states | grad_output | cos | sin
-    std::size_t host_in_capacity = 0;
-    float* host_out = nullptr;  // pinned: grad_hidden_states [| weight gradients (RETURN)]
-    std::size_t host_out_capacity = 0;
-    float* device_in = nullptr;  // same layout as host_in
-    std::size_t device_in_capacity = 0;
-    float* device_grad_hidden = nullptr;
-    std::size_t device_grad_hidden_capacity = 0;
-    float* device_weight_gradients = nullptr;  // this batch's own weight gradients
-    cudaEvent_t copy_in_start = nullptr, copy_in_done = nullptr, compute_start = nullptr,
-                compute_done = nullptr, copy_out_start = nullptr, copy_out_done = nullptr;
+    cuda::PinnedBuffer<float> host_in;   // hidden_states | grad_output | cos | sin
+    cuda::PinnedBuffer<float> host_out;  // grad_hidden_states [| weight gradients (RETURN)]
+    cuda::DeviceBuffer<float> device_in;  // same layout as host_in
+    cuda::DeviceBuffer<float> device_grad_hidden;
+    cuda::DeviceBuffer<float> device_weight_gradients;  // this batch's own weight gradients
+    cuda::Event copy_in_start, copy_in_done, compute_start, compute_done, copy_out_start,
+        copy_out_done;
     double host_copy_in_seconds = 0;
   };
 
@@ -168,13 +148,13 @@ class GpuWorker final : public DeviceWorker {
     cudaDeviceProp properties;
     ATTNGRAD_CUDA_RETURN(cudaGetDeviceProperties(&properties, cuda_device_));
     name_ = properties.name;
-    for (cudaStream_t* stream : {&copy_in_stream_, &compute_stream_, &copy_out_stream_}) {
-      ATTNGRAD_CUDA_RETURN(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking));
+    for (cuda::Stream* stream : {&copy_in_stream_, &compute_stream_, &copy_out_stream_}) {
+      ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(stream));
     }
-    const std::size_t weight_bytes = weight_elements_ * sizeof(float);
-    ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&device_weights_), weight_bytes));
-    ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&device_accumulators_), weight_bytes));
-    ATTNGRAD_CUDA_RETURN(cudaMemset(device_accumulators_, 0, weight_bytes));
+    const std::size_t weight_elements = layout_.total_elements;
+    ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<float>::Create(weight_elements, &device_weights_));
+    ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<float>::Create(weight_elements, &device_accumulators_));
+    ATTNGRAD_CUDA_RETURN(cudaMemset(device_accumulators_.get(), 0, device_accumulators_.bytes()));
     // cudaMemset and pageable cudaMemcpy run on the legacy stream, which our non-blocking streams
     // do not wait for: finish them before any batch.
     ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
@@ -183,55 +163,43 @@ class GpuWorker final : public DeviceWorker {
     slots_.resize(static_cast<std::size_t>(pipeline_depth()));
     for (Slot& slot : slots_) {
       ATTNGRAD_CUDA_RETURN(
-          cudaMalloc(reinterpret_cast<void**>(&slot.device_weight_gradients), weight_bytes));
-      for (cudaEvent_t* event : {&slot.copy_in_start, &slot.copy_in_done, &slot.compute_start,
+          cuda::DeviceBuffer<float>::Create(weight_elements, &slot.device_weight_gradients));
+      for (cuda::Event* event : {&slot.copy_in_start, &slot.copy_in_done, &slot.compute_start,
                                  &slot.compute_done, &slot.copy_out_start, &slot.copy_out_done}) {
-        ATTNGRAD_CUDA_RETURN(cudaEventCreate(event));
+        ATTNGRAD_CUDA_RETURN(cuda::Event::Create(event));
       }
     }
     if (nccl_ != nullptr) {
-      ATTNGRAD_CUDA_RETURN(cudaStreamCreateWithFlags(&nccl_stream_, cudaStreamNonBlocking));
+      ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(&nccl_stream_));
       if (rank_ == 0) {
-        ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&reduce_buffer_), weight_bytes));
+        ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<float>::Create(weight_elements, &reduce_buffer_));
       }
     }
     UpdateMemoryGauges();
     return absl::OkStatus();
   }
 
-  // Frees everything (on the worker's thread, after the last batch).
+  // Drops every CUDA resource (on the worker's thread, after the last batch, once the device is
+  // idle); their destructors release them.
   void Release() {
     cudaDeviceSynchronize();
-    for (Slot& slot : slots_) {
-      cudaFreeHost(slot.host_in);
-      cudaFreeHost(slot.host_out);
-      cudaFree(slot.device_in);
-      cudaFree(slot.device_grad_hidden);
-      cudaFree(slot.device_weight_gradients);
-      for (cudaEvent_t event : {slot.copy_in_start, slot.copy_in_done, slot.compute_start,
-                                slot.compute_done, slot.copy_out_start, slot.copy_out_done}) {
-        if (event != nullptr) cudaEventDestroy(event);
-      }
-    }
     slots_.clear();
-    cudaFree(workspace_);
-    cudaFree(device_weights_);
-    cudaFree(device_accumulators_);
-    cudaFree(reduce_buffer_);
-    workspace_ = nullptr;
-    device_weights_ = device_accumulators_ = reduce_buffer_ = nullptr;
-    for (cudaStream_t stream : {copy_in_stream_, compute_stream_, copy_out_stream_, nccl_stream_}) {
-      if (stream != nullptr) cudaStreamDestroy(stream);
+    workspace_ = cuda::DeviceBuffer<unsigned char>();
+    device_weights_ = cuda::DeviceBuffer<float>();
+    device_accumulators_ = cuda::DeviceBuffer<float>();
+    reduce_buffer_ = cuda::DeviceBuffer<float>();
+    for (cuda::Stream* stream :
+         {&copy_in_stream_, &compute_stream_, &copy_out_stream_, &nccl_stream_}) {
+      *stream = cuda::Stream();
     }
-    copy_in_stream_ = compute_stream_ = copy_out_stream_ = nccl_stream_ = nullptr;
   }
 
   // Synchronous upload of the six weights (the pipeline is drained when this runs).
   absl::Status UploadWeights(const LayerWeights& weights) {
-    for (int i = 0; i < kNumWeights; ++i) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpy(device_weights_ + offsets_[i],
-                                      weights.values.tensors[i].data(),
-                                      weights.values.tensors[i].size() * sizeof(float),
+    for (Weight weight : kAllWeights) {
+      ATTNGRAD_CUDA_RETURN(cudaMemcpy(device_weights_.get() + layout_.offsets[weight],
+                                      weights.values[weight].data(),
+                                      weights.values[weight].size() * sizeof(float),
                                       cudaMemcpyHostToDevice));
     }
     // A pageable host-to-device cudaMemcpy may return before its DMA lands, on the legacy stream.
@@ -282,8 +250,8 @@ class GpuWorker final : public DeviceWorker {
         in_flight.push_back(slot);
       } else {
         // Nothing of this batch may still be running before its buffers are reused.
-        cudaStreamSynchronize(copy_in_stream_);
-        cudaStreamSynchronize(compute_stream_);
+        cudaStreamSynchronize(copy_in_stream_.get());
+        cudaStreamSynchronize(compute_stream_.get());
         slot->job->status = status;
         FinishJob(std::move(slot->job));
       }
@@ -291,25 +259,13 @@ class GpuWorker final : public DeviceWorker {
     Release();
   }
 
-  // Grows a pinned host buffer to hold `elements` floats (the slot is idle).
-  static absl::Status EnsurePinned(float** buffer, std::size_t* capacity, std::size_t elements) {
-    if (*capacity >= elements) return absl::OkStatus();
-    cudaFreeHost(*buffer);
-    *buffer = nullptr;
-    *capacity = 0;
-    ATTNGRAD_CUDA_RETURN(cudaMallocHost(reinterpret_cast<void**>(buffer), elements * sizeof(float)));
-    *capacity = elements;
-    return absl::OkStatus();
-  }
-
-  static absl::Status EnsureDevice(float** buffer, std::size_t* capacity, std::size_t elements) {
-    if (*capacity >= elements) return absl::OkStatus();
-    cudaFree(*buffer);
-    *buffer = nullptr;
-    *capacity = 0;
-    ATTNGRAD_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(buffer), elements * sizeof(float)));
-    *capacity = elements;
-    return absl::OkStatus();
+  // Grows a buffer (pinned or device) to hold `elements` (its user is idle): the old one is
+  // released before the new one is made.
+  template <typename Buffer>
+  static absl::Status EnsureCapacity(Buffer* buffer, std::size_t elements, const char* what) {
+    if (buffer->size() >= elements) return absl::OkStatus();
+    *buffer = Buffer();
+    return CudaStatus(Buffer::Create(elements, buffer), what);
   }
 
   // Stages the slot's batch and queues its copy-in, compute and copy-out.
@@ -321,105 +277,103 @@ class GpuWorker final : public DeviceWorker {
     const std::size_t rotary = job.cos.size();
     const std::size_t input_elements = 2 * activations + 2 * rotary;
     const std::size_t output_elements =
-        activations + (job.return_weight_gradients ? weight_elements_ : 0);
-    absl::Status status = EnsurePinned(&slot.host_in, &slot.host_in_capacity, input_elements);
-    if (status.ok()) status = EnsurePinned(&slot.host_out, &slot.host_out_capacity, output_elements);
-    if (status.ok()) status = EnsureDevice(&slot.device_in, &slot.device_in_capacity, input_elements);
+        activations + (job.return_weight_gradients ? layout_.total_elements : 0);
+    absl::Status status = EnsureCapacity(&slot.host_in, input_elements, "cudaMallocHost(host_in)");
     if (status.ok()) {
-      status = EnsureDevice(&slot.device_grad_hidden, &slot.device_grad_hidden_capacity, activations);
+      status = EnsureCapacity(&slot.host_out, output_elements, "cudaMallocHost(host_out)");
+    }
+    if (status.ok()) {
+      status = EnsureCapacity(&slot.device_in, input_elements, "cudaMalloc(device_in)");
+    }
+    if (status.ok()) {
+      status = EnsureCapacity(&slot.device_grad_hidden, activations,
+                              "cudaMalloc(device_grad_hidden)");
     }
     const std::size_t workspace_size =
         DeviceWorkspaceSize(config_, job.batch, job.seq_len, job.precision);
-    if (status.ok() && workspace_size > workspace_capacity_) {
+    if (status.ok() && workspace_size > workspace_.size()) {
       // The workspace is shared by every batch on the compute stream: wait until it is unused.
-      status = CudaStatus(cudaStreamSynchronize(compute_stream_), "cudaStreamSynchronize");
+      status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
       if (status.ok()) {
-        cudaFree(workspace_);
-        workspace_ = nullptr;
-        workspace_capacity_ = 0;
-        status = CudaStatus(cudaMalloc(&workspace_, workspace_size), "cudaMalloc(workspace)");
-        if (status.ok()) workspace_capacity_ = workspace_size;
+        status = EnsureCapacity(&workspace_, workspace_size, "cudaMalloc(workspace)");
       }
     }
     if (!status.ok()) return status;
 
-    float* host = slot.host_in;
+    float* host = slot.host_in.get();
     std::memcpy(host, job.hidden_states.data(), activations * sizeof(float));
     std::memcpy(host + activations, job.grad_output.data(), activations * sizeof(float));
     std::memcpy(host + 2 * activations, job.cos.data(), rotary * sizeof(float));
     std::memcpy(host + 2 * activations + rotary, job.sin.data(), rotary * sizeof(float));
     slot.host_copy_in_seconds = SecondsSince(start);
 
-    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_start, copy_in_stream_));
-    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.device_in, slot.host_in,
+    const cudaStream_t copy_in = copy_in_stream_.get();
+    const cudaStream_t compute = compute_stream_.get();
+    const cudaStream_t copy_out = copy_out_stream_.get();
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_start.get(), copy_in));
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.device_in.get(), slot.host_in.get(),
                                          input_elements * sizeof(float), cudaMemcpyHostToDevice,
-                                         copy_in_stream_));
-    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_done, copy_in_stream_));
+                                         copy_in));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_done.get(), copy_in));
 
-    ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(compute_stream_, slot.copy_in_done, 0));
-    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_start, compute_stream_));
+    ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(compute, slot.copy_in_done.get(), 0));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_start.get(), compute));
+    const float* device_in = slot.device_in.get();
     BackwardInputs in;
-    in.hidden_states = slot.device_in;
-    in.grad_output = slot.device_in + activations;
-    in.cos = slot.device_in + 2 * activations;
-    in.sin = slot.device_in + 2 * activations + rotary;
-    in.q_weight = device_weights_ + offsets_[kQProj];
-    in.k_weight = device_weights_ + offsets_[kKProj];
-    in.v_weight = device_weights_ + offsets_[kVProj];
-    in.o_weight = device_weights_ + offsets_[kOProj];
-    in.q_norm_weight = device_weights_ + offsets_[kQNorm];
-    in.k_norm_weight = device_weights_ + offsets_[kKNorm];
+    in.hidden_states = device_in;
+    in.grad_output = device_in + activations;
+    in.cos = device_in + 2 * activations;
+    in.sin = device_in + 2 * activations + rotary;
+    in.weights = layout_.Pointers<const float>(device_weights_.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
-    float* gradients = add ? device_accumulators_ : slot.device_weight_gradients;
+    float* gradients = add ? device_accumulators_.get() : slot.device_weight_gradients.get();
     BackwardOutputs out;
-    out.grad_hidden_states = slot.device_grad_hidden;
-    out.grad_q_weight = gradients + offsets_[kQProj];
-    out.grad_k_weight = gradients + offsets_[kKProj];
-    out.grad_v_weight = gradients + offsets_[kVProj];
-    out.grad_o_weight = gradients + offsets_[kOProj];
-    out.grad_q_norm_weight = gradients + offsets_[kQNorm];
-    out.grad_k_norm_weight = gradients + offsets_[kKNorm];
-    status = KernelStatus(BackwardDevice(config_, job.batch, job.seq_len, job.scalars, job.precision,
-                                         add, in, out, workspace_, workspace_capacity_,
-                                         compute_stream_),
-                          "BackwardDevice");
+    out.grad_hidden_states = slot.device_grad_hidden.get();
+    out.weight_gradients = layout_.Pointers(gradients);
+    const Status computed =
+        BackwardDevice(config_, job.batch, job.seq_len, job.scalars, job.precision, add, in, out,
+                       workspace_.get(), workspace_.size(), compute);
+    // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
+    status = KernelStatus(computed.code, absl::StrCat("BackwardDevice: ", computed.message));
     if (!status.ok()) return status;
-    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done, compute_stream_));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done.get(), compute));
 
-    ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out_stream_, slot.compute_done, 0));
-    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_start, copy_out_stream_));
-    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out, slot.device_grad_hidden,
+    ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out, slot.compute_done.get(), 0));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_start.get(), copy_out));
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), slot.device_grad_hidden.get(),
                                          activations * sizeof(float), cudaMemcpyDeviceToHost,
-                                         copy_out_stream_));
+                                         copy_out));
     if (job.return_weight_gradients) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out + activations, slot.device_weight_gradients,
-                                           weight_elements_ * sizeof(float),
-                                           cudaMemcpyDeviceToHost, copy_out_stream_));
+      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get() + activations,
+                                           slot.device_weight_gradients.get(),
+                                           layout_.total_elements * sizeof(float),
+                                           cudaMemcpyDeviceToHost, copy_out));
     }
-    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done, copy_out_stream_));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
   }
 
-  static double ElapsedSeconds(cudaEvent_t start, cudaEvent_t end) {
+  static double ElapsedSeconds(const cuda::Event& start, const cuda::Event& end) {
     float milliseconds = 0.f;
-    if (cudaEventElapsedTime(&milliseconds, start, end) != cudaSuccess) return 0.0;
+    if (cudaEventElapsedTime(&milliseconds, start.get(), end.get()) != cudaSuccess) return 0.0;
     return milliseconds * 1e-3;
   }
 
   // Waits for the slot's copy-out, hands the results to the job and the job back.
   void Retire(Slot& slot) {
     BatchJob& job = *slot.job;
-    job.status = CudaStatus(cudaEventSynchronize(slot.copy_out_done), "batch on the GPU");
+    job.status = CudaStatus(cudaEventSynchronize(slot.copy_out_done.get()), "batch on the GPU");
     if (job.status.ok()) {
       const auto start = std::chrono::steady_clock::now();
       const std::size_t activations = job.hidden_states.size();
-      job.grad_hidden_states.assign(slot.host_out, slot.host_out + activations);
+      const float* host_out = slot.host_out.get();
+      job.grad_hidden_states.assign(host_out, host_out + activations);
       if (job.return_weight_gradients) {
-        job.weight_gradients = LayerTensors::Zeros(config_);
-        for (int i = 0; i < kNumWeights; ++i) {
-          const float* source = slot.host_out + activations + offsets_[i];
-          std::copy(source, source + job.weight_gradients.tensors[i].size(),
-                    job.weight_gradients.tensors[i].begin());
+        job.weight_gradients = ZeroWeights<std::vector<float>>(config_);
+        for (Weight weight : kAllWeights) {
+          const float* source = host_out + activations + layout_.offsets[weight];
+          std::copy(source, source + job.weight_gradients[weight].size(),
+                    job.weight_gradients[weight].begin());
         }
       }
       const double host_copy_out_seconds = SecondsSince(start);
@@ -442,7 +396,8 @@ class GpuWorker final : public DeviceWorker {
 
   void Control(WorkerControl& control) {
     // Runs with nothing in flight.
-    absl::Status status = CudaStatus(cudaStreamSynchronize(compute_stream_), "cudaStreamSynchronize");
+    absl::Status status =
+        CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
     if (status.ok() && control.new_weights != nullptr) {
       weights_ = control.new_weights;
       status = UploadWeights(*weights_);
@@ -452,12 +407,12 @@ class GpuWorker final : public DeviceWorker {
     if (control.read_accumulators && nccl_ != nullptr) {
       status = ReduceAccumulators(std::move(status), &snapshot, &may_zero);
     } else if (status.ok() && control.read_accumulators) {
-      status = CopyAccumulators(device_accumulators_, &snapshot);
+      status = CopyAccumulators(device_accumulators_.get(), &snapshot);
     }
     snapshot.batches = accumulated_batches_;
     snapshot.tokens = accumulated_tokens_;
     if (status.ok() && may_zero && control.zero_accumulators) {
-      status = CudaStatus(cudaMemset(device_accumulators_, 0, weight_elements_ * sizeof(float)),
+      status = CudaStatus(cudaMemset(device_accumulators_.get(), 0, device_accumulators_.bytes()),
                           "cudaMemset(accumulators)");
       // cudaMemset is asynchronous on the legacy stream: finish it before the next batch.
       if (status.ok()) status = CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -469,13 +424,13 @@ class GpuWorker final : public DeviceWorker {
     FinishControl(control, std::move(status), std::move(snapshot));
   }
 
-  // The six tensors of a device buffer (layout offsets_) into snapshot->gradients.
+  // The six tensors of a device buffer (layout_) into snapshot->gradients.
   absl::Status CopyAccumulators(const float* device_buffer, AccumulatorSnapshot* snapshot) {
-    snapshot->gradients = LayerTensors::Zeros(config_);
-    for (int i = 0; i < kNumWeights; ++i) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpy(snapshot->gradients.tensors[i].data(),
-                                      device_buffer + offsets_[i],
-                                      snapshot->gradients.tensors[i].size() * sizeof(float),
+    snapshot->gradients = ZeroWeights<std::vector<float>>(config_);
+    for (Weight weight : kAllWeights) {
+      ATTNGRAD_CUDA_RETURN(cudaMemcpy(snapshot->gradients[weight].data(),
+                                      device_buffer + layout_.offsets[weight],
+                                      snapshot->gradients[weight].size() * sizeof(float),
                                       cudaMemcpyDeviceToHost));
     }
     return absl::OkStatus();
@@ -492,14 +447,16 @@ class GpuWorker final : public DeviceWorker {
     const NcclLibrary& nccl = nccl_->library();
     // recvbuff is only used on the root ("may be NULL on all calls except for root", nccl.h).
     absl::Status status = nccl.Check(
-        nccl.reduce(device_accumulators_, rank_ == 0 ? reduce_buffer_ : nullptr, weight_elements_,
-                    ncclFloat32, ncclSum, /*root=*/0, nccl_->comm(rank_), nccl_stream_),
+        nccl.reduce(device_accumulators_.get(), rank_ == 0 ? reduce_buffer_.get() : nullptr,
+                    layout_.total_elements, ncclFloat32, ncclSum, /*root=*/0, nccl_->comm(rank_),
+                    nccl_stream_.get()),
         absl::StrCat("ncclReduce of the accumulators (", device(), ")"));
     // Returns once every rank's part of the reduction is done.
     if (status.ok()) {
-      status = CudaStatus(cudaStreamSynchronize(nccl_stream_), "cudaStreamSynchronize(ncclReduce)");
+      status = CudaStatus(cudaStreamSynchronize(nccl_stream_.get()),
+                          "cudaStreamSynchronize(ncclReduce)");
     }
-    if (status.ok() && rank_ == 0) status = CopyAccumulators(reduce_buffer_, snapshot);
+    if (status.ok() && rank_ == 0) status = CopyAccumulators(reduce_buffer_.get(), snapshot);
     *may_zero = nccl_->AllAgree(status.ok());
     if (!status.ok()) snapshot->gradients = LayerTensors();
     return status;
@@ -515,18 +472,16 @@ class GpuWorker final : public DeviceWorker {
   const int cuda_device_;
   std::shared_ptr<const LayerWeights> weights_;
   const LayerConfig config_;
-  const std::array<std::size_t, kNumWeights> offsets_;
-  const std::size_t weight_elements_;
+  const PackedWeightLayout layout_;
   std::string name_;
   std::atomic<long long> memory_total_{0};
   std::atomic<long long> memory_used_{0};
-  cudaStream_t copy_in_stream_ = nullptr, compute_stream_ = nullptr, copy_out_stream_ = nullptr;
-  float* device_weights_ = nullptr;
-  float* device_accumulators_ = nullptr;
-  cudaStream_t nccl_stream_ = nullptr;  // NCCL only
-  float* reduce_buffer_ = nullptr;      // NCCL root only: the summed accumulators
-  void* workspace_ = nullptr;
-  std::size_t workspace_capacity_ = 0;
+  cuda::Stream copy_in_stream_, compute_stream_, copy_out_stream_;
+  cuda::DeviceBuffer<float> device_weights_;       // layout_
+  cuda::DeviceBuffer<float> device_accumulators_;  // layout_
+  cuda::Stream nccl_stream_;                       // NCCL only
+  cuda::DeviceBuffer<float> reduce_buffer_;        // NCCL root only: the summed accumulators
+  cuda::DeviceBuffer<unsigned char> workspace_;    // shared by every batch on compute_stream_
   std::vector<Slot> slots_;
   long long accumulated_batches_ = 0;
   long long accumulated_tokens_ = 0;
