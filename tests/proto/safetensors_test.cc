@@ -159,6 +159,25 @@ TEST(SafetensorsTest, MalformedFilesAreErrorsNotCrashes) {
             absl::StatusCode::kNotFound);
 }
 
+TEST(SafetensorsTest, HeaderJsonIsReadInFull) {
+  // Escapes in names (as the old hand-written readers had to get right), numbers written as
+  // integers, whitespace, and metadata of other types (ignored).
+  absl::StatusOr<SafetensorsHeader> header = ParseSafetensorsHeader(
+      R"( {"__metadata__": {"format": "pt", "step": 3},
+           "x\"\u00e9\ud83d\ude00": {"dtype": "BF16", "shape": [1, 2], "data_offsets": [0, 4]}} )",
+      4, "memory");
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(header->metadata.size(), 1u);
+  EXPECT_EQ(header->metadata.at("format"), "pt");
+  ASSERT_EQ(header->tensors.count("x\"\xc3\xa9\xf0\x9f\x98\x80"), 1u);
+  for (const char* bad : {"", "{", R"({"a":})", "[1,]", R"({"a":1} x)", R"("\q")", "01x",
+                          "[1 2]", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},})"}) {
+    EXPECT_EQ(ParseSafetensorsHeader(bad, 4, "memory").status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
 TEST(SafetensorsTest, ParsesAHeaderInMemory) {
   absl::StatusOr<SafetensorsHeader> header = ParseSafetensorsHeader(
       R"({"a":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", 8, "memory");
