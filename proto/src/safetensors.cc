@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "attngrad/wire/dtype.h"
+#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 
 namespace attngrad::wire {
@@ -83,10 +84,10 @@ bool IsSafeShardName(const std::string& name) {
 absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
                                                          std::uint64_t data_size,
                                                          absl::string_view where) {
-  absl::StatusOr<nlohmann::json> root = ParseJsonObject(json, absl::StrCat(where, ": header"));
-  if (!root.ok()) return root.status();
+  ATTNGRAD_ASSIGN_OR_RETURN(const nlohmann::json root,
+                            ParseJsonObject(json, absl::StrCat(where, ": header")));
   SafetensorsHeader header;
-  for (const auto& [name, value] : root->items()) {
+  for (const auto& [name, value] : root.items()) {
     if (name == "__metadata__") {
       if (!value.is_object()) {
         return absl::InvalidArgumentError(absl::StrCat(where, ": __metadata__ is not an object"));
@@ -104,24 +105,23 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
     }
     SafetensorsEntry entry;
     entry.dtype = value["dtype"].get<std::string>();
-    absl::StatusOr<std::vector<std::uint64_t>> shape =
-        UnsignedArray(value["shape"], absl::StrCat(tensor, ": shape"));
-    if (!shape.ok()) return shape.status();
-    entry.shape.assign(shape->begin(), shape->end());
+    ATTNGRAD_ASSIGN_OR_RETURN(const std::vector<std::uint64_t> shape,
+                              UnsignedArray(value["shape"], absl::StrCat(tensor, ": shape")));
+    entry.shape.assign(shape.begin(), shape.end());
     const std::int64_t count = NumElements(entry.shape);
     if (count < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(tensor, ": shape ", ShapeString(entry.shape), " has too many elements"));
     }
-    absl::StatusOr<std::vector<std::uint64_t>> offsets =
-        UnsignedArray(value["data_offsets"], absl::StrCat(tensor, ": data_offsets"));
-    if (!offsets.ok()) return offsets.status();
-    if (offsets->size() != 2) {
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        const std::vector<std::uint64_t> offsets,
+        UnsignedArray(value["data_offsets"], absl::StrCat(tensor, ": data_offsets")));
+    if (offsets.size() != 2) {
       return absl::InvalidArgumentError(
           absl::StrCat(tensor, ": data_offsets must be [begin,end]"));
     }
-    entry.begin = (*offsets)[0];
-    entry.end = (*offsets)[1];
+    entry.begin = offsets[0];
+    entry.end = offsets[1];
     if (entry.begin > entry.end || entry.end > data_size) {
       return absl::InvalidArgumentError(absl::StrCat(tensor, ": data_offsets [", entry.begin, ",",
                                                      entry.end, "] outside the data section of ",
@@ -161,12 +161,10 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     return absl::DataLossError(absl::StrCat(path, ": cannot read the header"));
   }
   const std::uint64_t data_start = 8 + header_length;
-  absl::StatusOr<SafetensorsHeader> header =
-      ParseSafetensorsHeader(json, file_size - data_start, path);
-  if (!header.ok()) return header.status();
   SafetensorsFile result;
   result.path_ = path;
-  result.header_ = *std::move(header);
+  ATTNGRAD_ASSIGN_OR_RETURN(result.header_,
+                            ParseSafetensorsHeader(json, file_size - data_start, path));
   result.header_.data_start = data_start;
   return result;
 }
@@ -193,45 +191,38 @@ absl::Status SafetensorsFile::ReadInto(const SafetensorsEntry& entry, char* out)
 }
 
 absl::StatusOr<std::string> SafetensorsFile::ReadBytes(absl::string_view name) const {
-  absl::StatusOr<const SafetensorsEntry*> entry = Find(name);
-  if (!entry.ok()) return entry.status();
-  std::string bytes((*entry)->end - (*entry)->begin, '\0');
-  absl::Status status = ReadInto(**entry, bytes.data());
-  if (!status.ok()) return status;
+  ATTNGRAD_ASSIGN_OR_RETURN(const SafetensorsEntry* entry, Find(name));
+  std::string bytes(entry->end - entry->begin, '\0');
+  ATTNGRAD_RETURN_IF_ERROR(ReadInto(*entry, bytes.data()));
   return bytes;
 }
 
 absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(absl::string_view name) const {
-  absl::StatusOr<const SafetensorsEntry*> entry = Find(name);
-  if (!entry.ok()) return entry.status();
-  const v1::DType dtype = DTypeFromSafetensors((*entry)->dtype);
+  ATTNGRAD_ASSIGN_OR_RETURN(const SafetensorsEntry* entry, Find(name));
+  const v1::DType dtype = DTypeFromSafetensors(entry->dtype);
   if (dtype == v1::DTYPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor ", name, " has dtype ",
-                                                   (*entry)->dtype, "; expected F32, F16 or BF16"));
+                                                   entry->dtype, "; expected F32, F16 or BF16"));
   }
-  std::vector<float> values(static_cast<std::size_t>(NumElements((*entry)->shape)));
+  std::vector<float> values(static_cast<std::size_t>(NumElements(entry->shape)));
   if (dtype == v1::DTYPE_FLOAT32) {  // straight into the result
-    absl::Status status = ReadInto(**entry, reinterpret_cast<char*>(values.data()));
-    if (!status.ok()) return status;
+    ATTNGRAD_RETURN_IF_ERROR(ReadInto(*entry, reinterpret_cast<char*>(values.data())));
     return values;
   }
-  absl::StatusOr<std::string> bytes = ReadBytes(name);
-  if (!bytes.ok()) return bytes.status();
-  absl::Status status =
-      DecodeToFloat(*bytes, dtype, absl::StrCat(path_, ": ", name), absl::MakeSpan(values));
-  if (!status.ok()) return status;
+  std::string bytes(entry->end - entry->begin, '\0');
+  ATTNGRAD_RETURN_IF_ERROR(ReadInto(*entry, bytes.data()));
+  ATTNGRAD_RETURN_IF_ERROR(
+      DecodeToFloat(bytes, dtype, absl::StrCat(path_, ": ", name), absl::MakeSpan(values)));
   return values;
 }
 
 // ---------------------------------------------------------------------------------------------
 
 absl::StatusOr<std::map<std::string, std::string>> ReadSafetensorsIndex(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadWholeFile(path);
-  if (!text.ok()) return text.status();
-  absl::StatusOr<nlohmann::json> root = ParseJsonObject(*text, path);
-  if (!root.ok()) return root.status();
-  const auto weight_map = root->find("weight_map");
-  if (weight_map == root->end() || !weight_map->is_object()) {
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(path));
+  ATTNGRAD_ASSIGN_OR_RETURN(const nlohmann::json root, ParseJsonObject(text, path));
+  const auto weight_map = root.find("weight_map");
+  if (weight_map == root.end() || !weight_map->is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": no \"weight_map\" object"));
   }
   std::map<std::string, std::string> shards;
@@ -262,22 +253,20 @@ absl::StatusOr<SafetensorsCheckpoint> SafetensorsCheckpoint::Open(const std::str
   SafetensorsCheckpoint checkpoint;
   checkpoint.path_ = path;
   if (!absl::EndsWith(file_path, ".json")) {
-    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(file_path);
-    if (!file.ok()) return file.status();
-    for (const auto& [name, entry] : file->tensors()) checkpoint.file_of_tensor_[name] = 0;
-    checkpoint.files_.push_back(*std::move(file));
+    ATTNGRAD_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(file_path));
+    for (const auto& [name, entry] : file.tensors()) checkpoint.file_of_tensor_[name] = 0;
+    checkpoint.files_.push_back(std::move(file));
     return checkpoint;
   }
-  absl::StatusOr<std::map<std::string, std::string>> shards = ReadSafetensorsIndex(file_path);
-  if (!shards.ok()) return shards.status();
+  ATTNGRAD_ASSIGN_OR_RETURN(const auto shards, ReadSafetensorsIndex(file_path));
   const std::filesystem::path folder = std::filesystem::path(file_path).parent_path();
   std::map<std::string, std::size_t> file_index;  // shard name -> index into files_
-  for (const auto& [name, shard] : *shards) {
+  for (const auto& [name, shard] : shards) {
     auto it = file_index.find(shard);
     if (it == file_index.end()) {
-      absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open((folder / shard).string());
-      if (!file.ok()) return file.status();
-      checkpoint.files_.push_back(*std::move(file));
+      ATTNGRAD_ASSIGN_OR_RETURN(SafetensorsFile file,
+                                SafetensorsFile::Open((folder / shard).string()));
+      checkpoint.files_.push_back(std::move(file));
       it = file_index.emplace(shard, checkpoint.files_.size() - 1).first;
     }
     if (checkpoint.files_[it->second].tensors().count(name) == 0) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attngrad/wire/dtype.h"
+#include "attngrad/wire/status_macros.h"
 
 namespace attngrad::wire {
 namespace {
@@ -90,16 +91,14 @@ absl::StatusOr<std::vector<std::int64_t>> CheckTensor(const v1::Tensor& tensor,
                      " is not supported; expected float32, float16 or bfloat16"));
   }
   std::vector<std::int64_t> shape(tensor.shape().begin(), tensor.shape().end());
-  absl::Status status = CheckShape(shape, field, expected);
-  if (!status.ok()) return status;
-  absl::StatusOr<std::int64_t> count = ElementCount(shape, field);
-  if (!count.ok()) return count.status();
+  ATTNGRAD_RETURN_IF_ERROR(CheckShape(shape, field, expected));
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::int64_t count, ElementCount(shape, field));
   const std::size_t element_size = DTypeSize(tensor.dtype());
-  const std::uint64_t expected_bytes = static_cast<std::uint64_t>(*count) * element_size;
+  const std::uint64_t expected_bytes = static_cast<std::uint64_t>(count) * element_size;
   if (tensor.raw_data().size() != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".raw_data: got ", tensor.raw_data().size(), " bytes, expected ", expected_bytes,
-        " (", *count, " elements of ", DTypeName(tensor.dtype()), " for shape ",
+        " (", count, " elements of ", DTypeName(tensor.dtype()), " for shape ",
         ShapeString(shape), ")"));
   }
   return shape;
@@ -146,9 +145,9 @@ absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field
 
 absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
                           absl::Span<const std::int64_t> expected, std::vector<float>* out) {
-  absl::StatusOr<std::vector<std::int64_t>> shape = CheckTensor(tensor, field, expected);
-  if (!shape.ok()) return shape.status();
-  out->resize(static_cast<std::size_t>(NumElements(*shape)));
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::vector<std::int64_t> shape,
+                            CheckTensor(tensor, field, expected));
+  out->resize(static_cast<std::size_t>(NumElements(shape)));
   return DecodeToFloat(tensor.raw_data(), tensor.dtype(), field, absl::MakeSpan(*out));
 }
 
