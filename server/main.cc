@@ -1,17 +1,26 @@
 // attngrad-server: serves attngrad.v1.AttentionGradient (plus grpc.health.v1 and reflection) and
-// Prometheus metrics. SIGTERM/SIGINT: stop accepting, let in-flight batches finish within
-// --shutdown_grace_seconds, exit 0.
+// Prometheus metrics. Stopping: the first SIGTERM/SIGINT starts one grace period
+// (--shutdown_grace_seconds) in which running RPCs may finish; a repeated SIGTERM changes nothing;
+// a SIGINT after the first signal (a second Ctrl-C) exits at once with 130. The exit comes within
+// the grace period plus half a second in every case: if gRPC's shutdown or the workers' drain is
+// still running then, the process ends with _exit (code 0, the stop having been asked for).
 #include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "server.h"
@@ -56,12 +65,57 @@ extern "C" void OnStopSignal(int signal_number) {
   errno = saved_errno;
 }
 
+// Writes one byte (a signal number, or 0 from the shutdown thread when it is done) to the pipe.
+void WriteStopPipe(unsigned char byte) {
+  [[maybe_unused]] const ssize_t written = write(stop_pipe[1], &byte, 1);
+}
+
+constexpr int kTimedOut = -1;
+// After the grace period, how long the shutdown may still take before the process _exit()s.
+constexpr std::chrono::milliseconds kExitMargin(500);
+
+// The next byte of the pipe: a signal number, 0 (the shutdown is done), or kTimedOut after
+// `timeout_ms` (-1: no limit).
+int ReadStopPipe(long long timeout_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    int wait_ms = -1;
+    if (timeout_ms >= 0) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return kTimedOut;
+      wait_ms = static_cast<int>(std::min<long long>(left.count() + 1, 1 << 30));
+    }
+    pollfd readable{stop_pipe[0], POLLIN, 0};
+    const int ready = poll(&readable, 1, wait_ms);
+    if (ready < 0 && errno != EINTR) {
+      std::perror("attngrad-server: poll(stop pipe)");
+      return kTimedOut;
+    }
+    if (ready <= 0) continue;
+    unsigned char byte = 0;
+    const ssize_t n = read(stop_pipe[0], &byte, 1);
+    if (n == 1) return byte;
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    std::perror("attngrad-server: read(stop pipe)");
+    return kTimedOut;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attngrad-server: gradients of a Gemma-3 attention layer over gRPC.\n"
       "  attngrad-server --listen=0.0.0.0:50051 --metrics_listen=0.0.0.0:9464 --devices=cpu");
+  // --help and --helpshort list the flags defined in this file (absl's default looks for a file
+  // named after the program, attngrad-server.cc, and found none: "No flags matched").
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view path) {
+    return absl::EndsWith(path, "server/main.cc");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
 
   // The stop signals run OnStopSignal, which wakes main() below. Threads started before main()
@@ -73,7 +127,7 @@ int main(int argc, char** argv) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
-  // Blocking reads in main(), non-blocking writes in the handler.
+  // Reads in main() (after poll), non-blocking writes in the handler and the shutdown thread.
   if (pipe2(stop_pipe, O_CLOEXEC) != 0 ||
       fcntl(stop_pipe[1], F_SETFL, fcntl(stop_pipe[1], F_GETFL) | O_NONBLOCK) != 0) {
     std::perror("attngrad-server: stop pipe");
@@ -122,16 +176,42 @@ int main(int argc, char** argv) {
 
   // Wait for a stop signal (one that came during start-up is already in the pipe).
   pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
-  unsigned char byte = 0;
-  ssize_t n;
-  while ((n = read(stop_pipe[0], &byte, 1)) < 0 && errno == EINTR) {
+  const int first_signal = ReadStopPipe(-1);
+  const auto hard_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace_seconds) +
+                             kExitMargin;
+  std::cerr << "attngrad-server: signal " << first_signal << ", shutting down (grace " << grace_seconds
+            << " s; SIGINT to stop at once)" << std::endl;
+
+  // The shutdown runs on its own thread; this one keeps reading the pipe (a later signal, or the
+  // shutdown thread's 0 byte when it is done) until the hard deadline. The shutdown thread starts
+  // with the stop signals blocked, like every thread but this one.
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::thread shutdown_thread([&server, grace_seconds] {
+    (*server)->Shutdown(absl::Seconds(grace_seconds));
+    server->reset();
+    WriteStopPipe(0);
+  });
+  pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        hard_deadline - std::chrono::steady_clock::now());
+    const int next = ReadStopPipe(std::max<long long>(0, left.count()));
+    if (next == 0) break;  // the shutdown finished
+    if (next == kTimedOut) {
+      std::cerr << "attngrad-server: shutdown still running " << kExitMargin.count()
+                << " ms after the grace period (gRPC's shutdown or a batch that is still computing); "
+                   "exiting now"
+                << std::endl;
+      _exit(0);
+    }
+    if (next == SIGINT) {
+      std::cerr << "attngrad-server: SIGINT during the shutdown: exiting now" << std::endl;
+      _exit(128 + SIGINT);
+    }
+    std::cerr << "attngrad-server: signal " << next << " again: still shutting down (the grace "
+              << "period is not restarted; SIGINT stops at once)" << std::endl;
   }
-  if (n != 1) std::perror("attngrad-server: read(stop pipe)");
-  const int signal_number = byte;
-  std::cerr << "attngrad-server: signal " << signal_number << ", shutting down (grace "
-            << grace_seconds << " s)" << std::endl;
-  (*server)->Shutdown(absl::Seconds(grace_seconds));
-  server->reset();
+  shutdown_thread.join();
   std::cerr << "attngrad-server: stopped" << std::endl;
   return 0;
 }
