@@ -13,6 +13,7 @@ build_packages=(
   libgtest-dev libgmock-dev nlohmann-json3-dev
   prometheus                                         # prometheus + promtool for the metrics tests
   python3 python3-grpcio python3-numpy python3-yaml  # Python client and its tests
+  clang libclang-rt-dev  # libFuzzer targets (tests/fuzz); = libclang-rt-14-dev on Debian 12
 )
 sudo=""
 if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
