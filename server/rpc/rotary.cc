@@ -1,17 +1,58 @@
 // Rotary tables from positions.
 #include "rpc/rotary.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 namespace attngrad::server {
+namespace {
+
+// theta^(-2i/head_dim) for i < head_dim/2, in double.
+std::vector<double> InverseFrequencies(int head_dim, double theta) {
+  const int half = head_dim / 2;
+  std::vector<double> inv_freq(half);
+  for (int i = 0; i < half; ++i) inv_freq[i] = std::pow(theta, -2.0 * i / head_dim);
+  return inv_freq;
+}
+
+}  // namespace
+
+absl::Status CheckRotaryInputs(absl::Span<const std::int64_t> positions, int head_dim,
+                               double theta) {
+  if (!std::isfinite(theta) || !(theta > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("positions.rope_theta: ", theta, " must be finite and > 0"));
+  }
+  std::int64_t largest = 0;  // the largest |id|, found without negating (-INT64_MIN overflows)
+  for (std::size_t i = 0; i < positions.size(); ++i) {
+    const std::int64_t id = positions[i];
+    if (id > kMaxRotaryPosition || id < -kMaxRotaryPosition) {
+      return absl::InvalidArgumentError(absl::StrCat("positions.position_ids: element ", i, " = ",
+                                                     id, " is out of range (|id| <= 2^40)"));
+    }
+    largest = std::max(largest, id < 0 ? -id : id);
+  }
+  // The largest angle of each frequency must be finite (cos and sin of a finite double are).
+  const std::vector<double> inv_freq = InverseFrequencies(head_dim, theta);
+  for (std::size_t i = 0; i < inv_freq.size(); ++i) {
+    if (!std::isfinite(inv_freq[i]) || !std::isfinite(static_cast<double>(largest) * inv_freq[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "positions.rope_theta: ", theta, " is too small: theta^(-", 2 * i, "/", head_dim,
+          ") times the largest |position id| (", largest,
+          ") overflows a double, so the rotary tables would not be finite"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 void BuildRotaryTables(absl::Span<const std::int64_t> positions, int batch, int seq_len,
                        int head_dim, double theta, absl::Span<float> cos, absl::Span<float> sin) {
   const int half = head_dim / 2;
-  std::vector<double> inv_freq(half);
-  for (int i = 0; i < half; ++i) inv_freq[i] = std::pow(theta, -2.0 * i / head_dim);
+  const std::vector<double> inv_freq = InverseFrequencies(head_dim, theta);
   const bool shared = positions.size() == static_cast<std::size_t>(seq_len);
   for (int b = 0; b < batch; ++b) {
     for (int s = 0; s < seq_len; ++s) {
