@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -227,7 +228,18 @@ void MetricsHttpServer::Answer(int connection_fd) const {
                    "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n");
   const absl::Time write_deadline = absl::Now() + options_.write_timeout;
   if (!SendAll(connection_fd, head, write_deadline)) return;
-  if (answer.send_body) SendAll(connection_fd, body, write_deadline);
+  if (answer.send_body && !SendAll(connection_fd, body, write_deadline)) return;
+  // Closing a socket with unread input (a request body, a pipelined request) resets the connection,
+  // which can discard the answer before the client reads it: end our side, then read what the
+  // client still sends (for at most 200 ms and 64 KiB) before the caller closes.
+  shutdown(connection_fd, SHUT_WR);
+  const absl::Time drain_deadline = std::min(write_deadline, absl::Now() + absl::Milliseconds(200));
+  std::size_t drained = 0;
+  while (drained < 65536 && WaitFor(connection_fd, POLLIN, drain_deadline)) {
+    const ssize_t received = recv(connection_fd, buffer, sizeof(buffer), 0);
+    if (received == 0 || (received < 0 && errno != EINTR && errno != EAGAIN)) break;
+    if (received > 0) drained += static_cast<std::size_t>(received);
+  }
 }
 
 }  // namespace attngrad::server

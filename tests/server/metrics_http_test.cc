@@ -5,7 +5,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -50,14 +52,16 @@ int Connect(int port) {
   return fd;
 }
 
-// Everything the server sends until it closes (or `timeout_seconds` pass).
-std::string ReadUntilClosed(int fd, int timeout_seconds) {
+// Everything the server sends until it closes (or `timeout_seconds` pass); `clean_close` (when
+// given) says whether it ended with an orderly close rather than a reset or the timeout.
+std::string ReadUntilClosed(int fd, int timeout_seconds, bool* clean_close = nullptr) {
   timeval timeout{timeout_seconds, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   std::string received;
   char buffer[4096];
   ssize_t n;
   while ((n = recv(fd, buffer, sizeof(buffer), 0)) > 0) received.append(buffer, static_cast<size_t>(n));
+  if (clean_close != nullptr) *clean_close = n == 0;
   return received;
 }
 
@@ -186,6 +190,26 @@ TEST(MetricsHttpServerTest, AnswersByMethodAndPath) {
     if (request.rfind("HEAD", 0) == 0) {
       EXPECT_EQ(answer.substr(answer.find("\r\n\r\n") + 4), "") << answer;  // no body
     }
+    close(fd);
+  }
+}
+
+TEST(MetricsHttpServerTest, AnswerArrivesDespiteAnUnreadRequestBody) {
+  auto server = MetricsHttpServer::Start("127.0.0.1:0", TestRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const int fd = Connect((*server)->port());
+    ASSERT_GE(fd, 0);
+    // The server reads only the head; the body is still unread when it has answered.
+    const std::string request =
+        "POST /metrics HTTP/1.1\r\nContent-Length: 32768\r\n\r\n" + std::string(32768, 'x');
+    send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    bool clean_close = false;
+    const std::string answer = ReadUntilClosed(fd, 5, &clean_close);
+    EXPECT_EQ(answer.rfind("HTTP/1.1 405 ", 0), 0u) << "attempt " << attempt << ": " << answer;
+    // Before, the server closed with the body unread: the connection was reset (ECONNRESET).
+    EXPECT_TRUE(clean_close) << "attempt " << attempt << ": " << std::strerror(errno);
     close(fd);
   }
 }
