@@ -103,7 +103,8 @@ class OwnedHandle {
   Handle get() const { return handle_; }
 
  protected:
-  // Takes ownership of a handle just created (or reports `error`, leaving *owner as it was).
+  // Takes ownership of a handle just created (or reports `error`, leaving *owner as it was). The
+  // creation must have run before: `handle` is taken by value.
   static cudaError_t Adopt(cudaError_t error, Handle handle, OwnedHandle* owner) {
     if (error != cudaSuccess) return error;
     OwnedHandle created;
@@ -122,14 +123,16 @@ class Stream : public OwnedHandle<cudaStream_t> {
  public:
   static cudaError_t Create(Stream* stream, unsigned int flags = cudaStreamNonBlocking) {
     cudaStream_t handle = nullptr;
-    return Adopt(cudaStreamCreateWithFlags(&handle, flags), handle, stream);
+    const cudaError_t error = cudaStreamCreateWithFlags(&handle, flags);
+    return Adopt(error, handle, stream);
   }
   // With a scheduling priority (lower numbers are greater priorities:
   // cudaDeviceGetStreamPriorityRange).
   static cudaError_t CreateWithPriority(Stream* stream, int priority,
                                         unsigned int flags = cudaStreamNonBlocking) {
     cudaStream_t handle = nullptr;
-    return Adopt(cudaStreamCreateWithPriority(&handle, flags, priority), handle, stream);
+    const cudaError_t error = cudaStreamCreateWithPriority(&handle, flags, priority);
+    return Adopt(error, handle, stream);
   }
 };
 
@@ -138,7 +141,8 @@ class Event : public OwnedHandle<cudaEvent_t> {
  public:
   static cudaError_t Create(Event* event, unsigned int flags = cudaEventDefault) {
     cudaEvent_t handle = nullptr;
-    return Adopt(cudaEventCreateWithFlags(&handle, flags), handle, event);
+    const cudaError_t error = cudaEventCreateWithFlags(&handle, flags);
+    return Adopt(error, handle, event);
   }
 };
 
