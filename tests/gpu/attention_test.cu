@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -13,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "attngrad/cuda_resources.h"
 #include "cuda/attention.h"
 
 namespace attngrad::cuda {
@@ -97,23 +101,40 @@ Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qk
   return r;
 }
 
+// `count` elements on the device (null when the allocation failed, which the test then reports).
 template <class T>
-struct DeviceArray {
-  T* data = nullptr;
-  size_t count = 0;
-  explicit DeviceArray(size_t n) : count(n) {
-    if (cudaMalloc(&data, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) data = nullptr;
+DeviceBuffer<T> Allocate(size_t count) {
+  DeviceBuffer<T> buffer;
+  EXPECT_EQ(DeviceBuffer<T>::Create(count, &buffer), cudaSuccess);
+  return buffer;
+}
+
+template <class T>
+std::vector<T> Read(const DeviceBuffer<T>& buffer) {
+  std::vector<T> host(buffer.size());
+  cudaMemcpy(host.data(), buffer.get(), buffer.bytes(), cudaMemcpyDeviceToHost);
+  return host;
+}
+
+template <class T>
+void Poison(const DeviceBuffer<T>& buffer) {
+  cudaMemset(buffer.get(), 0xff, buffer.bytes());  // NaN as float
+}
+
+// The seed of a test's random draws: ATTNGRAD_TEST_SEED when set (to rerun a failure with the same
+// inputs), else a fresh one; logged either way.
+std::uint64_t TestSeed() {
+  std::uint64_t seed = 0;
+  const char* fixed = std::getenv("ATTNGRAD_TEST_SEED");
+  if (fixed != nullptr && *fixed != '\0') {
+    seed = std::strtoull(fixed, nullptr, 0);
+  } else {
+    seed = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   }
-  ~DeviceArray() { cudaFree(data); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  std::vector<T> Read() const {
-    std::vector<T> host(count);
-    cudaMemcpy(host.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return host;
-  }
-  void Poison() { cudaMemset(data, 0xff, count * sizeof(T)); }  // NaN as float
-};
+  std::printf("[ seed     ] ATTNGRAD_TEST_SEED=%llu\n", static_cast<unsigned long long>(seed));
+  ::testing::Test::RecordProperty("seed", std::to_string(seed));
+  return seed;
+}
 
 // ||out - ref|| / max(||ref||, floor * sqrt(n)), NaN if any element is not finite. The floor matters
 // only where the exact result vanishes: at S = 1, dq and dk are exactly 0 (P = 1, dP = Delta) and the
@@ -147,7 +168,9 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
 
   // Operands with the benchmark's magnitudes: q', k' ~ N(0,1), v ~ N(0,0.03^2), dO ~ N(0,1.4^2);
   // fresh draws per case.
-  std::mt19937_64 rng(std::random_device{}());
+  const std::uint64_t seed = TestSeed();
+  SCOPED_TRACE("ATTNGRAD_TEST_SEED=" + std::to_string(seed));
+  std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<double> qkv(tokens * kQkvWidth), dout(tokens * kOutWidth);
   for (size_t r = 0; r < tokens; ++r) {
@@ -184,30 +207,34 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   problem.operand = c.operand;
   problem.tiles = c.tiles;
 
-  DeviceArray<unsigned char> qkv_d(qkv_bytes.size()), dout_d(dout_bytes.size());
-  DeviceArray<float> out(tokens * kOutWidth), lse(static_cast<size_t>(c.batch) * kHeads * c.seq),
-      dq(tokens * kOutWidth), dk(tokens * kKvWidth), dv(tokens * kKvWidth);
-  DeviceArray<__half> out_half(tokens * kOutWidth);
+  const DeviceBuffer<unsigned char> qkv_d = Allocate<unsigned char>(qkv_bytes.size());
+  const DeviceBuffer<unsigned char> dout_d = Allocate<unsigned char>(dout_bytes.size());
+  const DeviceBuffer<float> out = Allocate<float>(tokens * kOutWidth);
+  const DeviceBuffer<float> lse = Allocate<float>(static_cast<size_t>(c.batch) * kHeads * c.seq);
+  const DeviceBuffer<float> dq = Allocate<float>(tokens * kOutWidth);
+  const DeviceBuffer<float> dk = Allocate<float>(tokens * kKvWidth);
+  const DeviceBuffer<float> dv = Allocate<float>(tokens * kKvWidth);
+  DeviceBuffer<__half> out_half = Allocate<__half>(tokens * kOutWidth);
   const size_t workspace_size = AttentionBackwardWorkspaceSize(problem);
   ASSERT_GT(workspace_size, 0u);
-  DeviceArray<unsigned char> workspace(workspace_size);
-  ASSERT_NE(workspace.data, nullptr);
-  ASSERT_CUDA(cudaMemcpy(qkv_d.data, qkv_bytes.data(), qkv_bytes.size(), cudaMemcpyHostToDevice));
-  ASSERT_CUDA(cudaMemcpy(dout_d.data, dout_bytes.data(), dout_bytes.size(), cudaMemcpyHostToDevice));
-  const unsigned char* q = qkv_d.data;
-  const unsigned char* k = qkv_d.data + 3072 * elem;
-  const unsigned char* v = qkv_d.data + 4096 * elem;
+  DeviceBuffer<unsigned char> workspace = Allocate<unsigned char>(workspace_size);
+  ASSERT_NE(workspace.get(), nullptr);
+  ASSERT_CUDA(cudaMemcpy(qkv_d.get(), qkv_bytes.data(), qkv_bytes.size(), cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(dout_d.get(), dout_bytes.data(), dout_bytes.size(), cudaMemcpyHostToDevice));
+  const unsigned char* q = qkv_d.get();
+  const unsigned char* k = qkv_d.get() + 3072 * elem;
+  const unsigned char* v = qkv_d.get() + 4096 * elem;
 
-  out.Poison();
-  lse.Poison();
-  dq.Poison();
-  dk.Poison();
-  dv.Poison();
-  ASSERT_EQ(AttentionForward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data,
-                             half ? out_half.data : nullptr, lse.data, nullptr),
+  Poison(out);
+  Poison(lse);
+  Poison(dq);
+  Poison(dk);
+  Poison(dv);
+  ASSERT_EQ(AttentionForward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(),
+                             half ? out_half.get() : nullptr, lse.get(), nullptr),
             ATTNGRAD_OK);
-  ASSERT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data, dout_d.data,
-                              kOutWidth, lse.data, dq.data, dk.data, dv.data, workspace.data,
+  ASSERT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout_d.get(),
+                              kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(), workspace.get(),
                               workspace_size, nullptr),
             ATTNGRAD_OK);
   ASSERT_CUDA(cudaDeviceSynchronize());
@@ -216,9 +243,9 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   const double bound = c.operand == AttentionOperand::kFp32   ? 2e-5
                        : c.operand == AttentionOperand::kTf32 ? 3e-3
                                                               : 2e-3;
-  const auto dq_first = dq.Read(), dk_first = dk.Read(), dv_first = dv.Read();
-  EXPECT_LT(RelativeError(out.Read(), ref.out), bound) << "O";
-  EXPECT_LT(RelativeError(lse.Read(), ref.lse), bound) << "lse";
+  const auto dq_first = Read(dq), dk_first = Read(dk), dv_first = Read(dv);
+  EXPECT_LT(RelativeError(Read(out), ref.out), bound) << "O";
+  EXPECT_LT(RelativeError(Read(lse), ref.lse), bound) << "lse";
   // dq and dk get an absolute floor: at S = 1 they are exactly 0 and what the kernels return is the
   // cancellation noise of dP - Delta (fp32: RMS ~1e-8; with a 1e-3 floor, i.e. 2e-8, the fp32
   // B=1 S=1 case failed once in session 3's ~7 runs on fresh random inputs).
@@ -226,50 +253,50 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   EXPECT_LT(RelativeError(dk_first, ref.dk, 1e-2), bound) << "dk";
   EXPECT_LT(RelativeError(dv_first, ref.dv), bound) << "dv";
   if (half) {
-    const std::vector<__half> rounded = out_half.Read();
-    const std::vector<float> exact = out.Read();
+    const std::vector<__half> rounded = Read(out_half);
+    const std::vector<float> exact = Read(out);
     for (size_t i = 0; i < exact.size(); i += 97) {
       ASSERT_EQ(__half2float(rounded[i]), __half2float(__float2half(exact[i]))) << i;
     }
   }
 
   // Deterministic: a second backward gives bitwise-identical results.
-  dq.Poison();
-  dk.Poison();
-  dv.Poison();
-  ASSERT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data, dout_d.data,
-                              kOutWidth, lse.data, dq.data, dk.data, dv.data, workspace.data,
+  Poison(dq);
+  Poison(dk);
+  Poison(dv);
+  ASSERT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout_d.get(),
+                              kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(), workspace.get(),
                               workspace_size, nullptr),
             ATTNGRAD_OK);
   ASSERT_CUDA(cudaDeviceSynchronize());
-  EXPECT_EQ(std::memcmp(dq.Read().data(), dq_first.data(), dq_first.size() * 4), 0);
-  EXPECT_EQ(std::memcmp(dk.Read().data(), dk_first.data(), dk_first.size() * 4), 0);
-  EXPECT_EQ(std::memcmp(dv.Read().data(), dv_first.data(), dv_first.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(Read(dq).data(), dq_first.data(), dq_first.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(Read(dk).data(), dk_first.data(), dk_first.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(Read(dv).data(), dv_first.data(), dv_first.size() * 4), 0);
 
   // Delta computed by the forward (FusedDelta) instead of the backward's own pass: the same O and
   // lse, gradients within the same bounds, and again bitwise identical call after call.
-  const std::vector<float> out_first = out.Read(), lse_first = lse.Read();
-  ASSERT_CUDA(cudaMemset(workspace.data, 0xff, workspace_size));  // NaN where Delta goes
+  const std::vector<float> out_first = Read(out), lse_first = Read(lse);
+  ASSERT_CUDA(cudaMemset(workspace.get(), 0xff, workspace_size));  // NaN where Delta goes
   FusedDelta fused;
-  fused.grad_out = dout_d.data;
+  fused.grad_out = dout_d.get();
   fused.ldo = kOutWidth;
-  fused.backward_workspace = workspace.data;
-  ASSERT_EQ(AttentionForward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data,
-                             half ? out_half.data : nullptr, lse.data, nullptr, &fused),
+  fused.backward_workspace = workspace.get();
+  ASSERT_EQ(AttentionForward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(),
+                             half ? out_half.get() : nullptr, lse.get(), nullptr, &fused),
             ATTNGRAD_OK);
-  EXPECT_EQ(std::memcmp(out.Read().data(), out_first.data(), out_first.size() * 4), 0);
-  EXPECT_EQ(std::memcmp(lse.Read().data(), lse_first.data(), lse_first.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(Read(out).data(), out_first.data(), out_first.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(Read(lse).data(), lse_first.data(), lse_first.size() * 4), 0);
   std::vector<float> fused_results[2];
   for (auto& result : fused_results) {
-    dq.Poison();
-    dk.Poison();
-    dv.Poison();
-    ASSERT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data, dout_d.data,
-                                kOutWidth, lse.data, dq.data, dk.data, dv.data, workspace.data,
+    Poison(dq);
+    Poison(dk);
+    Poison(dv);
+    ASSERT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout_d.get(),
+                                kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(), workspace.get(),
                                 workspace_size, nullptr, /*delta_ready=*/true),
               ATTNGRAD_OK);
     ASSERT_CUDA(cudaDeviceSynchronize());
-    const auto dq_fused = dq.Read(), dk_fused = dk.Read(), dv_fused = dv.Read();
+    const auto dq_fused = Read(dq), dk_fused = Read(dk), dv_fused = Read(dv);
     EXPECT_LT(RelativeError(dq_fused, ref.dq, 1e-2), bound) << "dq, fused Delta";
     EXPECT_LT(RelativeError(dk_fused, ref.dk, 1e-2), bound) << "dk, fused Delta";
     EXPECT_LT(RelativeError(dv_fused, ref.dv), bound) << "dv, fused Delta";
@@ -327,40 +354,45 @@ TEST(AttentionKernelArguments, RejectsBadShapesStridesAndSmallWorkspace) {
   problem.softcap = 50.f;
   problem.operand = AttentionOperand::kFp32;
   const size_t tokens = 16;
-  DeviceArray<float> qkv(tokens * kQkvWidth), out(tokens * kOutWidth), lse(kHeads * tokens),
-      dq(tokens * kOutWidth), dk(tokens * kKvWidth), dv(tokens * kKvWidth), dout(tokens * kOutWidth);
+  const DeviceBuffer<float> qkv = Allocate<float>(tokens * kQkvWidth);
+  const DeviceBuffer<float> out = Allocate<float>(tokens * kOutWidth);
+  const DeviceBuffer<float> lse = Allocate<float>(kHeads * tokens);
+  const DeviceBuffer<float> dq = Allocate<float>(tokens * kOutWidth);
+  const DeviceBuffer<float> dk = Allocate<float>(tokens * kKvWidth);
+  const DeviceBuffer<float> dv = Allocate<float>(tokens * kKvWidth);
+  const DeviceBuffer<float> dout = Allocate<float>(tokens * kOutWidth);
   const size_t workspace_size = AttentionBackwardWorkspaceSize(problem);
-  DeviceArray<unsigned char> workspace(workspace_size);
-  const float* q = qkv.data;
-  const float* k = qkv.data + 3072;
-  const float* v = qkv.data + 4096;
+  DeviceBuffer<unsigned char> workspace = Allocate<unsigned char>(workspace_size);
+  const float* q = qkv.get();
+  const float* k = qkv.get() + 3072;
+  const float* v = qkv.get() + 4096;
 
   AttentionProblem bad = problem;
   bad.batch = 0;
-  EXPECT_EQ(AttentionForward(bad, q, kQkvWidth, k, v, kQkvWidth, out.data, nullptr, lse.data,
+  EXPECT_EQ(AttentionForward(bad, q, kQkvWidth, k, v, kQkvWidth, out.get(), nullptr, lse.get(),
                              nullptr),
             ATTNGRAD_INVALID_ARGUMENT);
   bad = problem;
   bad.num_heads = 20;  // not a multiple of num_kv_heads
-  EXPECT_EQ(AttentionForward(bad, q, kQkvWidth, k, v, kQkvWidth, out.data, nullptr, lse.data,
+  EXPECT_EQ(AttentionForward(bad, q, kQkvWidth, k, v, kQkvWidth, out.get(), nullptr, lse.get(),
                              nullptr),
             ATTNGRAD_INVALID_ARGUMENT);
   // row stride narrower than the heads, or not keeping rows 16-byte aligned
-  EXPECT_EQ(AttentionForward(problem, q, 1024, k, v, kQkvWidth, out.data, nullptr, lse.data,
+  EXPECT_EQ(AttentionForward(problem, q, 1024, k, v, kQkvWidth, out.get(), nullptr, lse.get(),
                              nullptr),
             ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(AttentionForward(problem, q, kQkvWidth + 2, k, v, kQkvWidth, out.data, nullptr,
-                             lse.data, nullptr),
+  EXPECT_EQ(AttentionForward(problem, q, kQkvWidth + 2, k, v, kQkvWidth, out.get(), nullptr,
+                             lse.get(), nullptr),
             ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(AttentionForward(problem, q, kQkvWidth, k, v, kQkvWidth, nullptr, nullptr, lse.data,
+  EXPECT_EQ(AttentionForward(problem, q, kQkvWidth, k, v, kQkvWidth, nullptr, nullptr, lse.get(),
                              nullptr),
             ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data, dout.data,
-                              kOutWidth, lse.data, dq.data, dk.data, dv.data, workspace.data,
+  EXPECT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout.get(),
+                              kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(), workspace.get(),
                               workspace_size - 1, nullptr),
             ATTNGRAD_WORKSPACE_TOO_SMALL);
-  EXPECT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.data, dout.data,
-                              kOutWidth, lse.data, dq.data, dk.data, dv.data, nullptr,
+  EXPECT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout.get(),
+                              kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(), nullptr,
                               workspace_size, nullptr),
             ATTNGRAD_INVALID_ARGUMENT);
   EXPECT_EQ(AttentionBackwardWorkspaceSize(bad), 0u);

@@ -14,12 +14,19 @@
 #include <vector>
 
 #include "attngrad/attngrad.h"
+#include "attngrad/backward.h"
+#include "attngrad/cuda_resources.h"
+#include "attngrad/layer_weights.h"
 
 namespace {
 
+using attngrad::kAllWeights;
+using attngrad::PerWeight;
+using attngrad::Weight;
+using attngrad::cuda::DeviceBuffer;
+
+const attngrad::LayerConfig kConfig = attngrad::LayerConfig::Gemma3_4B();
 constexpr int kHidden = 3072;
-constexpr int kQOut = 3072;
-constexpr int kKvOut = 1024;
 constexpr int kHeadDim = 128;
 constexpr float kScaling = 0.08838834764831845f;
 constexpr float kSoftcap = 50.f;
@@ -29,29 +36,27 @@ constexpr float kEps = 1e-6f;
 
 // Host tensors of one problem, drawn from SPEC section 3's distribution, except that cos/sin use
 // positions that differ per sequence of the batch (offset 37*b) so that a kernel assuming one
-// table for the whole batch fails.
+// table for the whole batch fails. The seeds are fixed per test: every run draws the same inputs.
 struct HostProblem {
   int batch, seq_len;
-  std::vector<float> grad_output, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight,
-      q_norm_weight, k_norm_weight;
+  std::vector<float> grad_output, hidden_states, cos, sin;
+  PerWeight<std::vector<float>> weights = attngrad::ZeroWeights<std::vector<float>>(kConfig);
 
   HostProblem(int b, int s, unsigned seed) : batch(b), seq_len(s) {
     std::mt19937 random(seed);
     std::normal_distribution<float> normal(0.f, 1.f);
     const std::size_t tokens = static_cast<std::size_t>(b) * s;
-    auto fill = [&](std::vector<float>& v, std::size_t n, float scale) {
-      v.resize(n);
+    auto fill = [&](std::vector<float>& v, float scale) {
       for (auto& x : v) x = normal(random) * scale;
     };
-    fill(grad_output, tokens * kHidden, 1.f);
-    fill(hidden_states, tokens * kHidden, 1.f / std::sqrt(3072.f));
-    const float w = std::sqrt(2.f / 3072.f);
-    fill(q_weight, std::size_t{kQOut} * kHidden, w);
-    fill(k_weight, std::size_t{kKvOut} * kHidden, w);
-    fill(v_weight, std::size_t{kKvOut} * kHidden, w);
-    fill(o_weight, std::size_t{kHidden} * kQOut, w);
-    fill(q_norm_weight, kHeadDim, 0.02f);
-    fill(k_norm_weight, kHeadDim, 0.02f);
+    grad_output.resize(tokens * kHidden);
+    hidden_states.resize(tokens * kHidden);
+    fill(grad_output, 1.f);
+    fill(hidden_states, 1.f / std::sqrt(3072.f));
+    for (Weight weight : kAllWeights) {
+      const bool norm = weight == Weight::kQNorm || weight == Weight::kKNorm;
+      fill(weights[weight], norm ? 0.02f : std::sqrt(2.f / 3072.f));
+    }
     cos.resize(tokens * kHeadDim);
     sin.resize(tokens * kHeadDim);
     for (int bi = 0; bi < b; ++bi) {
@@ -69,20 +74,28 @@ struct HostProblem {
   std::size_t tokens() const { return static_cast<std::size_t>(batch) * seq_len; }
 };
 
-// The seven outputs, on the host.
+// The seven outputs, on the host: grad_hidden_states, then the weight gradients in Weight order.
+constexpr int kOutputs = 1 + attngrad::kNumWeights;
 struct HostGradients {
-  std::vector<float> tensors[7];
+  std::vector<float> tensors[kOutputs];
   explicit HostGradients(std::size_t tokens) {
-    const std::size_t sizes[7] = {tokens * kHidden, std::size_t{kQOut} * kHidden,
-                                  std::size_t{kKvOut} * kHidden, std::size_t{kKvOut} * kHidden,
-                                  std::size_t{kHidden} * kQOut, kHeadDim, kHeadDim};
-    for (int i = 0; i < 7; ++i) tensors[i].assign(sizes[i], 0.f);
+    tensors[0].assign(tokens * kHidden, 0.f);
+    for (Weight weight : kAllWeights) {
+      tensors[1 + attngrad::IndexOf(weight)].assign(attngrad::WeightElements(kConfig, weight), 0.f);
+    }
+  }
+  PerWeight<float*> WeightGradients() {
+    PerWeight<float*> gradients;
+    for (Weight weight : kAllWeights) gradients[weight] = tensors[1 + attngrad::IndexOf(weight)].data();
+    return gradients;
   }
 };
 
-const char* const kOutputNames[7] = {"grad_hidden_states", "grad_q_weight", "grad_k_weight",
-                                     "grad_v_weight", "grad_o_weight", "grad_q_norm_weight",
-                                     "grad_k_norm_weight"};
+std::string OutputName(int output) {
+  if (output == 0) return "grad_hidden_states";
+  return std::string("weight_gradients[") + attngrad::WeightModuleName(kAllWeights[output - 1]) +
+         "]";
+}
 
 // Every element `value` (NaN poisons outputs so that an unwritten element fails).
 HostGradients Filled(std::size_t tokens, float value) {
@@ -110,110 +123,139 @@ HostGradients Scaled(HostGradients values, float factor) {
 }
 
 void ExpectBitwiseEqual(const HostGradients& a, const HostGradients& b, const std::string& what) {
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < kOutputs; ++i) {
     EXPECT_EQ(std::memcmp(a.tensors[i].data(), b.tensors[i].data(), a.tensors[i].size() * 4), 0)
-        << what << " " << kOutputNames[i];
+        << what << " " << OutputName(i);
   }
 }
 
-class DeviceMemory {
- public:
-  DeviceMemory() = default;
-  explicit DeviceMemory(std::size_t bytes) {
-    if (cudaMalloc(&pointer_, bytes ? bytes : 1) != cudaSuccess) pointer_ = nullptr;
-  }
-  DeviceMemory(DeviceMemory&& other) noexcept : pointer_(other.pointer_) { other.pointer_ = nullptr; }
-  DeviceMemory& operator=(DeviceMemory&& other) noexcept {
-    std::swap(pointer_, other.pointer_);
-    return *this;
-  }
-  ~DeviceMemory() { cudaFree(pointer_); }
-  float* f() const { return static_cast<float*>(pointer_); }
-  void* get() const { return pointer_; }
+// A device buffer of `count` floats (a failed allocation fails the test).
+DeviceBuffer<float> Allocate(std::size_t count) {
+  DeviceBuffer<float> buffer;
+  EXPECT_EQ(DeviceBuffer<float>::Create(count, &buffer), cudaSuccess);
+  return buffer;
+}
 
- private:
-  void* pointer_ = nullptr;
+void CopyToDevice(const DeviceBuffer<float>& device, const std::vector<float>& host) {
+  EXPECT_EQ(cudaMemcpy(device.get(), host.data(), host.size() * sizeof(float),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+}
+
+DeviceBuffer<float> Upload(const std::vector<float>& host) {
+  DeviceBuffer<float> buffer = Allocate(host.size());
+  CopyToDevice(buffer, host);
+  return buffer;
+}
+
+// A workspace of `bytes`.
+DeviceBuffer<unsigned char> Workspace(std::size_t bytes) {
+  DeviceBuffer<unsigned char> buffer;
+  EXPECT_EQ(DeviceBuffer<unsigned char>::Create(bytes, &buffer), cudaSuccess);
+  return buffer;
+}
+
+// What a call may change from a problem's own arguments (the bad-argument test).
+struct CallChanges {
+  int batch = -1;  // -1: the problem's
+  float eps = kEps;
+  bool null_hidden_states = false;
 };
 
-DeviceMemory Upload(const std::vector<float>& host) {
-  DeviceMemory memory(host.size() * sizeof(float));
-  cudaMemcpy(memory.get(), host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice);
-  return memory;
-}
-
-// A problem on the device plus output buffers and a workspace.
+// A problem on the device plus output buffers.
 struct DeviceProblem {
   const HostProblem& host;
-  DeviceMemory grad_output, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight,
-      q_norm_weight, k_norm_weight;
-  DeviceMemory outputs[7];
+  DeviceBuffer<float> grad_output, hidden_states, cos, sin;
+  PerWeight<DeviceBuffer<float>> weights;
+  DeviceBuffer<float> outputs[kOutputs];
 
   explicit DeviceProblem(const HostProblem& h)
       : host(h), grad_output(Upload(h.grad_output)), hidden_states(Upload(h.hidden_states)),
-        cos(Upload(h.cos)), sin(Upload(h.sin)), q_weight(Upload(h.q_weight)),
-        k_weight(Upload(h.k_weight)), v_weight(Upload(h.v_weight)), o_weight(Upload(h.o_weight)),
-        q_norm_weight(Upload(h.q_norm_weight)), k_norm_weight(Upload(h.k_norm_weight)) {
+        cos(Upload(h.cos)), sin(Upload(h.sin)) {
+    for (Weight weight : kAllWeights) weights[weight] = Upload(h.weights[weight]);
     HostGradients shapes(h.tokens());
-    for (int i = 0; i < 7; ++i) outputs[i] = DeviceMemory(shapes.tensors[i].size() * sizeof(float));
+    for (int i = 0; i < kOutputs; ++i) outputs[i] = Allocate(shapes.tensors[i].size());
   }
 
   // New contents (a problem of the same shape) in the same input buffers.
   void LoadInputs(const HostProblem& h) {
-    const std::pair<DeviceMemory*, const std::vector<float>*> tensors[] = {
-        {&grad_output, &h.grad_output}, {&hidden_states, &h.hidden_states}, {&cos, &h.cos},
-        {&sin, &h.sin}, {&q_weight, &h.q_weight}, {&k_weight, &h.k_weight},
-        {&v_weight, &h.v_weight}, {&o_weight, &h.o_weight}, {&q_norm_weight, &h.q_norm_weight},
-        {&k_norm_weight, &h.k_norm_weight}};
-    for (const auto& [memory, values] : tensors) {
-      cudaMemcpy(memory->get(), values->data(), values->size() * sizeof(float),
-                 cudaMemcpyHostToDevice);
-    }
+    CopyToDevice(grad_output, h.grad_output);
+    CopyToDevice(hidden_states, h.hidden_states);
+    CopyToDevice(cos, h.cos);
+    CopyToDevice(sin, h.sin);
+    for (Weight weight : kAllWeights) CopyToDevice(weights[weight], h.weights[weight]);
   }
 
   void SetOutputs(const HostGradients& values) {
-    for (int i = 0; i < 7; ++i) {
-      cudaMemcpy(outputs[i].get(), values.tensors[i].data(), values.tensors[i].size() * 4,
-                 cudaMemcpyHostToDevice);
-    }
+    for (int i = 0; i < kOutputs; ++i) CopyToDevice(outputs[i], values.tensors[i]);
   }
   HostGradients GetOutputs() const {
     HostGradients result(host.tokens());
-    for (int i = 0; i < 7; ++i) {
+    for (int i = 0; i < kOutputs; ++i) {
       cudaMemcpy(result.tensors[i].data(), outputs[i].get(), result.tensors[i].size() * 4,
                  cudaMemcpyDeviceToHost);
     }
     return result;
   }
 
+  attngrad::BackwardInputs Inputs() const {
+    attngrad::BackwardInputs in;
+    in.grad_output = grad_output.get();
+    in.hidden_states = hidden_states.get();
+    in.cos = cos.get();
+    in.sin = sin.get();
+    for (Weight weight : kAllWeights) in.weights[weight] = weights[weight].get();
+    return in;
+  }
+  attngrad::BackwardOutputs Outputs() const {
+    attngrad::BackwardOutputs out;
+    out.grad_hidden_states = outputs[0].get();
+    for (Weight weight : kAllWeights) {
+      out.weight_gradients[weight] = outputs[1 + attngrad::IndexOf(weight)].get();
+    }
+    return out;
+  }
+
+  // Through the C ABI (what ctypes callers use).
   int Run(int precision, bool accumulate, void* workspace, std::size_t workspace_size,
-          cudaStream_t stream = nullptr) {
-    return attngrad_backward(host.batch, host.seq_len, kScaling, kSoftcap, kEps, precision,
-                             accumulate ? 1 : 0, grad_output.f(), hidden_states.f(), cos.f(),
-                             sin.f(), q_weight.f(), k_weight.f(), v_weight.f(), o_weight.f(),
-                             q_norm_weight.f(), k_norm_weight.f(), outputs[0].f(), outputs[1].f(),
-                             outputs[2].f(), outputs[3].f(), outputs[4].f(), outputs[5].f(),
-                             outputs[6].f(), workspace, workspace_size, stream);
+          cudaStream_t stream = nullptr, const CallChanges& changes = CallChanges()) {
+    const PerWeight<float*> w = attngrad::DataOf(weights);
+    auto g = [this](Weight weight) { return outputs[1 + attngrad::IndexOf(weight)].get(); };
+    return attngrad_backward(
+        changes.batch >= 0 ? changes.batch : host.batch, host.seq_len, kScaling, kSoftcap,
+        changes.eps, precision, accumulate ? 1 : 0, grad_output.get(),
+        changes.null_hidden_states ? nullptr : hidden_states.get(), cos.get(), sin.get(),
+        w[Weight::kQProj], w[Weight::kKProj], w[Weight::kVProj], w[Weight::kOProj],
+        w[Weight::kQNorm], w[Weight::kKNorm], outputs[0].get(), g(Weight::kQProj),
+        g(Weight::kKProj), g(Weight::kVProj), g(Weight::kOProj), g(Weight::kQNorm),
+        g(Weight::kKNorm), workspace, workspace_size, stream);
   }
 };
 
 // CPU reference (fp32 OpenBLAS projections, double-accumulated attention).
-HostGradients Reference(const HostProblem& p, bool accumulate, const HostGradients* initial) {
-  HostGradients out = initial ? *initial : HostGradients(p.tokens());
-  auto& t = out.tensors;
-  const int status = attngrad_backward_host(
-      p.batch, p.seq_len, kScaling, kSoftcap, kEps, accumulate ? 1 : 0, p.grad_output.data(),
-      p.hidden_states.data(), p.cos.data(), p.sin.data(), p.q_weight.data(), p.k_weight.data(),
-      p.v_weight.data(), p.o_weight.data(), p.q_norm_weight.data(), p.k_norm_weight.data(),
-      t[0].data(), t[1].data(), t[2].data(), t[3].data(), t[4].data(), t[5].data(), t[6].data());
+HostGradients Reference(const HostProblem& p, bool accumulate, const HostGradients* initial,
+                        const attngrad::Scalars& scalars = {kScaling, kSoftcap, kEps}) {
+  HostGradients result = initial ? *initial : HostGradients(p.tokens());
+  attngrad::BackwardInputs in;
+  in.grad_output = p.grad_output.data();
+  in.hidden_states = p.hidden_states.data();
+  in.cos = p.cos.data();
+  in.sin = p.sin.data();
+  in.weights = attngrad::DataOf(p.weights);
+  attngrad::BackwardOutputs out;
+  out.grad_hidden_states = result.tensors[0].data();
+  out.weight_gradients = result.WeightGradients();
+  const attngrad_status status =
+      attngrad::BackwardHost(kConfig, p.batch, p.seq_len, scalars, accumulate, in, out);
   EXPECT_EQ(status, ATTNGRAD_OK);
-  return out;
+  return result;
 }
 
 // SPEC section 4: >= 99% of elements within atol + 1e-3 |ref| (at most one miss for the 128-element
 // norm-weight gradients), no NaN/Inf.
 void ExpectMeetsBar(const HostGradients& got, const HostGradients& want, const std::string& what,
                     float atol = 0.0067f) {
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < kOutputs; ++i) {
     const auto& g = got.tensors[i];
     const auto& w = want.tensors[i];
     std::size_t misses = 0, non_finite = 0;
@@ -227,9 +269,9 @@ void ExpectMeetsBar(const HostGradients& got, const HostGradients& want, const s
       worst = std::max(worst, error);
       if (error > atol + 1e-3 * std::fabs(w[j])) ++misses;
     }
-    EXPECT_EQ(non_finite, 0u) << what << " " << kOutputNames[i];
+    EXPECT_EQ(non_finite, 0u) << what << " " << OutputName(i);
     const std::size_t allowed = g.size() == kHeadDim ? 1 : g.size() / 100;
-    EXPECT_LE(misses, allowed) << what << " " << kOutputNames[i] << ": " << misses << " of "
+    EXPECT_LE(misses, allowed) << what << " " << OutputName(i) << ": " << misses << " of "
                                << g.size() << " elements miss; worst |error| " << worst;
   }
 }
@@ -259,7 +301,7 @@ TEST_F(GpuBackwardTest, MatchesCpuBackendOnSmallAndOddShapesInEveryMode) {
     for (int m = 0; m < 4; ++m) {
       const std::size_t bytes = attngrad_workspace_size(shape.batch, shape.seq_len, kModes[m]);
       ASSERT_GT(bytes, 0u);
-      DeviceMemory workspace(bytes);
+      DeviceBuffer<unsigned char> workspace = Workspace(bytes);
       device.SetOutputs(Filled(host.tokens(), NAN));
       ASSERT_EQ(device.Run(kModes[m], false, workspace.get(), bytes), ATTNGRAD_OK);
       ASSERT_CUDA(cudaDeviceSynchronize());
@@ -277,7 +319,7 @@ TEST_F(GpuBackwardTest, AccumulateAddsWeightGradientsAndOverwritesGradHidden) {
   DeviceProblem device(host);
   for (int m = 0; m < 4; ++m) {
     const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, kModes[m]);
-    DeviceMemory workspace(bytes);
+    DeviceBuffer<unsigned char> workspace = Workspace(bytes);
     device.SetOutputs(initial);
     ASSERT_EQ(device.Run(kModes[m], true, workspace.get(), bytes), ATTNGRAD_OK);
     ASSERT_CUDA(cudaDeviceSynchronize());
@@ -302,7 +344,7 @@ TEST_F(GpuBackwardTest, Fp16KeepsGradientsOfAnyMagnitudeInRange) {
       const std::string what = "factor " + std::to_string(factor) + " precision " +
                                std::to_string(precision);
       const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, precision);
-      DeviceMemory workspace(bytes);
+      DeviceBuffer<unsigned char> workspace = Workspace(bytes);
       device.SetOutputs(Filled(host.tokens(), NAN));  // beta = 0 must not read the outputs
       ASSERT_EQ(device.Run(precision, false, workspace.get(), bytes), ATTNGRAD_OK);
       ASSERT_CUDA(cudaDeviceSynchronize());
@@ -321,7 +363,7 @@ TEST_F(GpuBackwardTest, TwoCallsAreBitwiseEqual) {
   DeviceProblem device(host);
   for (int m = 0; m < 4; ++m) {
     const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, kModes[m]);
-    DeviceMemory workspace(bytes);
+    DeviceBuffer<unsigned char> workspace = Workspace(bytes);
     ASSERT_EQ(device.Run(kModes[m], false, workspace.get(), bytes), ATTNGRAD_OK);
     const HostGradients first = device.GetOutputs();
     ASSERT_CUDA(cudaMemset(workspace.get(), 0x5a, bytes));  // stale data must not matter
@@ -337,7 +379,7 @@ TEST_F(GpuBackwardTest, RepeatedCallsReplayAGraphThatReadsTheBuffersCurrentConte
   DeviceProblem device(host);
   const int precision = ATTNGRAD_PRECISION_AUTO;
   const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, precision);
-  DeviceMemory workspace(bytes);
+  DeviceBuffer<unsigned char> workspace = Workspace(bytes);
   HostGradients first(host.tokens());
   for (int call = 0; call < 4; ++call) {
     device.SetOutputs(Filled(host.tokens(), NAN));
@@ -362,9 +404,10 @@ TEST_F(GpuBackwardTest, CapturedInACudaGraphGivesTheSameBits) {
   DeviceProblem device(host);
   const int precision = ATTNGRAD_PRECISION_AUTO;
   const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, precision);
-  DeviceMemory workspace(bytes);
-  cudaStream_t stream;
-  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceBuffer<unsigned char> workspace = Workspace(bytes);
+  attngrad::cuda::Stream owned_stream;
+  ASSERT_CUDA(attngrad::cuda::Stream::Create(&owned_stream));
+  const cudaStream_t stream = owned_stream.get();
   ASSERT_EQ(device.Run(precision, false, workspace.get(), bytes, stream), ATTNGRAD_OK);
   ASSERT_CUDA(cudaStreamSynchronize(stream));
   const HostGradients direct = device.GetOutputs();
@@ -382,7 +425,6 @@ TEST_F(GpuBackwardTest, CapturedInACudaGraphGivesTheSameBits) {
   ExpectBitwiseEqual(direct, device.GetOutputs(), "replayed");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST_F(GpuBackwardTest, ConcurrentCallsFromTwoThreadsMatchASingleCall) {
@@ -393,7 +435,7 @@ TEST_F(GpuBackwardTest, ConcurrentCallsFromTwoThreadsMatchASingleCall) {
   const int precision = ATTNGRAD_PRECISION_AUTO;
   const std::size_t bytes_a = attngrad_workspace_size(1, 96, precision);
   const std::size_t bytes_b = attngrad_workspace_size(2, 45, precision);
-  DeviceMemory workspace_a(bytes_a), workspace_b(bytes_b);
+  DeviceBuffer<unsigned char> workspace_a = Workspace(bytes_a), workspace_b = Workspace(bytes_b);
   ASSERT_EQ(device_a.Run(precision, false, workspace_a.get(), bytes_a), ATTNGRAD_OK);
   ASSERT_EQ(device_b.Run(precision, false, workspace_b.get(), bytes_b), ATTNGRAD_OK);
   ASSERT_CUDA(cudaDeviceSynchronize());
@@ -402,16 +444,15 @@ TEST_F(GpuBackwardTest, ConcurrentCallsFromTwoThreadsMatchASingleCall) {
   int status_a = ATTNGRAD_OK, status_b = ATTNGRAD_OK;
   auto worker = [precision](DeviceProblem* problem, void* workspace, std::size_t bytes,
                             int* status) {
-    cudaStream_t stream;
-    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    attngrad::cuda::Stream stream;
+    if (attngrad::cuda::Stream::Create(&stream) != cudaSuccess) {
       *status = ATTNGRAD_CUDA_ERROR;
       return;
     }
     for (int i = 0; i < 5 && *status == ATTNGRAD_OK; ++i) {
-      *status = problem->Run(precision, false, workspace, bytes, stream);
+      *status = problem->Run(precision, false, workspace, bytes, stream.get());
     }
-    if (cudaStreamSynchronize(stream) != cudaSuccess) *status = ATTNGRAD_CUDA_ERROR;
-    cudaStreamDestroy(stream);
+    if (cudaStreamSynchronize(stream.get()) != cudaSuccess) *status = ATTNGRAD_CUDA_ERROR;
   };
   std::thread thread_a(worker, &device_a, workspace_a.get(), bytes_a, &status_a);
   std::thread thread_b(worker, &device_b, workspace_b.get(), bytes_b, &status_b);
@@ -429,48 +470,99 @@ TEST_F(GpuBackwardTest, BadArgumentsAreRejectedBeforeAnyLaunch) {
   const int precision = ATTNGRAD_PRECISION_FP16;
   const std::size_t bytes = attngrad_workspace_size(1, 5, precision);
   ASSERT_GT(bytes, 0u);
-  DeviceMemory workspace(bytes);
+  DeviceBuffer<unsigned char> workspace = Workspace(bytes);
   device.SetOutputs(Filled(host.tokens(), 1234.5f));
 
   EXPECT_EQ(device.Run(precision, false, workspace.get(), bytes - 1),
             ATTNGRAD_WORKSPACE_TOO_SMALL);
   EXPECT_EQ(device.Run(precision, false, nullptr, bytes), ATTNGRAD_WORKSPACE_TOO_SMALL);
   EXPECT_EQ(device.Run(9, false, workspace.get(), bytes), ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(attngrad_backward(0, 5, kScaling, kSoftcap, kEps, precision, 0,
-                              device.grad_output.f(), device.hidden_states.f(), device.cos.f(),
-                              device.sin.f(), device.q_weight.f(), device.k_weight.f(),
-                              device.v_weight.f(), device.o_weight.f(), device.q_norm_weight.f(),
-                              device.k_norm_weight.f(), device.outputs[0].f(),
-                              device.outputs[1].f(), device.outputs[2].f(), device.outputs[3].f(),
-                              device.outputs[4].f(), device.outputs[5].f(), device.outputs[6].f(),
-                              workspace.get(), bytes, nullptr),
+  EXPECT_EQ(device.Run(precision, false, workspace.get(), bytes, nullptr, CallChanges{0}),
             ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(attngrad_backward(1, 5, kScaling, kSoftcap, kEps, precision, 0,
-                              device.grad_output.f(), nullptr, device.cos.f(), device.sin.f(),
-                              device.q_weight.f(), device.k_weight.f(), device.v_weight.f(),
-                              device.o_weight.f(), device.q_norm_weight.f(),
-                              device.k_norm_weight.f(), device.outputs[0].f(),
-                              device.outputs[1].f(), device.outputs[2].f(), device.outputs[3].f(),
-                              device.outputs[4].f(), device.outputs[5].f(), device.outputs[6].f(),
-                              workspace.get(), bytes, nullptr),
+  EXPECT_EQ(device.Run(precision, false, workspace.get(), bytes, nullptr,
+                       CallChanges{-1, kEps, /*null_hidden_states=*/true}),
             ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(attngrad_backward(1, 5, kScaling, -1.f, kEps, precision, 0, device.grad_output.f(),
-                              device.hidden_states.f(), device.cos.f(), device.sin.f(),
-                              device.q_weight.f(), device.k_weight.f(), device.v_weight.f(),
-                              device.o_weight.f(), device.q_norm_weight.f(),
-                              device.k_norm_weight.f(), device.outputs[0].f(),
-                              device.outputs[1].f(), device.outputs[2].f(), device.outputs[3].f(),
-                              device.outputs[4].f(), device.outputs[5].f(), device.outputs[6].f(),
-                              workspace.get(), bytes, nullptr),
+  EXPECT_EQ(device.Run(precision, false, workspace.get(), bytes, nullptr, CallChanges{-1, -1.f}),
             ATTNGRAD_INVALID_ARGUMENT);
   EXPECT_EQ(attngrad_workspace_size(0, 5, precision), 0u);
   EXPECT_EQ(attngrad_workspace_size(1, 5, 42), 0u);
   ASSERT_CUDA(cudaDeviceSynchronize());
   // Nothing was launched: every output still holds the sentinel.
   const HostGradients after = device.GetOutputs();
-  for (int i = 0; i < 7; ++i) {
-    for (float x : after.tensors[i]) ASSERT_EQ(x, 1234.5f) << kOutputNames[i];
+  for (int i = 0; i < kOutputs; ++i) {
+    for (float x : after.tensors[i]) ASSERT_EQ(x, 1234.5f) << OutputName(i);
   }
+}
+
+TEST_F(GpuBackwardTest, WithoutSoftCapMatchesCpuBackend) {
+  // softcap <= 0: no soft-capping (Gemma-3's published configurations), through the C++ API.
+  const HostProblem host(2, 70, 17);
+  DeviceProblem device(host);
+  for (const float softcap : {0.f, -1.f}) {
+    const attngrad::Scalars scalars{kScaling, softcap, kEps};
+    const HostGradients want = Reference(host, false, nullptr, scalars);
+    for (const auto precision : {attngrad::Precision::kFp16, attngrad::Precision::kFp32}) {
+      const std::size_t bytes = attngrad::DeviceWorkspaceSize(kConfig, 2, 70, precision);
+      DeviceBuffer<unsigned char> workspace = Workspace(bytes);
+      device.SetOutputs(Filled(host.tokens(), NAN));
+      const attngrad::Status status =
+          attngrad::BackwardDevice(kConfig, 2, 70, scalars, precision, false, device.Inputs(),
+                                   device.Outputs(), workspace.get(), bytes, nullptr);
+      ASSERT_TRUE(status.ok()) << status.message;
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      ExpectMeetsBar(device.GetOutputs(), want,
+                     "softcap " + std::to_string(softcap) + " precision " +
+                         std::to_string(static_cast<int>(precision)));
+    }
+  }
+}
+
+TEST_F(GpuBackwardTest, ErrorsNameTheCheckThatFailed) {
+  const HostProblem host(1, 5, 2);
+  DeviceProblem device(host);
+  const auto precision = attngrad::Precision::kFp16;
+  const std::size_t bytes = attngrad::DeviceWorkspaceSize(kConfig, 1, 5, precision);
+  DeviceBuffer<unsigned char> workspace = Workspace(bytes);
+  auto call = [&](const attngrad::LayerConfig& config, const attngrad::BackwardInputs& in,
+                  std::size_t workspace_size) {
+    return attngrad::BackwardDevice(config, 1, 5, attngrad::Scalars{}, precision, false, in,
+                                    device.Outputs(), workspace.get(), workspace_size, nullptr);
+  };
+  EXPECT_TRUE(call(kConfig, device.Inputs(), bytes).ok());
+  ASSERT_CUDA(cudaDeviceSynchronize());
+
+  attngrad::BackwardInputs in = device.Inputs();
+  in.hidden_states = nullptr;
+  attngrad::Status status = call(kConfig, in, bytes);
+  EXPECT_EQ(status.code, ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_STREQ(status.message, "hidden_states is null");
+
+  in = device.Inputs();
+  in.weights[Weight::kVProj] = nullptr;
+  EXPECT_STREQ(call(kConfig, in, bytes).message, "weights[v_proj] is null");
+
+  in = device.Inputs();
+  in.cos = device.cos.get() + 1;
+  EXPECT_STREQ(call(kConfig, in, bytes).message, "cos is not 16-byte aligned");
+
+  status = call(kConfig, device.Inputs(), bytes - 1);
+  EXPECT_EQ(status.code, ATTNGRAD_WORKSPACE_TOO_SMALL);
+  EXPECT_NE(std::string(status.message).find("DeviceWorkspaceSize"), std::string::npos)
+      << status.message;
+
+  attngrad::Scalars local_layer;
+  local_layer.sliding_window = 4;
+  status = attngrad::BackwardDevice(kConfig, 1, 5, local_layer, precision, false, device.Inputs(),
+                                    device.Outputs(), workspace.get(), bytes, nullptr);
+  EXPECT_EQ(status.code, ATTNGRAD_UNSUPPORTED);
+  EXPECT_NE(std::string(status.message).find("sliding_window"), std::string::npos)
+      << status.message;
+
+  attngrad::LayerConfig other_head_dim = kConfig;
+  other_head_dim.head_dim = 64;
+  status = call(other_head_dim, device.Inputs(), bytes);
+  EXPECT_EQ(status.code, ATTNGRAD_UNSUPPORTED);
+  EXPECT_STREQ(status.message, "the GPU kernels support head_dim 128 only");
 }
 
 }  // namespace
