@@ -23,8 +23,10 @@
 #include <vector>
 
 #include "attngrad/attngrad.h"
-#include "bench_check.h"
 #include "attngrad/backward.h"
+#include "attngrad/cuda_resources.h"
+#include "attngrad/layer_weights.h"
+#include "bench_check.h"
 #include "cuda/pipeline.h"
 
 namespace {
@@ -76,22 +78,25 @@ __global__ void FillRotary(float* cos_out, float* sin_out, int batch, int seq_le
   }
 }
 
-struct DeviceBuffer {
-  void* pointer = nullptr;
-  explicit DeviceBuffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&pointer, bytes ? bytes : 1)); }
-  ~DeviceBuffer() { cudaFree(pointer); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  float* f() const { return static_cast<float*>(pointer); }
-};
+using attngrad::kAllWeights;
+using attngrad::PerWeight;
+using attngrad::Weight;
+using attngrad::cuda::DeviceBuffer;
+using attngrad::cuda::Event;
 
-struct Event {
-  cudaEvent_t event = nullptr;
-  Event() { CHECK_CUDA(cudaEventCreate(&event)); }
-  ~Event() { cudaEventDestroy(event); }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-};
+// `count` elements on the device (exits on failure).
+template <typename T>
+DeviceBuffer<T> Allocate(std::size_t count) {
+  DeviceBuffer<T> buffer;
+  CHECK_CUDA(DeviceBuffer<T>::Create(count, &buffer));
+  return buffer;
+}
+
+Event TimingEvent() {
+  Event event;
+  CHECK_CUDA(Event::Create(&event));
+  return event;
+}
 
 double Median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
@@ -192,9 +197,10 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, L2 %d MiB; precision %d\n", properties.name,
               properties.multiProcessorCount, properties.l2CacheSize >> 20, options.precision);
   const std::size_t flush_bytes = 2 * static_cast<std::size_t>(properties.l2CacheSize);
-  DeviceBuffer flush(flush_bytes);
-  cudaStream_t stream;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const DeviceBuffer<unsigned char> flush = Allocate<unsigned char>(flush_bytes);
+  attngrad::cuda::Stream owned_stream;
+  CHECK_CUDA(attngrad::cuda::Stream::Create(&owned_stream));
+  const cudaStream_t stream = owned_stream.get();
 
   std::printf("%5s %5s %11s %9s %7s %8s\n", "B", "S", "median_us", "sol_us", "x_sol", "TFLOP/s");
   double log_time = 0, log_sol = 0;
@@ -205,65 +211,72 @@ int main(int argc, char** argv) {
     const std::size_t tokens = static_cast<std::size_t>(batch) * seq_len;
     const std::size_t activations = tokens * kHidden;
     const std::size_t rotary = tokens * kHeadDim;
-    DeviceBuffer x(activations * 4), dy(activations * 4), cos_buffer(rotary * 4),
-        sin_buffer(rotary * 4), wq(std::size_t{kQOut} * kHidden * 4),
-        wk(std::size_t{kKvOut} * kHidden * 4), wv(std::size_t{kKvOut} * kHidden * 4),
-        wo(std::size_t{kHidden} * kQOut * 4), qn(kHeadDim * 4), kn(kHeadDim * 4);
-    DeviceBuffer dx(activations * 4), dwq(std::size_t{kQOut} * kHidden * 4),
-        dwk(std::size_t{kKvOut} * kHidden * 4), dwv(std::size_t{kKvOut} * kHidden * 4),
-        dwo(std::size_t{kHidden} * kQOut * 4), dqn(kHeadDim * 4), dkn(kHeadDim * 4);
+    const attngrad::LayerConfig config = attngrad::LayerConfig::Gemma3_4B();
+    const DeviceBuffer<float> x = Allocate<float>(activations), dy = Allocate<float>(activations),
+                              cos_buffer = Allocate<float>(rotary),
+                              sin_buffer = Allocate<float>(rotary),
+                              dx = Allocate<float>(activations);
+    PerWeight<DeviceBuffer<float>> weights, weight_gradients;
+    for (Weight weight : kAllWeights) {
+      weights[weight] = Allocate<float>(attngrad::WeightElements(config, weight));
+      weight_gradients[weight] = Allocate<float>(attngrad::WeightElements(config, weight));
+    }
     const unsigned long long seed = 1000ull * batch + seq_len;
-    FillNormal<<<1024, 256, 0, stream>>>(x.f(), activations, 1.f / std::sqrt(3072.f), seed + 1);
-    FillNormal<<<1024, 256, 0, stream>>>(dy.f(), activations, 1.f, seed + 2);
+    FillNormal<<<1024, 256, 0, stream>>>(x.get(), activations, 1.f / std::sqrt(3072.f), seed + 1);
+    FillNormal<<<1024, 256, 0, stream>>>(dy.get(), activations, 1.f, seed + 2);
     const float w_scale = std::sqrt(2.f / 3072.f);
-    FillNormal<<<1024, 256, 0, stream>>>(wq.f(), std::size_t{kQOut} * kHidden, w_scale, seed + 3);
-    FillNormal<<<1024, 256, 0, stream>>>(wk.f(), std::size_t{kKvOut} * kHidden, w_scale, seed + 4);
-    FillNormal<<<1024, 256, 0, stream>>>(wv.f(), std::size_t{kKvOut} * kHidden, w_scale, seed + 5);
-    FillNormal<<<1024, 256, 0, stream>>>(wo.f(), std::size_t{kHidden} * kQOut, w_scale, seed + 6);
-    FillNormal<<<1, 128, 0, stream>>>(qn.f(), kHeadDim, 0.02f, seed + 7);
-    FillNormal<<<1, 128, 0, stream>>>(kn.f(), kHeadDim, 0.02f, seed + 8);
-    FillRotary<<<256, 256, 0, stream>>>(cos_buffer.f(), sin_buffer.f(), batch, seq_len);
+    for (Weight weight : kAllWeights) {  // seeds + 3 .. + 8 in SPEC order
+      const bool norm = weight == Weight::kQNorm || weight == Weight::kKNorm;
+      const std::size_t count = weights[weight].size();
+      FillNormal<<<norm ? 1 : 1024, norm ? 128 : 256, 0, stream>>>(
+          weights[weight].get(), count, norm ? 0.02f : w_scale, seed + 3 + attngrad::IndexOf(weight));
+    }
+    FillRotary<<<256, 256, 0, stream>>>(cos_buffer.get(), sin_buffer.get(), batch, seq_len);
     CHECK_CUDA(cudaGetLastError());
     const std::size_t workspace_bytes = attngrad_workspace_size(batch, seq_len, options.precision);
-    DeviceBuffer workspace(workspace_bytes);
+    const DeviceBuffer<unsigned char> workspace = Allocate<unsigned char>(workspace_bytes);
 
     attngrad::BackwardInputs in;
-    in.grad_output = dy.f(); in.hidden_states = x.f(); in.cos = cos_buffer.f(); in.sin = sin_buffer.f();
-    in.q_weight = wq.f(); in.k_weight = wk.f(); in.v_weight = wv.f(); in.o_weight = wo.f();
-    in.q_norm_weight = qn.f(); in.k_norm_weight = kn.f();
+    in.grad_output = dy.get();
+    in.hidden_states = x.get();
+    in.cos = cos_buffer.get();
+    in.sin = sin_buffer.get();
     attngrad::BackwardOutputs out;
-    out.grad_hidden_states = dx.f(); out.grad_q_weight = dwq.f(); out.grad_k_weight = dwk.f();
-    out.grad_v_weight = dwv.f(); out.grad_o_weight = dwo.f(); out.grad_q_norm_weight = dqn.f();
-    out.grad_k_norm_weight = dkn.f();
+    out.grad_hidden_states = dx.get();
+    for (Weight weight : kAllWeights) {
+      in.weights[weight] = weights[weight].get();
+      out.weight_gradients[weight] = weight_gradients[weight].get();
+    }
 
     // Timed through the public entry point (what a caller gets, graph replay of repeated calls
     // included); with a stage observer through the pipeline itself, everything on one stream.
     auto call = [&](attngrad::cuda::StageObserver* observer) {
       const auto precision = static_cast<attngrad::Precision>(options.precision);
-      const attngrad_status status =
+      const attngrad::Status status =
           observer == nullptr
-              ? attngrad::BackwardDevice(attngrad::LayerConfig::Gemma3_4B(), batch, seq_len,
-                                         attngrad::Scalars{}, precision, /*accumulate=*/false, in,
-                                         out, workspace.pointer, workspace_bytes, stream)
-              : attngrad::cuda::RunBackwardPipeline(
-                    attngrad::LayerConfig::Gemma3_4B(), batch, seq_len, attngrad::Scalars{},
-                    precision, /*accumulate=*/false, in, out, workspace.pointer, workspace_bytes,
-                    stream, observer);
-      if (status != ATTNGRAD_OK) {
-        std::fprintf(stderr, "B=%d S=%d: %s\n", batch, seq_len, attngrad_status_string(status));
+              ? attngrad::BackwardDevice(config, batch, seq_len, attngrad::Scalars{}, precision,
+                                         /*accumulate=*/false, in, out, workspace.get(),
+                                         workspace_bytes, stream)
+              : attngrad::cuda::RunBackwardPipeline(config, batch, seq_len, attngrad::Scalars{},
+                                                    precision, /*accumulate=*/false, in, out,
+                                                    workspace.get(), workspace_bytes, stream,
+                                                    observer);
+      if (!status.ok()) {
+        std::fprintf(stderr, "B=%d S=%d: %s: %s\n", batch, seq_len,
+                     attngrad_status_string(status.code), status.message);
         std::exit(1);
       }
     };
-    Event start, stop;
+    const Event start = TimingEvent(), stop = TimingEvent();
     std::vector<double> times;
     for (int i = 0; i < options.warmup + options.iters; ++i) {
-      CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
-      CHECK_CUDA(cudaEventRecord(start.event, stream));
+      CHECK_CUDA(cudaMemsetAsync(flush.get(), i & 0xff, flush_bytes, stream));
+      CHECK_CUDA(cudaEventRecord(start.get(), stream));
       call(nullptr);
-      CHECK_CUDA(cudaEventRecord(stop.event, stream));
-      CHECK_CUDA(cudaEventSynchronize(stop.event));
+      CHECK_CUDA(cudaEventRecord(stop.get(), stream));
+      CHECK_CUDA(cudaEventSynchronize(stop.get()));
       float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, start.event, stop.event));
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), stop.get()));
       if (i >= options.warmup) times.push_back(ms * 1e3);
     }
     const double median = Median(times);
@@ -278,16 +291,16 @@ int main(int argc, char** argv) {
     if (options.host_ahead) {
       std::vector<double> enqueue_us, gpu_only_us;
       for (int i = 0; i < options.warmup + options.iters; ++i) {
-        CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+        CHECK_CUDA(cudaMemsetAsync(flush.get(), i & 0xff, flush_bytes, stream));
         Spin<<<1, 1, 0, stream>>>(2000000);  // 2 ms: far more than one call takes to enqueue
-        CHECK_CUDA(cudaEventRecord(start.event, stream));
+        CHECK_CUDA(cudaEventRecord(start.get(), stream));
         const auto host_start = std::chrono::steady_clock::now();
         call(nullptr);
         const auto host_end = std::chrono::steady_clock::now();
-        CHECK_CUDA(cudaEventRecord(stop.event, stream));
-        CHECK_CUDA(cudaEventSynchronize(stop.event));
+        CHECK_CUDA(cudaEventRecord(stop.get(), stream));
+        CHECK_CUDA(cudaEventSynchronize(stop.get()));
         float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, start.event, stop.event));
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), stop.get()));
         if (i < options.warmup) continue;
         gpu_only_us.push_back(ms * 1e3);
         enqueue_us.push_back(std::chrono::duration<double, std::micro>(host_end - host_start).count());
@@ -299,19 +312,23 @@ int main(int argc, char** argv) {
     }
 
     if (options.stages) {
-      std::vector<cudaEvent_t> events(16);
-      for (auto& e : events) CHECK_CUDA(cudaEventCreate(&e));
+      std::vector<Event> owned_events(16);
+      std::vector<cudaEvent_t> events;
+      for (Event& event : owned_events) {
+        CHECK_CUDA(Event::Create(&event));
+        events.push_back(event.get());
+      }
       std::map<std::string, std::vector<double>> per_stage;
       std::vector<std::string> names;
       for (int i = 0; i < options.warmup / 2 + options.iters / 2; ++i) {
-        CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
-        CHECK_CUDA(cudaEventRecord(start.event, stream));
+        CHECK_CUDA(cudaMemsetAsync(flush.get(), i & 0xff, flush_bytes, stream));
+        CHECK_CUDA(cudaEventRecord(start.get(), stream));
         EventObserver observer(&events);
         call(&observer);
         CHECK_CUDA(cudaStreamSynchronize(stream));
         names = observer.names;
         if (i < options.warmup / 2) continue;
-        cudaEvent_t previous = start.event;
+        cudaEvent_t previous = start.get();
         for (std::size_t s = 0; s < names.size(); ++s) {
           float ms = 0;
           CHECK_CUDA(cudaEventElapsedTime(&ms, previous, events[s]));
@@ -326,7 +343,6 @@ int main(int argc, char** argv) {
         row += cell;
       }
       stage_rows.push_back(row);
-      for (auto& e : events) cudaEventDestroy(e);
     }
   }
   const double n = static_cast<double>(options.workloads.size());
@@ -336,6 +352,5 @@ int main(int argc, char** argv) {
     std::printf("per-stage medians (us):\n");
     for (const auto& row : stage_rows) std::printf("  %s\n", row.c_str());
   }
-  CHECK_CUDA(cudaStreamDestroy(stream));
   return 0;
 }

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "attngrad/cuda_resources.h"
 #include "bench_check.h"
 #include "cuda/projection_gemm.h"
 #include "cuda/stages.h"
@@ -44,13 +45,14 @@ using attngrad::cuda::GemmSpec;
 
 constexpr int kHidden = 3072, kQWidth = 3072, kKvWidth = 1024, kQkvWidth = 5120;
 
-struct Buffer {
-  explicit Buffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&pointer, bytes)); }
-  ~Buffer() { cudaFree(pointer); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  void* pointer = nullptr;
-};
+using Buffer = attngrad::cuda::DeviceBuffer<unsigned char>;
+
+// `bytes` of device memory (exits on failure).
+Buffer Bytes(std::size_t bytes) {
+  Buffer buffer;
+  CHECK_CUDA(Buffer::Create(bytes, &buffer));
+  return buffer;
+}
 
 // The GEMMs of one FP16 call with T tokens (operands are uninitialised scratch of the right size:
 // timing does not depend on the values' magnitudes beyond NaN-free, so they are zeroed).
@@ -234,39 +236,41 @@ int main(int argc, char** argv) {
     max_tokens = std::max(max_tokens, static_cast<std::size_t>(b) * static_cast<std::size_t>(s));
   }
   const std::size_t flush_bytes = 2 * static_cast<std::size_t>(properties.l2CacheSize);
-  Buffer flush(flush_bytes);
-  Buffer weights(std::size_t{kQkvWidth} * kHidden * sizeof(__half));
-  Buffer activations(max_tokens * kHidden * sizeof(__half));
-  Buffer grad_qkv(max_tokens * kQkvWidth * sizeof(__half));
-  Buffer output(std::max(max_tokens * kQkvWidth, std::size_t{kHidden} * kQWidth) *
-                sizeof(float));
-  Buffer gemm_workspace(attngrad::cuda::kGemmWorkspaceBytes);
-  CHECK_CUDA(cudaMemset(weights.pointer, 0, std::size_t{kQkvWidth} * kHidden * sizeof(__half)));
-  CHECK_CUDA(cudaMemset(activations.pointer, 0, max_tokens * kHidden * sizeof(__half)));
-  CHECK_CUDA(cudaMemset(grad_qkv.pointer, 0, max_tokens * kQkvWidth * sizeof(__half)));
+  const Buffer flush = Bytes(flush_bytes);
+  const Buffer weights = Bytes(std::size_t{kQkvWidth} * kHidden * sizeof(__half));
+  const Buffer activations = Bytes(max_tokens * kHidden * sizeof(__half));
+  const Buffer grad_qkv = Bytes(max_tokens * kQkvWidth * sizeof(__half));
+  const Buffer output =
+      Bytes(std::max(max_tokens * kQkvWidth, std::size_t{kHidden} * kQWidth) * sizeof(float));
+  const Buffer gemm_workspace = Bytes(attngrad::cuda::kGemmWorkspaceBytes);
+  CHECK_CUDA(cudaMemset(weights.get(), 0, std::size_t{kQkvWidth} * kHidden * sizeof(__half)));
+  CHECK_CUDA(cudaMemset(activations.get(), 0, max_tokens * kHidden * sizeof(__half)));
+  CHECK_CUDA(cudaMemset(grad_qkv.get(), 0, max_tokens * kQkvWidth * sizeof(__half)));
   cublasLtHandle_t handle = nullptr;
   if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) return 1;
-  cudaStream_t stream;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
+  attngrad::cuda::Stream owned_stream;
+  CHECK_CUDA(attngrad::cuda::Stream::Create(&owned_stream));
+  const cudaStream_t stream = owned_stream.get();
+  attngrad::cuda::Event owned_start, owned_stop;
+  CHECK_CUDA(attngrad::cuda::Event::Create(&owned_start));
+  CHECK_CUDA(attngrad::cuda::Event::Create(&owned_stop));
+  const cudaEvent_t start = owned_start.get(), stop = owned_stop.get();
 
   if (from_fp32) {
     // fp32 operands: weights [5120 x 3072] (Wq|Wk|Wv rows) and [3072 x 3072] (Wo), activations.
-    Buffer weights32(std::size_t{kQkvWidth} * kHidden * sizeof(float));
-    Buffer wo32(std::size_t{kHidden} * kQWidth * sizeof(float));
-    Buffer x32(max_tokens * kHidden * sizeof(float));
-    Buffer qkv32(max_tokens * kQkvWidth * sizeof(float));
-    Buffer half_weights(std::size_t{kQkvWidth + kHidden} * kHidden * sizeof(__half));
-    CHECK_CUDA(cudaMemset(weights32.pointer, 0, std::size_t{kQkvWidth} * kHidden * sizeof(float)));
-    CHECK_CUDA(cudaMemset(wo32.pointer, 0, std::size_t{kHidden} * kQWidth * sizeof(float)));
-    CHECK_CUDA(cudaMemset(x32.pointer, 0, max_tokens * kHidden * sizeof(float)));
-    CHECK_CUDA(cudaMemset(qkv32.pointer, 0, max_tokens * kQkvWidth * sizeof(float)));
+    const Buffer weights32 = Bytes(std::size_t{kQkvWidth} * kHidden * sizeof(float));
+    const Buffer wo32 = Bytes(std::size_t{kHidden} * kQWidth * sizeof(float));
+    const Buffer x32 = Bytes(max_tokens * kHidden * sizeof(float));
+    const Buffer qkv32 = Bytes(max_tokens * kQkvWidth * sizeof(float));
+    const Buffer half_weights = Bytes(std::size_t{kQkvWidth + kHidden} * kHidden * sizeof(__half));
+    CHECK_CUDA(cudaMemset(weights32.get(), 0, std::size_t{kQkvWidth} * kHidden * sizeof(float)));
+    CHECK_CUDA(cudaMemset(wo32.get(), 0, std::size_t{kHidden} * kQWidth * sizeof(float)));
+    CHECK_CUDA(cudaMemset(x32.get(), 0, max_tokens * kHidden * sizeof(float)));
+    CHECK_CUDA(cudaMemset(qkv32.get(), 0, max_tokens * kQkvWidth * sizeof(float)));
     auto time_calls = [&](const std::function<void()>& enqueue) {
       std::vector<double> times;
       for (int i = 0; i < 3 + iters; ++i) {
-        CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+        CHECK_CUDA(cudaMemsetAsync(flush.get(), i & 0xff, flush_bytes, stream));
         CHECK_CUDA(cudaEventRecord(start, stream));
         enqueue();
         CHECK_CUDA(cudaEventRecord(stop, stream));
@@ -286,26 +290,26 @@ int main(int argc, char** argv) {
         std::exit(1);
       }
       const GemmPlan* plan = plans.back().get();
-      return [plan, spec, &handle, &gemm_workspace, &stream] {
-        if (plan->Run(handle, spec, gemm_workspace.pointer, stream) != ATTNGRAD_OK) std::exit(1);
+      return [plan, spec, &handle, &gemm_workspace, stream] {
+        if (plan->Run(handle, spec, gemm_workspace.get(), stream) != ATTNGRAD_OK) std::exit(1);
       };
     };
     std::printf("%-7s %-10s %10s %10s\n", "BxS", "product", "fp16_us", "fp32in_us");
     for (const auto& [batch, seq_len] : workloads) {
       const int tokens = batch * seq_len;
-      const std::vector<NamedGemm> half = PipelineGemms(tokens, weights.pointer, activations.pointer,
-                                                        grad_qkv.pointer, output.pointer);
+      const std::vector<NamedGemm> half = PipelineGemms(tokens, weights.get(), activations.get(),
+                                                        grad_qkv.get(), output.get());
       // The conversion the FP16 pipeline does per call: X, dY and the 25.2 M weight elements.
       const std::size_t activation_elements = static_cast<std::size_t>(tokens) * kHidden;
-      auto* half_base = static_cast<__half*>(half_weights.pointer);
+      auto* half_base = reinterpret_cast<__half*>(half_weights.get());
       const attngrad::cuda::ConvertSegment segments[] = {
-          {static_cast<const float*>(x32.pointer), static_cast<__half*>(activations.pointer),
+          {reinterpret_cast<const float*>(x32.get()), reinterpret_cast<__half*>(activations.get()),
            activation_elements, 1.f},
-          {static_cast<const float*>(x32.pointer), static_cast<__half*>(grad_qkv.pointer),
+          {reinterpret_cast<const float*>(x32.get()), reinterpret_cast<__half*>(grad_qkv.get()),
            activation_elements, 1.f},
-          {static_cast<const float*>(weights32.pointer), half_base,
+          {reinterpret_cast<const float*>(weights32.get()), half_base,
            std::size_t{kQkvWidth} * kHidden, 1.f},
-          {static_cast<const float*>(wo32.pointer), half_base + std::size_t{kQkvWidth} * kHidden,
+          {reinterpret_cast<const float*>(wo32.get()), half_base + std::size_t{kQkvWidth} * kHidden,
            std::size_t{kHidden} * kQWidth, 1.f}};
       const double convert = time_calls([&] {
         if (attngrad::cuda::ConvertToHalf(segments, 4, stream) != ATTNGRAD_OK) std::exit(1);
@@ -314,8 +318,8 @@ int main(int argc, char** argv) {
       std::printf("%3dx%-4d %-10s %10.1f %10s\n", batch, seq_len, "convert", convert, "-");
       // fp32-operand forms of the same products (separate Wq, Wk, Wv as the caller stores them).
       const int rows[3] = {kQWidth, kKvWidth, kKvWidth};
-      const float* w32 = static_cast<const float*>(weights32.pointer);
-      float* qkv_out = static_cast<float*>(qkv32.pointer);
+      const float* w32 = reinterpret_cast<const float*>(weights32.get());
+      float* qkv_out = reinterpret_cast<float*>(qkv32.get());
       for (const NamedGemm& gemm : half) {
         const double half_us = time_calls(run(gemm.spec));
         std::vector<std::function<void()>> calls;
@@ -328,7 +332,7 @@ int main(int argc, char** argv) {
             GemmSpec part = spec;
             part.m = rows[i];
             part.a = w32 + static_cast<std::size_t>(first) * kHidden;
-            part.b = x32.pointer;
+            part.b = x32.get();
             part.d = qkv_out + first;
             calls.push_back(run(part));
             first += rows[i];
@@ -345,11 +349,11 @@ int main(int argc, char** argv) {
             first += rows[i];
           }
         } else {
-          spec.a = gemm.name == "grad_attn" ? wo32.pointer : x32.pointer;
+          spec.a = gemm.name == "grad_attn" ? wo32.get() : x32.get();
           spec.b = gemm.name == "grad_wq" || gemm.name == "grad_wk(x2)"
                        ? static_cast<const void*>(qkv_out)
-                       : x32.pointer;
-          spec.d = output.pointer;
+                       : x32.get();
+          spec.d = output.get();
           calls.push_back(run(spec));
         }
         const double fp32_us = time_calls([&] {
@@ -373,9 +377,9 @@ int main(int argc, char** argv) {
   auto time_plan = [&](const GemmPlan& plan, const GemmSpec& spec, int warmup, int timed) {
     std::vector<double> times;
     for (int i = 0; i < warmup + timed; ++i) {
-      CHECK_CUDA(cudaMemsetAsync(flush.pointer, i & 0xff, flush_bytes, stream));
+      CHECK_CUDA(cudaMemsetAsync(flush.get(), i & 0xff, flush_bytes, stream));
       CHECK_CUDA(cudaEventRecord(start, stream));
-      if (plan.Run(handle, spec, gemm_workspace.pointer, stream) != ATTNGRAD_OK) {
+      if (plan.Run(handle, spec, gemm_workspace.get(), stream) != ATTNGRAD_OK) {
         cudaGetLastError();
         return -1.0;
       }
@@ -452,8 +456,8 @@ int main(int argc, char** argv) {
   for (const auto& [batch, seq_len] : workloads) {
     const int tokens = batch * seq_len;
     double first_total = 0, best_total = 0;
-    for (const NamedGemm& gemm : PipelineGemms(tokens, weights.pointer, activations.pointer,
-                                               grad_qkv.pointer, output.pointer)) {
+    for (const NamedGemm& gemm : PipelineGemms(tokens, weights.get(), activations.get(),
+                                               grad_qkv.get(), output.get())) {
       const double weight = gemm.name == "grad_wk(x2)" ? 2.0 : 1.0;
       const Outcome outcome = search ? searched(gemm.spec) : ranked(gemm.spec);
       first_total += weight * outcome.first;

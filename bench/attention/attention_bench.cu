@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../bench_check.h"
+#include "attngrad/cuda_resources.h"
 #include "cuda/attention.h"
 
 using attngrad::cuda::AttentionOperand;
@@ -187,22 +188,28 @@ __global__ void RefKeyValueGradient(RefArgs a) {
 }
 
 // ---- helpers --------------------------------------------------------------------------------------
+using attngrad::cuda::DeviceBuffer;
+
 template <class T>
-struct DeviceBuffer {
-  T* data = nullptr;
-  size_t count = 0;
-  explicit DeviceBuffer(size_t n) : count(n) { CHECK_CUDA(cudaMalloc(&data, std::max<size_t>(n, 1) * sizeof(T))); }
-  ~DeviceBuffer() { cudaFree(data); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void Upload(const std::vector<T>& host) { CHECK_CUDA(cudaMemcpy(data, host.data(), count * sizeof(T), cudaMemcpyHostToDevice)); }
-  std::vector<T> Download() const {
-    std::vector<T> host(count);
-    CHECK_CUDA(cudaMemcpy(host.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  void Poison() { CHECK_CUDA(cudaMemset(data, 0xff, count * sizeof(T))); }  // NaN for float
-};
+DeviceBuffer<T> Allocate(size_t count) {
+  DeviceBuffer<T> buffer;
+  CHECK_CUDA(DeviceBuffer<T>::Create(count, &buffer));
+  return buffer;
+}
+template <class T>
+void Upload(const DeviceBuffer<T>& buffer, const std::vector<T>& host) {
+  CHECK_CUDA(cudaMemcpy(buffer.get(), host.data(), buffer.bytes(), cudaMemcpyHostToDevice));
+}
+template <class T>
+std::vector<T> Download(const DeviceBuffer<T>& buffer) {
+  std::vector<T> host(buffer.size());
+  CHECK_CUDA(cudaMemcpy(host.data(), buffer.get(), buffer.bytes(), cudaMemcpyDeviceToHost));
+  return host;
+}
+template <class T>
+void Poison(const DeviceBuffer<T>& buffer) {
+  CHECK_CUDA(cudaMemset(buffer.get(), 0xff, buffer.bytes()));  // NaN for float
+}
 
 struct Errors {
   double rel_l2 = 0, max_rel = 0;  // max |out-ref| / max |ref|
@@ -252,10 +259,14 @@ struct Problem {
 
   Problem(int b, int s, AttentionOperand o, AttentionTiles tiles = AttentionTiles::kAuto)
       : batch(b), seq_len(s), op(o), elem(o == AttentionOperand::kFp16 ? 2 : 4),
-        qkv((size_t)b * s * kQkvWidth * elem), dout((size_t)b * s * kOutWidth * elem),
-        out((size_t)b * s * kOutWidth), lse((size_t)b * kNumHeads * s), dq((size_t)b * s * kOutWidth),
-        dk((size_t)b * s * 1024), dv((size_t)b * s * 1024), out_half((size_t)b * s * kOutWidth),
-        workspace(WorkspaceFor(b, s, o, tiles)) {
+        qkv(Allocate<unsigned char>((size_t)b * s * kQkvWidth * elem)),
+        dout(Allocate<unsigned char>((size_t)b * s * kOutWidth * elem)),
+        out(Allocate<float>((size_t)b * s * kOutWidth)),
+        lse(Allocate<float>((size_t)b * kNumHeads * s)),
+        dq(Allocate<float>((size_t)b * s * kOutWidth)), dk(Allocate<float>((size_t)b * s * 1024)),
+        dv(Allocate<float>((size_t)b * s * 1024)),
+        out_half(Allocate<__half>((size_t)b * s * kOutWidth)),
+        workspace(Allocate<unsigned char>(WorkspaceFor(b, s, o, tiles))) {
     problem.tiles = tiles;
     problem.batch = b;
     problem.seq_len = s;
@@ -275,18 +286,18 @@ struct Problem {
     p.operand = o;
     return attngrad::cuda::AttentionBackwardWorkspaceSize(p);
   }
-  const unsigned char* Q() const { return qkv.data; }
-  const unsigned char* K() const { return qkv.data + 3072 * elem; }
-  const unsigned char* V() const { return qkv.data + 4096 * elem; }
+  const unsigned char* Q() const { return qkv.get(); }
+  const unsigned char* K() const { return qkv.get() + 3072 * elem; }
+  const unsigned char* V() const { return qkv.get() + 4096 * elem; }
   attngrad_status Forward(cudaStream_t stream) {
-    return attngrad::cuda::AttentionForward(problem, Q(), kQkvWidth, K(), V(), kQkvWidth, out.data,
-                                            op == AttentionOperand::kFp16 ? out_half.data : nullptr,
-                                            lse.data, stream);
+    return attngrad::cuda::AttentionForward(problem, Q(), kQkvWidth, K(), V(), kQkvWidth, out.get(),
+                                            op == AttentionOperand::kFp16 ? out_half.get() : nullptr,
+                                            lse.get(), stream);
   }
   attngrad_status Backward(cudaStream_t stream) {
-    return attngrad::cuda::AttentionBackward(problem, Q(), kQkvWidth, K(), V(), kQkvWidth, out.data,
-                                             dout.data, kOutWidth, lse.data, dq.data, dk.data, dv.data,
-                                             workspace.data, workspace.count, stream);
+    return attngrad::cuda::AttentionBackward(problem, Q(), kQkvWidth, K(), V(), kQkvWidth, out.get(),
+                                             dout.get(), kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(),
+                                             workspace.get(), workspace.size(), stream);
   }
 };
 
@@ -313,14 +324,14 @@ void Fill(Problem& pr, std::mt19937_64& rng, double q_scale, std::vector<double>
         h[i] = __double2half(exact[i]);
         exact[i] = (double)__half2float(h[i]);
       }
-      CHECK_CUDA(cudaMemcpy(buffer.data, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(buffer.get(), h.data(), h.size() * 2, cudaMemcpyHostToDevice));
     } else {
       std::vector<float> f(exact.size());
       for (size_t i = 0; i < exact.size(); ++i) {
         f[i] = (float)exact[i];
         exact[i] = f[i];
       }
-      CHECK_CUDA(cudaMemcpy(buffer.data, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(buffer.get(), f.data(), f.size() * 4, cudaMemcpyHostToDevice));
     }
   };
   upload(*qkv_exact, pr.qkv);
@@ -344,14 +355,18 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   std::vector<double> qkv_exact, dout_exact;
   Fill(pr, rng, q_scale, &qkv_exact, &dout_exact);
   const size_t tokens = (size_t)batch * seq_len;
-  DeviceBuffer<double> qkv_d(qkv_exact.size()), dout_d(dout_exact.size());
-  qkv_d.Upload(qkv_exact);
-  dout_d.Upload(dout_exact);
-  DeviceBuffer<double> out_r(tokens * kOutWidth), lse_r((size_t)batch * kNumHeads * seq_len),
-      delta_r((size_t)batch * kNumHeads * seq_len), dq_r(tokens * kOutWidth), dk_r(tokens * 1024),
-      dv_r(tokens * 1024);
-  RefArgs args{qkv_d.data, dout_d.data, out_r.data, lse_r.data, delta_r.data, dq_r.data, dk_r.data,
-               dv_r.data, batch, seq_len, pr.problem.scaling, pr.problem.softcap};
+  const DeviceBuffer<double> qkv_d = Allocate<double>(qkv_exact.size());
+  const DeviceBuffer<double> dout_d = Allocate<double>(dout_exact.size());
+  Upload(qkv_d, qkv_exact);
+  Upload(dout_d, dout_exact);
+  const DeviceBuffer<double> out_r = Allocate<double>(tokens * kOutWidth);
+  const DeviceBuffer<double> lse_r = Allocate<double>((size_t)batch * kNumHeads * seq_len);
+  const DeviceBuffer<double> delta_r = Allocate<double>((size_t)batch * kNumHeads * seq_len);
+  const DeviceBuffer<double> dq_r = Allocate<double>(tokens * kOutWidth);
+  const DeviceBuffer<double> dk_r = Allocate<double>(tokens * 1024);
+  const DeviceBuffer<double> dv_r = Allocate<double>(tokens * 1024);
+  RefArgs args{qkv_d.get(), dout_d.get(), out_r.get(), lse_r.get(), delta_r.get(), dq_r.get(), dk_r.get(),
+               dv_r.get(), batch, seq_len, pr.problem.scaling, pr.problem.softcap};
   dim3 grid_q(seq_len, kNumHeads, batch), grid_kv(seq_len, kNumKvHeads, batch);
   CHECK_CUDA(cudaFuncSetAttribute(RefForward, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
   CHECK_CUDA(cudaFuncSetAttribute(RefQueryGradient, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
@@ -363,28 +378,28 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   RefKeyValueGradient<<<grid_kv, 128, (2 * seq_len + 256) * 8>>>(args);
   CHECK_CUDA(cudaGetLastError());
 
-  pr.out.Poison();
-  pr.lse.Poison();
-  pr.dq.Poison();
-  pr.dk.Poison();
-  pr.dv.Poison();
+  Poison(pr.out);
+  Poison(pr.lse);
+  Poison(pr.dq);
+  Poison(pr.dk);
+  Poison(pr.dv);
   STATUS_CHECK(pr.Forward(0));
   STATUS_CHECK(pr.Backward(0));
   CHECK_CUDA(cudaDeviceSynchronize());
-  const auto out = pr.out.Download(), lse = pr.lse.Download(), dq = pr.dq.Download(),
-             dk = pr.dk.Download(), dv = pr.dv.Download();
+  const auto out = Download(pr.out), lse = Download(pr.lse), dq = Download(pr.dq),
+             dk = Download(pr.dk), dv = Download(pr.dv);
   // determinism: backward again (poisoned), bitwise equal
-  pr.dq.Poison();
-  pr.dk.Poison();
-  pr.dv.Poison();
+  Poison(pr.dq);
+  Poison(pr.dk);
+  Poison(pr.dv);
   STATUS_CHECK(pr.Backward(0));
   CHECK_CUDA(cudaDeviceSynchronize());
-  const bool deterministic = std::memcmp(pr.dq.Download().data(), dq.data(), dq.size() * 4) == 0 &&
-                             std::memcmp(pr.dk.Download().data(), dk.data(), dk.size() * 4) == 0 &&
-                             std::memcmp(pr.dv.Download().data(), dv.data(), dv.size() * 4) == 0;
-  const Errors e_out = Compare(out, out_r.Download()), e_lse = Compare(lse, lse_r.Download()),
-               e_dq = Compare(dq, dq_r.Download(), 1e-3), e_dk = Compare(dk, dk_r.Download(), 1e-3),
-               e_dv = Compare(dv, dv_r.Download());
+  const bool deterministic = std::memcmp(Download(pr.dq).data(), dq.data(), dq.size() * 4) == 0 &&
+                             std::memcmp(Download(pr.dk).data(), dk.data(), dk.size() * 4) == 0 &&
+                             std::memcmp(Download(pr.dv).data(), dv.data(), dv.size() * 4) == 0;
+  const Errors e_out = Compare(out, Download(out_r)), e_lse = Compare(lse, Download(lse_r)),
+               e_dq = Compare(dq, Download(dq_r), 1e-3), e_dk = Compare(dk, Download(dk_r), 1e-3),
+               e_dv = Compare(dv, Download(dv_r));
   const double bound = op == AttentionOperand::kFp32 ? 2e-5 : op == AttentionOperand::kTf32 ? 3e-3 : 6e-3;
   bool ok = deterministic;
   for (const Errors* e : {&e_out, &e_lse, &e_dq, &e_dk, &e_dv}) ok = ok && e->nonfinite == 0 && e->rel_l2 < bound;
@@ -413,9 +428,10 @@ double GraphMedianUs(cudaStream_t stream, Body body, int reps) {
   body();
   CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
+  attngrad::cuda::Event start, stop;
+  CHECK_CUDA(attngrad::cuda::Event::Create(&start));
+  CHECK_CUDA(attngrad::cuda::Event::Create(&stop));
+  const cudaEvent_t e0 = start.get(), e1 = stop.get();
   for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
   std::vector<float> times;
   for (int i = 0; i < reps; ++i) {
@@ -427,8 +443,6 @@ double GraphMedianUs(cudaStream_t stream, Body body, int reps) {
     CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     times.push_back(ms);
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   return MedianMs(times) * 1e3;
@@ -439,14 +453,14 @@ double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, i
   Problem pr(batch, seq_len, op, tiles);
   std::vector<double> a, b;
   Fill(pr, rng, 1.0, &a, &b);
-  cudaStream_t stream;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  attngrad::cuda::Stream owned_stream;
+  CHECK_CUDA(attngrad::cuda::Stream::Create(&owned_stream));
+  const cudaStream_t stream = owned_stream.get();
   STATUS_CHECK(pr.Forward(stream));
   STATUS_CHECK(pr.Backward(stream));
   CHECK_CUDA(cudaStreamSynchronize(stream));
   const double f_us = GraphMedianUs(stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
   const double b_us = GraphMedianUs(stream, [&] { STATUS_CHECK(pr.Backward(stream)); }, reps);
-  CHECK_CUDA(cudaStreamDestroy(stream));
   // causal MACs of one S x S x 128 product over all query heads (diagonal included)
   const double macs = (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0;
   std::printf("time %-4s %-5s B=%-2d S=%-5d fwd %8.1f us (%5.1f TFLOP/s)  bwd %8.1f us (%5.1f TFLOP/s of 5 products, %5.1f of 7 done)  total %8.1f us\n",
