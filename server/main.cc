@@ -2,7 +2,7 @@
 // Prometheus metrics. Stopping: the first SIGTERM/SIGINT starts one grace period
 // (--shutdown_grace_seconds) in which running RPCs may finish; a repeated SIGTERM changes nothing;
 // a SIGINT after the first signal (a second Ctrl-C) exits at once with 130. The exit comes within
-// the grace period plus half a second in every case: if gRPC's shutdown or the workers' drain is
+// the grace period plus 0.3 s in every case: if gRPC's shutdown or the workers' drain is
 // still running then, the process ends with _exit (code 0, the stop having been asked for).
 #include <fcntl.h>
 #include <poll.h>
@@ -72,7 +72,7 @@ void WriteStopPipe(unsigned char byte) {
 
 constexpr int kTimedOut = -1;
 // After the grace period, how long the shutdown may still take before the process _exit()s.
-constexpr std::chrono::milliseconds kExitMargin(500);
+constexpr std::chrono::milliseconds kExitMargin(300);
 
 // The next byte of the pipe: a signal number, 0 (the shutdown is done), or kTimedOut after
 // `timeout_ms` (-1: no limit).
