@@ -32,14 +32,6 @@ std::uint64_t SeedOf(const std::string& name) {
   return h;
 }
 
-LayerConfig Config(int hidden, int heads, int kv_heads, int head_dim) {
-  LayerConfig c;
-  c.hidden_size = hidden;
-  c.num_heads = heads;
-  c.num_kv_heads = kv_heads;
-  c.head_dim = head_dim;
-  return c;
-}
 
 Scalars DefaultScalarsFor(int head_dim) {
   Scalars s;
@@ -60,7 +52,7 @@ struct SmallCase {
 };
 
 std::vector<SmallCase> SmallCases() {
-  const LayerConfig small = Config(64, 6, 2, 16);  // group 3, like the 4B model
+  const LayerConfig small = LayerConfig{64, 6, 2, 16};  // group 3, like the 4B model
   Scalars capped;                                   // non-default scalars: the cap bites, eps shows
   capped.scaling = 1.0f;
   capped.softcap = 5.0f;
@@ -95,12 +87,12 @@ std::vector<SmallCase> SmallCases() {
       {"Group3_B3_S33", small, 3, 33, DefaultScalarsFor(16), {}, 0},
       {"Group3_B2_S16_SamePositions", small, 2, 16, DefaultScalarsFor(16), same_positions, 0},
       {"Group3_B1_S541", small, 1, 541, DefaultScalarsFor(16), {}, 0},
-      {"Group1_B2_S9", Config(32, 4, 4, 8), 2, 9, DefaultScalarsFor(8), {}, 0},
-      {"Group4_B2_S10", Config(48, 8, 2, 12), 2, 10, DefaultScalarsFor(12), {}, 0},
-      {"Group6_OneKvHead_B1_S5", Config(64, 6, 1, 16), 1, 5, DefaultScalarsFor(16), {}, 0},
-      {"HiddenNotQOut_B2_S6", Config(40, 4, 2, 16), 2, 6, DefaultScalarsFor(16), {}, 0},
+      {"Group1_B2_S9", LayerConfig{32, 4, 4, 8}, 2, 9, DefaultScalarsFor(8), {}, 0},
+      {"Group4_B2_S10", LayerConfig{48, 8, 2, 12}, 2, 10, DefaultScalarsFor(12), {}, 0},
+      {"Group6_OneKvHead_B1_S5", LayerConfig{64, 6, 1, 16}, 1, 5, DefaultScalarsFor(16), {}, 0},
+      {"HiddenNotQOut_B2_S6", LayerConfig{40, 4, 2, 16}, 2, 6, DefaultScalarsFor(16), {}, 0},
       {"SoftcapBites_B2_S13", small, 2, 13, capped, big_norm_weights, 5.0},
-      {"SoftcapBites_Group4_B3_S8", Config(48, 8, 2, 12), 3, 8, capped, big_norm_weights, 5.0},
+      {"SoftcapBites_Group4_B3_S8", LayerConfig{48, 8, 2, 12}, 3, 8, capped, big_norm_weights, 5.0},
       {"Group3_B4_S1", small, 4, 1, DefaultScalarsFor(16), {}, 0},
       {"PaddingTokenOfZeros_B2_S7", small, 2, 7, DefaultScalarsFor(16), padding_token, 0},
       {"LargeScores_B2_S9", small, 2, 9, sharp, {}, 300.0},
@@ -109,7 +101,7 @@ std::vector<SmallCase> SmallCases() {
       {"SlidingWindow1_B2_S6", small, 2, 6, window1, {}, 0},
       {"SlidingWindow5Capped_B3_S17", small, 3, 17, capped_window, big_norm_weights, 5.0},
       {"SlidingWindowWiderThanSequence_B2_S9", small, 2, 9, wide_window, {}, 0},
-      {"HeadDim256_Window3_B2_S7", Config(64, 2, 1, 256), 2, 7, head_dim_256, {}, 0},
+      {"HeadDim256_Window3_B2_S7", LayerConfig{64, 2, 1, 256}, 2, 7, head_dim_256, {}, 0},
   };
 }
 
@@ -167,7 +159,7 @@ INSTANTIATE_TEST_SUITE_P(CpuBackend, Gemma4BTest,
 // cos/sin differ per sequence: the backend must use each sequence's own tables. The check is not
 // vacuous: the reference with sequence 0's tables broadcast over the batch is detectably different.
 TEST(CpuBackendRope, UsesEachSequencesOwnCosSin) {
-  const LayerConfig config = Config(64, 6, 2, 16);
+  const LayerConfig config = LayerConfig{64, 6, 2, 16};
   const int batch = 3, seq_len = 12;
   const Problem problem = MakeProblem(config, batch, seq_len, DefaultScalarsFor(16), 82);
   Gradients<float> got = MakeOutputBuffers(config, batch, seq_len, kNaN);
@@ -191,7 +183,7 @@ double Ulp(double x) { return std::ldexp(std::fabs(x), -23); }
 // accumulate: the six weight gradients are G + fresh result (up to the rounding of the additions,
 // a few fp32 ulps of |G| + |fresh|), and grad_hidden_states is overwritten (here: it held NaN).
 TEST(CpuBackendAccumulate, AddsToWeightGradientsAndOverwritesGradHiddenStates) {
-  const LayerConfig config = Config(64, 6, 2, 16);
+  const LayerConfig config = LayerConfig{64, 6, 2, 16};
   const int batch = 2, seq_len = 11;
   const Problem problem = MakeProblem(config, batch, seq_len, DefaultScalarsFor(16), 77);
   Gradients<float> fresh = MakeOutputBuffers(config, batch, seq_len, kNaN);
@@ -242,7 +234,7 @@ TEST(CpuBackendAccumulate, AddsToWeightGradientsAndOverwritesGradHiddenStates) {
 
 // Without accumulate, the weight gradients are overwritten too (the buffers held NaN and 1e30).
 TEST(CpuBackendAccumulate, WithoutAccumulateEveryOutputIsOverwritten) {
-  const LayerConfig config = Config(64, 6, 2, 16);
+  const LayerConfig config = LayerConfig{64, 6, 2, 16};
   const Problem problem = MakeProblem(config, 1, 9, DefaultScalarsFor(16), 78);
   Gradients<float> from_nan = MakeOutputBuffers(config, 1, 9, kNaN);
   Gradients<float> from_big = MakeOutputBuffers(config, 1, 9, 1e30f);
@@ -258,7 +250,7 @@ TEST(CpuBackendAccumulate, WithoutAccumulateEveryOutputIsOverwritten) {
 // A sliding window changes the result only where a query has keys beyond it: a window at least as
 // long as the sequence is bit for bit full causal attention; a shorter one differs from it.
 TEST(CpuBackendSlidingWindow, MattersOnlyBeyondTheWindow) {
-  const LayerConfig config = Config(64, 6, 2, 16);
+  const LayerConfig config = LayerConfig{64, 6, 2, 16};
   Scalars full = DefaultScalarsFor(16);
   full.softcap = 0.0f;
   const Problem causal = MakeProblem(config, 2, 11, full, 91);
@@ -280,7 +272,7 @@ TEST(CpuBackendSlidingWindow, MattersOnlyBeyondTheWindow) {
 
 // A negative window is an invalid argument; softcap 0 (no capping) is valid.
 TEST(CpuBackendSlidingWindow, NegativeWindowIsRefused) {
-  const LayerConfig config = Config(64, 6, 2, 16);
+  const LayerConfig config = LayerConfig{64, 6, 2, 16};
   Problem problem = MakeProblem(config, 1, 4, DefaultScalarsFor(16), 92);
   problem.scalars.softcap = 0.0f;
   Gradients<float> out = MakeOutputBuffers(config, 1, 4, 0.0f);
@@ -290,7 +282,7 @@ TEST(CpuBackendSlidingWindow, NegativeWindowIsRefused) {
 }
 
 TEST(CpuBackendThreads, ResultIsIndependentOfThreadCount) {
-  const LayerConfig config = Config(64, 6, 2, 16);
+  const LayerConfig config = LayerConfig{64, 6, 2, 16};
   const int batch = 3, seq_len = 150;  // more than one 64-token chunk per sequence
   const Problem problem = MakeProblem(config, batch, seq_len, DefaultScalarsFor(16), 79);
   Gradients<float> one = MakeOutputBuffers(config, batch, seq_len, kNaN);
@@ -308,7 +300,7 @@ TEST(CpuBackendThreads, ResultIsIndependentOfThreadCount) {
 
 // SPEC section 1: inputs are never written.
 TEST(CpuBackendInputs, AreNotWritten) {
-  const LayerConfig config = Config(64, 6, 2, 16);
+  const LayerConfig config = LayerConfig{64, 6, 2, 16};
   const Problem problem = MakeProblem(config, 2, 5, DefaultScalarsFor(16), 80);
   const Problem copy = problem;
   Gradients<float> out = MakeOutputBuffers(config, 2, 5, 0.0f);
@@ -325,7 +317,7 @@ TEST(CpuBackendInputs, AreNotWritten) {
 // Invalid configurations, shapes, scalars and pointers through the C++ API: INVALID_ARGUMENT and
 // the outputs untouched.
 TEST(CpuBackendArguments, InvalidArgumentsAreRejected) {
-  const LayerConfig good = Config(64, 6, 2, 16);
+  const LayerConfig good = LayerConfig{64, 6, 2, 16};
   const Problem problem = MakeProblem(good, 1, 4, DefaultScalarsFor(16), 81);
   Gradients<float> out = MakeOutputBuffers(good, 1, 4, 7.0f);
   const attngrad::BackwardInputs in = problem.Inputs();
@@ -333,10 +325,10 @@ TEST(CpuBackendArguments, InvalidArgumentsAreRejected) {
   const Scalars scalars = problem.scalars;
 
   const std::vector<LayerConfig> bad_configs = {
-      Config(0, 6, 2, 16),  Config(64, 0, 2, 16), Config(64, 6, 0, 16), Config(64, 6, 2, 0),
-      Config(64, 6, 4, 16),  // heads not a multiple of kv heads
-      Config(64, 6, 2, 15),  // odd head_dim
-      Config(-64, 6, 2, 16), Config(64, -6, -2, 16)};
+      LayerConfig{0, 6, 2, 16},  LayerConfig{64, 0, 2, 16}, LayerConfig{64, 6, 0, 16}, LayerConfig{64, 6, 2, 0},
+      LayerConfig{64, 6, 4, 16},  // heads not a multiple of kv heads
+      LayerConfig{64, 6, 2, 15},  // odd head_dim
+      LayerConfig{-64, 6, 2, 16}, LayerConfig{64, -6, -2, 16}};
   for (const LayerConfig& c : bad_configs) {
     EXPECT_FALSE(c.IsValid());
     EXPECT_EQ(attngrad::BackwardHost(c, 1, 4, scalars, false, in, outs), ATTNGRAD_INVALID_ARGUMENT)

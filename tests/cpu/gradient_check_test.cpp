@@ -66,14 +66,6 @@ struct FdCase {
   double norm_weight_std;
 };
 
-LayerConfig Config(int hidden, int heads, int kv_heads, int head_dim) {
-  LayerConfig c;
-  c.hidden_size = hidden;
-  c.num_heads = heads;
-  c.num_kv_heads = kv_heads;
-  c.head_dim = head_dim;
-  return c;
-}
 
 Scalars MakeScalars(float scaling, float softcap, float eps) {
   Scalars s;
@@ -129,12 +121,12 @@ INSTANTIATE_TEST_SUITE_P(
     Tiny, GradientCheckTest,
     ::testing::Values(
         // Group 2, the soft-cap biting, a large eps and large norm weights.
-        FdCase{"Group2_Capped", Config(12, 4, 2, 6), 2, 4, MakeScalars(0.9f, 2.0f, 1e-2f), 0.3},
+        FdCase{"Group2_Capped", LayerConfig{12, 4, 2, 6}, 2, 4, MakeScalars(0.9f, 2.0f, 1e-2f), 0.3},
         // Group 3 like the 4B model, benchmark-like scalars.
-        FdCase{"Group3_Benchmark", Config(16, 3, 1, 8), 1, 5, MakeScalars(0.35355339f, 50.0f, 1e-6f),
+        FdCase{"Group3_Benchmark", LayerConfig{16, 3, 1, 8}, 1, 5, MakeScalars(0.35355339f, 50.0f, 1e-6f),
                0.02},
         // Group 1.
-        FdCase{"Group1", Config(8, 2, 2, 4), 2, 3, MakeScalars(0.5f, 10.0f, 1e-5f), 0.1}),
+        FdCase{"Group1", LayerConfig{8, 2, 2, 4}, 2, 3, MakeScalars(0.5f, 10.0f, 1e-5f), 0.1}),
     [](const ::testing::TestParamInfo<FdCase>& info) { return info.param.name; });
 
 }  // namespace
