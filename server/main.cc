@@ -26,8 +26,9 @@
 #include "server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address (host:port)");
-ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
-          "Prometheus /metrics listen address (host:port); empty = no metrics endpoint");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "Prometheus /metrics listen address (host:port; plaintext HTTP without authentication: "
+          "loopback by default, a private interface otherwise); empty = no metrics endpoint");
 ABSL_FLAG(std::string, devices, "",
           "Devices to serve on: empty = every GPU (the CPU when there is none), \"cpu\" = the CPU "
           "backend, or CUDA device indices like \"0,1\"");
@@ -41,6 +42,27 @@ ABSL_FLAG(int64_t, max_batch_tokens, 65536,
 ABSL_FLAG(int64_t, max_message_bytes, 1073741824, "Largest gRPC message, received or sent");
 ABSL_FLAG(int, max_concurrent_streams, 64,
           "Backward streams open at once (server-wide) and HTTP/2 streams per connection");
+ABSL_FLAG(int, max_streams_per_client, 16,
+          "Backward streams one client (one token, or one attngrad-client-id when authentication "
+          "is off) may have open at once");
+ABSL_FLAG(int, stream_idle_timeout_seconds, 300,
+          "A Backward stream that reads no request and writes no answer for this long, with no "
+          "batch computing, is ended (DEADLINE_EXCEEDED); 0 = never");
+ABSL_FLAG(int, max_clients_with_sums, 4,
+          "Clients whose accumulation windows may hold ACCUMULATE sums at once (each holds one "
+          "set of fp32 weight-gradient accumulators per device, allocated when first used)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of the gRPC port (TLS); empty = plaintext. Reloaded when the "
+          "file changes");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: mutual TLS, every client must present a certificate signed by it");
+ABSL_FLAG(int, tls_reload_interval_seconds, 10,
+          "How often the TLS files are checked for changes (a change is picked up without a "
+          "restart)");
+ABSL_FLAG(std::string, tokens_file, "",
+          "File of bearer tokens, one \"token role [client_id]\" per line (role trainer or admin); "
+          "empty = authentication OFF (any client may do anything)");
 ABSL_FLAG(int, queue_depth, 4,
           "Batches one Backward stream may have in the server at once; also each GPU's pipeline "
           "depth (at least 3)");
@@ -107,7 +129,9 @@ int ReadStopPipe(long long timeout_ms) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attngrad-server: gradients of a Gemma-3 attention layer over gRPC.\n"
-      "  attngrad-server --listen=0.0.0.0:50051 --metrics_listen=0.0.0.0:9464 --devices=cpu");
+      "  attngrad-server --listen=0.0.0.0:50051 --metrics_listen=127.0.0.1:9464 --devices=cpu \\\n"
+      "      --tls_cert=server.pem --tls_key=server.key [--tls_client_ca=clients-ca.pem] \\\n"
+      "      --tokens_file=tokens.txt");
   // --help and --helpshort list the flags defined in this file (absl's default looks for a file
   // named after the program, attngrad-server.cc, and found none: "No flags matched").
   absl::FlagsUsageConfig usage_config;
@@ -139,6 +163,9 @@ int main(int argc, char** argv) {
   action.sa_flags = SA_RESTART;
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
+  // SIGHUP (a closed terminal, or an operator expecting a reload) does not end the server: the TLS
+  // files are reloaded when they change, without a signal.
+  signal(SIGHUP, SIG_IGN);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   attngrad::server::ServerOptions options;
@@ -152,6 +179,14 @@ int main(int argc, char** argv) {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   options.queue_depth = absl::GetFlag(FLAGS_queue_depth);
+  options.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
+  options.stream_idle_timeout_seconds = absl::GetFlag(FLAGS_stream_idle_timeout_seconds);
+  options.max_clients_with_sums = absl::GetFlag(FLAGS_max_clients_with_sums);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  options.tls_reload_interval_seconds = absl::GetFlag(FLAGS_tls_reload_interval_seconds);
+  options.tokens_file = absl::GetFlag(FLAGS_tokens_file);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   options.nccl = absl::GetFlag(FLAGS_nccl);
   const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
@@ -168,6 +203,9 @@ int main(int argc, char** argv) {
   }
   // The "serving" line, which tools and tests wait for, comes last.
   std::cerr << "attngrad-server: " << (*server)->gradient_sum() << std::endl;
+  for (const std::string& line : (*server)->security_summary()) {
+    std::cerr << "attngrad-server: " << line << std::endl;
+  }
   std::cerr << "attngrad-server: serving on port " << (*server)->port()
             << ((*server)->metrics_port() != 0
                     ? absl::StrCat(", metrics on port ", (*server)->metrics_port())

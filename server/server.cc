@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -17,7 +18,9 @@
 #include "devices/cpu_worker.h"
 #include "devices/gpu_worker.h"
 #include "scheduling/gradient_core.h"
+#include "rpc/auth.h"
 #include "rpc/gradient_service.h"
+#include "rpc/tls.h"
 #include "metrics/metrics.h"
 #include "metrics/metrics_http_server.h"
 #include "weights/safetensors.h"
@@ -73,6 +76,27 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
   if (options.max_concurrent_streams < 1) {
     return absl::InvalidArgumentError("--max_concurrent_streams must be >= 1");
   }
+  if (options.max_streams_per_client < 1) {
+    return absl::InvalidArgumentError("--max_streams_per_client must be >= 1");
+  }
+  if (options.stream_idle_timeout_seconds < 0) {
+    return absl::InvalidArgumentError("--stream_idle_timeout_seconds must be >= 0 (0 = never)");
+  }
+  if (options.max_clients_with_sums < 1) {
+    return absl::InvalidArgumentError("--max_clients_with_sums must be >= 1");
+  }
+  TlsFiles tls_files;
+  tls_files.certificate = options.tls_cert;
+  tls_files.private_key = options.tls_key;
+  tls_files.client_ca = options.tls_client_ca;
+  tls_files.reload_interval_seconds = options.tls_reload_interval_seconds;
+  std::string transport;
+  ATTNGRAD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                            MakeServerCredentials(tls_files, &transport));
+  Authenticator authenticator = Authenticator::Open();
+  if (!options.tokens_file.empty()) {
+    ATTNGRAD_ASSIGN_OR_RETURN(authenticator, Authenticator::FromFile(options.tokens_file));
+  }
   if (options.queue_depth < 1) return absl::InvalidArgumentError("--queue_depth must be >= 1");
   if (options.cpu_threads < 0) return absl::InvalidArgumentError("--cpu_threads must be >= 0");
   NcclMode nccl_mode;
@@ -126,15 +150,33 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
   }
   server->metrics_->SetGradientSumPath(server->uses_nccl_ ? "nccl" : "host", server->nccl_version_);
   server->core_ = std::make_unique<GradientCore>(shared_weights, std::move(workers),
-                                                 server->metrics_.get());
+                                                 server->metrics_.get(),
+                                                 options.max_clients_with_sums);
 
   ServiceLimits limits;
   limits.batch.max_batch_tokens = options.max_batch_tokens;
   limits.batch.max_message_bytes = options.max_message_bytes;
-  limits.max_concurrent_streams = options.max_concurrent_streams;
+  limits.streams.max_streams = options.max_concurrent_streams;
+  limits.streams.max_streams_per_client = options.max_streams_per_client;
+  limits.streams.idle_timeout = std::chrono::seconds(options.stream_idle_timeout_seconds);
   limits.stream_window = options.queue_depth;
+  server->security_summary_.push_back(transport);
+  if (authenticator.enabled()) {
+    server->security_summary_.push_back(absl::StrCat(
+        "authentication: bearer tokens from ", options.tokens_file, " (", authenticator.token_count(),
+        " tokens; roles trainer and admin)",
+        options.tls_cert.empty() ? "; WARNING: without --tls_cert the tokens cross the network "
+                                   "in plaintext"
+                                 : ""));
+  } else {
+    server->security_summary_.push_back(
+        "WARNING: authentication is OFF (no --tokens_file): any client that reaches the gRPC port "
+        "may replace the weights, zero or fetch any client's sums (clients name themselves with "
+        "the attngrad-client-id metadata)");
+  }
   server->service_ = std::make_unique<GradientService>(server->core_.get(), server->metrics_.get(),
-                                                       limits, ATTNGRAD_VERSION);
+                                                       limits, std::move(authenticator),
+                                                       ATTNGRAD_VERSION);
 
   // Metrics.
   if (!options.metrics_listen.empty()) {
@@ -142,13 +184,19 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
         server->metrics_http_,
         MetricsHttpServer::Start(options.metrics_listen, server->metrics_->registry()));
     server->metrics_port_ = server->metrics_http_->port();
+    server->security_summary_.push_back(absl::StrCat(
+        "/metrics: plaintext HTTP, no authentication, on ", options.metrics_listen,
+        absl::StartsWith(options.metrics_listen, "127.") ||
+                absl::StartsWith(options.metrics_listen, "localhost:")
+            ? " (loopback only)"
+            : " (keep it on a private network)"));
   }
 
   // gRPC.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(options.listen, credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
@@ -159,6 +207,11 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", options.listen));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
+  server->security_summary_.push_back(absl::StrCat(
+      "gRPC listens on ", options.listen,
+      absl::StartsWith(options.listen, "0.0.0.0:") || absl::StartsWith(options.listen, "[::]:")
+          ? " (every interface)"
+          : ""));
   server->instance_id_ = server->core_->instance_id();
   return server;
 }

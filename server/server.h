@@ -43,6 +43,9 @@ class GradientServer {
   bool uses_nccl() const { return uses_nccl_; }
   const std::string& nccl_version() const { return nccl_version_; }  // "2.28.9"; empty without
   const std::string& gradient_sum() const { return gradient_sum_; }
+  // Lines for the start-up log: the transport (plaintext, TLS, mutual TLS), authentication (on
+  // with N tokens, or OFF said loudly) and the interfaces gRPC and /metrics listen on.
+  const std::vector<std::string>& security_summary() const { return security_summary_; }
 
   // Stops accepting RPCs, marks health NOT_SERVING, lets running RPCs (and their batches) finish
   // for up to `grace`, then cancels the rest, drains the workers and stops. Idempotent.
@@ -62,6 +65,7 @@ class GradientServer {
   bool uses_nccl_ = false;
   std::string nccl_version_;
   std::string gradient_sum_;
+  std::vector<std::string> security_summary_;
   bool stopped_ = false;
 };
 

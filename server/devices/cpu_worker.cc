@@ -15,7 +15,6 @@ CpuWorker::CpuWorker(std::shared_ptr<const LayerWeights> weights, int num_thread
 CpuWorker::~CpuWorker() { StopAndJoin(); }
 
 absl::Status CpuWorker::Initialize() {
-  accumulators_ = ZeroWeights<std::vector<float>>(weights_->config);
   scratch_ = ZeroWeights<std::vector<float>>(weights_->config);
   const long pages = sysconf(_SC_PHYS_PAGES);
   const long page_size = sysconf(_SC_PAGESIZE);
@@ -23,6 +22,16 @@ absl::Status CpuWorker::Initialize() {
   metrics()->DeviceMemoryTotal(device()).Set(static_cast<double>(memory_total_bytes_));
   metrics()->DeviceMemoryUsed(device()).Set(0);
   return absl::OkStatus();
+}
+
+CpuWorker::AccumulatorSet& CpuWorker::AccumulatorSetAt(int index) {
+  const std::size_t position = static_cast<std::size_t>(std::max(0, index));
+  if (accumulator_sets_.size() <= position) accumulator_sets_.resize(position + 1);
+  AccumulatorSet& set = accumulator_sets_[position];
+  if (set.gradients[Weight::kQProj].empty()) {
+    set.gradients = ZeroWeights<std::vector<float>>(weights_->config);
+  }
+  return set;
 }
 
 DeviceDescription CpuWorker::Describe() const {
@@ -51,11 +60,13 @@ void CpuWorker::Compute(BatchJob& job) {
   const LayerConfig& config = weights_->config;
   job.grad_hidden_states.assign(job.hidden_states.size(), 0.f);
   LayerTensors* gradients = &scratch_;
+  AccumulatorSet* accumulator_set = nullptr;
   if (job.return_weight_gradients) {
     job.weight_gradients = ZeroWeights<std::vector<float>>(config);
     gradients = &job.weight_gradients;
   } else if (job.accumulate) {
-    gradients = &accumulators_;
+    accumulator_set = &AccumulatorSetAt(job.accumulator_set);
+    gradients = &accumulator_set->gradients;
   }
   BackwardInputs in;
   in.weights = DataOf(weights_->values);
@@ -73,8 +84,8 @@ void CpuWorker::Compute(BatchJob& job) {
       BackwardHost(config, job.batch, job.seq_len, job.scalars, add, in, out, num_threads_),
       "BackwardHost");
   if (job.status.ok() && add) {
-    ++accumulated_batches_;
-    accumulated_tokens_ += job.tokens();
+    ++accumulator_set->batches;
+    accumulator_set->tokens += job.tokens();
   }
   job.stages.compute = SecondsSince(start);
   // "Device memory used" of the CPU backend: this process's resident set.
@@ -92,13 +103,16 @@ void CpuWorker::Compute(BatchJob& job) {
 void CpuWorker::Control(WorkerControl& control) {
   if (control.new_weights != nullptr) weights_ = control.new_weights;
   AccumulatorSnapshot snapshot;
-  snapshot.batches = accumulated_batches_;
-  snapshot.tokens = accumulated_tokens_;
-  if (control.read_accumulators) snapshot.gradients = accumulators_;
-  if (control.zero_accumulators) {
-    for (std::vector<float>& tensor : accumulators_) std::fill(tensor.begin(), tensor.end(), 0.f);
-    accumulated_batches_ = 0;
-    accumulated_tokens_ = 0;
+  if (control.read_accumulators || control.zero_accumulators) {
+    AccumulatorSet& set = AccumulatorSetAt(control.accumulator_set);
+    snapshot.batches = set.batches;
+    snapshot.tokens = set.tokens;
+    if (control.read_accumulators) snapshot.gradients = set.gradients;
+    if (control.zero_accumulators) {
+      for (std::vector<float>& tensor : set.gradients) std::fill(tensor.begin(), tensor.end(), 0.f);
+      set.batches = 0;
+      set.tokens = 0;
+    }
   }
   FinishControl(control, absl::OkStatus(), std::move(snapshot));
 }

@@ -1,5 +1,6 @@
 // GPU device worker. Everything CUDA happens on the worker's own thread. Per device: fp32 resident
-// weights and weight-gradient accumulators, one device workspace, and three streams (all owned by
+// weights, weight-gradient accumulator sets (one per client window holding sums, allocated when a
+// batch or a control first addresses it), one device workspace, and three streams (all owned by
 // the types of attngrad/cuda_resources.h, released when the worker's thread drops them):
 // copy-in, compute and copy-out. Each batch in flight owns a slot (pinned host staging buffers,
 // device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
@@ -35,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attngrad/cuda_resources.h"
+#include "attngrad/wire/status_macros.h"
 #include "devices/nccl_library.h"
 
 namespace attngrad::server {
@@ -153,8 +155,6 @@ class GpuWorker final : public DeviceWorker {
     }
     const std::size_t weight_elements = layout_.total_elements;
     ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<float>::Create(weight_elements, &device_weights_));
-    ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<float>::Create(weight_elements, &device_accumulators_));
-    ATTNGRAD_CUDA_RETURN(cudaMemset(device_accumulators_.get(), 0, device_accumulators_.bytes()));
     // cudaMemset and pageable cudaMemcpy run on the legacy stream, which our non-blocking streams
     // do not wait for: finish them before any batch.
     ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
@@ -186,7 +186,7 @@ class GpuWorker final : public DeviceWorker {
     slots_.clear();
     workspace_ = cuda::DeviceBuffer<unsigned char>();
     device_weights_ = cuda::DeviceBuffer<float>();
-    device_accumulators_ = cuda::DeviceBuffer<float>();
+    accumulator_sets_.clear();
     reduce_buffer_ = cuda::DeviceBuffer<float>();
     for (cuda::Stream* stream :
          {&copy_in_stream_, &compute_stream_, &copy_out_stream_, &nccl_stream_}) {
@@ -326,7 +326,12 @@ class GpuWorker final : public DeviceWorker {
     in.sin = device_in + 2 * activations + rotary;
     in.weights = layout_.Pointers<const float>(device_weights_.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
-    float* gradients = add ? device_accumulators_.get() : slot.device_weight_gradients.get();
+    float* gradients = slot.device_weight_gradients.get();
+    if (add) {
+      AccumulatorSet* accumulator_set = nullptr;
+      ATTNGRAD_RETURN_IF_ERROR(AccumulatorSetAt(job.accumulator_set, &accumulator_set));
+      gradients = accumulator_set->buffer.get();
+    }
     BackwardOutputs out;
     out.grad_hidden_states = slot.device_grad_hidden.get();
     out.weight_gradients = layout_.Pointers(gradients);
@@ -383,8 +388,9 @@ class GpuWorker final : public DeviceWorker {
       job.stages.copy_out =
           ElapsedSeconds(slot.copy_out_start, slot.copy_out_done) + host_copy_out_seconds;
       if (job.accumulate && !job.return_weight_gradients) {
-        ++accumulated_batches_;
-        accumulated_tokens_ += job.tokens();
+        AccumulatorSet& accumulator_set = accumulator_sets_[static_cast<std::size_t>(job.accumulator_set)];
+        ++accumulator_set.batches;
+        accumulator_set.tokens += job.tokens();
       }
     }
     if (++retired_since_gauges_ >= 16) {
@@ -403,25 +409,62 @@ class GpuWorker final : public DeviceWorker {
       status = UploadWeights(*weights_);
     }
     AccumulatorSnapshot snapshot;
+    if (!control.read_accumulators && !control.zero_accumulators) {
+      FinishControl(control, std::move(status), std::move(snapshot));
+      return;
+    }
+    // Every rank allocates the set when a control first addresses it (zeros), so that the NCCL
+    // reduction finds a buffer on every rank.
+    AccumulatorSet* accumulator_set = nullptr;
+    if (status.ok()) status = AccumulatorSetAt(control.accumulator_set, &accumulator_set);
+    if (status.ok()) {
+      status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
+    }
     bool may_zero = true;
     if (control.read_accumulators && nccl_ != nullptr) {
-      status = ReduceAccumulators(std::move(status), &snapshot, &may_zero);
+      status = ReduceAccumulators(std::move(status), accumulator_set, &snapshot, &may_zero);
     } else if (status.ok() && control.read_accumulators) {
-      status = CopyAccumulators(device_accumulators_.get(), &snapshot);
+      status = CopyAccumulators(accumulator_set->buffer.get(), &snapshot);
     }
-    snapshot.batches = accumulated_batches_;
-    snapshot.tokens = accumulated_tokens_;
+    if (accumulator_set != nullptr) {
+      snapshot.batches = accumulator_set->batches;
+      snapshot.tokens = accumulator_set->tokens;
+    }
     if (status.ok() && may_zero && control.zero_accumulators) {
-      status = CudaStatus(cudaMemset(device_accumulators_.get(), 0, device_accumulators_.bytes()),
-                          "cudaMemset(accumulators)");
+      status = CudaStatus(
+          cudaMemset(accumulator_set->buffer.get(), 0, accumulator_set->buffer.bytes()),
+          "cudaMemset(accumulators)");
       // cudaMemset is asynchronous on the legacy stream: finish it before the next batch.
       if (status.ok()) status = CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       if (status.ok()) {
-        accumulated_batches_ = 0;
-        accumulated_tokens_ = 0;
+        accumulator_set->batches = 0;
+        accumulator_set->tokens = 0;
       }
     }
     FinishControl(control, std::move(status), std::move(snapshot));
+  }
+
+  // The accumulator set `index`, allocated and zeroed when first used (on the compute stream, so
+  // a batch queued on it after this sees zeros).
+  absl::Status AccumulatorSetAt(int index, AccumulatorSet** accumulator_set) {
+    const std::size_t position = static_cast<std::size_t>(std::max(0, index));
+    if (accumulator_sets_.size() <= position) accumulator_sets_.resize(position + 1);
+    AccumulatorSet& set = accumulator_sets_[position];
+    if (set.buffer.get() == nullptr) {
+      const cudaError_t allocated =
+          cuda::DeviceBuffer<float>::Create(layout_.total_elements, &set.buffer);
+      if (allocated != cudaSuccess) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "accumulators of another client window on ", device(), ": ",
+            cudaGetErrorString(allocated),
+            " (lower --max_clients_with_sums, or fetch-and-zero idle windows)"));
+      }
+      ATTNGRAD_CUDA_RETURN(
+          cudaMemsetAsync(set.buffer.get(), 0, set.buffer.bytes(), compute_stream_.get()));
+      UpdateMemoryGauges();
+    }
+    *accumulator_set = &set;
+    return absl::OkStatus();
   }
 
   // The six tensors of a device buffer (layout_) into snapshot->gradients.
@@ -440,14 +483,15 @@ class GpuWorker final : public DeviceWorker {
   // top of the file). `prior`: how this control went so far on this rank. The root's snapshot gets
   // the sum over all ranks; the others' none. *may_zero is false unless every rank succeeded.
   // A rank that succeeded while another failed returns OK (the failing rank reports the error).
-  absl::Status ReduceAccumulators(absl::Status prior, AccumulatorSnapshot* snapshot, bool* may_zero) {
+  absl::Status ReduceAccumulators(absl::Status prior, AccumulatorSet* accumulator_set,
+                                  AccumulatorSnapshot* snapshot, bool* may_zero) {
 #ifdef ATTNGRAD_HAVE_NCCL_HEADER
     *may_zero = false;
     if (!nccl_->AllAgree(prior.ok())) return prior;  // someone cannot take part: nobody starts
     const NcclLibrary& nccl = nccl_->library();
     // recvbuff is only used on the root ("may be NULL on all calls except for root", nccl.h).
     absl::Status status = nccl.Check(
-        nccl.reduce(device_accumulators_.get(), rank_ == 0 ? reduce_buffer_.get() : nullptr,
+        nccl.reduce(accumulator_set->buffer.get(), rank_ == 0 ? reduce_buffer_.get() : nullptr,
                     layout_.total_elements, ncclFloat32, ncclSum, /*root=*/0, nccl_->comm(rank_),
                     nccl_stream_.get()),
         absl::StrCat("ncclReduce of the accumulators (", device(), ")"));
@@ -462,6 +506,7 @@ class GpuWorker final : public DeviceWorker {
     return status;
 #else
     *may_zero = false;
+    (void)accumulator_set;
     (void)snapshot;
     return prior.ok() ? absl::InternalError("NCCL sum without nccl.h") : prior;
 #endif
@@ -478,13 +523,16 @@ class GpuWorker final : public DeviceWorker {
   std::atomic<long long> memory_used_{0};
   cuda::Stream copy_in_stream_, compute_stream_, copy_out_stream_;
   cuda::DeviceBuffer<float> device_weights_;       // layout_
-  cuda::DeviceBuffer<float> device_accumulators_;  // layout_
+  struct AccumulatorSet {
+    cuda::DeviceBuffer<float> buffer;  // layout_; null until first used
+    long long batches = 0;
+    long long tokens = 0;
+  };
+  std::vector<AccumulatorSet> accumulator_sets_;  // one per client window holding sums
   cuda::Stream nccl_stream_;                       // NCCL only
   cuda::DeviceBuffer<float> reduce_buffer_;        // NCCL root only: the summed accumulators
   cuda::DeviceBuffer<unsigned char> workspace_;    // shared by every batch on compute_stream_
   std::vector<Slot> slots_;
-  long long accumulated_batches_ = 0;
-  long long accumulated_tokens_ = 0;
   int retired_since_gauges_ = 0;
 };
 

@@ -28,26 +28,54 @@ void FillState(const WindowState& state, v1::AccumulationState* out) {
 // ---------------------------------------------------------------------------------------------
 // Backward: one batch per request; answers in order of completion. At most `stream_window`
 // batches of a stream are queued or waiting to be written; beyond that the stream stops reading
-// (gRPC flow control then pushes back on the client).
+// (gRPC flow control then pushes back on the client). The stream is counted in the service's
+// StreamRegistry (server-wide and per-client limits) and ended by it when idle. ACCUMULATE batches
+// go to the window of the stream's client.
 class BackwardReactor final
-    : public grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse> {
+    : public grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>,
+      public IdleStream {
  public:
-  BackwardReactor(GradientService* service, grpc::CallbackServerContext* context)
-      : service_(service), context_(context), start_(Clock::now()) {
-    const int open = ++service_->open_streams();
-    if (open > service_->limits().max_concurrent_streams) {
+  BackwardReactor(GradientService* service, grpc::CallbackServerContext* context,
+                  std::string client_id)
+      : service_(service),
+        context_(context),
+        client_id_(std::move(client_id)),
+        start_(Clock::now()),
+        last_progress_(start_) {
+    const absl::Status opened = service_->streams().Open(client_id_, this);
+    if (!opened.ok()) {
       finished_ = true;
       finish_code_ = grpc::StatusCode::RESOURCE_EXHAUSTED;
       service_->metrics().CountError("Backward", "RESOURCE_EXHAUSTED");
-      FinishStream(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("Backward: the server already has ",
-                                       service_->limits().max_concurrent_streams,
-                                       " streams open (--max_concurrent_streams); retry later or "
-                                       "send more batches per stream")));
+      FinishStream(ToGrpcStatus(opened));
       return;
     }
-    read_in_flight_ = true;
+    // Reactions may start once StartRead is called: the constructor's own state is set before.
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      read_in_flight_ = true;
+    }
     StartRead(&request_);
+  }
+
+  bool ExpireIfIdle(Clock::time_point now, Clock::duration timeout) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ || jobs_outstanding_ != 0 || now - last_progress_ < timeout) return false;
+    finished_ = true;
+    finish_code_ = grpc::StatusCode::DEADLINE_EXCEEDED;
+    cancel_on_expiry_ = write_in_flight_;  // an answer the client does not read
+    idle_seconds_ = std::chrono::duration<double>(timeout).count();
+    return true;
+  }
+
+  void FinishIdle() override {
+    if (cancel_on_expiry_) context_->TryCancel();
+    service_->metrics().CountError("Backward", "DEADLINE_EXCEEDED");
+    FinishStream(grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("Backward: the stream made no progress for ", idle_seconds_,
+                     " s (--stream_idle_timeout_seconds) and was closed; open a new stream when "
+                     "there are batches to send")));
   }
 
   void OnReadDone(bool ok) override {
@@ -56,6 +84,7 @@ class BackwardReactor final
     {
       std::lock_guard<std::mutex> lock(mutex_);
       read_in_flight_ = false;
+      last_progress_ = Clock::now();
       if (!ok) reads_done_ = true;
       actions = NextLocked();
     }
@@ -67,6 +96,7 @@ class BackwardReactor final
     {
       std::lock_guard<std::mutex> lock(mutex_);
       write_in_flight_ = false;
+      last_progress_ = Clock::now();
       if (ok) service_->metrics().AddSentBytes("Backward", static_cast<double>(PayloadBytes(*writes_.front())));
       writes_.pop_front();
       if (!ok) {  // the client is gone: drop what is left to write
@@ -98,7 +128,7 @@ class BackwardReactor final
   void FinishStream(const grpc::Status& status) {
     service_->metrics().ObserveRpc("Backward", StatusCodeName(static_cast<int>(finish_code_)),
                                    std::chrono::duration<double>(Clock::now() - start_).count());
-    --service_->open_streams();
+    service_->streams().Close(client_id_, this);
     Finish(status);
   }
 
@@ -196,10 +226,11 @@ class BackwardReactor final
     };
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      ++jobs_outstanding_;  // before queueing: the job may finish at once
+      if (finished_) return;  // closed as idle while this request arrived: not computed
+      ++jobs_outstanding_;    // before queueing: the job may finish at once
     }
     absl::StatusOr<Admission> admission =
-        service_->core().Admit(std::move(parsed->job), batch_id,
+        service_->core().Admit(std::move(parsed->job), client_id_, batch_id,
                                request_.expected_weights_version(),
                                request_.accumulation_window_id());
     if (!admission.ok()) {
@@ -209,10 +240,14 @@ class BackwardReactor final
 
   GradientService* const service_;
   grpc::CallbackServerContext* const context_;
+  const std::string client_id_;
   const Clock::time_point start_;
   v1::BackwardRequest request_;
 
   std::mutex mutex_;
+  Clock::time_point last_progress_;  // the last request read or answer written
+  bool cancel_on_expiry_ = false;
+  double idle_seconds_ = 0;
   std::deque<std::unique_ptr<v1::BackwardResponse>> writes_;  // front is being written
   int jobs_outstanding_ = 0;
   bool read_in_flight_ = false;
@@ -380,7 +415,8 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
 // FetchGradients: the summed accumulators, each weight in chunks of at most chunk_bytes.
 class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
  public:
-  FetchReactor(GradientService* service, const v1::FetchGradientsRequest& request)
+  FetchReactor(GradientService* service, const v1::FetchGradientsRequest& request,
+               const std::string& window_owner)
       : service_(service), start_(Clock::now()) {
     dtype_ = request.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.dtype();
     if (!wire::IsSupportedDType(dtype_)) {
@@ -400,7 +436,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
                                          service_->limits().batch.max_message_bytes - 65536);
     chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
     elements_per_chunk_ = static_cast<std::size_t>(chunk_bytes) / wire::DTypeSize(dtype_);
-    service_->core().Fetch(request.zero_after_fetch(), request.expected_window_id(),
+    service_->core().Fetch(window_owner, request.zero_after_fetch(), request.expected_window_id(),
                            [this](absl::StatusOr<FetchResult> result) {
                              if (!result.ok()) {
                                FinishWith(result.status());
@@ -474,6 +510,14 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   int finish_code_ = 0;
 };
 
+// A call refused before its reactor was made (authentication, authorization): finished at once.
+template <typename Reactor>
+class RefusedReactor final : public Reactor {
+ public:
+  explicit RefusedReactor(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
 }  // namespace
 
 std::string StatusCodeName(int code) {
@@ -486,13 +530,36 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
-                                 std::string server_version)
-    : core_(core), metrics_(metrics), limits_(limits), server_version_(std::move(server_version)) {}
+                                 Authenticator authenticator, std::string server_version)
+    : core_(core),
+      metrics_(metrics),
+      limits_(limits),
+      authenticator_(std::move(authenticator)),
+      server_version_(std::move(server_version)),
+      streams_(limits.streams) {}
+
+absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext& context,
+                                              Operation operation, const char* method) {
+  absl::StatusOr<Caller> caller = authenticator_.Authenticate(context);
+  absl::Status status = caller.status();
+  if (status.ok()) status = Authorize(*caller, operation, method);
+  if (status.ok()) return caller;
+  const std::string code = StatusCodeName(static_cast<int>(status.code()));
+  metrics_->CountError(method, code);
+  metrics_->ObserveRpc(method, code, 0.0);
+  return status;
+}
 
 grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerContext* context,
                                                         const v1::GetModelInfoRequest*,
                                                         v1::GetModelInfoResponse* response) {
   const auto start = Clock::now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kInfo, "GetModelInfo");
+  if (!caller.ok()) {
+    reactor->Finish(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
   const LayerConfig& config = core_->config();
   wire::LayerConfigToWire(config, response->mutable_config());
   response->set_weights_version(core_->weights_version());
@@ -519,13 +586,12 @@ grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerCont
   response->add_supported_wire_dtypes(v1::DTYPE_BFLOAT16);
   response->set_max_message_bytes(limits_.batch.max_message_bytes);
   response->set_max_batch_tokens(limits_.batch.max_batch_tokens);
-  response->set_accumulation_window_id(core_->window_id());
+  response->set_accumulation_window_id(core_->window_id(caller->client_id));
   response->set_server_version(server_version_);
   const Scalars defaults;
   response->set_default_scaling(1.0f / std::sqrt(static_cast<float>(config.head_dim)));
   response->set_default_softcap(defaults.softcap);
   response->set_default_eps(defaults.eps);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   metrics_->ObserveRpc("GetModelInfo", "OK",
                        std::chrono::duration<double>(Clock::now() - start).count());
@@ -534,17 +600,34 @@ grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerCont
 
 grpc::ServerReadReactor<v1::LoadWeightsRequest>* GradientService::LoadWeights(
     grpc::CallbackServerContext* context, v1::LoadWeightsResponse* response) {
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kLoadWeights, "LoadWeights");
+  if (!caller.ok()) {
+    return new RefusedReactor<grpc::ServerReadReactor<v1::LoadWeightsRequest>>(caller.status());
+  }
   return new LoadWeightsReactor(this, context, response);
 }
 
 grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* GradientService::Backward(
     grpc::CallbackServerContext* context) {
-  return new BackwardReactor(this, context);
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "Backward");
+  if (!caller.ok()) {
+    return new RefusedReactor<grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>>(
+        caller.status());
+  }
+  return new BackwardReactor(this, context, caller->client_id);
 }
 
 grpc::ServerWriteReactor<v1::GradientChunk>* GradientService::FetchGradients(
-    grpc::CallbackServerContext*, const v1::FetchGradientsRequest* request) {
-  return new FetchReactor(this, *request);
+    grpc::CallbackServerContext* context, const v1::FetchGradientsRequest* request) {
+  using Refused = RefusedReactor<grpc::ServerWriteReactor<v1::GradientChunk>>;
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kFetchOwn, "FetchGradients");
+  if (!caller.ok()) return new Refused(caller.status());
+  absl::StatusOr<std::string> owner = WindowOwner(*caller, *context, "FetchGradients");
+  if (!owner.ok()) {
+    metrics_->CountError("FetchGradients", StatusCodeName(static_cast<int>(owner.status().code())));
+    return new Refused(owner.status());
+  }
+  return new FetchReactor(this, *request, *owner);
 }
 
 grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerContext* context,
@@ -552,7 +635,14 @@ grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerCon
                                                          v1::ZeroGradientsResponse* response) {
   const auto start = Clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  core_->Zero(request->expected_window_id(),
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kZero, "ZeroGradients");
+  absl::StatusOr<std::string> owner =
+      caller.ok() ? WindowOwner(*caller, *context, "ZeroGradients") : caller.status();
+  if (!owner.ok()) {
+    reactor->Finish(ToGrpcStatus(owner.status()));
+    return reactor;
+  }
+  core_->Zero(*owner, request->expected_window_id(),
               [this, reactor, response, start](absl::StatusOr<ZeroResult> result) {
                 const std::string code = StatusCodeName(static_cast<int>(result.status().code()));
                 if (result.ok()) {

@@ -1,14 +1,17 @@
-// attngrad.v1.AttentionGradient on gRPC's callback API. The reactors only parse, check and queue
-// (to GradientCore); computation happens on the device workers, whose completions drive the writes.
+// attngrad.v1.AttentionGradient on gRPC's callback API. Every call is authenticated and authorized
+// first (rpc/auth.h: nothing is allocated for a refused call); the reactors only parse, check and
+// queue (to GradientCore, under the caller's client id); computation happens on the device
+// workers, whose completions drive the writes.
 #ifndef ATTNGRAD_SERVER_GRADIENT_SERVICE_H_
 #define ATTNGRAD_SERVER_GRADIENT_SERVICE_H_
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "attngrad/v1/attngrad.grpc.pb.h"
+#include "rpc/auth.h"
 #include "rpc/backward_request.h"
+#include "rpc/stream_registry.h"
 #include "scheduling/gradient_core.h"
 #include "metrics/metrics.h"
 
@@ -16,14 +19,14 @@ namespace attngrad::server {
 
 struct ServiceLimits {
   BatchLimits batch;
-  int max_concurrent_streams = 64;  // Backward streams open at once, server-wide
-  int stream_window = 4;            // batches one stream may have queued or unanswered
+  StreamLimits streams;    // Backward streams open at once, server-wide and per client; idle end
+  int stream_window = 4;   // batches one stream may have queued or unanswered
 };
 
 class GradientService final : public v1::AttentionGradient::CallbackService {
  public:
   GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
-                  std::string server_version);
+                  Authenticator authenticator, std::string server_version);
 
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
@@ -41,14 +44,21 @@ class GradientService final : public v1::AttentionGradient::CallbackService {
   GradientCore& core() { return *core_; }
   ServerMetrics& metrics() { return *metrics_; }
   const ServiceLimits& limits() const { return limits_; }
-  std::atomic<int>& open_streams() { return open_streams_; }
+  StreamRegistry& streams() { return streams_; }
+  const Authenticator& authenticator() const { return authenticator_; }
 
  private:
+  // The caller of `context` when it may perform `operation`; otherwise the error, counted in the
+  // metrics under `method`.
+  absl::StatusOr<Caller> Admit(const grpc::CallbackServerContext& context, Operation operation,
+                               const char* method);
+
   GradientCore* const core_;
   ServerMetrics* const metrics_;
   const ServiceLimits limits_;
+  const Authenticator authenticator_;
   const std::string server_version_;
-  std::atomic<int> open_streams_{0};
+  StreamRegistry streams_;
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.

@@ -1,5 +1,6 @@
 // A device worker: one thread that owns one device (a GPU or the CPU), its resident copy of the
-// weights and its weight-gradient accumulators, and computes the batches queued to it in order.
+// weights and its weight-gradient accumulator sets (one per client window holding sums, each
+// allocated when first used), and computes the batches queued to it in order.
 // gRPC threads only queue work here (Submit/SubmitControl never block on computation); a control
 // (new weights, read/zero the accumulators) runs after every batch queued before it, which is what
 // makes weight versions and accumulation windows exact.
@@ -32,8 +33,9 @@ struct BatchJob {
   int seq_len = 0;
   Scalars scalars;
   Precision precision = Precision::kAuto;
-  // Add this batch's weight gradients to the worker's accumulators.
+  // Add this batch's weight gradients to the worker's accumulator set `accumulator_set`.
   bool accumulate = false;
+  int accumulator_set = 0;  // one per client window holding sums (GradientCore assigns them)
   // Return this batch's weight gradients in `weight_gradients` (RETURN mode). When neither flag is
   // set (an ACCUMULATE duplicate), the weight gradients are computed into scratch and dropped.
   bool return_weight_gradients = false;
@@ -58,7 +60,7 @@ struct BatchJob {
   long long tokens() const { return static_cast<long long>(batch) * seq_len; }
 };
 
-// What a worker's accumulators hold: the sums and what they cover.
+// What one of a worker's accumulator sets holds: the sums and what they cover.
 struct AccumulatorSnapshot {
   LayerTensors gradients;  // empty arrays unless read_accumulators was asked for
   long long batches = 0;   // always reported
@@ -68,6 +70,7 @@ struct AccumulatorSnapshot {
 // A control operation, ordered with the batches.
 struct WorkerControl {
   std::shared_ptr<const LayerWeights> new_weights;  // set: replace the resident weights
+  int accumulator_set = 0;                          // which set reads and zeroes address
   bool read_accumulators = false;                   // copy them out into the snapshot
   bool zero_accumulators = false;                   // then zero them
   std::function<void(absl::Status, AccumulatorSnapshot)> on_done;  // on the worker's thread

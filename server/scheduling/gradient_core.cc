@@ -2,6 +2,7 @@
 // snapshots combined in worker order; with NCCL the root worker's snapshot already holds the sum).
 #include "scheduling/gradient_core.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -21,7 +22,7 @@ std::string RandomInstanceId() {
 
 GradientCore::GradientCore(std::shared_ptr<const LayerWeights> weights,
                            std::vector<std::unique_ptr<DeviceWorker>> workers,
-                           ServerMetrics* metrics)
+                           ServerMetrics* metrics, int max_clients_with_sums)
     : config_(weights->config),
       instance_id_(RandomInstanceId()),
       metrics_(metrics),
@@ -31,9 +32,12 @@ GradientCore::GradientCore(std::shared_ptr<const LayerWeights> weights,
   // window id of an earlier server instance is refused by a restarted server rather than matched.
   std::random_device device;
   next_window_id_ = ((static_cast<std::uint64_t>(device()) << 32 | device()) & ((1ull << 51) - 1)) + 1;
+  for (int set = std::max(1, max_clients_with_sums) - 1; set >= 0; --set) {
+    free_accumulator_sets_.push_back(set);  // set 0 is taken first
+  }
   std::lock_guard<std::mutex> lock(mutex_);
-  StartWindowLocked();
   metrics_->weights_version().Set(static_cast<double>(weights_version_));
+  UpdateGaugesLocked();
 }
 
 GradientCore::~GradientCore() {
@@ -45,9 +49,10 @@ std::uint64_t GradientCore::weights_version() const {
   return weights_version_;
 }
 
-std::uint64_t GradientCore::window_id() const {
+std::uint64_t GradientCore::window_id(const std::string& client_id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return window_->id;
+  absl::StatusOr<std::shared_ptr<Window>> window = WindowOfLocked(client_id);
+  return window.ok() ? (*window)->id : 0;
 }
 
 std::string GradientCore::weights_source() const {
@@ -61,15 +66,55 @@ std::vector<DeviceDescription> GradientCore::Devices() const {
   return devices;
 }
 
-void GradientCore::StartWindowLocked() {
+absl::StatusOr<std::shared_ptr<GradientCore::Window>> GradientCore::WindowOfLocked(
+    const std::string& client_id) {
+  auto found = windows_.find(client_id);
+  if (found != windows_.end()) return found->second;
+  if (windows_.size() >= kMaxClientWindows) {
+    // Forget one empty window (its client starts a new window id at its next call).
+    auto empty = std::find_if(windows_.begin(), windows_.end(), [](const auto& entry) {
+      return entry.second->accumulator_set < 0 && entry.second->batch_ids.empty();
+    });
+    if (empty == windows_.end()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "accumulation windows: ", windows_.size(), " clients hold windows with sums; fetch-and-"
+          "zero or zero some of them"));
+    }
+    windows_.erase(empty);
+  }
+  StartWindowLocked(client_id);
+  return windows_[client_id];
+}
+
+void GradientCore::StartWindowLocked(const std::string& client_id) {
+  std::shared_ptr<Window>& slot = windows_[client_id];
+  if (slot != nullptr && slot->accumulator_set >= 0) {
+    free_accumulator_sets_.push_back(slot->accumulator_set);
+  }
   auto window = std::make_shared<Window>();
   window->id = next_window_id_++;
-  window_ = std::move(window);
-  window_batches_ = 0;
-  window_tokens_ = 0;
-  metrics_->accumulation_window_id().Set(static_cast<double>(window_->id));
-  metrics_->accumulated_batches().Set(0);
-  metrics_->accumulated_tokens().Set(0);
+  slot = std::move(window);
+  metrics_->accumulation_window_id().Set(static_cast<double>(slot->id));
+  UpdateGaugesLocked();
+}
+
+WindowState GradientCore::StateOfLocked(const Window& window) const {
+  WindowState state;
+  state.server_instance_id = instance_id_;
+  state.window_id = window.id;
+  state.weights_version = window.batch_ids.empty() ? weights_version_ : window.weights_version;
+  return state;
+}
+
+void GradientCore::UpdateGaugesLocked() {
+  // Summed over the clients' windows.
+  long long batches = 0, tokens = 0;
+  for (const auto& [client_id, window] : windows_) {
+    batches += window->batches;
+    tokens += window->tokens;
+  }
+  metrics_->accumulated_batches().Set(static_cast<double>(batches));
+  metrics_->accumulated_tokens().Set(static_cast<double>(tokens));
 }
 
 DeviceWorker& GradientCore::LeastBusyWorker() {
@@ -86,6 +131,7 @@ DeviceWorker& GradientCore::LeastBusyWorker() {
 }
 
 absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
+                                              const std::string& client_id,
                                               std::uint64_t batch_id,
                                               std::uint64_t expected_weights_version,
                                               std::uint64_t expected_window_id) {
@@ -101,28 +147,40 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
   bool counts = false;  // a new batch of the window: it adds to the accumulators
   std::shared_ptr<Window> window;
   if (job->accumulate) {
-    if (expected_window_id != 0 && expected_window_id != window_->id) {
+    ATTNGRAD_ASSIGN_OR_RETURN(window, WindowOfLocked(client_id));
+    if (expected_window_id != 0 && expected_window_id != window->id) {
       return absl::FailedPreconditionError(absl::StrCat(
           "accumulation_window_id: the batch names window ", expected_window_id,
-          " but the current window is ", window_->id, " of server instance ", instance_id_,
+          " but the current window of client '", client_id, "' is ", window->id,
+          " of server instance ", instance_id_,
           " (the window was zeroed or fetched-and-zeroed, or the server restarted)"));
     }
-    if (window_->batch_ids.count(batch_id) != 0) {
+    if (window->batch_ids.count(batch_id) != 0) {
       admission.duplicate = true;
       job->accumulate = false;  // computed (the response is answered again), not added
     } else {
-      if (!window_->batch_ids.empty() && window_->weights_version != weights_version_) {
+      if (!window->batch_ids.empty() && window->weights_version != weights_version_) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "weights: accumulation window ", window_->id, " holds gradients of weights version ",
-            window_->weights_version, " but the weights are now version ", weights_version_,
+            "weights: accumulation window ", window->id, " holds gradients of weights version ",
+            window->weights_version, " but the weights are now version ", weights_version_,
             "; fetch-and-zero or zero the window before accumulating against the new weights"));
       }
-      window_->weights_version = weights_version_;
-      window_->batch_ids.insert(batch_id);
+      if (window->accumulator_set < 0) {
+        if (free_accumulator_sets_.empty()) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "ACCUMULATE: every accumulator set is held by another client's window "
+              "(--max_clients_with_sums); retry after some client fetches-and-zeroes or zeroes "
+              "its window, or send RETURN batches"));
+        }
+        window->accumulator_set = free_accumulator_sets_.back();
+        free_accumulator_sets_.pop_back();
+      }
+      window->weights_version = weights_version_;
+      window->batch_ids.insert(batch_id);
       counts = true;
     }
-    admission.window_id = window_->id;
-    window = window_;
+    admission.window_id = window->id;
+    job->accumulator_set = window->accumulator_set < 0 ? 0 : window->accumulator_set;
   }
   if (counts) {
     auto on_done = std::move(job->on_done);
@@ -131,11 +189,10 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
         std::lock_guard<std::mutex> lock(mutex_);
         if (!done->status.ok()) {
           window->batch_ids.erase(batch_id);  // not accumulated: a retry must count
-        } else if (window == window_) {
-          ++window_batches_;
-          window_tokens_ += done->tokens();
-          metrics_->accumulated_batches().Set(static_cast<double>(window_batches_));
-          metrics_->accumulated_tokens().Set(static_cast<double>(window_tokens_));
+        } else {
+          ++window->batches;
+          window->tokens += done->tokens();
+          UpdateGaugesLocked();
         }
       }
       on_done(std::move(done));
@@ -164,12 +221,16 @@ absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(LayerWeights weights,
   }
   ++weights_version_;
   weights_ = shared;
-  for (auto& worker : workers_) worker->SubmitControl(WorkerControl{shared, false, false, nullptr});
+  for (auto& worker : workers_) {
+    WorkerControl control;
+    control.new_weights = shared;
+    worker->SubmitControl(std::move(control));
+  }
   metrics_->weights_version().Set(static_cast<double>(weights_version_));
   return weights_version_;
 }
 
-void GradientCore::Collect(bool read, bool zero,
+void GradientCore::Collect(int accumulator_set, bool read, bool zero,
                            std::function<void(absl::Status, AccumulatorSnapshot)> done) {
   // The caller holds mutex_, which every path that queues work to the workers (Admit,
   // ReplaceWeights, Fetch, Zero) holds while it queues: every worker sees the controls in one
@@ -189,6 +250,7 @@ void GradientCore::Collect(bool read, bool zero,
   gather->done = std::move(done);
   for (std::size_t index = 0; index < workers_.size(); ++index) {
     WorkerControl control;
+    control.accumulator_set = accumulator_set;
     control.read_accumulators = read;
     control.zero_accumulators = zero;
     control.on_done = [gather, index](absl::Status status, AccumulatorSnapshot snapshot) {
@@ -227,24 +289,39 @@ void GradientCore::Collect(bool read, bool zero,
   }
 }
 
-void GradientCore::Fetch(bool zero_after_fetch, std::uint64_t expected_window_id,
+void GradientCore::Fetch(const std::string& client_id, bool zero_after_fetch,
+                         std::uint64_t expected_window_id,
                          std::function<void(absl::StatusOr<FetchResult>)> done) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (expected_window_id != 0 && expected_window_id != window_->id) {
-    const std::uint64_t current = window_->id;
+  absl::StatusOr<std::shared_ptr<Window>> found = WindowOfLocked(client_id);
+  if (!found.ok()) {
+    lock.unlock();
+    done(found.status());
+    return;
+  }
+  const std::shared_ptr<Window> window = *std::move(found);
+  if (expected_window_id != 0 && expected_window_id != window->id) {
+    const std::uint64_t current = window->id;
     lock.unlock();
     done(absl::FailedPreconditionError(absl::StrCat(
         "expected_window_id: the fetch names window ", expected_window_id,
-        " but the current window is ", current, " of server instance ", instance_id_)));
+        " but the current window of client '", client_id, "' is ", current,
+        " of server instance ", instance_id_)));
     return;
   }
-  WindowState state;
-  state.server_instance_id = instance_id_;
-  state.window_id = window_->id;
-  state.weights_version = window_->batch_ids.empty() ? weights_version_ : window_->weights_version;
-  if (zero_after_fetch) StartWindowLocked();
+  const WindowState state = StateOfLocked(*window);
+  const int accumulator_set = window->accumulator_set;
+  if (zero_after_fetch) StartWindowLocked(client_id);
+  if (accumulator_set < 0) {  // nothing accumulated: zeros, without asking the devices
+    lock.unlock();
+    FetchResult result;
+    result.state = state;
+    result.gradients = ZeroWeights<std::vector<float>>(config_);
+    done(std::move(result));
+    return;
+  }
   // Queued under the lock: every batch admitted to this window before is ahead of it on its worker.
-  Collect(/*read=*/true, zero_after_fetch,
+  Collect(accumulator_set, /*read=*/true, zero_after_fetch,
           [state, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
             if (!status.ok()) {
               done(std::move(status));
@@ -259,27 +336,36 @@ void GradientCore::Fetch(bool zero_after_fetch, std::uint64_t expected_window_id
           });
 }
 
-void GradientCore::Zero(std::uint64_t expected_window_id,
+void GradientCore::Zero(const std::string& client_id, std::uint64_t expected_window_id,
                         std::function<void(absl::StatusOr<ZeroResult>)> done) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (expected_window_id != 0 && expected_window_id != window_->id) {
-    const std::uint64_t current = window_->id;
+  absl::StatusOr<std::shared_ptr<Window>> found = WindowOfLocked(client_id);
+  if (!found.ok()) {
+    lock.unlock();
+    done(found.status());
+    return;
+  }
+  const std::shared_ptr<Window> window = *std::move(found);
+  if (expected_window_id != 0 && expected_window_id != window->id) {
+    const std::uint64_t current = window->id;
     lock.unlock();
     done(absl::FailedPreconditionError(absl::StrCat(
         "expected_window_id: the request names window ", expected_window_id,
-        " but the current window is ", current, " of server instance ", instance_id_)));
+        " but the current window of client '", client_id, "' is ", current,
+        " of server instance ", instance_id_)));
     return;
   }
   ZeroResult result;
-  result.previous.server_instance_id = instance_id_;
-  result.previous.window_id = window_->id;
-  result.previous.weights_version =
-      window_->batch_ids.empty() ? weights_version_ : window_->weights_version;
-  StartWindowLocked();
-  result.current.server_instance_id = instance_id_;
-  result.current.window_id = window_->id;
-  result.current.weights_version = weights_version_;
-  Collect(/*read=*/false, /*zero=*/true,
+  result.previous = StateOfLocked(*window);
+  const int accumulator_set = window->accumulator_set;
+  StartWindowLocked(client_id);
+  result.current = StateOfLocked(*windows_[client_id]);
+  if (accumulator_set < 0) {
+    lock.unlock();
+    done(std::move(result));
+    return;
+  }
+  Collect(accumulator_set, /*read=*/false, /*zero=*/true,
           [result, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
             if (!status.ok()) {
               done(std::move(status));

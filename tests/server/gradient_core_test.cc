@@ -66,7 +66,7 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
     auto done = std::make_shared<std::promise<absl::Status>>();
     finished.push_back(done->get_future());
     job->on_done = [done](std::unique_ptr<BatchJob> job) { done->set_value(job->status); };
-    ASSERT_TRUE(core.Admit(std::move(job), i, 0, 0).ok());
+    ASSERT_TRUE(core.Admit(std::move(job), "default", i, 0, 0).ok());
     const Gradients reference = Reference(*weights, batch);
     for (Weight w : kAllWeights) {
       for (std::size_t j = 0; j < expected[w].size(); ++j) {
@@ -80,7 +80,7 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
 
   auto fetch = [&core](bool zero) {
     std::promise<absl::StatusOr<FetchResult>> promise;
-    core.Fetch(zero, 0, [&promise](absl::StatusOr<FetchResult> result) {
+    core.Fetch("default", zero, 0, [&promise](absl::StatusOr<FetchResult> result) {
       promise.set_value(std::move(result));
     });
     return promise.get_future().get();
