@@ -126,6 +126,13 @@ class GpuWorker final : public DeviceWorker {
   }
 
  private:
+  // The weight-gradient sums of one client window on this device.
+  struct AccumulatorSet {
+    cuda::DeviceBuffer<float> buffer;  // layout_; null until first used
+    long long batches = 0;
+    long long tokens = 0;
+  };
+
   // One batch in flight and the buffers it uses (grown as batches need, never shrunk).
   struct Slot {
     std::unique_ptr<BatchJob> job;
@@ -388,7 +395,8 @@ class GpuWorker final : public DeviceWorker {
       job.stages.copy_out =
           ElapsedSeconds(slot.copy_out_start, slot.copy_out_done) + host_copy_out_seconds;
       if (job.accumulate && !job.return_weight_gradients) {
-        AccumulatorSet& accumulator_set = accumulator_sets_[static_cast<std::size_t>(job.accumulator_set)];
+        AccumulatorSet& accumulator_set =
+            accumulator_sets_[static_cast<std::size_t>(job.accumulator_set)];
         ++accumulator_set.batches;
         accumulator_set.tokens += job.tokens();
       }
@@ -523,11 +531,6 @@ class GpuWorker final : public DeviceWorker {
   std::atomic<long long> memory_used_{0};
   cuda::Stream copy_in_stream_, compute_stream_, copy_out_stream_;
   cuda::DeviceBuffer<float> device_weights_;       // layout_
-  struct AccumulatorSet {
-    cuda::DeviceBuffer<float> buffer;  // layout_; null until first used
-    long long batches = 0;
-    long long tokens = 0;
-  };
   std::vector<AccumulatorSet> accumulator_sets_;  // one per client window holding sums
   cuda::Stream nccl_stream_;                       // NCCL only
   cuda::DeviceBuffer<float> reduce_buffer_;        // NCCL root only: the summed accumulators
