@@ -262,9 +262,8 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
     grad_k = p.partials + (static_cast<long long>(item.head % p.group) * 2) * per_output;
     grad_v = grad_k + per_output;
   }
-  StoreAccumulatorRows(acc_dk, grad_k, token0, out_ld, kv_head * kHeadDim, key_a, seq_len,
-                       p.inv_ds_scale);
-  StoreAccumulatorRows(acc_dv, grad_v, token0, out_ld, kv_head * kHeadDim, key_a, seq_len, 1.f);
+  StoreAccumulatorRowPairs(acc_dk, grad_k, p.inv_ds_scale, acc_dv, grad_v, token0, out_ld,
+                           kv_head * kHeadDim, key_a, seq_len);
 }
 
 template <class Op, int kWarps>
@@ -283,19 +282,23 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
   Elem* v_tiles = tile.values;
 
   const int seq_len = p.seq_len;
-  const QueryBlock block = DecodeQueryBlock(p, kBM);
-  const WorkItem item = block.item;
-  const int q0 = block.q0;
-  const long long token0 = block.token0;
-  const HeadOperands<Op> operands = OperandsOf<Op>(p, token0, item.head, block.kv_head);
-  const Elem* k_base = operands.k;
-  const Elem* v_base = operands.v;
+  const int num_q_tiles = (seq_len + kBM - 1) / kBM;
+  const WorkItem item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
+  const int q0 = item.tile * kBM;
+  const int kv_head = item.head / p.group;
+  const long long token0 = static_cast<long long>(item.batch) * seq_len;
+
+  const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
+  const Elem* do_base =
+      static_cast<const Elem*>(p.grad_out) + token0 * p.ldo + item.head * kHeadDim;
+  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
 
   const int last_key = min(seq_len, q0 + kBM);
   const int num_kv_tiles = (last_key + kBN - 1) / kBN;
 
-  LoadTileAsync<Op, kBM, kThreads>(q_tile, operands.q, p.ldq, q0, seq_len);
-  LoadTileAsync<Op, kBM, kThreads>(do_tile, operands.grad_out, p.ldo, q0, seq_len);
+  LoadTileAsync<Op, kBM, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
+  LoadTileAsync<Op, kBM, kThreads>(do_tile, do_base, p.ldo, q0, seq_len);
   LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, 0, seq_len);
   LoadTileAsync<Op, kBN, kThreads>(v_tiles, v_base, p.ldkv, 0, seq_len);
   CpAsyncCommit();

@@ -345,6 +345,31 @@ __device__ __forceinline__ void StoreAccumulatorRows(const float (&acc)[16][4], 
   }
 }
 
+// Two tiles of the same rows in one pass, row by row (dK times `first_scale` and dV, unscaled, of
+// the dK/dV kernel): the first into `first_out`, the second into `second_out`, same layout.
+__device__ __forceinline__ void StoreAccumulatorRowPairs(const float (&first)[16][4],
+                                                         float* first_out, float first_scale,
+                                                         const float (&second)[16][4],
+                                                         float* second_out, long long token0,
+                                                         int ld, int column0, int row_a,
+                                                         int seq_len) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int half_rows = 0; half_rows < 2; ++half_rows) {
+    const int row = row_a + 8 * half_rows;
+    if (row >= seq_len) continue;
+    const long long offset = (token0 + row) * ld + column0 + 2 * t;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      *reinterpret_cast<float2*>(first_out + offset + n * 8) =
+          make_float2(first[n][2 * half_rows] * first_scale,
+                      first[n][2 * half_rows + 1] * first_scale);
+      *reinterpret_cast<float2*>(second_out + offset + n * 8) =
+          make_float2(second[n][2 * half_rows], second[n][2 * half_rows + 1]);
+    }
+  }
+}
+
 // The backward's per-row statistics of a warp's two rows (row_a, row_b = row_a + 8): the forward's
 // log-sum-exp in log2 units and Delta; rows past the sequence get lse = inf (P = 0) and Delta = 0.
 struct RowStatistics {
@@ -359,27 +384,6 @@ __device__ __forceinline__ RowStatistics LoadRowStatistics(const AttentionParams
   rows.delta_a = row_a < p.seq_len ? p.delta[stat0 + row_a] : 0.f;
   rows.delta_b = row_b < p.seq_len ? p.delta[stat0 + row_b] : 0.f;
   return rows;
-}
-
-// The operands of one (batch, query head) as typed pointers to its first row: q and dO of the
-// query head, k and v of its key-value head.
-template <class Op>
-struct HeadOperands {
-  const typename Op::Elem* q;
-  const typename Op::Elem* grad_out;
-  const typename Op::Elem* k;
-  const typename Op::Elem* v;
-};
-template <class Op>
-__device__ __forceinline__ HeadOperands<Op> OperandsOf(const AttentionParams& p, long long token0,
-                                                       int head, int kv_head) {
-  using Elem = typename Op::Elem;
-  HeadOperands<Op> operands;
-  operands.q = static_cast<const Elem*>(p.q) + token0 * p.ldq + head * kHeadDim;
-  operands.grad_out = static_cast<const Elem*>(p.grad_out) + token0 * p.ldo + head * kHeadDim;
-  operands.k = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
-  operands.v = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
-  return operands;
 }
 
 // ---- Warp tile products --------------------------------------------------------------------------
@@ -520,24 +524,6 @@ __device__ __forceinline__ WorkItem DecodeBlock(int num_tiles, int num_heads, in
   item.batch = rest / num_heads;
   item.tile = heavy_last ? num_tiles - 1 - rank : rank;
   return item;
-}
-
-// The block of a query-tiled kernel (the forward, the dQ half): its tile of kRows query rows, query
-// head and batch (heaviest tiles first), the key-value head it reads and its sequence's first token.
-struct QueryBlock {
-  WorkItem item;
-  int q0;       // first query row of the tile
-  int kv_head;
-  long long token0;
-};
-__device__ __forceinline__ QueryBlock DecodeQueryBlock(const AttentionParams& p, int rows) {
-  QueryBlock block;
-  const int num_q_tiles = (p.seq_len + rows - 1) / rows;
-  block.item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
-  block.q0 = block.item.tile * rows;
-  block.kv_head = block.item.head / p.group;
-  block.token0 = static_cast<long long>(block.item.batch) * p.seq_len;
-  return block;
 }
 
 // ---- Host-side argument checks shared by the forward and the backward ---------------------------

@@ -72,8 +72,8 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   const int kv_head = item.head / p.group;
   const long long token0 = static_cast<long long>(item.batch) * seq_len;
 
-  // Computed here rather than with OperandsOf/DecodeQueryBlock (attention_common.cuh): that form
-  // made ptxas spill 8 bytes in the fp16 instance, which must fit 168 registers (3 blocks per SM).
+  // Written out here (as in QueryGradientKernel): a shared helper for this prologue made ptxas
+  // spill 8 bytes in the fp16 instance, which must fit 168 registers (3 blocks per SM).
   const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
   const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
   const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
