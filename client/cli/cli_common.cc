@@ -12,9 +12,26 @@
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/safetensors.h"
 #include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "gRPC address of the attngrad server");
+ABSL_FLAG(std::string, tls_ca, "",
+          "TLS: PEM CA bundle the server's certificate is checked against (empty with "
+          "--tls=true: the system's roots)");
+ABSL_FLAG(bool, tls, false, "TLS to the server (implied by --tls_ca / --tls_cert)");
+ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: this client's PEM certificate");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: the PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "TLS: the name the server's certificate carries, when --target's host differs");
+ABSL_FLAG(std::string, token_file, "",
+          "file whose first line is the bearer token (servers with --tokens_file); a token is "
+          "never passed on the command line");
+ABSL_FLAG(std::string, client_id, "",
+          "servers without authentication: the client id that scopes windows, batch ids and "
+          "stream limits (default: the server's \"default\")");
+ABSL_FLAG(std::string, for_client, "",
+          "fetch / zero, admin only: the client whose window to address");
 ABSL_FLAG(double, deadline_seconds, 300, "deadline of each call (and of one-batch streams)");
 ABSL_FLAG(double, connect_timeout_seconds, 10, "how long to wait for the server to be reachable");
 ABSL_FLAG(int, retries, 4, "attempts of idempotent calls (info, health, fetch without zeroing)");
@@ -76,6 +93,18 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags() {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.max_in_flight = absl::GetFlag(FLAGS_in_flight);
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca);
+  const std::string certificate = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key = absl::GetFlag(FLAGS_tls_key);
+  if (absl::GetFlag(FLAGS_tls) || !ca.empty() || !certificate.empty() || !key.empty()) {
+    ATTNGRAD_ASSIGN_OR_RETURN(options.credentials, TlsCredentialsFromFiles(ca, certificate, key));
+    options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  }
+  if (!absl::GetFlag(FLAGS_token_file).empty()) {
+    ATTNGRAD_ASSIGN_OR_RETURN(options.token, ReadTokenFile(absl::GetFlag(FLAGS_token_file)));
+  }
+  options.client_id = absl::GetFlag(FLAGS_client_id);
+  options.for_client = absl::GetFlag(FLAGS_for_client);
   return Client::Connect(absl::GetFlag(FLAGS_target), options);
 }
 

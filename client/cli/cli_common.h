@@ -15,6 +15,14 @@
 
 // Connection.
 ABSL_DECLARE_FLAG(std::string, target);
+ABSL_DECLARE_FLAG(bool, tls);
+ABSL_DECLARE_FLAG(std::string, tls_ca);
+ABSL_DECLARE_FLAG(std::string, tls_cert);
+ABSL_DECLARE_FLAG(std::string, tls_key);
+ABSL_DECLARE_FLAG(std::string, tls_server_name);
+ABSL_DECLARE_FLAG(std::string, token_file);
+ABSL_DECLARE_FLAG(std::string, client_id);
+ABSL_DECLARE_FLAG(std::string, for_client);
 ABSL_DECLARE_FLAG(double, deadline_seconds);
 ABSL_DECLARE_FLAG(double, connect_timeout_seconds);
 ABSL_DECLARE_FLAG(int, retries);

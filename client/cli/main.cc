@@ -13,7 +13,9 @@ namespace {
 
 constexpr char kUsage[] = R"(attngrad-cli <subcommand> [--flags]
 
-Subcommands (all take --target=HOST:PORT, default 127.0.0.1:50051):
+Subcommands (all take --target=HOST:PORT, default 127.0.0.1:50051; TLS with --tls_ca=CA.pem,
+mutual TLS adding --tls_cert=CERT.pem --tls_key=KEY.pem, a bearer token with --token_file=PATH,
+a client id on servers without authentication with --client_id=NAME):
   info          the server's layer configuration, weights version and source, devices, limits
   health        grpc.health.v1 check (--service=NAME); exit 0 only when SERVING
   backward      send --count batches of --batch x --seq_len tokens (random from --seed, SPEC

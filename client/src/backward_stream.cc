@@ -64,7 +64,7 @@ class BackwardStream::Impl {
  public:
   Impl(std::shared_ptr<Client::Impl> client, absl::Duration deadline)
       : client_(std::move(client)), layer_config_(wire::LayerConfigFromWire(client_->cached_info().config())) {
-    SetDeadline(&context_, deadline);
+    PrepareContext(&context_, client_->options(), deadline);
   }
 
   ~Impl() {

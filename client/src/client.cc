@@ -4,9 +4,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include <grpcpp/create_channel.h>
@@ -14,11 +16,13 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "attngrad/client.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
+#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 #include "client_impl.h"
 
@@ -36,6 +40,54 @@ absl::Status FromGrpc(const grpc::Status& status, absl::string_view what) {
 void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
   if (timeout == absl::InfiniteDuration()) return;
   context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+void PrepareContext(grpc::ClientContext* context, const ClientOptions& options,
+                    absl::Duration timeout) {
+  SetDeadline(context, timeout);
+  if (!options.token.empty()) context->AddMetadata("authorization", "Bearer " + options.token);
+  if (!options.client_id.empty()) context->AddMetadata("attngrad-client-id", options.client_id);
+  if (!options.for_client.empty()) context->AddMetadata("attngrad-for-client", options.for_client);
+}
+
+namespace {
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path, absl::string_view what) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return absl::NotFoundError(absl::StrCat(what, ": cannot read ", path));
+  std::ostringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentialsFromFiles(
+    const std::string& ca_file, const std::string& certificate_file, const std::string& key_file) {
+  if (certificate_file.empty() != key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "TLS: a client certificate and its key go together (both or neither)");
+  }
+  grpc::SslCredentialsOptions tls;
+  if (!ca_file.empty()) {
+    ATTNGRAD_ASSIGN_OR_RETURN(tls.pem_root_certs, ReadWholeFile(ca_file, "TLS CA"));
+  }
+  if (!certificate_file.empty()) {
+    ATTNGRAD_ASSIGN_OR_RETURN(tls.pem_cert_chain,
+                              ReadWholeFile(certificate_file, "TLS client certificate"));
+    ATTNGRAD_ASSIGN_OR_RETURN(tls.pem_private_key, ReadWholeFile(key_file, "TLS client key"));
+  }
+  return grpc::SslCredentials(tls);
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(path, "token file"));
+  const absl::string_view first_line = absl::StripAsciiWhitespace(
+      absl::string_view(text).substr(0, text.find('\n')));
+  if (first_line.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": empty"));
+  }
+  return std::string(first_line);
 }
 
 int64_t HostTensor::num_elements() const { return wire::NumElements(shape); }
@@ -137,7 +189,7 @@ absl::StatusOr<v1::GetModelInfoResponse> Client::Impl::FetchInfo() {
   v1::GetModelInfoResponse response;
   absl::Status status = Retry([&]() {
     grpc::ClientContext context;
-    SetDeadline(&context, options_.deadline);
+    PrepareContext(&context, options_, options_.deadline);
     return FromGrpc(stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &response),
                     "GetModelInfo");
   });
@@ -216,6 +268,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  if (!options.tls_server_name.empty()) arguments.SetSslTargetNameOverride(options.tls_server_name);
   auto channel = grpc::CreateCustomChannel(target, credentials, arguments);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(
@@ -259,7 +312,7 @@ absl::StatusOr<HealthStatus> Client::Health(const std::string& service) {
   HealthStatus result = HealthStatus::kUnknown;
   absl::Status status = impl_->Retry([&]() -> absl::Status {
     grpc::ClientContext context;
-    SetDeadline(&context, impl_->options().deadline);
+    PrepareContext(&context, impl_->options(), impl_->options().deadline);
     grpc::Slice slice(request);
     grpc::ByteBuffer request_buffer(&slice, 1);
     grpc::ByteBuffer response_buffer;
@@ -331,7 +384,7 @@ absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expecte
   auto attempt = [&]() -> absl::Status {
     fetched = FetchedGradients();
     grpc::ClientContext context;
-    SetDeadline(&context, impl_->options().deadline);
+    PrepareContext(&context, impl_->options(), impl_->options().deadline);
     v1::FetchGradientsRequest request;
     request.set_zero_after_fetch(zero_after);
     request.set_dtype(v1::DTYPE_FLOAT32);
@@ -415,7 +468,7 @@ absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expecte
 absl::StatusOr<v1::ZeroGradientsResponse> Client::Zero(uint64_t expected_window_id) {
   if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
   grpc::ClientContext context;
-  SetDeadline(&context, impl_->options().deadline);
+  PrepareContext(&context, impl_->options(), impl_->options().deadline);
   v1::ZeroGradientsRequest request;
   request.set_expected_window_id(expected_window_id);
   v1::ZeroGradientsResponse response;
@@ -448,7 +501,7 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& we
     }
   }
   grpc::ClientContext context;
-  SetDeadline(&context, impl_->options().deadline);
+  PrepareContext(&context, impl_->options(), impl_->options().deadline);
   v1::LoadWeightsResponse response;
   auto writer = impl_->stub().LoadWeights(&context, &response);
   const int64_t chunk_bytes = std::max<int64_t>(impl_->options().chunk_bytes, 1024);

@@ -29,6 +29,9 @@ absl::Status FromGrpc(const grpc::Status& status, absl::string_view what);
 
 // Sets `context`'s deadline `timeout` from now (nothing for an infinite timeout).
 void SetDeadline(grpc::ClientContext* context, absl::Duration timeout);
+// SetDeadline plus the per-call metadata of `options`: the bearer token and the client id.
+void PrepareContext(grpc::ClientContext* context, const ClientOptions& options,
+                    absl::Duration timeout);
 
 // How a batch of B sequences is cut into parts: (first sequence, number of sequences) pairs.
 using SplitPlan = std::vector<std::pair<int64_t, int64_t>>;

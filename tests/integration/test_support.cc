@@ -172,8 +172,14 @@ std::string CliBinary() { return ATTNGRAD_CLI_BINARY; }
 
 absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(
     const std::vector<std::string>& extra_flags) {
+  return Start(extra_flags, ClientOptions());
+}
+
+absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(
+    const std::vector<std::string>& extra_flags, const ClientOptions& probe) {
   std::unique_ptr<TestServer> server(new TestServer());
   server->extra_flags_ = extra_flags;
+  server->probe_ = probe;
   server->dir_ = std::make_unique<TempDir>();
   absl::Status status;
   for (int attempt = 0; attempt < 5; ++attempt) {
@@ -232,7 +238,7 @@ absl::Status TestServer::Launch() {
       return absl::UnavailableError(
           absl::StrCat("attngrad-server exited during start-up; log:\n", process_->LogTail()));
     }
-    ClientOptions options;
+    ClientOptions options = probe_;
     options.connect_timeout = absl::Seconds(1);
     options.max_attempts = 1;
     if (Client::Connect(target(), options).ok()) return absl::OkStatus();
@@ -242,6 +248,28 @@ absl::Status TestServer::Launch() {
   process_->Stop();
   return absl::DeadlineExceededError(
       absl::StrCat("attngrad-server did not answer within 90 s; log:\n", tail));
+}
+
+absl::Status MakeTestCertificates(const std::string& directory) {
+  const std::string script = absl::StrCat(
+      "set -e; cd '", directory, "'\n",
+      "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out \"$1\"; }\n",
+      "key ca.key; openssl req -x509 -new -key ca.key -out ca.pem -days 2 -subj /CN=attngrad-test-ca\n",
+      "key other-ca.key; openssl req -x509 -new -key other-ca.key -out other-ca.pem -days 2 "
+      "-subj /CN=attngrad-other-ca\n",
+      "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext\n",
+      "key server.key; openssl req -new -key server.key -out server.csr -subj /CN=localhost\n",
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem "
+      "-days 2 -extfile server.ext\n",
+      "printf 'extendedKeyUsage=clientAuth\\n' > client.ext\n",
+      "key client.key; openssl req -new -key client.key -out client.csr -subj /CN=trainer\n",
+      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem "
+      "-days 2 -extfile client.ext\n");
+  std::string output;
+  if (RunCommand({"/bin/sh", "-c", script}, &output) != 0) {
+    return absl::InternalError(absl::StrCat("openssl: ", output));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace attngrad::testing

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "attngrad/client.h"
 #include "attngrad/wire/http_get.h"
 
 namespace attngrad::testing {
@@ -68,9 +69,12 @@ class TestServer {
   static constexpr uint64_t kWeightsSeed = 7;
   static constexpr int kMaxBatchTokens = 32;
 
-  // Starts the server (retrying with other ports when they are taken) and waits until it answers.
+  // Starts the server (retrying with other ports when they are taken) and waits until it answers
+  // a client connecting with `probe`'s credentials, token and client id.
   static absl::StatusOr<std::unique_ptr<TestServer>> Start(
       const std::vector<std::string>& extra_flags = {});
+  static absl::StatusOr<std::unique_ptr<TestServer>> Start(
+      const std::vector<std::string>& extra_flags, const ClientOptions& probe);
   ~TestServer();
 
   std::string target() const;
@@ -87,12 +91,18 @@ class TestServer {
   absl::Status Launch();
 
   std::vector<std::string> extra_flags_;
+  ClientOptions probe_;
   std::unique_ptr<TempDir> dir_;
   std::unique_ptr<Subprocess> process_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
   int launches_ = 0;
 };
+
+// Writes, with the openssl CLI, into `directory`: ca.pem/ca.key, server.pem/server.key (for
+// localhost and 127.0.0.1, signed by ca), client.pem/client.key (signed by ca) and
+// other-ca.pem. An error carries openssl's output.
+absl::Status MakeTestCertificates(const std::string& directory);
 
 // Path of a binary built next to the tests (set by CMake).
 std::string ServerBinary();

@@ -50,9 +50,33 @@ struct ClientOptions {
   int64_t chunk_bytes = int64_t{4} << 20;
   // Batches a BackwardStream keeps in flight before Submit blocks.
   int max_in_flight = 8;
-  // Null: insecure (plaintext) channel.
+  // Null: insecure (plaintext) channel. TlsCredentialsFromFiles (below) makes TLS / mutual-TLS
+  // credentials from a CA bundle and a client certificate and key.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // TLS only: the name the server's certificate must carry when it differs from the target's host
+  // (connecting by IP address, say). Empty: the target's host.
+  std::string tls_server_name;
+  // Sent with every call as `authorization: Bearer <token>` (servers started with --tokens_file;
+  // ReadTokenFile reads one). Empty: none.
+  std::string token;
+  // Servers without authentication scope accumulation windows, batch ids and stream limits to the
+  // client id a client names (metadata attngrad-client-id); empty = the server's "default". With
+  // authentication the token names the client and this is ignored by the server.
+  std::string client_id;
+  // Admins only: FetchGradients and ZeroGradients address this client's window instead of the
+  // caller's own (metadata attngrad-for-client). Empty: the caller's own.
+  std::string for_client;
 };
+
+// TLS channel credentials: the server is verified against the PEM CA bundle in `ca_file` (empty:
+// the system's roots); with `certificate_file` and `key_file` (PEM) the client presents that
+// certificate (mutual TLS). NOT_FOUND / INVALID_ARGUMENT naming the file otherwise.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentialsFromFiles(
+    const std::string& ca_file, const std::string& certificate_file, const std::string& key_file);
+
+// The bearer token in `path`: its first line, surrounding whitespace removed (a token is never a
+// command-line argument, where other users of the machine could read it).
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // A dense fp32 host tensor (row-major).
 struct HostTensor {
