@@ -579,6 +579,69 @@ def sequences_per_part(limits: "ModelInfo", batch: int, seq_len: int, request_pe
 
 
 # ------------------------------------------------------------------------------------------------
+# TLS, tokens and client ids
+
+
+def tls_credentials(ca: Optional[str] = None, cert: Optional[str] = None,
+                    key: Optional[str] = None) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: the server is verified against the CA bundle CA
+    (None: the system's roots); with CERT and KEY the client presents that certificate (mutual
+    TLS, servers started with --tls_client_ca)."""
+    if (cert is None) != (key is None):
+        raise ValueError("tls_credentials: cert and key go together")
+
+    def read(path):
+        if path is None:
+            return None
+        with open(path, "rb") as file:
+            return file.read()
+
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                        certificate_chain=read(cert))
+
+
+def read_token_file(path: str) -> str:
+    """The bearer token in PATH: its first line, without surrounding whitespace."""
+    with open(path, "r", encoding="ascii") as file:
+        token = file.readline().strip()
+    if not token:
+        raise ValueError(f"token file {path}: empty")
+    return token
+
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                           grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the same metadata (token, client id) to every call of a channel."""
+
+    def __init__(self, metadata: Sequence[Tuple[str, str]]):
+        self._metadata = tuple(metadata)
+
+    def _details(self, details):
+        metadata = tuple(details.metadata or ()) + self._metadata
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            getattr(details, "wait_for_ready", None),
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+# ------------------------------------------------------------------------------------------------
 # The client
 
 
@@ -587,8 +650,14 @@ class Client:
 
     Args:
       target: "host:port".
-      credentials: grpc.ChannelCredentials for TLS (e.g. grpc.ssl_channel_credentials()); None for a
-        plaintext channel.
+      credentials: grpc.ChannelCredentials for TLS (tls_credentials(ca=..., cert=..., key=...) for a
+        CA and, with mutual TLS, a client certificate); None for a plaintext channel.
+      token: the bearer token (servers started with --tokens_file; read_token_file(path) reads
+        one), sent with every call as "authorization: Bearer <token>".
+      client_id: servers without authentication scope accumulation windows, batch ids and stream
+        limits to this id (metadata attngrad-client-id; None: the server's "default").
+      for_client: admins only: fetch_gradients and zero_gradients address this client's window.
+      tls_server_name: the name the server's certificate carries, when the target's host differs.
       timeout: the deadline of every call in seconds (per call; overridable per method; None, 0 or
         inf: no deadline).
       max_in_flight: requests one backward stream keeps outstanding (pipelining split batches).
@@ -597,13 +666,26 @@ class Client:
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
                  timeout: Optional[float] = DEFAULT_TIMEOUT_SECONDS, max_in_flight: int = 4,
-                 options: Sequence[Tuple[str, Any]] = ()):
+                 options: Sequence[Tuple[str, Any]] = (), token: Optional[str] = None,
+                 client_id: Optional[str] = None, for_client: Optional[str] = None,
+                 tls_server_name: Optional[str] = None):
         channel_options = [("grpc.max_send_message_length", -1),
                            ("grpc.max_receive_message_length", -1)] + list(options)
+        if tls_server_name:
+            channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
         if credentials is not None:
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+            self._raw_channel = grpc.secure_channel(target, credentials, options=channel_options)
         else:
-            self._channel = grpc.insecure_channel(target, options=channel_options)
+            self._raw_channel = grpc.insecure_channel(target, options=channel_options)
+        metadata = []
+        if token:
+            metadata.append(("authorization", f"Bearer {token}"))
+        if client_id:
+            metadata.append(("attngrad-client-id", client_id))
+        if for_client:
+            metadata.append(("attngrad-for-client", for_client))
+        self._channel = (grpc.intercept_channel(self._raw_channel, _MetadataInterceptor(metadata))
+                         if metadata else self._raw_channel)
         self.target = target
         self.timeout = timeout
         self.max_in_flight = max(1, int(max_in_flight))
@@ -624,7 +706,7 @@ class Client:
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._channel.close()
+        self._raw_channel.close()
 
     def __enter__(self) -> "Client":
         return self
