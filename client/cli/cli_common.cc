@@ -85,8 +85,9 @@ ABSL_FLAG(std::string, service, "", "health: service name (\"\" = the whole serv
 
 namespace attngrad::cli {
 
-absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags() {
+absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags(bool read_info) {
   ClientOptions options;
+  options.read_info_on_connect = read_info;
   options.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_seconds));
   options.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_seconds));
   options.max_attempts = absl::GetFlag(FLAGS_retries);

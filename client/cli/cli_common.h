@@ -65,7 +65,8 @@ ABSL_DECLARE_FLAG(std::string, service);
 namespace attngrad::cli {
 
 // Connects to --target with the connection flags.
-absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags();
+// read_info: see ClientOptions::read_info_on_connect (health passes false).
+absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags(bool read_info = true);
 
 absl::StatusOr<v1::GradientMode> ParseMode(const std::string& text);
 absl::StatusOr<v1::Precision> ParsePrecision(const std::string& text);

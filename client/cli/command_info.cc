@@ -40,7 +40,7 @@ int RunInfo() {
 }
 
 int RunHealth() {
-  auto client = ConnectFromFlags();
+  auto client = ConnectFromFlags(/*read_info=*/false);
   if (!client.ok()) return Fail("health", client.status());
   auto status = (*client)->Health(absl::GetFlag(FLAGS_service));
   if (!status.ok()) return Fail("health", status.status());

@@ -276,8 +276,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
                      absl::FormatDuration(options.connect_timeout)));
   }
   auto impl = std::make_shared<Impl>(target, options, std::move(channel));
-  auto info = impl->FetchInfo();
-  if (!info.ok()) return info.status();
+  if (options.read_info_on_connect) {
+    auto info = impl->FetchInfo();
+    if (!info.ok()) return info.status();
+  }
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 

@@ -28,6 +28,14 @@ declare -A flag_of=(
   [ATTNGRAD_SHUTDOWN_GRACE_SECONDS]=shutdown_grace_seconds
   [ATTNGRAD_CPU_THREADS]=cpu_threads
   [ATTNGRAD_NCCL]=nccl
+  [ATTNGRAD_MAX_STREAMS_PER_CLIENT]=max_streams_per_client
+  [ATTNGRAD_STREAM_IDLE_TIMEOUT_SECONDS]=stream_idle_timeout_seconds
+  [ATTNGRAD_MAX_CLIENTS_WITH_SUMS]=max_clients_with_sums
+  [ATTNGRAD_TLS_CERT]=tls_cert
+  [ATTNGRAD_TLS_KEY]=tls_key
+  [ATTNGRAD_TLS_CLIENT_CA]=tls_client_ca
+  [ATTNGRAD_TLS_RELOAD_INTERVAL_SECONDS]=tls_reload_interval_seconds
+  [ATTNGRAD_TOKENS_FILE]=tokens_file
 )
 
 server="${ATTNGRAD_SERVER_BINARY:-/usr/local/bin/attngrad-server}"

@@ -19,6 +19,12 @@ Subcommands (each one ctest test; see tests/deploy/CMakeLists.txt):
   entrypoint   starts the server through deploy/docker/entrypoint.sh with ATTNGRAD_* variables, checks
                that they took effect, runs deploy/docker/healthcheck.sh (attngrad-cli health) against
                it, then stops it with SIGTERM and expects exit 0.
+  tls          the certificate and token plumbing: deploy/tls/make-dev-certificates.sh makes a CA,
+               server and client certificates and a tokens file; the server started through the
+               entrypoint with the ATTNGRAD_TLS_* / ATTNGRAD_TOKENS_FILE variables of
+               compose.secure.yaml serves mutual TLS and tokens; healthcheck.sh with the arguments
+               compose.secure.yaml and the secure Kubernetes overlay give it passes (and fails in
+               plaintext); attngrad-cli with a token file works, without one is UNAUTHENTICATED.
   packages     deploy/docker/runtime-packages.sh names installed packages for the built binaries,
                among them the gRPC and protobuf runtime libraries.
 
@@ -267,8 +273,10 @@ class ComposeLoader(yaml.SafeLoader):
 
 
 ComposeLoader.add_constructor("!reset", lambda loader, node: {"__compose_tag__": "reset"})
-ComposeLoader.add_constructor("!override", lambda loader, node: loader.construct_object(node)
-                              if not isinstance(node, yaml.MappingNode) else loader.construct_mapping(node))
+ComposeLoader.add_constructor("!override", lambda loader, node: (
+    loader.construct_mapping(node) if isinstance(node, yaml.MappingNode)
+    else loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
+    else loader.construct_scalar(node)))
 
 
 def server_flags(server):
@@ -411,11 +419,30 @@ def command_manifests(arguments):
     check(cpu_server["environment"]["ATTNGRAD_DEVICES"] == "cpu", "compose.cpu.yaml does not select the CPU backend")
     check(cpu_server.get("deploy") == {"__compose_tag__": "reset"}, "compose.cpu.yaml does not !reset the GPU reservation")
     check_flag_variables("compose.cpu.yaml", cpu_server["environment"], table, flags)
+    secure = yaml.load((DEPLOY / "compose.secure.yaml").read_text(), Loader=ComposeLoader)
+    secure_server = secure["services"]["attngrad"]
+    check_flag_variables("compose.secure.yaml", secure_server["environment"], table, flags)
+    secret_paths = {f"/run/secrets/{name}" for name in secure.get("secrets", {})}
+    for variable in ("ATTNGRAD_TLS_CERT", "ATTNGRAD_TLS_KEY", "ATTNGRAD_TLS_CLIENT_CA", "ATTNGRAD_TOKENS_FILE"):
+        check(secure_server["environment"].get(variable) in secret_paths,
+              f"compose.secure.yaml: {variable} does not name a mounted secret")
+    check(set(secure_server.get("secrets", [])) == set(secure.get("secrets", {})),
+          "compose.secure.yaml: the server does not mount every secret")
+    for name, secret in secure.get("secrets", {}).items():
+        check(secret["file"].startswith("./secrets/"), f"compose.secure.yaml: secret {name} outside deploy/secrets")
+    check("127.0.0.1:9464:9464" in secure_server["ports"], "compose.secure.yaml: /metrics published beyond loopback")
+    health = secure_server["healthcheck"]["test"]
+    check(health[:2] == ["CMD", "/usr/local/bin/attngrad-healthcheck"] and
+          any(part.startswith("--tls_ca=/run/secrets/") for part in health),
+          f"compose.secure.yaml: the health check is not a TLS client: {health}")
+    check("/deploy/secrets/" in (ROOT / ".gitignore").read_text().split(), ".gitignore does not keep deploy/secrets out of git")
 
     # Kubernetes, each kustomization.
     k8s = DEPLOY / "k8s"
     for folder, expect_gpu, expect_monitor in ((k8s, True, True), (k8s / "base", True, False),
-                                               (k8s / "overlays" / "cpu", False, False)):
+                                               (k8s / "overlays" / "cpu", False, False),
+                                               (k8s / "overlays" / "secure", True, False)):
+        expect_tls = folder.name == "secure"
         documents = render_kustomization(folder)
         rendered = documents is not None
         if not rendered:
@@ -437,7 +464,13 @@ def command_manifests(arguments):
         container_ports = {port["name"]: port["containerPort"] for port in container["ports"]}
         check(container_ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}, f"{where}: container ports {container_ports}")
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            check(container.get(probe, {}).get("grpc", {}).get("port") == GRPC_PORT, f"{where}: {probe} is not a gRPC probe on {GRPC_PORT}")
+            if expect_tls and rendered:  # native gRPC probes speak plaintext only
+                command = container.get(probe, {}).get("exec", {}).get("command", [])
+                check(command[:1] == ["/usr/local/bin/attngrad-healthcheck"] and "grpc" not in container[probe]
+                      and any(part.startswith("--tls_ca=") for part in command),
+                      f"{where}: {probe} is not the TLS health check: {container.get(probe)}")
+            elif not expect_tls:
+                check(container.get(probe, {}).get("grpc", {}).get("port") == GRPC_PORT, f"{where}: {probe} is not a gRPC probe on {GRPC_PORT}")
         resources = container["resources"]
         if rendered:  # patches are applied only by kustomize
             gpu = resources.get("limits", {}).get("nvidia.com/gpu")
@@ -455,6 +488,16 @@ def command_manifests(arguments):
         check(reference in config_maps, f"{where}: the container reads ConfigMap {reference}, which is not there")
         data = config_maps.get(reference, {}).get("data", {})
         check_flag_variables(f"{where} ConfigMap", data, table, flags)
+        security = ("ATTNGRAD_TLS_CERT", "ATTNGRAD_TLS_KEY", "ATTNGRAD_TLS_CLIENT_CA", "ATTNGRAD_TOKENS_FILE")
+        if expect_tls and rendered:
+            mounts = {mount["name"]: mount["mountPath"] for mount in container.get("volumeMounts", [])}
+            secrets = {volume["name"] for volume in pod["spec"].get("volumes", []) if "secret" in volume}
+            for variable in security:
+                path = data.get(variable, "")
+                owner = [name for name, mounted in mounts.items() if path.startswith(mounted + "/")]
+                check(owner and owner[0] in secrets, f"{where}: {variable}={path!r} is not in a mounted Secret")
+        elif not expect_tls:
+            check(not any(variable in data for variable in security), f"{where}: TLS or tokens set outside the secure overlay")
         check(data.get("ATTNGRAD_LISTEN", "").endswith(f":{GRPC_PORT}")
               and data.get("ATTNGRAD_METRICS_LISTEN", "").endswith(f":{METRICS_PORT}"),
               f"{where}: ConfigMap listen addresses do not match the container ports")
@@ -515,8 +558,9 @@ def scrape(metrics_port, timeout=5.0):
 class RunningServer:
     """attngrad-server (or the entrypoint that execs it) on loopback; stopped with SIGTERM on exit."""
 
-    def __init__(self, command, environment, metrics_port, cli, grpc_port, log):
+    def __init__(self, command, environment, metrics_port, cli, grpc_port, log, health_args=()):
         self.command = [str(part) for part in command]
+        self.health_args = [str(part) for part in health_args]
         self.environment = environment
         self.metrics_port = metrics_port
         self.grpc_port = grpc_port
@@ -533,8 +577,8 @@ class RunningServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode} while starting")
-            result = subprocess.run([self.cli, "health", f"--target=127.0.0.1:{self.grpc_port}"],
-                                    capture_output=True, text=True)
+            result = subprocess.run([self.cli, "health", f"--target=127.0.0.1:{self.grpc_port}",
+                                     *self.health_args], capture_output=True, text=True)
             if result.returncode == 0:
                 return self
             time.sleep(0.5)
@@ -963,19 +1007,91 @@ def command_packages(arguments):
     return finish("packages")
 
 
+def command_tls(arguments):
+    grpc_port, metrics_port = free_port(), free_port()
+    with tempfile.TemporaryDirectory(prefix="attngrad-deploy-tls-") as directory:
+        secrets = pathlib.Path(directory)
+        result = run(["bash", DEPLOY / "tls" / "make-dev-certificates.sh", secrets, "localhost", "attngrad",
+                      "127.0.0.1"], timeout=120)
+        print(result.stdout + result.stderr)
+        check(result.returncode == 0, "make-dev-certificates.sh failed")
+        for name in ("ca.crt", "tls.crt", "tls.key", "client.crt", "client.key", "tokens.txt",
+                     "trainer.token", "admin.token"):
+            check((secrets / name).is_file(), f"make-dev-certificates.sh did not write {name}")
+        if failures:
+            return finish("tls")
+        # The variables compose.secure.yaml sets, pointing at the files made above.
+        environment = server_environment()
+        environment.update({
+            "ATTNGRAD_SERVER_BINARY": str(arguments.server),
+            "ATTNGRAD_CLI_BINARY": str(arguments.cli),
+            "ATTNGRAD_LISTEN": f"127.0.0.1:{grpc_port}",
+            "ATTNGRAD_METRICS_LISTEN": f"127.0.0.1:{metrics_port}",
+            "ATTNGRAD_DEVICES": "cpu",
+            "ATTNGRAD_CPU_THREADS": "1",
+            "ATTNGRAD_SHUTDOWN_GRACE_SECONDS": "5",
+            "ATTNGRAD_TLS_CERT": str(secrets / "tls.crt"),
+            "ATTNGRAD_TLS_KEY": str(secrets / "tls.key"),
+            "ATTNGRAD_TLS_CLIENT_CA": str(secrets / "ca.crt"),
+            "ATTNGRAD_TOKENS_FILE": str(secrets / "tokens.txt"),
+        })
+        secure = yaml.load((DEPLOY / "compose.secure.yaml").read_text(), Loader=ComposeLoader)
+        names = {f"/run/secrets/{name}": pathlib.Path(entry["file"]).name
+                 for name, entry in secure["secrets"].items()}
+        for variable, value in secure["services"]["attngrad"]["environment"].items():
+            check(names.get(value) == pathlib.Path(environment[variable]).name,
+                  f"compose.secure.yaml: {variable} names {value}, not the file the script writes")
+        # The health check's arguments in compose.secure.yaml, with the secrets' paths here.
+        health_args = []
+        for part in secure["services"]["attngrad"]["healthcheck"]["test"][2:]:
+            flag, _, value = part.partition("=")
+            health_args.append(f"{flag}={secrets / names[value]}" if value in names else part)
+        with tempfile.TemporaryFile("w+") as log:
+            try:
+                server = RunningServer(["bash", ENTRYPOINT], environment, metrics_port, arguments.cli,
+                                       grpc_port, log, health_args=health_args)
+                with server:
+                    result = run(["bash", HEALTHCHECK, *health_args], env=environment, timeout=30)
+                    check(result.returncode == 0, f"healthcheck.sh with TLS arguments: {result.stdout}{result.stderr}")
+                    result = run(["bash", HEALTHCHECK, "--connect_timeout_seconds=2"], env=environment, timeout=30)
+                    check(result.returncode != 0, "healthcheck.sh in plaintext passed against a TLS server")
+                    client = [f"--target=127.0.0.1:{grpc_port}", f"--tls_ca={secrets / 'ca.crt'}",
+                              f"--tls_cert={secrets / 'client.crt'}", f"--tls_key={secrets / 'client.key'}",
+                              "--tls_server_name=localhost", "--retries=1"]
+                    result = run([arguments.cli, "info", *client, f"--token_file={secrets / 'trainer.token'}"], timeout=60)
+                    check(result.returncode == 0, f"attngrad-cli info with the trainer token: {result.stdout}{result.stderr}")
+                    result = run([arguments.cli, "info", *client], timeout=60)
+                    check(result.returncode != 0 and "UNAUTHENTICATED" in result.stdout + result.stderr,
+                          f"attngrad-cli info without a token: {result.stdout}{result.stderr}")
+                    result = run([arguments.cli, "zero", *client, f"--token_file={secrets / 'trainer.token'}"], timeout=60)
+                    check(result.returncode != 0 and "PERMISSION_DENIED" in result.stdout + result.stderr,
+                          f"attngrad-cli zero as a trainer: {result.stdout}{result.stderr}")
+                    result = run([arguments.cli, "zero", *client, f"--token_file={secrets / 'admin.token'}"], timeout=60)
+                    check(result.returncode == 0, f"attngrad-cli zero as the admin: {result.stdout}{result.stderr}")
+                check(server.exit_code == 0, f"server exit code after SIGTERM: {server.exit_code}")
+            except Exception as error:
+                check(False, f"running the server with TLS and tokens failed: {error}")
+            log.seek(0)
+            text = log.read()
+            print("--- server log (tail) ---\n" + text[-3000:])
+            check("mutual TLS" in text and "authentication: bearer tokens" in text,
+                  "the server log does not say mutual TLS and tokens are on")
+    return finish("tls")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["promtool", "dashboard", "manifests", "metrics", "prometheus",
-                                            "entrypoint", "packages"])
+                                            "entrypoint", "tls", "packages"])
     parser.add_argument("--promtool", default=shutil.which("promtool") or "promtool")
     parser.add_argument("--prometheus", default=shutil.which("prometheus") or "prometheus")
     parser.add_argument("--server", help="path of attngrad-server")
     parser.add_argument("--devices", default="cpu", help="--devices of the server in `metrics` (cpu in CI)")
     parser.add_argument("--cli", help="path of attngrad-cli")
     arguments = parser.parse_args()
-    if arguments.command in ("manifests", "metrics", "prometheus", "entrypoint", "packages") and not arguments.server:
+    if arguments.command in ("manifests", "metrics", "prometheus", "entrypoint", "tls", "packages") and not arguments.server:
         parser.error("--server is required")
-    if arguments.command in ("metrics", "prometheus", "entrypoint", "packages") and not arguments.cli:
+    if arguments.command in ("metrics", "prometheus", "entrypoint", "tls", "packages") and not arguments.cli:
         parser.error("--cli is required")
     return globals()[f"command_{arguments.command}"](arguments)
 

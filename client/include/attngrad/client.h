@@ -66,6 +66,9 @@ struct ClientOptions {
   // Admins only: FetchGradients and ZeroGradients address this client's window instead of the
   // caller's own (metadata attngrad-for-client). Empty: the caller's own.
   std::string for_client;
+  // Connect reads GetModelInfo (and keeps it for splitting batches). False: Connect only waits for
+  // the channel, for callers that ask for nothing but Health (the health service needs no token).
+  bool read_info_on_connect = true;
 };
 
 // TLS channel credentials: the server is verified against the PEM CA bundle in `ca_file` (empty:
