@@ -33,10 +33,19 @@ ABSL_FLAG(std::string, devices, "",
           "Devices to serve on: empty = every GPU (the CPU when there is none), \"cpu\" = the CPU "
           "backend, or CUDA device indices like \"0,1\"");
 ABSL_FLAG(std::string, weights, "random",
-          "\"random\" (SPEC section 3 distribution from --weights_seed) or a Gemma-3 .safetensors "
-          "file (or a sharded checkpoint's model.safetensors.index.json)");
-ABSL_FLAG(uint64_t, weights_seed, 0, "Seed of the random weights");
-ABSL_FLAG(int, weights_layer, 0, "Decoder layer to load from --weights");
+          "\"random\" (SPEC section 3 distribution from --weights_seed: with --model every layer "
+          "of that model, else one SPEC layer as layer 0), a Hugging Face model directory "
+          "(config.json + model.safetensors or shards with model.safetensors.index.json: every "
+          "layer resident), or a Gemma-3 .safetensors file / model.safetensors.index.json (one "
+          "layer, --weights_layer)");
+ABSL_FLAG(std::string, model, "",
+          "With --weights=random: spec, gemma-3-270m, gemma-3-1b, gemma-3-4b, gemma-3-12b or "
+          "gemma-3-27b (random weights of every layer of that model)");
+ABSL_FLAG(std::string, layers, "",
+          "A range of the model's decoder layers to hold, \"A-B\" (inclusive) or \"A\"; empty = "
+          "every layer (a 27B model's attention weights are ~16 GB in fp32)");
+ABSL_FLAG(uint64_t, weights_seed, 0, "Seed of the random weights (layer i of a model: seed + i)");
+ABSL_FLAG(int, weights_layer, 0, "Decoder layer to load from a .safetensors file or index");
 ABSL_FLAG(int64_t, max_batch_tokens, 65536,
           "Largest batch (B*S tokens) accepted; larger ones are refused with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_message_bytes, 1073741824, "Largest gRPC message, received or sent");
@@ -173,6 +182,8 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.devices = absl::GetFlag(FLAGS_devices);
   options.weights = absl::GetFlag(FLAGS_weights);
+  options.model = absl::GetFlag(FLAGS_model);
+  options.layers = absl::GetFlag(FLAGS_layers);
   options.weights_seed = absl::GetFlag(FLAGS_weights_seed);
   options.weights_layer = absl::GetFlag(FLAGS_weights_layer);
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
@@ -202,6 +213,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   // The "serving" line, which tools and tests wait for, comes last.
+  std::cerr << "attngrad-server: " << (*server)->model_summary() << std::endl;
   std::cerr << "attngrad-server: " << (*server)->gradient_sum() << std::endl;
   for (const std::string& line : (*server)->security_summary()) {
     std::cerr << "attngrad-server: " << line << std::endl;

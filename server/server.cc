@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <exception>
+#include <filesystem>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -12,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "attngrad/wire/status_macros.h"
@@ -30,6 +32,63 @@
 #endif
 
 namespace attngrad::server {
+namespace {
+
+absl::Status WithFlag(const char* flag, const absl::Status& status) {
+  return absl::Status(status.code(), absl::StrCat(flag, ": ", status.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<ServedModel> LoadServedModel(const ServerOptions& options) {
+  std::error_code error;
+  const bool model_directory =
+      options.weights != "random" && std::filesystem::is_directory(options.weights, error) &&
+      std::filesystem::exists(std::filesystem::path(options.weights) / "config.json", error);
+  if (!options.model.empty() && options.weights != "random") {
+    return absl::InvalidArgumentError(
+        "--model: only with --weights=random (a checkpoint directory's config.json names its model)");
+  }
+  if (options.weights == "random" && !options.model.empty()) {
+    absl::StatusOr<ServedModel> model =
+        RandomModel(options.model, options.weights_seed, options.layers);
+    if (!model.ok()) return WithFlag("--weights=random", model.status());
+    return model;
+  }
+  if (model_directory) {
+    absl::StatusOr<ServedModel> model = LoadModelDirectory(options.weights, options.layers);
+    if (!model.ok()) return WithFlag("--weights", model.status());
+    return model;
+  }
+  // The seed's single layer.
+  if (!options.layers.empty()) {
+    return absl::InvalidArgumentError(
+        "--layers: only with a model (--weights=DIR holding config.json, or --weights=random "
+        "--model=NAME); a single layer is chosen with --weights_layer");
+  }
+  if (options.weights == "random") {
+    return SingleLayerModel(RandomLayerWeights(LayerConfig::Gemma3_4B(), options.weights_seed), 0);
+  }
+  absl::StatusOr<LayerWeights> weights =
+      LoadSafetensorsLayer(options.weights, options.weights_layer);
+  if (!weights.ok()) return WithFlag("--weights", weights.status());
+  return SingleLayerModel(*std::move(weights), options.weights_layer);
+}
+
+std::string ModelSummary(const ServedModel& model) {
+  std::size_t elements = 0;
+  for (const ServedLayer& layer : model.layers) {
+    for (const std::vector<float>& values : layer.weights->values) elements += values.size();
+  }
+  const int first = model.layers.front().settings.index;
+  const int last = model.layers.back().settings.index;
+  return absl::StrCat(
+      "weights: ", model.name.empty() ? std::string("one layer") : model.name, ", layer",
+      first == last ? absl::StrCat(" ", first) : absl::StrCat("s ", first, "-", last), " of ",
+      model.num_hidden_layers, " (", model.layers.size(), " resident, ",
+      absl::StrFormat("%.2f", static_cast<double>(elements) * 4 / (1 << 30)), " GiB fp32; ",
+      model.layers.front().weights->source, model.layers.size() > 1 ? ", ..." : "", ")");
+}
 
 absl::StatusOr<DeviceSelection> ParseDevices(const std::string& devices, int gpu_count) {
   DeviceSelection selection;
@@ -114,26 +173,18 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
   ATTNGRAD_ASSIGN_OR_RETURN(const DeviceSelection devices,
                             ParseDevices(options.devices, DeviceCount()));
 
-  // Weights.
-  absl::StatusOr<LayerWeights> weights;
-  if (options.weights == "random") {
-    weights = RandomLayerWeights(LayerConfig::Gemma3_4B(), options.weights_seed);
-  } else {
-    weights = LoadSafetensorsLayer(options.weights, options.weights_layer);
-    if (!weights.ok()) {
-      return absl::Status(weights.status().code(),
-                          absl::StrCat("--weights: ", weights.status().message()));
-    }
-  }
-  auto shared_weights = std::make_shared<const LayerWeights>(*std::move(weights));
+  // Weights: every layer the server holds.
+  ATTNGRAD_ASSIGN_OR_RETURN(const ServedModel model, LoadServedModel(options));
+  const LayerSlots layer_slots = GradientCore::LayerSlotsOf(model);
 
   std::unique_ptr<GradientServer> server(new GradientServer());
   server->metrics_ = std::make_unique<ServerMetrics>(ATTNGRAD_VERSION);
+  server->model_summary_ = ModelSummary(model);
 
   // Workers.
   std::vector<std::unique_ptr<DeviceWorker>> workers;
   if (devices.cpu) {
-    auto worker = std::make_unique<CpuWorker>(shared_weights, options.cpu_threads,
+    auto worker = std::make_unique<CpuWorker>(layer_slots, options.cpu_threads,
                                               server->metrics_.get());
     ATTNGRAD_RETURN_IF_ERROR(worker->Start());
     workers.push_back(std::move(worker));
@@ -141,7 +192,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
   } else {
     ATTNGRAD_ASSIGN_OR_RETURN(
         GpuWorkers gpu_workers,
-        CreateGpuWorkers(devices.gpus, shared_weights, options.queue_depth, nccl_mode,
+        CreateGpuWorkers(devices.gpus, layer_slots, options.queue_depth, nccl_mode,
                          server->metrics_.get()));
     workers = std::move(gpu_workers.workers);
     server->uses_nccl_ = gpu_workers.sum.nccl;
@@ -149,7 +200,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
     server->gradient_sum_ = gpu_workers.sum.description;
   }
   server->metrics_->SetGradientSumPath(server->uses_nccl_ ? "nccl" : "host", server->nccl_version_);
-  server->core_ = std::make_unique<GradientCore>(shared_weights, std::move(workers),
+  server->core_ = std::make_unique<GradientCore>(model, std::move(workers),
                                                  server->metrics_.get(),
                                                  options.max_clients_with_sums);
 

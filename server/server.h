@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server_options.h"
+#include "weights/model.h"
 
 namespace grpc {
 class Server;
@@ -29,6 +30,13 @@ struct DeviceSelection {
 };
 absl::StatusOr<DeviceSelection> ParseDevices(const std::string& devices, int gpu_count);
 
+// The layers --weights, --model, --layers, --weights_seed and --weights_layer ask for: a model
+// directory (config.json + safetensors) or a named model's random weights, whole or a range; else
+// the seed's single layer (random SPEC weights as layer 0, or --weights_layer of a file).
+absl::StatusOr<ServedModel> LoadServedModel(const ServerOptions& options);
+// One line for the start-up log: which layers, how much fp32 memory, from where.
+std::string ModelSummary(const ServedModel& model);
+
 class GradientServer {
  public:
   // Loads the weights, starts the workers, binds the ports and starts serving.
@@ -46,6 +54,7 @@ class GradientServer {
   // Lines for the start-up log: the transport (plaintext, TLS, mutual TLS), authentication (on
   // with N tokens, or OFF said loudly) and the interfaces gRPC and /metrics listen on.
   const std::vector<std::string>& security_summary() const { return security_summary_; }
+  const std::string& model_summary() const { return model_summary_; }
 
   // Stops accepting RPCs, marks health NOT_SERVING, lets running RPCs (and their batches) finish
   // for up to `grace`, then cancels the rest, drains the workers and stops. Idempotent.
@@ -66,6 +75,7 @@ class GradientServer {
   std::string nccl_version_;
   std::string gradient_sum_;
   std::vector<std::string> security_summary_;
+  std::string model_summary_;
   bool stopped_ = false;
 };
 

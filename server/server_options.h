@@ -12,8 +12,12 @@ struct ServerOptions {
   std::string listen = "0.0.0.0:50051";        // gRPC address (port 0: any free port)
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics (plaintext); empty = off
   std::string devices;                          // "" = all GPUs, else CPU; "cpu"; "0,1"
-  std::string weights = "random";               // "random" or a .safetensors / index .json path
-  std::uint64_t weights_seed = 0;
+  // "random", a Hugging Face model directory (config.json + safetensors: every layer), or a
+  // .safetensors / index .json path (one layer, --weights_layer).
+  std::string weights = "random";
+  std::string model;   // with weights "random": a name of proto/models/gemma3.json; "" = one layer
+  std::string layers;  // "A-B" or "A": a range of the model's layers; "" = all
+  std::uint64_t weights_seed = 0;  // layer i of a model: seed + i
   int weights_layer = 0;
   std::int64_t max_batch_tokens = 65536;
   std::int64_t max_message_bytes = 1073741824;

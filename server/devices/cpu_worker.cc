@@ -8,14 +8,14 @@
 
 namespace attngrad::server {
 
-CpuWorker::CpuWorker(std::shared_ptr<const LayerWeights> weights, int num_threads,
-                     ServerMetrics* metrics)
-    : DeviceWorker("cpu", metrics, 1), weights_(std::move(weights)), num_threads_(num_threads) {}
+CpuWorker::CpuWorker(LayerSlots layers, int num_threads, ServerMetrics* metrics)
+    : DeviceWorker("cpu", metrics, 1), layers_(std::move(layers)), num_threads_(num_threads) {}
 
 CpuWorker::~CpuWorker() { StopAndJoin(); }
 
 absl::Status CpuWorker::Initialize() {
-  scratch_ = ZeroWeights<std::vector<float>>(weights_->config);
+  scratch_.resize(layers_.size());
+  accumulator_sets_.resize(layers_.size());
   const long pages = sysconf(_SC_PHYS_PAGES);
   const long page_size = sysconf(_SC_PAGESIZE);
   memory_total_bytes_ = pages > 0 && page_size > 0 ? static_cast<long long>(pages) * page_size : 0;
@@ -24,12 +24,13 @@ absl::Status CpuWorker::Initialize() {
   return absl::OkStatus();
 }
 
-CpuWorker::AccumulatorSet& CpuWorker::AccumulatorSetAt(int index) {
+CpuWorker::AccumulatorSet& CpuWorker::AccumulatorSetAt(int layer_slot, int index) {
   const std::size_t position = static_cast<std::size_t>(std::max(0, index));
-  if (accumulator_sets_.size() <= position) accumulator_sets_.resize(position + 1);
-  AccumulatorSet& set = accumulator_sets_[position];
+  std::vector<AccumulatorSet>& sets = accumulator_sets_[static_cast<std::size_t>(layer_slot)];
+  if (sets.size() <= position) sets.resize(position + 1);
+  AccumulatorSet& set = sets[position];
   if (set.gradients[Weight::kQProj].empty()) {
-    set.gradients = ZeroWeights<std::vector<float>>(weights_->config);
+    set.gradients = ZeroWeights<std::vector<float>>(layers_[static_cast<std::size_t>(layer_slot)]->config);
   }
   return set;
 }
@@ -57,19 +58,22 @@ void CpuWorker::Run() {
 void CpuWorker::Compute(BatchJob& job) {
   const auto start = std::chrono::steady_clock::now();
   job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
-  const LayerConfig& config = weights_->config;
+  const std::size_t slot = static_cast<std::size_t>(job.layer_slot);
+  const LayerWeights& weights = *layers_[slot];
+  const LayerConfig& config = weights.config;
   job.grad_hidden_states.assign(job.hidden_states.size(), 0.f);
-  LayerTensors* gradients = &scratch_;
+  if (scratch_[slot][Weight::kQProj].empty()) scratch_[slot] = ZeroWeights<std::vector<float>>(config);
+  LayerTensors* gradients = &scratch_[slot];
   AccumulatorSet* accumulator_set = nullptr;
   if (job.return_weight_gradients) {
     job.weight_gradients = ZeroWeights<std::vector<float>>(config);
     gradients = &job.weight_gradients;
   } else if (job.accumulate) {
-    accumulator_set = &AccumulatorSetAt(job.accumulator_set);
+    accumulator_set = &AccumulatorSetAt(job.layer_slot, job.accumulator_set);
     gradients = &accumulator_set->gradients;
   }
   BackwardInputs in;
-  in.weights = DataOf(weights_->values);
+  in.weights = DataOf(weights.values);
   in.grad_output = job.grad_output.data();
   in.hidden_states = job.hidden_states.data();
   in.cos = job.cos.data();
@@ -101,10 +105,12 @@ void CpuWorker::Compute(BatchJob& job) {
 }
 
 void CpuWorker::Control(WorkerControl& control) {
-  if (control.new_weights != nullptr) weights_ = control.new_weights;
+  if (control.new_weights != nullptr) {
+    layers_[static_cast<std::size_t>(control.layer_slot)] = control.new_weights;
+  }
   AccumulatorSnapshot snapshot;
   if (control.read_accumulators || control.zero_accumulators) {
-    AccumulatorSet& set = AccumulatorSetAt(control.accumulator_set);
+    AccumulatorSet& set = AccumulatorSetAt(control.layer_slot, control.accumulator_set);
     snapshot.batches = set.batches;
     snapshot.tokens = set.tokens;
     if (control.read_accumulators) snapshot.gradients = set.gradients;

@@ -1,6 +1,6 @@
 // The CPU device worker: attngrad::BackwardHost on host memory. Its resident weights are the shared
-// fp32 master copy itself (nothing to upload); its accumulator sets are host arrays, allocated
-// when a batch or a control first addresses them.
+// fp32 master copies themselves (every served layer; nothing to upload); its accumulator sets are
+// host arrays per layer, allocated when a batch or a control first addresses them.
 #ifndef ATTNGRAD_SERVER_CPU_WORKER_H_
 #define ATTNGRAD_SERVER_CPU_WORKER_H_
 
@@ -14,7 +14,7 @@ namespace attngrad::server {
 class CpuWorker final : public DeviceWorker {
  public:
   // num_threads: BackwardHost's thread count (0 = all hardware threads).
-  CpuWorker(std::shared_ptr<const LayerWeights> weights, int num_threads, ServerMetrics* metrics);
+  CpuWorker(LayerSlots layers, int num_threads, ServerMetrics* metrics);
   ~CpuWorker() override;
 
   DeviceDescription Describe() const override;
@@ -30,12 +30,13 @@ class CpuWorker final : public DeviceWorker {
     long long batches = 0;
     long long tokens = 0;
   };
-  AccumulatorSet& AccumulatorSetAt(int index);
+  AccumulatorSet& AccumulatorSetAt(int layer_slot, int index);
 
-  std::shared_ptr<const LayerWeights> weights_;
+  LayerSlots layers_;
   const int num_threads_;
-  std::vector<AccumulatorSet> accumulator_sets_;  // gradients empty until first used
-  LayerTensors scratch_;  // weight gradients of duplicates, dropped
+  // Per layer slot, per set; gradients empty until first used.
+  std::vector<std::vector<AccumulatorSet>> accumulator_sets_;
+  std::vector<LayerTensors> scratch_;  // per slot: weight gradients of duplicates, dropped
   long long memory_total_bytes_ = 0;
 };
 

@@ -4,7 +4,7 @@
 namespace attngrad::server {
 
 absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>&,
-                                            std::shared_ptr<const LayerWeights>, int, NcclMode,
+                                            const LayerSlots&, int, NcclMode,
                                             ServerMetrics*) {
   return absl::UnavailableError(
       "--devices: this server was built without CUDA (ATTNGRAD_CUDA=OFF); use --devices=cpu");

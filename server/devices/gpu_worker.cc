@@ -103,15 +103,18 @@ class NcclSum {};  // never made: this build has no nccl.h
 class GpuWorker final : public DeviceWorker {
  public:
   // `nccl`: null for host-side sums; else this worker is rank `rank` of it (rank 0 is the root).
-  GpuWorker(int cuda_device, std::shared_ptr<const LayerWeights> weights, int pipeline_depth,
-            ServerMetrics* metrics, std::shared_ptr<NcclSum> nccl, int rank)
+  GpuWorker(int cuda_device, const LayerSlots& layers, int pipeline_depth, ServerMetrics* metrics,
+            std::shared_ptr<NcclSum> nccl, int rank)
       : DeviceWorker(absl::StrCat("cuda:", cuda_device), metrics, std::max(pipeline_depth, 3)),
         nccl_(std::move(nccl)),
         rank_(rank),
-        cuda_device_(cuda_device),
-        weights_(std::move(weights)),
-        config_(weights_->config),
-        layout_(config_) {}
+        cuda_device_(cuda_device) {
+    for (const std::shared_ptr<const LayerWeights>& weights : layers) {
+      layers_.push_back(std::make_unique<ResidentLayer>(weights));
+      largest_layer_elements_ =
+          std::max(largest_layer_elements_, layers_.back()->layout.total_elements);
+    }
+  }
 
   ~GpuWorker() override { StopAndJoin(); }
 
@@ -131,6 +134,18 @@ class GpuWorker final : public DeviceWorker {
     cuda::DeviceBuffer<float> buffer;  // layout_; null until first used
     long long batches = 0;
     long long tokens = 0;
+  };
+
+  // One served layer on this device: its weights uploaded once (and again only when replaced) and
+  // its accumulator sets.
+  struct ResidentLayer {
+    explicit ResidentLayer(std::shared_ptr<const LayerWeights> layer_weights)
+        : weights(std::move(layer_weights)), config(weights->config), layout(config) {}
+    std::shared_ptr<const LayerWeights> weights;
+    const LayerConfig config;
+    const PackedWeightLayout layout;
+    cuda::DeviceBuffer<float> device_weights;       // layout
+    std::vector<AccumulatorSet> accumulator_sets;  // one per client window holding sums
   };
 
   // One batch in flight and the buffers it uses (grown as batches need, never shrunk).
@@ -160,13 +175,23 @@ class GpuWorker final : public DeviceWorker {
     for (cuda::Stream* stream : {&copy_in_stream_, &compute_stream_, &copy_out_stream_}) {
       ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(stream));
     }
-    const std::size_t weight_elements = layout_.total_elements;
-    ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<float>::Create(weight_elements, &device_weights_));
+    const std::size_t weight_elements = largest_layer_elements_;
+    for (std::unique_ptr<ResidentLayer>& layer : layers_) {
+      const cudaError_t allocated =
+          cuda::DeviceBuffer<float>::Create(layer->layout.total_elements, &layer->device_weights);
+      if (allocated != cudaSuccess) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the weights of ", layers_.size(), " layers do not fit on ", device(), ": ",
+            cudaGetErrorString(allocated), " (serve fewer layers per server with --layers)"));
+      }
+    }
     // cudaMemset and pageable cudaMemcpy run on the legacy stream, which our non-blocking streams
     // do not wait for: finish them before any batch.
     ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
-    absl::Status status = UploadWeights(*weights_);
-    if (!status.ok()) return status;
+    for (std::unique_ptr<ResidentLayer>& layer : layers_) {
+      absl::Status status = UploadWeights(*layer);
+      if (!status.ok()) return status;
+    }
     slots_.resize(static_cast<std::size_t>(pipeline_depth()));
     for (Slot& slot : slots_) {
       ATTNGRAD_CUDA_RETURN(
@@ -192,8 +217,7 @@ class GpuWorker final : public DeviceWorker {
     cudaDeviceSynchronize();
     slots_.clear();
     workspace_ = cuda::DeviceBuffer<unsigned char>();
-    device_weights_ = cuda::DeviceBuffer<float>();
-    accumulator_sets_.clear();
+    layers_.clear();
     reduce_buffer_ = cuda::DeviceBuffer<float>();
     for (cuda::Stream* stream :
          {&copy_in_stream_, &compute_stream_, &copy_out_stream_, &nccl_stream_}) {
@@ -202,9 +226,10 @@ class GpuWorker final : public DeviceWorker {
   }
 
   // Synchronous upload of the six weights (the pipeline is drained when this runs).
-  absl::Status UploadWeights(const LayerWeights& weights) {
+  absl::Status UploadWeights(ResidentLayer& layer) {
+    const LayerWeights& weights = *layer.weights;
     for (Weight weight : kAllWeights) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpy(device_weights_.get() + layout_.offsets[weight],
+      ATTNGRAD_CUDA_RETURN(cudaMemcpy(layer.device_weights.get() + layer.layout.offsets[weight],
                                       weights.values[weight].data(),
                                       weights.values[weight].size() * sizeof(float),
                                       cudaMemcpyHostToDevice));
@@ -278,13 +303,14 @@ class GpuWorker final : public DeviceWorker {
   // Stages the slot's batch and queues its copy-in, compute and copy-out.
   absl::Status Launch(Slot& slot) {
     BatchJob& job = *slot.job;
+    ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.layer_slot)];
     const auto start = std::chrono::steady_clock::now();
     job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
     const std::size_t activations = job.hidden_states.size();
     const std::size_t rotary = job.cos.size();
     const std::size_t input_elements = 2 * activations + 2 * rotary;
     const std::size_t output_elements =
-        activations + (job.return_weight_gradients ? layout_.total_elements : 0);
+        activations + (job.return_weight_gradients ? layer.layout.total_elements : 0);
     absl::Status status = EnsureCapacity(&slot.host_in, input_elements, "cudaMallocHost(host_in)");
     if (status.ok()) {
       status = EnsureCapacity(&slot.host_out, output_elements, "cudaMallocHost(host_out)");
@@ -297,7 +323,7 @@ class GpuWorker final : public DeviceWorker {
                               "cudaMalloc(device_grad_hidden)");
     }
     const std::size_t workspace_size =
-        DeviceWorkspaceSize(config_, job.batch, job.seq_len, job.precision);
+        DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
     if (status.ok() && workspace_size > workspace_.size()) {
       // The workspace is shared by every batch on the compute stream: wait until it is unused.
       status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
@@ -331,22 +357,22 @@ class GpuWorker final : public DeviceWorker {
     in.grad_output = device_in + activations;
     in.cos = device_in + 2 * activations;
     in.sin = device_in + 2 * activations + rotary;
-    in.weights = layout_.Pointers<const float>(device_weights_.get());
+    in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
     float* gradients = slot.device_weight_gradients.get();
     if (add) {
       AccumulatorSet* accumulator_set = nullptr;
-      ATTNGRAD_RETURN_IF_ERROR(AccumulatorSetAt(job.accumulator_set, &accumulator_set));
+      ATTNGRAD_RETURN_IF_ERROR(AccumulatorSetAt(layer, job.accumulator_set, &accumulator_set));
       gradients = accumulator_set->buffer.get();
     }
     BackwardOutputs out;
     out.grad_hidden_states = slot.device_grad_hidden.get();
-    out.weight_gradients = layout_.Pointers(gradients);
+    out.weight_gradients = layer.layout.Pointers(gradients);
     const Status computed =
-        BackwardDevice(config_, job.batch, job.seq_len, job.scalars, job.precision, add, in, out,
+        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision, add, in, out,
                        workspace_.get(), workspace_.size(), compute);
     // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
-    status = KernelStatus(computed.code, absl::StrCat("BackwardDevice: ", computed.message));
+    status = KernelStatus(computed, "BackwardDevice");
     if (!status.ok()) return status;
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done.get(), compute));
 
@@ -358,7 +384,7 @@ class GpuWorker final : public DeviceWorker {
     if (job.return_weight_gradients) {
       ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get() + activations,
                                            slot.device_weight_gradients.get(),
-                                           layout_.total_elements * sizeof(float),
+                                           layer.layout.total_elements * sizeof(float),
                                            cudaMemcpyDeviceToHost, copy_out));
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
@@ -374,6 +400,7 @@ class GpuWorker final : public DeviceWorker {
   // Waits for the slot's copy-out, hands the results to the job and the job back.
   void Retire(Slot& slot) {
     BatchJob& job = *slot.job;
+    ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.layer_slot)];
     job.status = CudaStatus(cudaEventSynchronize(slot.copy_out_done.get()), "batch on the GPU");
     if (job.status.ok()) {
       const auto start = std::chrono::steady_clock::now();
@@ -381,9 +408,9 @@ class GpuWorker final : public DeviceWorker {
       const float* host_out = slot.host_out.get();
       job.grad_hidden_states.assign(host_out, host_out + activations);
       if (job.return_weight_gradients) {
-        job.weight_gradients = ZeroWeights<std::vector<float>>(config_);
+        job.weight_gradients = ZeroWeights<std::vector<float>>(layer.config);
         for (Weight weight : kAllWeights) {
-          const float* source = host_out + activations + layout_.offsets[weight];
+          const float* source = host_out + activations + layer.layout.offsets[weight];
           std::copy(source, source + job.weight_gradients[weight].size(),
                     job.weight_gradients[weight].begin());
         }
@@ -396,7 +423,7 @@ class GpuWorker final : public DeviceWorker {
           ElapsedSeconds(slot.copy_out_start, slot.copy_out_done) + host_copy_out_seconds;
       if (job.accumulate && !job.return_weight_gradients) {
         AccumulatorSet& accumulator_set =
-            accumulator_sets_[static_cast<std::size_t>(job.accumulator_set)];
+            layer.accumulator_sets[static_cast<std::size_t>(job.accumulator_set)];
         ++accumulator_set.batches;
         accumulator_set.tokens += job.tokens();
       }
@@ -412,9 +439,10 @@ class GpuWorker final : public DeviceWorker {
     // Runs with nothing in flight.
     absl::Status status =
         CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
+    ResidentLayer& layer = *layers_[static_cast<std::size_t>(control.layer_slot)];
     if (status.ok() && control.new_weights != nullptr) {
-      weights_ = control.new_weights;
-      status = UploadWeights(*weights_);
+      layer.weights = control.new_weights;
+      status = UploadWeights(layer);
     }
     AccumulatorSnapshot snapshot;
     if (!control.read_accumulators && !control.zero_accumulators) {
@@ -424,15 +452,15 @@ class GpuWorker final : public DeviceWorker {
     // Every rank allocates the set when a control first addresses it (zeros), so that the NCCL
     // reduction finds a buffer on every rank.
     AccumulatorSet* accumulator_set = nullptr;
-    if (status.ok()) status = AccumulatorSetAt(control.accumulator_set, &accumulator_set);
+    if (status.ok()) status = AccumulatorSetAt(layer, control.accumulator_set, &accumulator_set);
     if (status.ok()) {
       status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
     }
     bool may_zero = true;
     if (control.read_accumulators && nccl_ != nullptr) {
-      status = ReduceAccumulators(std::move(status), accumulator_set, &snapshot, &may_zero);
+      status = ReduceAccumulators(std::move(status), layer, accumulator_set, &snapshot, &may_zero);
     } else if (status.ok() && control.read_accumulators) {
-      status = CopyAccumulators(accumulator_set->buffer.get(), &snapshot);
+      status = CopyAccumulators(layer, accumulator_set->buffer.get(), &snapshot);
     }
     if (accumulator_set != nullptr) {
       snapshot.batches = accumulator_set->batches;
@@ -454,13 +482,13 @@ class GpuWorker final : public DeviceWorker {
 
   // The accumulator set `index`, allocated and zeroed when first used (on the compute stream, so
   // a batch queued on it after this sees zeros).
-  absl::Status AccumulatorSetAt(int index, AccumulatorSet** accumulator_set) {
+  absl::Status AccumulatorSetAt(ResidentLayer& layer, int index, AccumulatorSet** accumulator_set) {
     const std::size_t position = static_cast<std::size_t>(std::max(0, index));
-    if (accumulator_sets_.size() <= position) accumulator_sets_.resize(position + 1);
-    AccumulatorSet& set = accumulator_sets_[position];
+    if (layer.accumulator_sets.size() <= position) layer.accumulator_sets.resize(position + 1);
+    AccumulatorSet& set = layer.accumulator_sets[position];
     if (set.buffer.get() == nullptr) {
       const cudaError_t allocated =
-          cuda::DeviceBuffer<float>::Create(layout_.total_elements, &set.buffer);
+          cuda::DeviceBuffer<float>::Create(layer.layout.total_elements, &set.buffer);
       if (allocated != cudaSuccess) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "accumulators of another client window on ", device(), ": ",
@@ -475,12 +503,13 @@ class GpuWorker final : public DeviceWorker {
     return absl::OkStatus();
   }
 
-  // The six tensors of a device buffer (layout_) into snapshot->gradients.
-  absl::Status CopyAccumulators(const float* device_buffer, AccumulatorSnapshot* snapshot) {
-    snapshot->gradients = ZeroWeights<std::vector<float>>(config_);
+  // The six tensors of a device buffer (the layer's layout) into snapshot->gradients.
+  absl::Status CopyAccumulators(const ResidentLayer& layer, const float* device_buffer,
+                                AccumulatorSnapshot* snapshot) {
+    snapshot->gradients = ZeroWeights<std::vector<float>>(layer.config);
     for (Weight weight : kAllWeights) {
       ATTNGRAD_CUDA_RETURN(cudaMemcpy(snapshot->gradients[weight].data(),
-                                      device_buffer + layout_.offsets[weight],
+                                      device_buffer + layer.layout.offsets[weight],
                                       snapshot->gradients[weight].size() * sizeof(float),
                                       cudaMemcpyDeviceToHost));
     }
@@ -491,8 +520,9 @@ class GpuWorker final : public DeviceWorker {
   // top of the file). `prior`: how this control went so far on this rank. The root's snapshot gets
   // the sum over all ranks; the others' none. *may_zero is false unless every rank succeeded.
   // A rank that succeeded while another failed returns OK (the failing rank reports the error).
-  absl::Status ReduceAccumulators(absl::Status prior, AccumulatorSet* accumulator_set,
-                                  AccumulatorSnapshot* snapshot, bool* may_zero) {
+  absl::Status ReduceAccumulators(absl::Status prior, const ResidentLayer& layer,
+                                  AccumulatorSet* accumulator_set, AccumulatorSnapshot* snapshot,
+                                  bool* may_zero) {
 #ifdef ATTNGRAD_HAVE_NCCL_HEADER
     *may_zero = false;
     if (!nccl_->AllAgree(prior.ok())) return prior;  // someone cannot take part: nobody starts
@@ -500,7 +530,7 @@ class GpuWorker final : public DeviceWorker {
     // recvbuff is only used on the root ("may be NULL on all calls except for root", nccl.h).
     absl::Status status = nccl.Check(
         nccl.reduce(accumulator_set->buffer.get(), rank_ == 0 ? reduce_buffer_.get() : nullptr,
-                    layout_.total_elements, ncclFloat32, ncclSum, /*root=*/0, nccl_->comm(rank_),
+                    layer.layout.total_elements, ncclFloat32, ncclSum, /*root=*/0, nccl_->comm(rank_),
                     nccl_stream_.get()),
         absl::StrCat("ncclReduce of the accumulators (", device(), ")"));
     // Returns once every rank's part of the reduction is done.
@@ -508,12 +538,15 @@ class GpuWorker final : public DeviceWorker {
       status = CudaStatus(cudaStreamSynchronize(nccl_stream_.get()),
                           "cudaStreamSynchronize(ncclReduce)");
     }
-    if (status.ok() && rank_ == 0) status = CopyAccumulators(reduce_buffer_.get(), snapshot);
+    if (status.ok() && rank_ == 0) {
+      status = CopyAccumulators(layer, reduce_buffer_.get(), snapshot);
+    }
     *may_zero = nccl_->AllAgree(status.ok());
     if (!status.ok()) snapshot->gradients = LayerTensors();
     return status;
 #else
     *may_zero = false;
+    (void)layer;
     (void)accumulator_set;
     (void)snapshot;
     return prior.ok() ? absl::InternalError("NCCL sum without nccl.h") : prior;
@@ -523,15 +556,13 @@ class GpuWorker final : public DeviceWorker {
   const std::shared_ptr<NcclSum> nccl_;  // null: host-side sums
   const int rank_;
   const int cuda_device_;
-  std::shared_ptr<const LayerWeights> weights_;
-  const LayerConfig config_;
-  const PackedWeightLayout layout_;
+  // Every served layer, by slot (unique_ptr: their addresses stay put).
+  std::vector<std::unique_ptr<ResidentLayer>> layers_;
+  std::size_t largest_layer_elements_ = 0;  // sizes the slots' gradients and the NCCL buffer
   std::string name_;
   std::atomic<long long> memory_total_{0};
   std::atomic<long long> memory_used_{0};
   cuda::Stream copy_in_stream_, compute_stream_, copy_out_stream_;
-  cuda::DeviceBuffer<float> device_weights_;       // layout_
-  std::vector<AccumulatorSet> accumulator_sets_;  // one per client window holding sums
   cuda::Stream nccl_stream_;                       // NCCL only
   cuda::DeviceBuffer<float> reduce_buffer_;        // NCCL root only: the summed accumulators
   cuda::DeviceBuffer<unsigned char> workspace_;    // shared by every batch on compute_stream_
@@ -575,15 +606,10 @@ std::shared_ptr<NcclSum> MakeNcclSum(const std::vector<int>& devices, std::strin
 }  // namespace
 
 absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>& devices,
-                                            std::shared_ptr<const LayerWeights> weights,
+                                            const LayerSlots& layers,
                                             int pipeline_depth, NcclMode nccl_mode,
                                             ServerMetrics* metrics) {
   const int count = DeviceCount();
-  if (weights->config.head_dim != 128) {
-    return absl::UnimplementedError(absl::StrCat(
-        "--weights: the GPU kernels support head_dim 128 only; this layer has head_dim ",
-        weights->config.head_dim, " (serve it with --devices=cpu)"));
-  }
   for (int device : devices) {
     if (device < 0 || device >= count) {
       return absl::InvalidArgumentError(absl::StrCat("--devices: CUDA device ", device,
@@ -618,7 +644,7 @@ absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>& devices,
   }
   for (std::size_t rank = 0; rank < devices.size(); ++rank) {
     const int device = devices[rank];
-    auto worker = std::make_unique<GpuWorker>(device, weights, pipeline_depth, metrics, nccl,
+    auto worker = std::make_unique<GpuWorker>(device, layers, pipeline_depth, metrics, nccl,
                                               static_cast<int>(rank));
     absl::Status status = worker->Start();
     if (!status.ok()) {

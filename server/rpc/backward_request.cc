@@ -1,6 +1,7 @@
 // BackwardRequest validation and conversion.
 #include "rpc/backward_request.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -35,6 +36,7 @@ absl::Status DecodeFinite(const v1::Tensor& tensor, const std::string& field, ab
 
 absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
                                                     const LayerConfig& config,
+                                                    const LayerSettings& settings,
                                                     const BatchLimits& limits) {
   ParsedBackward parsed;
   if (!v1::GradientMode_IsValid(request.mode())) {
@@ -123,7 +125,7 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
             "positions.position_ids: got ", count, " values, expected B*S = ", tokens,
             " or S = ", seq_len));
       }
-      theta = positions.rope_theta() == 0 ? 10000.0 : positions.rope_theta();
+      theta = positions.rope_theta() == 0 ? settings.rope_theta : positions.rope_theta();
       if (!std::isfinite(theta) || !(theta > 0)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "positions.rope_theta: ", positions.rope_theta(), " must be finite and > 0 (0 = 10000)"));
@@ -144,13 +146,21 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   }
 
   // Scalars.
-  Scalars scalars;
-  scalars.scaling = request.has_scaling() ? request.scaling() : 1.0f / std::sqrt(float(head_dim));
-  if (request.has_softcap()) scalars.softcap = request.softcap();
+  // The layer's defaults (config.json), overridden by the request; softcap <= 0 = none.
+  Scalars scalars = settings.scalars;
+  if (request.has_scaling()) scalars.scaling = request.scaling();
+  if (request.has_softcap()) scalars.softcap = std::max(0.f, request.softcap());
   if (request.has_eps()) scalars.eps = request.eps();
   ATTNGRAD_RETURN_IF_ERROR(CheckScalar(request.has_scaling(), request.scaling(), "scaling", false));
-  ATTNGRAD_RETURN_IF_ERROR(CheckScalar(request.has_softcap(), request.softcap(), "softcap", true));
+  ATTNGRAD_RETURN_IF_ERROR(CheckScalar(request.has_softcap(), request.softcap(), "softcap", false));
   ATTNGRAD_RETURN_IF_ERROR(CheckScalar(request.has_eps(), request.eps(), "eps", true));
+  if (request.has_sliding_window()) {
+    if (request.sliding_window() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sliding_window: ", request.sliding_window(), " must be >= 0 (0 = full causal attention)"));
+    }
+    scalars.sliding_window = request.sliding_window();
+  }
 
   // The response must fit in one message.
   const std::int64_t response_elements =
@@ -197,10 +207,19 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   } else {
     const auto& ids = request.positions().position_ids();
     BuildRotaryTables(absl::MakeConstSpan(ids.data(), ids.size()), job->batch, job->seq_len,
-                      config.head_dim, theta, absl::MakeSpan(job->cos), absl::MakeSpan(job->sin));
+                      config.head_dim, theta, absl::MakeSpan(job->cos), absl::MakeSpan(job->sin),
+                      settings.rope_scaling_factor);
   }
   parsed.job = std::move(job);
   return parsed;
+}
+
+absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
+                                                    const LayerConfig& config,
+                                                    const BatchLimits& limits) {
+  LayerSettings settings;
+  settings.scalars.scaling = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+  return ParseBackwardRequest(request, config, settings, limits);
 }
 
 void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardResponse* response) {

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "attngrad/v1/attngrad.pb.h"
 #include "scheduling/device_worker.h"
+#include "weights/model.h"
 
 namespace attngrad::server {
 
@@ -25,8 +26,17 @@ struct ParsedBackward {
 };
 
 // INVALID_ARGUMENT (naming the field and what was expected) for a malformed request;
-// RESOURCE_EXHAUSTED when B*S exceeds max_batch_tokens or the response would exceed
+// `settings` are the addressed layer's defaults (scalars, sliding window, RoPE base and linear
+// scaling of position-built tables), which the request's fields override. RESOURCE_EXHAUSTED
+// when B*S exceeds max_batch_tokens or the response would exceed
 // max_message_bytes (the message says how to split the batch along B).
+absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
+                                                    const LayerConfig& config,
+                                                    const LayerSettings& settings,
+                                                    const BatchLimits& limits);
+
+// The same for the seed's single layer (SPEC defaults: scaling 1/sqrt(head_dim), soft-cap 50, full
+// causal attention, RoPE base 10000).
 absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
                                                     const LayerConfig& config,
                                                     const BatchLimits& limits);

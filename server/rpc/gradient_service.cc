@@ -1,9 +1,11 @@
 // The reactors of attngrad.v1.AttentionGradient.
 #include "rpc/gradient_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <mutex>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "attngrad/wire/dtype.h"
@@ -23,6 +25,7 @@ void FillState(const WindowState& state, v1::AccumulationState* out) {
   out->set_weights_version(state.weights_version);
   out->set_batches(state.batches);
   out->set_tokens(state.tokens);
+  out->set_layer(state.layer);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -200,18 +203,35 @@ class BackwardReactor final
   void HandleRequest() {
     service_->metrics().AddReceivedBytes("Backward", static_cast<double>(PayloadBytes(request_)));
     const std::uint64_t batch_id = request_.batch_id();
+    const GradientCore& core = service_->core();
+    absl::StatusOr<int> slot = core.SlotOf(
+        request_.has_layer() ? std::optional<int>(request_.layer()) : std::nullopt, "layer");
     absl::StatusOr<ParsedBackward> parsed =
-        ParseBackwardRequest(request_, service_->core().config(), service_->limits().batch);
+        slot.ok() ? ParseBackwardRequest(request_, core.config(*slot), core.settings(*slot),
+                                         service_->limits().batch)
+                  : absl::StatusOr<ParsedBackward>(slot.status());
     if (!parsed.ok()) {
       QueueResponse(ErrorResponse(batch_id, parsed.status()), /*job_finished=*/false);
       return;
     }
+    parsed->job->layer_slot = *slot;
+    const int layer = core.settings(*slot).index;
     const int response_dtype = parsed->response_dtype;
-    const std::string instance_id = service_->core().instance_id();
-    parsed->job->on_done = [this, batch_id, response_dtype,
+    const std::string instance_id = core.instance_id();
+    parsed->job->on_done = [this, batch_id, response_dtype, layer,
                             instance_id](std::unique_ptr<BatchJob> job) {
       std::unique_ptr<v1::BackwardResponse> response;
-      if (!job->status.ok()) {
+      if (absl::IsUnimplemented(job->status)) {
+        // The device's kernels do not compute this layer (e.g. the GPU kernels without sliding
+        // windows or head_dim 256): say which layer and what serves it.
+        response = ErrorResponse(
+            batch_id,
+            absl::UnimplementedError(absl::StrCat(
+                "layer ", layer, " (head_dim ", job->cos.size() / std::max<std::size_t>(1, job->tokens()),
+                ", sliding_window ", job->scalars.sliding_window, ") is not supported on ",
+                job->device, ": ", job->status.message(),
+                "; serve this layer from an attngrad-server with --devices=cpu")));
+      } else if (!job->status.ok()) {
         response = ErrorResponse(batch_id, job->status);
       } else {
         response = std::make_unique<v1::BackwardResponse>();
@@ -222,6 +242,7 @@ class BackwardReactor final
       response->set_weights_version(job->weights_version);
       response->set_accumulation_window_id(job->window_id);
       response->set_duplicate(job->duplicate);
+      response->set_layer(layer);
       QueueResponse(std::move(response), /*job_finished=*/true);
     };
     {
@@ -268,9 +289,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
       : service_(service),
         context_(context),
         response_(response),
-        start_(Clock::now()),
-        config_(service->core().config()),
-        staging_(ZeroWeights<std::vector<float>>(config_)) {
+        start_(Clock::now()) {
     received_.items.fill(0);
     dtypes_.items.fill(v1::DTYPE_UNSPECIFIED);
     StartRead(&request_);
@@ -310,6 +329,20 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     }
     const Weight index = *named;
     const std::string field = WeightModuleName(index);
+    // The layer: named by the first chunk (unset = the first served layer); later chunks name
+    // the same one or leave it unset.
+    if (slot_ < 0) {
+      ATTNGRAD_ASSIGN_OR_RETURN(
+          slot_, service_->core().SlotOf(
+                     request_.has_layer() ? std::optional<int>(request_.layer()) : std::nullopt,
+                     "layer"));
+      config_ = service_->core().config(slot_);
+      staging_ = ZeroWeights<std::vector<float>>(config_);
+    } else if (request_.has_layer() && request_.layer() != service_->core().settings(slot_).index) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer: chunks of one upload name different layers (",
+          service_->core().settings(slot_).index, " and ", request_.layer(), ")"));
+    }
     if (request_.expected_weights_version() != 0) {
       if (expected_version_ != 0 && expected_version_ != request_.expected_weights_version()) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -374,6 +407,10 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
   }
 
   absl::Status Commit() {
+    if (slot_ < 0) {
+      return absl::InvalidArgumentError(
+          "LoadWeights: no chunks; every weight must be sent in full; nothing was changed");
+    }
     for (Weight weight : kAllWeights) {
       if (received_[weight] != staging_[weight].size()) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -387,8 +424,9 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     weights.source = "upload";
     ATTNGRAD_ASSIGN_OR_RETURN(
         const std::uint64_t version,
-        service_->core().ReplaceWeights(std::move(weights), expected_version_));
+        service_->core().ReplaceWeights(slot_, std::move(weights), expected_version_));
     response_->set_weights_version(version);
+    response_->set_layer(service_->core().settings(slot_).index);
     return absl::OkStatus();
   }
 
@@ -402,7 +440,8 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
   grpc::CallbackServerContext* const context_;
   v1::LoadWeightsResponse* const response_;
   const Clock::time_point start_;
-  const LayerConfig config_;
+  int slot_ = -1;  // the layer, once the first chunk named it
+  LayerConfig config_;
   LayerTensors staging_;
   PerWeight<std::size_t> received_;
   PerWeight<int> dtypes_;
@@ -417,7 +456,11 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
  public:
   FetchReactor(GradientService* service, const v1::FetchGradientsRequest& request,
                const std::string& window_owner)
-      : service_(service), start_(Clock::now()) {
+      : service_(service),
+        start_(Clock::now()),
+        window_owner_(window_owner),
+        zero_after_fetch_(request.zero_after_fetch()),
+        expected_window_id_(request.expected_window_id()) {
     dtype_ = request.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.dtype();
     if (!wire::IsSupportedDType(dtype_)) {
       FinishWith(absl::InvalidArgumentError(absl::StrCat(
@@ -436,15 +479,28 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
                                          service_->limits().batch.max_message_bytes - 65536);
     chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
     elements_per_chunk_ = static_cast<std::size_t>(chunk_bytes) / wire::DTypeSize(dtype_);
-    service_->core().Fetch(window_owner, request.zero_after_fetch(), request.expected_window_id(),
-                           [this](absl::StatusOr<FetchResult> result) {
-                             if (!result.ok()) {
-                               FinishWith(result.status());
-                               return;
-                             }
-                             result_ = *std::move(result);
-                             WriteNext();
-                           });
+    // The layers, in the order asked (none: the first served layer).
+    for (int i = 0; i < std::max(1, request.layers_size()); ++i) {
+      const std::string field = absl::StrCat("layers[", i, "]");
+      absl::StatusOr<int> slot = service_->core().SlotOf(
+          request.layers_size() == 0 ? std::nullopt : std::optional<int>(request.layers(i)), field);
+      if (!slot.ok()) {
+        FinishWith(slot.status());
+        return;
+      }
+      if (std::find(slots_.begin(), slots_.end(), *slot) != slots_.end()) {
+        FinishWith(absl::InvalidArgumentError(absl::StrCat(
+            field, ": layer ", request.layers(i), " is listed twice")));
+        return;
+      }
+      slots_.push_back(*slot);
+    }
+    if (slots_.size() > 1 && expected_window_id_ != 0) {
+      FinishWith(absl::InvalidArgumentError(
+          "expected_window_id: windows are per layer; name one layer with it, or leave it 0"));
+      return;
+    }
+    StartLayer();
   }
 
   void OnWriteDone(bool ok) override {
@@ -463,8 +519,29 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   }
 
  private:
+  // Fetches the next layer's sums (one layer at a time: a fetch of many layers holds one layer's
+  // gradients in memory at once) and starts writing them.
+  void StartLayer() {
+    service_->core().Fetch(window_owner_, slots_[layer_position_], zero_after_fetch_,
+                           expected_window_id_, [this](absl::StatusOr<FetchResult> result) {
+                             if (!result.ok()) {
+                               FinishWith(result.status());
+                               return;
+                             }
+                             result_ = *std::move(result);
+                             weight_index_ = 0;
+                             offset_ = 0;
+                             first_ = true;
+                             WriteNext();
+                           });
+  }
+
   void WriteNext() {
     if (weight_index_ == kNumWeights) {
+      if (++layer_position_ < slots_.size()) {
+        StartLayer();
+        return;
+      }
       FinishWith(absl::OkStatus());
       return;
     }
@@ -479,8 +556,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
     chunk_.set_name(wire::WireWeightName(weight));
     chunk_.set_dtype(static_cast<v1::DType>(dtype_));
     if (offset_ == 0) {
-      for (std::int64_t dim : WeightShape(service_->core().config(), weight)) chunk_.add_shape(dim);
+      const LayerConfig& config = service_->core().config(slots_[layer_position_]);
+      for (std::int64_t dim : WeightShape(config, weight)) chunk_.add_shape(dim);
     }
+    chunk_.set_layer(result_.state.layer);
     chunk_.set_offset(static_cast<std::int64_t>(offset_));
     wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset_, count), dtype_,
                           chunk_.mutable_data());
@@ -500,6 +579,11 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
 
   GradientService* const service_;
   const Clock::time_point start_;
+  const std::string window_owner_;
+  const bool zero_after_fetch_;
+  const std::uint64_t expected_window_id_;
+  std::vector<int> slots_;           // the layers to fetch, in order
+  std::size_t layer_position_ = 0;   // into slots_
   int dtype_ = v1::DTYPE_FLOAT32;
   std::size_t elements_per_chunk_ = 0;
   FetchResult result_;
@@ -588,10 +672,26 @@ grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerCont
   response->set_max_batch_tokens(limits_.batch.max_batch_tokens);
   response->set_accumulation_window_id(core_->window_id(caller->client_id));
   response->set_server_version(server_version_);
-  const Scalars defaults;
-  response->set_default_scaling(1.0f / std::sqrt(static_cast<float>(config.head_dim)));
+  const Scalars& defaults = core_->settings(0).scalars;
+  response->set_default_scaling(defaults.scaling);
   response->set_default_softcap(defaults.softcap);
   response->set_default_eps(defaults.eps);
+  response->set_model_name(core_->model_name());
+  response->set_num_hidden_layers(core_->num_hidden_layers());
+  for (const GradientCore::LayerDescription& layer : core_->Layers()) {
+    v1::LayerInfo* info = response->add_layers();
+    info->set_index(layer.settings.index);
+    wire::LayerConfigToWire(layer.config, info->mutable_config());
+    info->set_type(layer.settings.type == AttentionType::kSliding ? v1::ATTENTION_TYPE_SLIDING
+                                                                  : v1::ATTENTION_TYPE_FULL);
+    info->set_sliding_window(layer.settings.scalars.sliding_window);
+    info->set_rope_theta(layer.settings.rope_theta);
+    info->set_rope_scaling_factor(layer.settings.rope_scaling_factor);
+    info->set_scaling(layer.settings.scalars.scaling);
+    info->set_softcap(layer.settings.scalars.softcap);
+    info->set_eps(layer.settings.scalars.eps);
+    info->set_weights_version(layer.weights_version);
+  }
   reactor->Finish(grpc::Status::OK);
   metrics_->ObserveRpc("GetModelInfo", "OK",
                        std::chrono::duration<double>(Clock::now() - start).count());
@@ -642,7 +742,16 @@ grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerCon
     reactor->Finish(ToGrpcStatus(owner.status()));
     return reactor;
   }
-  core_->Zero(*owner, request->expected_window_id(),
+  absl::StatusOr<int> slot = core_->SlotOf(
+      request->has_layer() ? std::optional<int>(request->layer()) : std::nullopt, "layer");
+  if (!slot.ok()) {
+    const std::string code = StatusCodeName(static_cast<int>(slot.status().code()));
+    metrics_->CountError("ZeroGradients", code);
+    metrics_->ObserveRpc("ZeroGradients", code, 0.0);
+    reactor->Finish(ToGrpcStatus(slot.status()));
+    return reactor;
+  }
+  core_->Zero(*owner, *slot, request->expected_window_id(),
               [this, reactor, response, start](absl::StatusOr<ZeroResult> result) {
                 const std::string code = StatusCodeName(static_cast<int>(result.status().code()));
                 if (result.ok()) {

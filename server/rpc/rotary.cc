@@ -50,9 +50,13 @@ absl::Status CheckRotaryInputs(absl::Span<const std::int64_t> positions, int hea
 }
 
 void BuildRotaryTables(absl::Span<const std::int64_t> positions, int batch, int seq_len,
-                       int head_dim, double theta, absl::Span<float> cos, absl::Span<float> sin) {
+                       int head_dim, double theta, absl::Span<float> cos, absl::Span<float> sin,
+                       double linear_scaling_factor) {
   const int half = head_dim / 2;
-  const std::vector<double> inv_freq = InverseFrequencies(head_dim, theta);
+  std::vector<double> inv_freq = InverseFrequencies(head_dim, theta);
+  if (linear_scaling_factor > 0 && linear_scaling_factor != 1.0) {
+    for (double& frequency : inv_freq) frequency /= linear_scaling_factor;
+  }
   const bool shared = positions.size() == static_cast<std::size_t>(seq_len);
   for (int b = 0; b < batch; ++b) {
     for (int s = 0; s < seq_len; ++s) {

@@ -22,9 +22,11 @@ inline constexpr std::int64_t kMaxRotaryPosition = std::int64_t{1} << 40;
 absl::Status CheckRotaryInputs(absl::Span<const std::int64_t> positions, int head_dim, double theta);
 
 // Fills cos and sin [batch, seq_len, head_dim]. `positions` holds batch*seq_len ids, or seq_len ids
-// shared by every sequence; the ids and theta have passed CheckRotaryInputs.
+// shared by every sequence; the ids and theta have passed CheckRotaryInputs. linear_scaling_factor
+// (> 0): Hugging Face's "linear" rope_scaling, every inverse frequency divided by it (1 = none).
 void BuildRotaryTables(absl::Span<const std::int64_t> positions, int batch, int seq_len,
-                       int head_dim, double theta, absl::Span<float> cos, absl::Span<float> sin);
+                       int head_dim, double theta, absl::Span<float> cos, absl::Span<float> sin,
+                       double linear_scaling_factor = 1.0);
 
 }  // namespace attngrad::server
 

@@ -27,10 +27,15 @@
 
 namespace attngrad::server {
 
+// The weights of the layers a server holds, by slot (0 .. count-1: GradientCore's order of the
+// served decoder layers). Every worker holds all of them; batches and controls name a slot.
+using LayerSlots = std::vector<std::shared_ptr<const LayerWeights>>;
+
 // One batch: fp32 host inputs in, fp32 host outputs back, owned by whoever holds the pointer.
 struct BatchJob {
   int batch = 0;
   int seq_len = 0;
+  int layer_slot = 0;  // which served layer (LayerSlots index)
   Scalars scalars;
   Precision precision = Precision::kAuto;
   // Add this batch's weight gradients to the worker's accumulator set `accumulator_set`.
@@ -69,8 +74,9 @@ struct AccumulatorSnapshot {
 
 // A control operation, ordered with the batches.
 struct WorkerControl {
-  std::shared_ptr<const LayerWeights> new_weights;  // set: replace the resident weights
-  int accumulator_set = 0;                          // which set reads and zeroes address
+  int layer_slot = 0;                               // the served layer it addresses
+  std::shared_ptr<const LayerWeights> new_weights;  // set: replace that layer's weights
+  int accumulator_set = 0;                          // which of its sets reads and zeroes address
   bool read_accumulators = false;                   // copy them out into the snapshot
   bool zero_accumulators = false;                   // then zero them
   std::function<void(absl::Status, AccumulatorSnapshot)> on_done;  // on the worker's thread
@@ -147,7 +153,7 @@ class DeviceWorker {
 };
 
 // Maps a kernel status to an absl::Status naming what failed.
-absl::Status KernelStatus(attngrad_status status, const std::string& what);
+absl::Status KernelStatus(const Status& status, const std::string& what);
 
 double SecondsSince(std::chrono::steady_clock::time_point start);
 

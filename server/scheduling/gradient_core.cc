@@ -20,44 +20,112 @@ std::string RandomInstanceId() {
   return absl::StrFormat("%016x%016x", high, low);
 }
 
-GradientCore::GradientCore(std::shared_ptr<const LayerWeights> weights,
+namespace {
+
+std::vector<LayerSettings> SettingsOf(const ServedModel& model) {
+  std::vector<LayerSettings> settings;
+  for (const ServedLayer& layer : model.layers) settings.push_back(layer.settings);
+  return settings;
+}
+
+std::vector<LayerConfig> ConfigsOf(const ServedModel& model) {
+  std::vector<LayerConfig> configs;
+  for (const ServedLayer& layer : model.layers) configs.push_back(layer.weights->config);
+  return configs;
+}
+
+}  // namespace
+
+LayerSlots GradientCore::LayerSlotsOf(const ServedModel& model) {
+  LayerSlots slots;
+  for (const ServedLayer& layer : model.layers) slots.push_back(layer.weights);
+  return slots;
+}
+
+GradientCore::GradientCore(const ServedModel& model,
                            std::vector<std::unique_ptr<DeviceWorker>> workers,
                            ServerMetrics* metrics, int max_clients_with_sums)
-    : config_(weights->config),
+    : settings_(SettingsOf(model)),
+      configs_(ConfigsOf(model)),
+      model_name_(model.name),
+      num_hidden_layers_(model.num_hidden_layers),
       instance_id_(RandomInstanceId()),
       metrics_(metrics),
-      workers_(std::move(workers)),
-      weights_(std::move(weights)) {
+      workers_(std::move(workers)) {
   // Window ids start at a random point (below 2^52, so they stay exact as JSON numbers), so a
   // window id of an earlier server instance is refused by a restarted server rather than matched.
   std::random_device device;
   next_window_id_ = ((static_cast<std::uint64_t>(device()) << 32 | device()) & ((1ull << 51) - 1)) + 1;
-  for (int set = std::max(1, max_clients_with_sums) - 1; set >= 0; --set) {
-    free_accumulator_sets_.push_back(set);  // set 0 is taken first
+  for (const ServedLayer& layer : model.layers) {
+    LayerState state;
+    state.weights = layer.weights;
+    for (int set = std::max(1, max_clients_with_sums) - 1; set >= 0; --set) {
+      state.free_accumulator_sets.push_back(set);  // set 0 is taken first
+    }
+    layers_.push_back(std::move(state));
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  metrics_->weights_version().Set(static_cast<double>(weights_version_));
+  UpdateVersionGaugeLocked();
   UpdateGaugesLocked();
+}
+
+void GradientCore::UpdateVersionGaugeLocked() {
+  // The highest weights version of any layer (every change of any layer raises it or keeps it).
+  std::uint64_t highest = 0;
+  for (const LayerState& layer : layers_) highest = std::max(highest, layer.weights_version);
+  metrics_->weights_version().Set(static_cast<double>(highest));
+}
+
+absl::StatusOr<int> GradientCore::SlotOf(std::optional<int> layer, const std::string& field) const {
+  if (!layer.has_value()) return 0;
+  for (std::size_t slot = 0; slot < settings_.size(); ++slot) {
+    if (settings_[slot].index == *layer) return static_cast<int>(slot);
+  }
+  const int first = settings_.front().index;
+  const int last = settings_.back().index;
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": this server has no decoder layer ", *layer, "; it holds layer",
+      first == last ? absl::StrCat(" ", first) : absl::StrCat("s ", first, "-", last),
+      model_name_.empty() ? "" : absl::StrCat(" of ", model_name_, " (", num_hidden_layers_,
+                                              " layers)"),
+      " (GetModelInfo.layers)"));
 }
 
 GradientCore::~GradientCore() {
   for (auto& worker : workers_) worker->StopAndJoin();
 }
 
-std::uint64_t GradientCore::weights_version() const {
+std::uint64_t GradientCore::weights_version(int slot) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return weights_version_;
+  return layers_[static_cast<std::size_t>(slot)].weights_version;
 }
 
-std::uint64_t GradientCore::window_id(const std::string& client_id) {
+std::uint64_t GradientCore::window_id(const std::string& client_id, int slot) {
   std::lock_guard<std::mutex> lock(mutex_);
-  absl::StatusOr<std::shared_ptr<Window>> window = WindowOfLocked(client_id);
+  absl::StatusOr<std::shared_ptr<Window>> window = WindowOfLocked({client_id, slot});
   return window.ok() ? (*window)->id : 0;
 }
 
 std::string GradientCore::weights_source() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return weights_->source;
+  if (layers_.size() == 1) return layers_.front().weights->source;
+  return absl::StrCat(model_name_.empty() ? std::string("model") : model_name_, ":layers=",
+                      settings_.front().index, "-", settings_.back().index, " (",
+                      layers_.front().weights->source, ", ...)");
+}
+
+std::vector<GradientCore::LayerDescription> GradientCore::Layers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<LayerDescription> layers;
+  for (std::size_t slot = 0; slot < layers_.size(); ++slot) {
+    LayerDescription description;
+    description.settings = settings_[slot];
+    description.config = configs_[slot];
+    description.weights_version = layers_[slot].weights_version;
+    description.weights_source = layers_[slot].weights->source;
+    layers.push_back(std::move(description));
+  }
+  return layers;
 }
 
 std::vector<DeviceDescription> GradientCore::Devices() const {
@@ -67,8 +135,8 @@ std::vector<DeviceDescription> GradientCore::Devices() const {
 }
 
 absl::StatusOr<std::shared_ptr<GradientCore::Window>> GradientCore::WindowOfLocked(
-    const std::string& client_id) {
-  auto found = windows_.find(client_id);
+    const WindowKey& key) {
+  auto found = windows_.find(key);
   if (found != windows_.end()) return found->second;
   if (windows_.size() >= kMaxClientWindows) {
     // Forget one empty window (its client starts a new window id at its next call).
@@ -82,16 +150,18 @@ absl::StatusOr<std::shared_ptr<GradientCore::Window>> GradientCore::WindowOfLock
     }
     windows_.erase(empty);
   }
-  StartWindowLocked(client_id);
-  return windows_[client_id];
+  StartWindowLocked(key);
+  return windows_[key];
 }
 
-void GradientCore::StartWindowLocked(const std::string& client_id) {
-  std::shared_ptr<Window>& slot = windows_[client_id];
+void GradientCore::StartWindowLocked(const WindowKey& key) {
+  std::shared_ptr<Window>& slot = windows_[key];
   if (slot != nullptr && slot->accumulator_set >= 0) {
-    free_accumulator_sets_.push_back(slot->accumulator_set);
+    layers_[static_cast<std::size_t>(key.second)].free_accumulator_sets.push_back(
+        slot->accumulator_set);
   }
   auto window = std::make_shared<Window>();
+  window->slot = key.second;
   window->id = next_window_id_++;
   slot = std::move(window);
   metrics_->accumulation_window_id().Set(static_cast<double>(slot->id));
@@ -102,7 +172,10 @@ WindowState GradientCore::StateOfLocked(const Window& window) const {
   WindowState state;
   state.server_instance_id = instance_id_;
   state.window_id = window.id;
-  state.weights_version = window.batch_ids.empty() ? weights_version_ : window.weights_version;
+  state.weights_version = window.batch_ids.empty()
+                              ? layers_[static_cast<std::size_t>(window.slot)].weights_version
+                              : window.weights_version;
+  state.layer = settings_[static_cast<std::size_t>(window.slot)].index;
   return state;
 }
 
@@ -136,22 +209,27 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
                                               std::uint64_t expected_weights_version,
                                               std::uint64_t expected_window_id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (expected_weights_version != 0 && expected_weights_version != weights_version_) {
+  const int slot = job->layer_slot;
+  LayerState& layer = layers_[static_cast<std::size_t>(slot)];
+  const std::uint64_t layer_version = layer.weights_version;
+  if (expected_weights_version != 0 && expected_weights_version != layer_version) {
     return absl::FailedPreconditionError(absl::StrCat(
         "expected_weights_version: the request expects weights version ", expected_weights_version,
-        " but the server has version ", weights_version_,
+        " but layer ", settings_[static_cast<std::size_t>(slot)].index, " has version ",
+        layer_version,
         " (the weights were replaced, or the server restarted; see GetModelInfo)"));
   }
   Admission admission;
-  admission.weights_version = weights_version_;
+  admission.weights_version = layer_version;
   bool counts = false;  // a new batch of the window: it adds to the accumulators
   std::shared_ptr<Window> window;
   if (job->accumulate) {
-    ATTNGRAD_ASSIGN_OR_RETURN(window, WindowOfLocked(client_id));
+    ATTNGRAD_ASSIGN_OR_RETURN(window, WindowOfLocked({client_id, slot}));
     if (expected_window_id != 0 && expected_window_id != window->id) {
       return absl::FailedPreconditionError(absl::StrCat(
           "accumulation_window_id: the batch names window ", expected_window_id,
-          " but the current window of client '", client_id, "' is ", window->id,
+          " but the current window of client '", client_id, "' for layer ",
+          settings_[static_cast<std::size_t>(slot)].index, " is ", window->id,
           " of server instance ", instance_id_,
           " (the window was zeroed or fetched-and-zeroed, or the server restarted)"));
     }
@@ -159,23 +237,23 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
       admission.duplicate = true;
       job->accumulate = false;  // computed (the response is answered again), not added
     } else {
-      if (!window->batch_ids.empty() && window->weights_version != weights_version_) {
+      if (!window->batch_ids.empty() && window->weights_version != layer_version) {
         return absl::FailedPreconditionError(absl::StrCat(
             "weights: accumulation window ", window->id, " holds gradients of weights version ",
-            window->weights_version, " but the weights are now version ", weights_version_,
+            window->weights_version, " but the weights are now version ", layer_version,
             "; fetch-and-zero or zero the window before accumulating against the new weights"));
       }
       if (window->accumulator_set < 0) {
-        if (free_accumulator_sets_.empty()) {
+        if (layer.free_accumulator_sets.empty()) {
           return absl::ResourceExhaustedError(absl::StrCat(
               "ACCUMULATE: every accumulator set is held by another client's window "
               "(--max_clients_with_sums); retry after some client fetches-and-zeroes or zeroes "
               "its window, or send RETURN batches"));
         }
-        window->accumulator_set = free_accumulator_sets_.back();
-        free_accumulator_sets_.pop_back();
+        window->accumulator_set = layer.free_accumulator_sets.back();
+        layer.free_accumulator_sets.pop_back();
       }
-      window->weights_version = weights_version_;
+      window->weights_version = layer_version;
       window->batch_ids.insert(batch_id);
       counts = true;
     }
@@ -205,32 +283,36 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
   return admission;
 }
 
-absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(LayerWeights weights,
+absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(int slot, LayerWeights weights,
                                                            std::uint64_t expected_version) {
-  ATTNGRAD_RETURN_IF_ERROR(CheckShapes(weights.values, config_));
+  const LayerConfig& config = configs_[static_cast<std::size_t>(slot)];
+  ATTNGRAD_RETURN_IF_ERROR(CheckShapes(weights.values, config));
   for (Weight weight : kAllWeights) {
     ATTNGRAD_RETURN_IF_ERROR(wire::CheckFinite(weights.values[weight], WeightModuleName(weight)));
   }
-  weights.config = config_;
+  weights.config = config;
   auto shared = std::make_shared<const LayerWeights>(std::move(weights));
   std::lock_guard<std::mutex> lock(mutex_);
-  if (expected_version != 0 && expected_version != weights_version_) {
+  LayerState& layer = layers_[static_cast<std::size_t>(slot)];
+  if (expected_version != 0 && expected_version != layer.weights_version) {
     return absl::FailedPreconditionError(absl::StrCat(
         "expected_weights_version: the upload expects to replace version ", expected_version,
-        " but the server has version ", weights_version_));
+        " but layer ", settings_[static_cast<std::size_t>(slot)].index, " has version ",
+        layer.weights_version));
   }
-  ++weights_version_;
-  weights_ = shared;
+  ++layer.weights_version;
+  layer.weights = shared;
   for (auto& worker : workers_) {
     WorkerControl control;
+    control.layer_slot = slot;
     control.new_weights = shared;
     worker->SubmitControl(std::move(control));
   }
-  metrics_->weights_version().Set(static_cast<double>(weights_version_));
-  return weights_version_;
+  UpdateVersionGaugeLocked();
+  return layer.weights_version;
 }
 
-void GradientCore::Collect(int accumulator_set, bool read, bool zero,
+void GradientCore::Collect(int slot, int accumulator_set, bool read, bool zero,
                            std::function<void(absl::Status, AccumulatorSnapshot)> done) {
   // The caller holds mutex_, which every path that queues work to the workers (Admit,
   // ReplaceWeights, Fetch, Zero) holds while it queues: every worker sees the controls in one
@@ -250,6 +332,7 @@ void GradientCore::Collect(int accumulator_set, bool read, bool zero,
   gather->done = std::move(done);
   for (std::size_t index = 0; index < workers_.size(); ++index) {
     WorkerControl control;
+    control.layer_slot = slot;
     control.accumulator_set = accumulator_set;
     control.read_accumulators = read;
     control.zero_accumulators = zero;
@@ -289,11 +372,12 @@ void GradientCore::Collect(int accumulator_set, bool read, bool zero,
   }
 }
 
-void GradientCore::Fetch(const std::string& client_id, bool zero_after_fetch,
+void GradientCore::Fetch(const std::string& client_id, int slot, bool zero_after_fetch,
                          std::uint64_t expected_window_id,
                          std::function<void(absl::StatusOr<FetchResult>)> done) {
   std::unique_lock<std::mutex> lock(mutex_);
-  absl::StatusOr<std::shared_ptr<Window>> found = WindowOfLocked(client_id);
+  const WindowKey key{client_id, slot};
+  absl::StatusOr<std::shared_ptr<Window>> found = WindowOfLocked(key);
   if (!found.ok()) {
     lock.unlock();
     done(found.status());
@@ -305,23 +389,24 @@ void GradientCore::Fetch(const std::string& client_id, bool zero_after_fetch,
     lock.unlock();
     done(absl::FailedPreconditionError(absl::StrCat(
         "expected_window_id: the fetch names window ", expected_window_id,
-        " but the current window of client '", client_id, "' is ", current,
+        " but the current window of client '", client_id, "' for layer ",
+        settings_[static_cast<std::size_t>(slot)].index, " is ", current,
         " of server instance ", instance_id_)));
     return;
   }
   const WindowState state = StateOfLocked(*window);
   const int accumulator_set = window->accumulator_set;
-  if (zero_after_fetch) StartWindowLocked(client_id);
+  if (zero_after_fetch) StartWindowLocked(key);
   if (accumulator_set < 0) {  // nothing accumulated: zeros, without asking the devices
     lock.unlock();
     FetchResult result;
     result.state = state;
-    result.gradients = ZeroWeights<std::vector<float>>(config_);
+    result.gradients = ZeroWeights<std::vector<float>>(configs_[static_cast<std::size_t>(slot)]);
     done(std::move(result));
     return;
   }
   // Queued under the lock: every batch admitted to this window before is ahead of it on its worker.
-  Collect(accumulator_set, /*read=*/true, zero_after_fetch,
+  Collect(slot, accumulator_set, /*read=*/true, zero_after_fetch,
           [state, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
             if (!status.ok()) {
               done(std::move(status));
@@ -336,10 +421,11 @@ void GradientCore::Fetch(const std::string& client_id, bool zero_after_fetch,
           });
 }
 
-void GradientCore::Zero(const std::string& client_id, std::uint64_t expected_window_id,
+void GradientCore::Zero(const std::string& client_id, int slot, std::uint64_t expected_window_id,
                         std::function<void(absl::StatusOr<ZeroResult>)> done) {
   std::unique_lock<std::mutex> lock(mutex_);
-  absl::StatusOr<std::shared_ptr<Window>> found = WindowOfLocked(client_id);
+  const WindowKey key{client_id, slot};
+  absl::StatusOr<std::shared_ptr<Window>> found = WindowOfLocked(key);
   if (!found.ok()) {
     lock.unlock();
     done(found.status());
@@ -351,21 +437,22 @@ void GradientCore::Zero(const std::string& client_id, std::uint64_t expected_win
     lock.unlock();
     done(absl::FailedPreconditionError(absl::StrCat(
         "expected_window_id: the request names window ", expected_window_id,
-        " but the current window of client '", client_id, "' is ", current,
+        " but the current window of client '", client_id, "' for layer ",
+        settings_[static_cast<std::size_t>(slot)].index, " is ", current,
         " of server instance ", instance_id_)));
     return;
   }
   ZeroResult result;
   result.previous = StateOfLocked(*window);
   const int accumulator_set = window->accumulator_set;
-  StartWindowLocked(client_id);
-  result.current = StateOfLocked(*windows_[client_id]);
+  StartWindowLocked(key);
+  result.current = StateOfLocked(*windows_[key]);
   if (accumulator_set < 0) {
     lock.unlock();
     done(std::move(result));
     return;
   }
-  Collect(accumulator_set, /*read=*/false, /*zero=*/true,
+  Collect(slot, accumulator_set, /*read=*/false, /*zero=*/true,
           [result, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
             if (!status.ok()) {
               done(std::move(status));

@@ -1,14 +1,17 @@
-// The service's state, independent of gRPC: the weights and their version, one accumulation window
-// per client (id, weights version, batch ids already accumulated, the accumulator set on the
+// The service's state, independent of gRPC: the served decoder layers (a whole model, a range of
+// one, or a single layer), each with its weights and their version, one accumulation window per
+// client and layer (id, weights version, batch ids already accumulated, the accumulator set on the
 // devices that holds its sums), the server instance id, and the device workers batches are spread
-// over. Every decision that orders batches against weight changes and window changes is made here
+// over. Layers are addressed by slot (0 .. layer_count()-1, ascending decoder-layer index); SlotOf
+// maps a request's layer index to its slot. Every decision that orders batches against weight changes and window changes is made here
 // under one mutex, and the matching work is queued to the workers in that same order.
 //
-// Clients are named by the id the RPC layer authenticated (rpc/auth.h). A client's window takes
-// one of the workers' accumulator sets (0 .. max_clients_with_sums-1) at its first counted
-// ACCUMULATE batch and gives it back when the window is zeroed (ZeroGradients, fetch-and-zero):
-// at most max_clients_with_sums clients hold sums at once, and the devices' accumulator memory is
-// that many sets at most (each allocated by the workers when first used).
+// Clients are named by the id the RPC layer authenticated (rpc/auth.h). A client's window of a
+// layer takes one of that layer's accumulator sets (0 .. max_clients_with_sums-1) at its first
+// counted ACCUMULATE batch and gives it back when the window is zeroed (ZeroGradients,
+// fetch-and-zero): per layer at most max_clients_with_sums clients hold sums at once, and the
+// devices' accumulator memory is that many sets of each layer at most (each allocated by the
+// workers when first used).
 #ifndef ATTNGRAD_SERVER_GRADIENT_CORE_H_
 #define ATTNGRAD_SERVER_GRADIENT_CORE_H_
 
@@ -17,7 +20,9 @@
 #include <memory>
 #include <mutex>
 #include <map>
+#include <optional>
 #include <string>
+#include <utility>
 #include <unordered_set>
 #include <vector>
 
@@ -25,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "scheduling/device_worker.h"
 #include "weights/layer_weights.h"
+#include "weights/model.h"
 #include "metrics/metrics.h"
 
 namespace attngrad::server {
@@ -36,6 +42,7 @@ struct WindowState {
   std::uint64_t weights_version = 0;
   long long batches = 0;
   long long tokens = 0;
+  int layer = 0;  // the decoder layer
 };
 
 struct FetchResult {
@@ -59,23 +66,44 @@ class GradientCore {
  public:
   // Clients whose windows are remembered at most (an empty window of a client is forgotten
   // beyond this; its next call starts a new window id).
-  static constexpr std::size_t kMaxClientWindows = 4096;
+  static constexpr std::size_t kMaxClientWindows = 65536;  // (client, layer) windows
 
-  // Takes started workers (at least one) that hold `weights`; max_clients_with_sums >= 1.
-  GradientCore(std::shared_ptr<const LayerWeights> weights,
-               std::vector<std::unique_ptr<DeviceWorker>> workers, ServerMetrics* metrics,
-               int max_clients_with_sums = 4);
+  // A served layer as GetModelInfo reports it.
+  struct LayerDescription {
+    LayerSettings settings;
+    LayerConfig config;
+    std::uint64_t weights_version = 0;
+    std::string weights_source;
+  };
+
+  // Takes started workers (at least one) that hold the weights of `model`'s layers in slot order
+  // (LayerSlotsOf(model)); max_clients_with_sums >= 1.
+  GradientCore(const ServedModel& model, std::vector<std::unique_ptr<DeviceWorker>> workers,
+               ServerMetrics* metrics, int max_clients_with_sums = 4);
   ~GradientCore();  // drains and stops the workers
 
-  const LayerConfig& config() const { return config_; }
+  // The served layers' weights in slot order (what the workers are made with).
+  static LayerSlots LayerSlotsOf(const ServedModel& model);
+
+  int layer_count() const { return static_cast<int>(settings_.size()); }
+  // The slot of decoder layer `layer` (unset: the first served layer, slot 0). INVALID_ARGUMENT
+  // naming `field` and the layers this server holds when it holds no such layer.
+  absl::StatusOr<int> SlotOf(std::optional<int> layer, const std::string& field) const;
+  // Constant per slot.
+  const LayerSettings& settings(int slot) const { return settings_[static_cast<std::size_t>(slot)]; }
+  const LayerConfig& config(int slot = 0) const { return configs_[static_cast<std::size_t>(slot)]; }
+  const std::string& model_name() const { return model_name_; }
+  int num_hidden_layers() const { return num_hidden_layers_; }
   const std::string& instance_id() const { return instance_id_; }
-  std::uint64_t weights_version() const;
-  // The current window of `client_id` (started when the client has none).
-  std::uint64_t window_id(const std::string& client_id);
-  std::string weights_source() const;
+  std::uint64_t weights_version(int slot = 0) const;
+  // The current window of `client_id` for the layer (started when the client has none).
+  std::uint64_t window_id(const std::string& client_id, int slot = 0);
+  std::string weights_source() const;  // of the first layer, or of the model
+  std::vector<LayerDescription> Layers() const;
   std::vector<DeviceDescription> Devices() const;
 
-  // Checks the version and window rules, assigns the batch to the least busy worker and queues it.
+  // Checks the version and window rules of the job's layer (job->layer_slot), assigns the batch to
+  // the least busy worker and queues it.
   // `job->on_done` runs on that worker's thread when the batch is done. ACCUMULATE batches go to
   // `client_id`'s window; those with a batch id already in that window are queued as duplicates
   // (computed, not added). Errors: FAILED_PRECONDITION (expected_weights_version,
@@ -86,21 +114,24 @@ class GradientCore {
                                   std::uint64_t expected_weights_version,
                                   std::uint64_t expected_window_id);
 
-  // Installs new weights (checked: shapes of config(), every value finite) and bumps the version.
-  // FAILED_PRECONDITION when expected_version is not 0 and differs from the current version.
-  absl::StatusOr<std::uint64_t> ReplaceWeights(LayerWeights weights, std::uint64_t expected_version);
+  // Installs new weights of a layer (checked: shapes of config(slot), every value finite) and bumps
+  // its version. FAILED_PRECONDITION when expected_version is not 0 and differs from the layer's.
+  absl::StatusOr<std::uint64_t> ReplaceWeights(int slot, LayerWeights weights,
+                                               std::uint64_t expected_version);
 
   // The accumulated sums of `client_id`'s current window (FAILED_PRECONDITION when
   // expected_window_id is not 0 and differs), optionally zeroed atomically (a new window starts).
   // `done` runs on a worker's thread once every device has reported (at once, on the caller's
   // thread, when the window holds no sums). Other clients' windows are not touched.
-  void Fetch(const std::string& client_id, bool zero_after_fetch, std::uint64_t expected_window_id,
+  void Fetch(const std::string& client_id, int slot, bool zero_after_fetch,
+             std::uint64_t expected_window_id,
              std::function<void(absl::StatusOr<FetchResult>)> done);
-  void Zero(const std::string& client_id, std::uint64_t expected_window_id,
+  void Zero(const std::string& client_id, int slot, std::uint64_t expected_window_id,
             std::function<void(absl::StatusOr<ZeroResult>)> done);
 
  private:
   struct Window {
+    int slot = 0;  // the layer
     std::uint64_t id = 0;
     std::uint64_t weights_version = 0;  // of the batches in it (0 while empty)
     std::unordered_set<std::uint64_t> batch_ids;
@@ -112,29 +143,39 @@ class GradientCore {
   DeviceWorker& LeastBusyWorker();
   // The client's window, started when it has none (caller holds mutex_). RESOURCE_EXHAUSTED when
   // kMaxClientWindows clients have windows and none of them is empty.
-  absl::StatusOr<std::shared_ptr<Window>> WindowOfLocked(const std::string& client_id);
+  using WindowKey = std::pair<std::string, int>;  // (client id, layer slot)
+  absl::StatusOr<std::shared_ptr<Window>> WindowOfLocked(const WindowKey& key);
   // Starts a new window for the client; the old one's accumulator set goes back to the free list
   // (caller holds mutex_ and has queued the zeroing of that set).
-  void StartWindowLocked(const std::string& client_id);
+  void StartWindowLocked(const WindowKey& key);
   // The state of a window before any device reported.
   WindowState StateOfLocked(const Window& window) const;
   void UpdateGaugesLocked();
   // Queues a read/zero control of one accumulator set on every worker (caller holds mutex_: one
   // global order of controls on all workers, which the NCCL collectives need); `done` gets the
   // summed snapshot.
-  void Collect(int accumulator_set, bool read, bool zero,
+  void Collect(int slot, int accumulator_set, bool read, bool zero,
                std::function<void(absl::Status, AccumulatorSnapshot)> done);
 
-  const LayerConfig config_;
+  // What changes of a layer (under mutex_).
+  struct LayerState {
+    std::shared_ptr<const LayerWeights> weights;
+    std::uint64_t weights_version = 1;
+    std::vector<int> free_accumulator_sets;  // back = next taken
+  };
+  void UpdateVersionGaugeLocked();
+
+  const std::vector<LayerSettings> settings_;  // by slot
+  const std::vector<LayerConfig> configs_;     // by slot
+  const std::string model_name_;
+  const int num_hidden_layers_;
   const std::string instance_id_;
   ServerMetrics* const metrics_;
   std::vector<std::unique_ptr<DeviceWorker>> workers_;
 
   mutable std::mutex mutex_;
-  std::shared_ptr<const LayerWeights> weights_;
-  std::uint64_t weights_version_ = 1;
-  std::map<std::string, std::shared_ptr<Window>> windows_;  // by client id
-  std::vector<int> free_accumulator_sets_;                  // back = next taken
+  std::vector<LayerState> layers_;  // by slot
+  std::map<WindowKey, std::shared_ptr<Window>> windows_;
   std::uint64_t next_window_id_;
 };
 

@@ -54,6 +54,12 @@ absl::StatusOr<LayerWeights> LoadSafetensorsLayer(const std::string& path, int l
   if (layer < 0) return absl::InvalidArgumentError(absl::StrCat("--weights_layer: ", layer, " < 0"));
   ATTNGRAD_ASSIGN_OR_RETURN(const wire::SafetensorsCheckpoint checkpoint,
                             wire::SafetensorsCheckpoint::Open(path));
+  return LoadCheckpointLayer(checkpoint, layer);
+}
+
+absl::StatusOr<LayerWeights> LoadCheckpointLayer(const wire::SafetensorsCheckpoint& checkpoint,
+                                                 int layer) {
+  const std::string& path = checkpoint.path();
   const std::vector<std::string> names = checkpoint.TensorNames();
   LayerWeights weights;
   weights.source = absl::StrCat("safetensors:", path, "#layer=", layer);

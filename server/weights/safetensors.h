@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "attngrad/wire/safetensors.h"
 #include "weights/layer_weights.h"
 
 namespace attngrad::server {
@@ -16,6 +17,9 @@ namespace attngrad::server {
 // a prefix (language_model.model.layers..., model.language_model.layers...). The layer
 // configuration is read from the shapes (head_dim from q_norm; heads from the projections).
 absl::StatusOr<LayerWeights> LoadSafetensorsLayer(const std::string& path, int layer);
+// The same from a checkpoint already opened (a model directory's every layer reads one).
+absl::StatusOr<LayerWeights> LoadCheckpointLayer(const wire::SafetensorsCheckpoint& checkpoint,
+                                                 int layer);
 
 }  // namespace attngrad::server
 

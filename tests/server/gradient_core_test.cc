@@ -25,7 +25,7 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
   std::shared_future<void> gate = open_gate.get_future().share();
   std::vector<std::unique_ptr<DeviceWorker>> workers;
   for (int i = 0; i < 3; ++i) {
-    auto worker = std::make_unique<CpuWorker>(weights, 1, &metrics);
+    auto worker = std::make_unique<CpuWorker>(LayerSlots{weights}, 1, &metrics);
     ASSERT_TRUE(worker->Start().ok());
     WorkerControl wait;
     wait.on_done = [gate](absl::Status, AccumulatorSnapshot) { gate.wait(); };
@@ -34,7 +34,9 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
   }
   std::vector<DeviceWorker*> raw;
   for (auto& worker : workers) raw.push_back(worker.get());
-  GradientCore core(weights, std::move(workers), &metrics);
+  ServedModel model;
+  model.layers.push_back(ServedLayer{LayerSettings{}, weights});
+  GradientCore core(model, std::move(workers), &metrics);
   // Opens the gate if an assertion leaves early (before core stops its workers, which wait for it).
   struct GateGuard {
     std::promise<void>* gate;
@@ -80,7 +82,7 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
 
   auto fetch = [&core](bool zero) {
     std::promise<absl::StatusOr<FetchResult>> promise;
-    core.Fetch("default", zero, 0, [&promise](absl::StatusOr<FetchResult> result) {
+    core.Fetch("default", /*slot=*/0, zero, 0, [&promise](absl::StatusOr<FetchResult> result) {
       promise.set_value(std::move(result));
     });
     return promise.get_future().get();
