@@ -53,6 +53,11 @@ ABSL_FLAG(std::string, rotary, "tables",
 ABSL_FLAG(int, in_flight, 4, "batches in flight per stream");
 ABSL_FLAG(uint64_t, batch_id, 0, "id of the first batch (then +1 each); 0 = chosen by the client");
 ABSL_FLAG(uint64_t, expected_weights_version, 0, "refuse work if the server's weights version differs (0 = any)");
+ABSL_FLAG(int, layer, -1,
+          "decoder layer that backward, fetch, zero and load-weights address (GetModelInfo's "
+          "layers; -1 = the server's first layer)");
+ABSL_FLAG(std::string, layers, "",
+          "fetch: several decoder layers at once, e.g. \"0,1,5\" (overrides --layer)");
 ABSL_FLAG(uint64_t, window, 0,
           "accumulation window: ACCUMULATE batches name it; fetch/zero expect it (0 = current)");
 ABSL_FLAG(std::string, hidden_states, "", "backward: .npy file (float32 [B,S,3072]) instead of random inputs");

@@ -40,6 +40,8 @@ ABSL_DECLARE_FLAG(std::string, rotary);
 ABSL_DECLARE_FLAG(int, in_flight);
 ABSL_DECLARE_FLAG(uint64_t, batch_id);
 ABSL_DECLARE_FLAG(uint64_t, expected_weights_version);
+ABSL_DECLARE_FLAG(int, layer);
+ABSL_DECLARE_FLAG(std::string, layers);
 ABSL_DECLARE_FLAG(uint64_t, window);
 ABSL_DECLARE_FLAG(std::string, hidden_states);
 ABSL_DECLARE_FLAG(std::string, grad_output);

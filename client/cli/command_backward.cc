@@ -1,5 +1,6 @@
 // attngrad-cli backward: sends batches (random SPEC section 3 inputs, or .npy files) on one Backward
 // stream, prints each answer, and with --check compares it with the local CPU reference.
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -130,6 +131,16 @@ int RunBackward() {
   if (info.default_scaling() > 0) scalars.scaling = info.default_scaling();
   if (info.default_softcap() > 0) scalars.softcap = info.default_softcap();
   if (info.default_eps() > 0) scalars.eps = info.default_eps();
+  // --layer: that layer's defaults (a server of a whole model lists them; softcap <= 0 = none).
+  const int layer = absl::GetFlag(FLAGS_layer);
+  for (const v1::LayerInfo& layer_info : info.layers()) {
+    if (layer >= 0 && layer_info.index() == layer) {
+      scalars.scaling = layer_info.scaling();
+      scalars.softcap = std::max(0.f, layer_info.softcap());
+      scalars.eps = layer_info.eps();
+      scalars.sliding_window = layer_info.sliding_window();
+    }
+  }
 
   auto stream = (*client)->StartStream();
   if (!stream.ok()) return Fail(command, stream.status());
@@ -208,6 +219,7 @@ int RunBackward() {
     batch.precision = *precision;
     batch.response_dtype = *response_dtype;
     batch.expected_weights_version = pinned_version;
+    if (layer >= 0) batch.layer = layer;
     if (*mode == v1::GRADIENT_MODE_ACCUMULATE) batch.accumulation_window_id = absl::GetFlag(FLAGS_window);
     if (absl::GetFlag(FLAGS_batch_id) != 0) batch.batch_id = absl::GetFlag(FLAGS_batch_id) + i;
     auto id = (*stream)->Submit(batch);

@@ -1,11 +1,14 @@
 // attngrad-cli fetch, zero and load-weights.
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_cat.h"
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/safetensors.h"
@@ -24,11 +27,45 @@ std::string StateLine(const v1::AccumulationState& s) {
 
 }  // namespace
 
+namespace {
+
+// --layer: unset (-1) = the server's first layer.
+std::optional<int> OptionalLayer() {
+  const int layer = absl::GetFlag(FLAGS_layer);
+  return layer >= 0 ? std::optional<int>(layer) : std::nullopt;
+}
+
+}  // namespace
+
 int RunFetch() {
   const std::string command = "fetch";
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(command, client.status());
-  auto fetched = (*client)->Fetch(absl::GetFlag(FLAGS_zero_after), absl::GetFlag(FLAGS_window));
+  const std::optional<int> layer = OptionalLayer();
+  if (!absl::GetFlag(FLAGS_layers).empty()) {
+    // Several layers: one summary per layer (--output is for a single layer).
+    std::vector<int> layers;
+    for (absl::string_view text : absl::StrSplit(absl::GetFlag(FLAGS_layers), ',')) {
+      int value = 0;
+      if (!absl::SimpleAtoi(text, &value)) {
+        return Fail(command, absl::InvalidArgumentError(absl::StrCat(
+                                 "--layers: \"", text, "\" is not a layer index")));
+      }
+      layers.push_back(value);
+    }
+    auto all = (*client)->FetchLayers(layers, absl::GetFlag(FLAGS_zero_after));
+    if (!all.ok()) return Fail(command, all.status());
+    for (const FetchedGradients& fetched : *all) {
+      std::cout << "layer " << fetched.state.layer() << ": " << StateLine(fetched.state) << "\n";
+      for (Weight weight : kAllWeights) {
+        std::cout << "  grad_" << WeightModuleName(weight) << "  "
+                  << TensorSummary(fetched.gradients[weight]) << "\n";
+      }
+    }
+    return 0;
+  }
+  auto fetched = (*client)->Fetch(absl::GetFlag(FLAGS_zero_after), absl::GetFlag(FLAGS_window),
+                                  layer);
   if (!fetched.ok()) return Fail(command, fetched.status());
   std::cout << StateLine(fetched->state)
             << (absl::GetFlag(FLAGS_zero_after) ? " (zeroed: a new window started)" : "") << "\n";
@@ -43,7 +80,8 @@ int RunFetch() {
     std::vector<wire::SafetensorsTensor> tensors;
     for (Weight weight : kAllWeights) {
       const HostTensor& gradient = fetched->gradients[weight];
-      tensors.push_back({wire::HuggingFaceTensorName(absl::GetFlag(FLAGS_weights_layer), weight),
+      tensors.push_back({wire::HuggingFaceTensorName(
+                             layer.has_value() ? *layer : absl::GetFlag(FLAGS_weights_layer), weight),
                          gradient.shape, gradient.data});
     }
     status = wire::WriteSafetensors(output, tensors);
@@ -64,7 +102,7 @@ int RunZero() {
   const std::string command = "zero";
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(command, client.status());
-  auto response = (*client)->Zero(absl::GetFlag(FLAGS_window));
+  auto response = (*client)->Zero(absl::GetFlag(FLAGS_window), OptionalLayer());
   if (!response.ok()) return Fail(command, response.status());
   std::cout << "discarded " << StateLine(response->previous()) << "\n"
             << "now       " << StateLine(response->current()) << "\n";
@@ -84,7 +122,7 @@ int RunLoadWeights() {
     // Random weights of --weights_seed, or the file converted to fp32.
     auto weights = LocalWeights(config);
     if (!weights.ok()) return Fail(command, weights.status());
-    version = (*client)->LoadWeights(*weights, expected);
+    version = (*client)->LoadWeights(*weights, expected, OptionalLayer());
   } else {
     // The file's own dtype on the wire when the server accepts it (half the bytes for bf16/fp16).
     auto checkpoint = wire::SafetensorsCheckpoint::Open(path);
@@ -105,7 +143,7 @@ int RunLoadWeights() {
         auto weights = LocalWeights(config);
         if (!weights.ok()) return Fail(command, weights.status());
         uploads.clear();
-        version = (*client)->LoadWeights(*weights, expected);
+        version = (*client)->LoadWeights(*weights, expected, OptionalLayer());
         break;
       }
       auto bytes = checkpoint->ReadBytes(*tensor_name);
@@ -113,7 +151,7 @@ int RunLoadWeights() {
       storage.push_back(*std::move(bytes));
       uploads.push_back(WeightUpload{weight, dtype, (*entry)->shape, storage.back()});
     }
-    if (!uploads.empty()) version = (*client)->LoadWeights(uploads, expected);
+    if (!uploads.empty()) version = (*client)->LoadWeights(uploads, expected, OptionalLayer());
   }
   if (!version.ok()) return Fail(command, version.status());
   std::cout << "uploaded " << LocalWeightsSource() << ": weights version " << *version << "\n";

@@ -278,6 +278,8 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     if (batch.scaling) request.set_scaling(*batch.scaling);
     if (batch.softcap) request.set_softcap(*batch.softcap);
     if (batch.eps) request.set_eps(*batch.eps);
+    if (batch.layer) request.set_layer(*batch.layer);
+    if (batch.sliding_window) request.set_sliding_window(*batch.sliding_window);
     const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong());
     {
       absl::MutexLock lock(&mu_);
@@ -372,6 +374,7 @@ absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& respons
         "); set expected_weights_version to pin one"));
   }
   result.weights_version = response.weights_version();
+  result.layer = response.layer();
   result.accumulation_window_id = response.accumulation_window_id();
   result.duplicate = result.duplicate || response.duplicate();
   AddTimings(response.timings(), &result.timings);

@@ -380,34 +380,48 @@ absl::StatusOr<BackwardResult> Client::Backward(const BackwardBatch& batch) {
   return result;
 }
 
-absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expected_window_id) {
-  if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
-  FetchedGradients fetched;
+namespace {
+
+// FetchGradients of `layers` (empty: the server's first layer), assembled per layer from the
+// chunks (each layer's first chunk carries its state). Retried unless zero_after.
+absl::StatusOr<std::vector<FetchedGradients>> FetchLayersOf(Client::Impl& impl,
+                                                            const std::vector<int>& layers,
+                                                            bool zero_after,
+                                                            uint64_t expected_window_id) {
+  if (absl::Status restart = impl.RestartStatus(); !restart.ok()) return restart;
+  std::vector<FetchedGradients> all;
+  struct Progress {
+    bool started = false;
+    v1::DType dtype = v1::DTYPE_FLOAT32;
+    int64_t received = 0;
+  };
+  std::vector<PerWeight<Progress>> progress;  // per layer
   auto attempt = [&]() -> absl::Status {
-    fetched = FetchedGradients();
+    all.clear();
+    progress.clear();
     grpc::ClientContext context;
-    PrepareContext(&context, impl_->options(), impl_->options().deadline);
+    PrepareContext(&context, impl.options(), impl.options().deadline);
     v1::FetchGradientsRequest request;
     request.set_zero_after_fetch(zero_after);
     request.set_dtype(v1::DTYPE_FLOAT32);
-    request.set_chunk_bytes(impl_->options().chunk_bytes);
+    request.set_chunk_bytes(impl.options().chunk_bytes);
     request.set_expected_window_id(expected_window_id);
-    auto reader = impl_->stub().FetchGradients(&context, request);
-    struct Progress {
-      bool started = false;
-      v1::DType dtype = v1::DTYPE_FLOAT32;
-      int64_t received = 0;
-    };
-    PerWeight<Progress> progress;
-    bool have_state = false;
+    for (int layer : layers) request.add_layers(layer);
+    auto reader = impl.stub().FetchGradients(&context, request);
     absl::Status problem;
     v1::GradientChunk chunk;
     while (reader->Read(&chunk)) {
       if (!problem.ok()) continue;  // drain the stream so that Finish reports the server's status
-      if (chunk.has_state()) {
-        fetched.state = chunk.state();
-        have_state = true;
+      if (chunk.has_state()) {  // a new layer starts
+        all.emplace_back();
+        all.back().state = chunk.state();
+        progress.emplace_back();
       }
+      if (all.empty()) {
+        problem = absl::InternalError("FetchGradients: the server sent no state");
+        continue;
+      }
+      FetchedGradients& fetched = all.back();
       if (chunk.name() == v1::WEIGHT_NAME_UNSPECIFIED) continue;  // a state-only chunk
       const std::optional<Weight> named = wire::WeightOfWireName(chunk.name());
       if (!named.has_value()) {
@@ -416,7 +430,7 @@ absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expecte
         continue;
       }
       const Weight weight = *named;
-      Progress& p = progress[weight];
+      Progress& p = progress.back()[weight];
       HostTensor& tensor = fetched.gradients[weight];
       if (!p.started) {
         if (chunk.shape().empty()) {
@@ -447,32 +461,59 @@ absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expecte
     absl::Status status = FromGrpc(reader->Finish(), "FetchGradients");
     if (!status.ok()) return status;
     if (!problem.ok()) return problem;
-    if (!have_state) return absl::InternalError("FetchGradients: the server sent no state");
-    for (Weight weight : kAllWeights) {
-      const HostTensor& tensor = fetched.gradients[weight];
-      if (!progress[weight].started || progress[weight].received != tensor.num_elements()) {
-        return absl::InternalError(absl::StrCat(
-            "FetchGradients: ", WeightModuleName(weight), " incomplete: received ",
-            progress[weight].received, " of ", tensor.num_elements(), " elements"));
+    const std::size_t expected_layers = layers.empty() ? 1 : layers.size();
+    if (all.size() != expected_layers) {
+      return absl::InternalError(absl::StrCat("FetchGradients: the server sent ", all.size(),
+                                              " layers' states, expected ", expected_layers));
+    }
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      for (Weight weight : kAllWeights) {
+        const HostTensor& tensor = all[i].gradients[weight];
+        if (!progress[i][weight].started || progress[i][weight].received != tensor.num_elements()) {
+          return absl::InternalError(absl::StrCat(
+              "FetchGradients: layer ", all[i].state.layer(), " ", WeightModuleName(weight),
+              " incomplete: received ", progress[i][weight].received, " of ",
+              tensor.num_elements(), " elements"));
+        }
       }
     }
     return absl::OkStatus();
   };
-  absl::Status status = zero_after ? attempt() : impl_->Retry(attempt);
+  absl::Status status = zero_after ? attempt() : impl.Retry(attempt);
   if (!status.ok()) return status;
-  if (absl::Status restart = impl_->CheckInstance(fetched.state.server_instance_id());
-      !restart.ok()) {
-    return restart;
+  for (const FetchedGradients& fetched : all) {
+    if (absl::Status restart = impl.CheckInstance(fetched.state.server_instance_id());
+        !restart.ok()) {
+      return restart;
+    }
   }
-  return fetched;
+  return all;
 }
 
-absl::StatusOr<v1::ZeroGradientsResponse> Client::Zero(uint64_t expected_window_id) {
+}  // namespace
+
+absl::StatusOr<FetchedGradients> Client::Fetch(bool zero_after, uint64_t expected_window_id,
+                                               std::optional<int> layer) {
+  absl::StatusOr<std::vector<FetchedGradients>> fetched =
+      FetchLayersOf(*impl_, layer.has_value() ? std::vector<int>{*layer} : std::vector<int>{},
+                    zero_after, expected_window_id);
+  if (!fetched.ok()) return fetched.status();
+  return std::move(fetched->front());
+}
+
+absl::StatusOr<std::vector<FetchedGradients>> Client::FetchLayers(const std::vector<int>& layers,
+                                                                  bool zero_after) {
+  return FetchLayersOf(*impl_, layers, zero_after, /*expected_window_id=*/0);
+}
+
+absl::StatusOr<v1::ZeroGradientsResponse> Client::Zero(uint64_t expected_window_id,
+                                                       std::optional<int> layer) {
   if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
   grpc::ClientContext context;
   PrepareContext(&context, impl_->options(), impl_->options().deadline);
   v1::ZeroGradientsRequest request;
   request.set_expected_window_id(expected_window_id);
+  if (layer.has_value()) request.set_layer(*layer);
   v1::ZeroGradientsResponse response;
   absl::Status status =
       FromGrpc(impl_->stub().ZeroGradients(&context, request, &response), "ZeroGradients");
@@ -485,7 +526,8 @@ absl::StatusOr<v1::ZeroGradientsResponse> Client::Zero(uint64_t expected_window_
 }
 
 absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& weights,
-                                             uint64_t expected_version) {
+                                             uint64_t expected_version,
+                                             std::optional<int> layer) {
   if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
   for (const WeightUpload& weight : weights) {
     const int64_t element = wire::DTypeSize(weight.dtype);
@@ -525,6 +567,7 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& we
       request.set_data(weight.data.data() + offset * element,
                        static_cast<size_t>(count * element));
       request.set_expected_weights_version(expected_version);
+      if (layer.has_value()) request.set_layer(*layer);
       writing = writer->Write(request);
       offset += count;
     } while (writing && offset < total);
@@ -536,7 +579,8 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& we
   return response.weights_version();
 }
 
-absl::StatusOr<uint64_t> Client::LoadWeights(const WeightSet& weights, uint64_t expected_version) {
+absl::StatusOr<uint64_t> Client::LoadWeights(const WeightSet& weights, uint64_t expected_version,
+                                             std::optional<int> layer) {
   std::vector<WeightUpload> uploads;
   for (Weight weight : kAllWeights) {
     const HostTensor& tensor = weights[weight];
@@ -545,7 +589,7 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const WeightSet& weights, uint64_t 
         absl::string_view(reinterpret_cast<const char*>(tensor.data.data()),
                           tensor.data.size() * sizeof(float))});
   }
-  return LoadWeights(uploads, expected_version);
+  return LoadWeights(uploads, expected_version, layer);
 }
 
 }  // namespace attngrad

@@ -104,11 +104,15 @@ struct BackwardBatch {
   absl::Span<const float> cos;
   absl::Span<const float> sin;
   std::vector<int64_t> position_ids;
-  double rope_theta = 0;  // 0 = 10000
-  // Unset: the server's defaults (the benchmark values of SPEC section 2).
+  double rope_theta = 0;  // 0 = the layer's RoPE base (10000 for the SPEC layer)
+  // The decoder layer (GetModelInfo's layers); unset = the server's first layer.
+  std::optional<int> layer;
+  // Unset: the layer's defaults (the benchmark values of SPEC section 2 for the SPEC layer; the
+  // checkpoint's config.json for a model). softcap <= 0: no soft-capping.
   std::optional<float> scaling;
   std::optional<float> softcap;
   std::optional<float> eps;
+  std::optional<int> sliding_window;  // overrides the layer's window (0 = full causal)
   v1::GradientMode mode = v1::GRADIENT_MODE_RETURN;
   v1::Precision precision = v1::PRECISION_UNSPECIFIED;
   // 0: the client picks a unique id. Caller-chosen ids must be below 2^63 (ids with the top bit set
@@ -130,6 +134,7 @@ struct BackwardResult {
   std::vector<float> grad_hidden_states;  // [B,S,hidden]
   std::optional<WeightSet> weight_gradients;  // RETURN mode: summed over the parts
   uint64_t weights_version = 0;
+  int layer = 0;                        // the decoder layer the server computed
   uint64_t accumulation_window_id = 0;  // ACCUMULATE mode
   bool duplicate = false;  // ACCUMULATE mode: some part was already accumulated in this window
   std::string device;      // the device(s) that computed it, e.g. "cpu" or "cuda:0,cuda:1"
@@ -140,7 +145,7 @@ struct BackwardResult {
   int64_t response_bytes = 0;  // serialised response sizes, summed over the parts
 };
 
-// The accumulated gradients of one window.
+// The accumulated gradients of one window (state.layer: of which layer).
 struct FetchedGradients {
   v1::AccumulationState state;
   WeightSet gradients;
@@ -230,16 +235,26 @@ class Client {
   // The accumulated gradients, assembled from the chunks. zero_after: atomically start a new window
   // (not retried: not idempotent). expected_window_id != 0: FAILED_PRECONDITION if the server's
   // window differs.
-  absl::StatusOr<FetchedGradients> Fetch(bool zero_after, uint64_t expected_window_id = 0);
+  // Windows are per layer: `layer` unset = the server's first layer.
+  absl::StatusOr<FetchedGradients> Fetch(bool zero_after, uint64_t expected_window_id = 0,
+                                         std::optional<int> layer = std::nullopt);
+  // Several layers in one call, in the order given (each layer's window fetched, and with
+  // zero_after zeroed, when the server reaches it).
+  absl::StatusOr<std::vector<FetchedGradients>> FetchLayers(const std::vector<int>& layers,
+                                                            bool zero_after);
 
-  // Zeroes the accumulators and starts a new window (not retried).
-  absl::StatusOr<v1::ZeroGradientsResponse> Zero(uint64_t expected_window_id = 0);
+  // Zeroes the layer's accumulators and starts a new window (not retried).
+  absl::StatusOr<v1::ZeroGradientsResponse> Zero(uint64_t expected_window_id = 0,
+                                                 std::optional<int> layer = std::nullopt);
 
-  // Replaces all six weights (streamed in chunks; not retried). Returns the new weights version.
-  // expected_version != 0: FAILED_PRECONDITION if the server's version differs.
+  // Replaces all six weights of a layer (unset: the server's first layer; streamed in chunks; not
+  // retried). Returns the layer's new weights version. expected_version != 0: FAILED_PRECONDITION
+  // if the layer's version differs.
   absl::StatusOr<uint64_t> LoadWeights(const std::vector<WeightUpload>& weights,
-                                       uint64_t expected_version = 0);
-  absl::StatusOr<uint64_t> LoadWeights(const WeightSet& weights, uint64_t expected_version = 0);
+                                       uint64_t expected_version = 0,
+                                       std::optional<int> layer = std::nullopt);
+  absl::StatusOr<uint64_t> LoadWeights(const WeightSet& weights, uint64_t expected_version = 0,
+                                       std::optional<int> layer = std::nullopt);
 
   // Server restart detection: the instance id read by Connect is compared with every id the server
   // reports. When it changes, every data call (Backward, streams, Fetch, Zero, LoadWeights) fails

@@ -11,14 +11,15 @@ and the module RemoteGemma3Attention.
 from .errors import (AttngradError, DeadlineExceededError, FailedPreconditionError,
                      InvalidArgumentError, ResourceExhaustedError, UnavailableError)
 from .client import (WEIGHT_NAMES, AccumulationState, BackwardResult, Client, DeviceInfo, Gradients,
-                     ModelInfo, StageTimings, canonical_weight_name, read_token_file,
+                     LayerInfo, ModelInfo, StageTimings, canonical_weight_name, read_token_file,
                      tls_credentials)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationState", "AttngradError", "BackwardResult", "Client", "DeadlineExceededError",
-    "DeviceInfo", "FailedPreconditionError", "Gradients", "InvalidArgumentError", "ModelInfo",
+    "DeviceInfo", "FailedPreconditionError", "Gradients", "InvalidArgumentError", "LayerInfo",
+    "ModelInfo",
     "ResourceExhaustedError", "StageTimings", "UnavailableError", "WEIGHT_NAMES",
     "canonical_weight_name", "read_token_file", "tls_credentials", "__version__",
 ]

@@ -24,7 +24,7 @@ import queue
 import random
 import time
 import warnings
-from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -117,6 +117,11 @@ class ModelInfo:
     default_scaling: float
     default_softcap: float
     default_eps: float
+    # Every decoder layer the server holds (one for a single-layer server); the fields above
+    # describe the first of them.
+    layers: Tuple["LayerInfo", ...] = ()
+    model_name: str = ""
+    num_hidden_layers: int = 1
 
     @classmethod
     def from_proto(cls, message) -> "ModelInfo":
@@ -134,7 +139,36 @@ class ModelInfo:
             max_message_bytes=message.max_message_bytes, max_batch_tokens=message.max_batch_tokens,
             accumulation_window_id=message.accumulation_window_id,
             server_version=message.server_version, default_scaling=message.default_scaling,
-            default_softcap=message.default_softcap, default_eps=message.default_eps)
+            default_softcap=message.default_softcap, default_eps=message.default_eps,
+            layers=tuple(LayerInfo.from_proto(layer) for layer in message.layers),
+            model_name=message.model_name, num_hidden_layers=message.num_hidden_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """One decoder layer a server holds: its shape, attention type and request defaults."""
+    index: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    type: str               # "full" or "sliding"
+    sliding_window: int     # 0 = none
+    rope_theta: float
+    rope_scaling_factor: float
+    scaling: float
+    softcap: float          # <= 0: no soft-capping
+    eps: float
+    weights_version: int
+
+    @classmethod
+    def from_proto(cls, message) -> "LayerInfo":
+        kind = {pb.ATTENTION_TYPE_FULL: "full", pb.ATTENTION_TYPE_SLIDING: "sliding"}.get(
+            message.type, "unspecified")
+        return cls(message.index, message.config.hidden_size, message.config.num_heads,
+                   message.config.num_kv_heads, message.config.head_dim, kind,
+                   message.sliding_window, message.rope_theta, message.rope_scaling_factor,
+                   message.scaling, message.softcap, message.eps, message.weights_version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,11 +178,12 @@ class AccumulationState:
     weights_version: int
     batches: int
     tokens: int
+    layer: int = 0  # windows are per (client, layer)
 
     @classmethod
     def from_proto(cls, message) -> "AccumulationState":
         return cls(message.server_instance_id, message.window_id, message.weights_version,
-                   message.batches, message.tokens)
+                   message.batches, message.tokens, message.layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +246,8 @@ class _Batch:
     def __init__(self, *, batch_id: int, hidden_states, grad_output, cos, sin, position_ids,
                  rope_theta, mode: int, precision: int, scaling, softcap, eps,
                  expected_weights_version: int, accumulation_window_id: int, wire_dtype: str,
-                 response_dtype: str, sequences_per_part: int, like):
+                 response_dtype: str, sequences_per_part: int, like, layer=None,
+                 sliding_window=None):
         self.batch_id = batch_id
         self.hidden_states = hidden_states
         self.grad_output = grad_output
@@ -221,6 +257,7 @@ class _Batch:
         self.mode = mode
         self.precision = precision
         self.scaling, self.softcap, self.eps = scaling, softcap, eps
+        self.layer, self.sliding_window = layer, sliding_window
         self.expected_weights_version = expected_weights_version
         self.accumulation_window_id = accumulation_window_id
         self.wire_dtype = wire_dtype
@@ -258,6 +295,10 @@ class _Batch:
             message.softcap = float(self.softcap)
         if self.eps is not None:
             message.eps = float(self.eps)
+        if self.layer is not None:
+            message.layer = int(self.layer)
+        if self.sliding_window is not None:
+            message.sliding_window = int(self.sliding_window)
         return wire
 
     def add(self, response) -> None:
@@ -773,7 +814,10 @@ class Client:
             them None and pass position_ids ([S] or [B,S]) and rope_theta for the server to build them.
           mode: "return" (weight gradients in the result) or "accumulate" (added on the server).
           precision: "auto", "fp32", "tf32" or "fp16".
-          scaling, softcap, eps: None = the server's defaults (1/sqrt(head_dim), 50, 1e-6).
+          scaling, softcap, eps: None = the layer's defaults (the SPEC layer: 1/sqrt(head_dim), 50,
+            1e-6; a model: its config.json); softcap <= 0 = no soft-capping.
+          layer: the decoder layer (None = the server's first); sliding_window: overrides the
+            layer's window (0 = full causal).
           expected_weights_version: 0 = any; else refused with FailedPreconditionError if different.
           accumulation_window_id: ACCUMULATE: 0 = the current window; else that window or refused.
           batch_id: the dedup key of ACCUMULATE (a retry with the same id is not added twice); a new
@@ -799,7 +843,8 @@ class Client:
                  scaling: Optional[float] = None, softcap: Optional[float] = None,
                  eps: Optional[float] = None, expected_weights_version: int = 0,
                  accumulation_window_id: int = 0, batch_id: Optional[int] = None,
-                 wire_dtype="float32", response_dtype="float32") -> _Batch:
+                 wire_dtype="float32", response_dtype="float32", layer: Optional[int] = None,
+                 sliding_window: Optional[int] = None) -> _Batch:
         like = hidden_states if tensors.is_torch_tensor(hidden_states) else None
         hidden = tensors.to_numpy(hidden_states)
         grad = tensors.to_numpy(grad_output)
@@ -856,7 +901,7 @@ class Client:
             sequences_per_part=sequences_per_part(
                 self._limits or self.info(), batch, seq_len, per_sequence_bytes,
                 response_per_sequence, response_fixed),
-            like=like)
+            like=like, layer=layer, sliding_window=sliding_window)
 
     def _run(self, batches: Iterable[_Batch], *, timeout: Optional[float]) -> Iterator[BackwardResult]:
         """Sends the parts of BATCHES over one stream with at most max_in_flight outstanding and
@@ -937,16 +982,36 @@ class Client:
 
     def fetch_gradients(self, *, zero_after_fetch: bool = False, dtype: str = "float32",
                         chunk_bytes: int = 0, expected_window_id: int = 0,
-                        timeout: Optional[float] = None) -> Gradients:
+                        layer: Optional[int] = None, timeout: Optional[float] = None) -> Gradients:
         """The accumulated weight gradients of the current window (fp32 arrays), and the state they
-        cover. zero_after_fetch=True zeroes them atomically and starts a new window."""
+        cover. zero_after_fetch=True zeroes them atomically and starts a new window. Windows are
+        per layer: layer=None is the server's first layer."""
+        return self._fetch(zero_after_fetch, dtype, chunk_bytes, expected_window_id,
+                           [] if layer is None else [int(layer)], timeout)[0]
+
+    def fetch_layers(self, layers: Sequence[int], *, zero_after_fetch: bool = False,
+                     dtype: str = "float32", chunk_bytes: int = 0,
+                     timeout: Optional[float] = None) -> Dict[int, Gradients]:
+        """Several layers' accumulated gradients in one call: {layer: Gradients}."""
+        fetched = self._fetch(zero_after_fetch, dtype, chunk_bytes, 0, [int(l) for l in layers],
+                              timeout)
+        return {gradients.state.layer: gradients for gradients in fetched}
+
+    def _fetch(self, zero_after_fetch, dtype, chunk_bytes, expected_window_id, layers,
+               timeout) -> List[Gradients]:
         request = pb.FetchGradientsRequest(
             zero_after_fetch=zero_after_fetch, dtype=_DTYPE_ENUM[tensors.wire_dtype_name(dtype)],
-            chunk_bytes=chunk_bytes, expected_window_id=expected_window_id)
+            chunk_bytes=chunk_bytes, expected_window_id=expected_window_id, layers=layers)
         attempts = 0 if zero_after_fetch else 2  # a plain fetch is idempotent
         while True:
             try:
-                return self._fetch_once(request, timeout)
+                fetched = self._fetch_all(request, timeout)
+                if len(fetched) != max(1, len(layers)):
+                    raise errors.AttngradError(
+                        grpc.StatusCode.INTERNAL,
+                        f"the server sent {len(fetched)} layers, expected {max(1, len(layers))}",
+                        method="FetchGradients")
+                return fetched
             except grpc.RpcError as error:
                 if attempts > 0 and error.code() in _RETRYABLE:
                     attempts -= 1
@@ -954,14 +1019,29 @@ class Client:
                     continue
                 raise errors.from_rpc_error(error, "FetchGradients") from None
 
-    def _fetch_once(self, request, timeout) -> Gradients:
+    def _fetch_all(self, request, timeout) -> List[Gradients]:
+        """Every layer of one FetchGradients stream (a chunk with a state starts the next)."""
+        done: List[Gradients] = []
         state = None
         buffers: Dict[str, np.ndarray] = {}
         shapes: Dict[str, Tuple[int, ...]] = {}
         dtypes: Dict[str, str] = {}
         filled: Dict[str, int] = collections.Counter()
+
+        def finish_layer():
+            missing = [n for n in WEIGHT_NAMES if n not in buffers or filled[n] != buffers[n].size]
+            if state is None or missing:
+                raise errors.AttngradError(
+                    grpc.StatusCode.INTERNAL,
+                    f"incomplete gradient stream (state {'present' if state else 'missing'}, "
+                    f"incomplete weights {missing})", method="FetchGradients")
+            done.append(Gradients(state, {n: buffers[n].reshape(shapes[n]) for n in WEIGHT_NAMES}))
+
         for chunk in self._stub.FetchGradients(request, timeout=self._timeout(timeout)):
             if chunk.HasField("state"):
+                if state is not None:
+                    finish_layer()
+                    buffers, shapes, dtypes, filled = {}, {}, {}, collections.Counter()
                 state = AccumulationState.from_proto(chunk.state)
             if chunk.name == pb.WEIGHT_NAME_UNSPECIFIED and not chunk.data:
                 continue
@@ -989,19 +1069,18 @@ class Client:
                     f"{buffers[name].size}", method="FetchGradients")
             buffers[name][chunk.offset:end] = values
             filled[name] += count
-        missing = [n for n in WEIGHT_NAMES if n not in buffers or filled[n] != buffers[n].size]
-        if state is None or missing:
-            raise errors.AttngradError(
-                grpc.StatusCode.INTERNAL,
-                f"incomplete gradient stream (state {'present' if state else 'missing'}, "
-                f"incomplete weights {missing})", method="FetchGradients")
-        return Gradients(state, {n: buffers[n].reshape(shapes[n]) for n in WEIGHT_NAMES})
+        finish_layer()
+        return done
 
-    def zero_gradients(self, *, expected_window_id: int = 0, timeout: Optional[float] = None
+    def zero_gradients(self, *, expected_window_id: int = 0, layer: Optional[int] = None,
+                       timeout: Optional[float] = None
                        ) -> Tuple[AccumulationState, AccumulationState]:
-        """Zeroes the accumulators; returns (the discarded window's state, the new window's)."""
-        response = self._unary("ZeroGradients", self._stub.ZeroGradients,
-                               pb.ZeroGradientsRequest(expected_window_id=expected_window_id), timeout)
+        """Zeroes a layer's accumulators (layer=None: the server's first layer); returns (the
+        discarded window's state, the new window's)."""
+        request = pb.ZeroGradientsRequest(expected_window_id=expected_window_id)
+        if layer is not None:
+            request.layer = int(layer)
+        response = self._unary("ZeroGradients", self._stub.ZeroGradients, request, timeout)
         return (AccumulationState.from_proto(response.previous),
                 AccumulationState.from_proto(response.current))
 
@@ -1009,9 +1088,10 @@ class Client:
 
     def load_weights(self, weights: Mapping[str, Any], *, expected_weights_version: int = 0,
                      dtype: str = "float32", chunk_bytes: int = 4 << 20,
-                     timeout: Optional[float] = None) -> int:
-        """Replaces the layer's weights (all six: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
-        Hugging Face names accepted), streamed in chunks. Returns the new weights version."""
+                     layer: Optional[int] = None, timeout: Optional[float] = None) -> int:
+        """Replaces a layer's weights (all six: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
+        Hugging Face names accepted; layer=None: the server's first layer), streamed in chunks.
+        Returns the layer's new weights version."""
         named = {}
         for key, value in weights.items():
             name = canonical_weight_name(key)
@@ -1037,6 +1117,8 @@ class Client:
                     message = pb.LoadWeightsRequest(
                         name=_WEIGHT_ENUM[name], offset=offset,
                         expected_weights_version=expected_weights_version)
+                    if layer is not None:
+                        message.layer = int(layer)
                     if offset == 0:
                         message.dtype = _DTYPE_ENUM[wire]
                         message.shape.extend(int(d) for d in array.shape)
