@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -72,6 +73,9 @@ class Certificates {
         "key client.key; openssl req -new -key client.key -out client.csr -subj /CN=trainer-a\n",
         "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem "
         "-days 2 -extfile client.ext\n",
+        "key renewed.key; openssl req -new -key renewed.key -out renewed.csr -subj /CN=localhost\n",
+        "openssl x509 -req -in renewed.csr -CA other-ca.pem -CAkey other-ca.key -CAcreateserial "
+        "-out renewed.pem -days 2 -extfile server.ext\n",
         "key stranger.key; openssl req -new -key stranger.key -out stranger.csr -subj /CN=stranger\n",
         "openssl x509 -req -in stranger.csr -CA other-ca.pem -CAkey other-ca.key -CAcreateserial "
         "-out stranger.pem -days 2 -extfile client.ext\n");
@@ -253,6 +257,42 @@ TEST_F(SecurityTest, MutualTlsRequiresAClientCertificateOfTheCa) {
   stranger.pem_cert_chain = ReadFile(certificates.Path("stranger.pem"));
   auto foreign = Stub(grpc::SslCredentials(stranger));
   EXPECT_EQ(GetInfo(*foreign, {}).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(SecurityTest, ChangedCertificateFilesAreServedWithoutARestart) {
+  Certificates certificates;
+  ASSERT_TRUE(certificates.Make()) << certificates.Log();
+  const std::string certificate = certificates.Path("live.pem");
+  const std::string key = certificates.Path("live.key");
+  WriteFile(certificate, ReadFile(certificates.Path("server.pem")));
+  WriteFile(key, ReadFile(certificates.Path("server.key")));
+  ServerOptions options;
+  options.tls_cert = certificate;
+  options.tls_key = key;
+  options.tls_reload_interval_seconds = 1;
+  StartServer(options);
+  ASSERT_NE(server_, nullptr);
+  auto trusting = [&](const std::string& ca) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = ReadFile(certificates.Path(ca));
+    return Stub(grpc::SslCredentials(tls));
+  };
+  EXPECT_TRUE(GetInfo(*trusting("ca.pem"), {}).ok());
+  EXPECT_FALSE(GetInfo(*trusting("other-ca.pem"), {}).ok());
+
+  // A renewed certificate from another CA, moved in by rename (key first, as a Secret swap would
+  // make both appear at once; the watcher reads the pair together).
+  WriteFile(key + ".new", ReadFile(certificates.Path("renewed.key")));
+  WriteFile(certificate + ".new", ReadFile(certificates.Path("renewed.pem")));
+  ASSERT_EQ(std::rename((key + ".new").c_str(), key.c_str()), 0);
+  ASSERT_EQ(std::rename((certificate + ".new").c_str(), certificate.c_str()), 0);
+  bool renewed = false;
+  for (int attempt = 0; attempt < 40 && !renewed; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    renewed = GetInfo(*trusting("other-ca.pem"), {}).ok();
+  }
+  EXPECT_TRUE(renewed) << "the renewed certificate was not served within 10 s";
+  EXPECT_FALSE(GetInfo(*trusting("ca.pem"), {}).ok());
 }
 
 TEST_F(SecurityTest, TlsFlagsAreChecked) {
