@@ -130,13 +130,11 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
         return absl::InvalidArgumentError(absl::StrCat(
             "positions.rope_theta: ", positions.rope_theta(), " must be finite and > 0 (0 = 10000)"));
       }
-      for (std::int64_t i = 0; i < count; ++i) {
-        if (std::llabs(positions.position_ids(static_cast<int>(i))) > (1ll << 40)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "positions.position_ids: element ", i, " = ", positions.position_ids(static_cast<int>(i)),
-              " is out of range (|id| <= 2^40)"));
-        }
-      }
+      // Ids within +-2^40 (std::llabs(INT64_MIN) overflowed and passed) and a theta whose tables
+      // are finite (a subnormal theta overflowed theta^(-2i/head_dim) into NaN tables).
+      ATTNGRAD_RETURN_IF_ERROR(CheckRotaryInputs(
+          absl::MakeConstSpan(positions.position_ids().data(), positions.position_ids_size()),
+          config.head_dim, theta, settings.rope_scaling_factor));
       break;
     }
     default:

@@ -19,10 +19,20 @@ std::vector<double> InverseFrequencies(int head_dim, double theta) {
   return inv_freq;
 }
 
+// InverseFrequencies divided by a linear scaling factor (> 0; 1 = none).
+std::vector<double> ScaledInverseFrequencies(int head_dim, double theta,
+                                             double linear_scaling_factor) {
+  std::vector<double> inv_freq = InverseFrequencies(head_dim, theta);
+  if (linear_scaling_factor > 0 && linear_scaling_factor != 1.0) {
+    for (double& frequency : inv_freq) frequency /= linear_scaling_factor;
+  }
+  return inv_freq;
+}
+
 }  // namespace
 
-absl::Status CheckRotaryInputs(absl::Span<const std::int64_t> positions, int head_dim,
-                               double theta) {
+absl::Status CheckRotaryInputs(absl::Span<const std::int64_t> positions, int head_dim, double theta,
+                               double linear_scaling_factor) {
   if (!std::isfinite(theta) || !(theta > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("positions.rope_theta: ", theta, " must be finite and > 0"));
@@ -37,13 +47,15 @@ absl::Status CheckRotaryInputs(absl::Span<const std::int64_t> positions, int hea
     largest = std::max(largest, id < 0 ? -id : id);
   }
   // The largest angle of each frequency must be finite (cos and sin of a finite double are).
-  const std::vector<double> inv_freq = InverseFrequencies(head_dim, theta);
+  const std::vector<double> inv_freq =
+      ScaledInverseFrequencies(head_dim, theta, linear_scaling_factor);
   for (std::size_t i = 0; i < inv_freq.size(); ++i) {
     if (!std::isfinite(inv_freq[i]) || !std::isfinite(static_cast<double>(largest) * inv_freq[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "positions.rope_theta: ", theta, " is too small: theta^(-", 2 * i, "/", head_dim,
-          ") times the largest |position id| (", largest,
-          ") overflows a double, so the rotary tables would not be finite"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("positions.rope_theta: ", theta, " is too small: theta^(-", 2 * i, "/",
+                       head_dim, ") (divided by the RoPE scaling factor ", linear_scaling_factor,
+                       ") times the largest |position id| (", largest,
+                       ") overflows a double, so the rotary tables would not be finite"));
     }
   }
   return absl::OkStatus();
@@ -53,10 +65,8 @@ void BuildRotaryTables(absl::Span<const std::int64_t> positions, int batch, int 
                        int head_dim, double theta, absl::Span<float> cos, absl::Span<float> sin,
                        double linear_scaling_factor) {
   const int half = head_dim / 2;
-  std::vector<double> inv_freq = InverseFrequencies(head_dim, theta);
-  if (linear_scaling_factor > 0 && linear_scaling_factor != 1.0) {
-    for (double& frequency : inv_freq) frequency /= linear_scaling_factor;
-  }
+  const std::vector<double> inv_freq =
+      ScaledInverseFrequencies(head_dim, theta, linear_scaling_factor);
   const bool shared = positions.size() == static_cast<std::size_t>(seq_len);
   for (int b = 0; b < batch; ++b) {
     for (int s = 0; s < seq_len; ++s) {

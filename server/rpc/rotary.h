@@ -18,8 +18,10 @@ inline constexpr std::int64_t kMaxRotaryPosition = std::int64_t{1} << 40;
 // INVALID_ARGUMENT, naming positions.position_ids or positions.rope_theta, when a position id is
 // outside [-2^40, 2^40] (INT64_MIN included), when theta is not finite and > 0, or when theta is so
 // small that theta^(-2i/head_dim) or some position * theta^(-2i/head_dim) overflows (a subnormal
-// theta such as 5e-324), which would make the tables NaN. head_dim must be even and > 0.
-absl::Status CheckRotaryInputs(absl::Span<const std::int64_t> positions, int head_dim, double theta);
+// theta such as 5e-324), which would make the tables NaN. head_dim must be even and > 0;
+// linear_scaling_factor (> 0) as in BuildRotaryTables.
+absl::Status CheckRotaryInputs(absl::Span<const std::int64_t> positions, int head_dim, double theta,
+                               double linear_scaling_factor = 1.0);
 
 // Fills cos and sin [batch, seq_len, head_dim]. `positions` holds batch*seq_len ids, or seq_len ids
 // shared by every sequence; the ids and theta have passed CheckRotaryInputs. linear_scaling_factor
