@@ -227,10 +227,10 @@ int main(int argc, char** argv) {
   // Wait for a stop signal (one that came during start-up is already in the pipe).
   pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
   const int first_signal = ReadStopPipe(-1);
-  const auto hard_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace_seconds) +
-                             kExitMargin;
-  std::cerr << "attngrad-server: signal " << first_signal << ", shutting down (grace " << grace_seconds
-            << " s; SIGINT to stop at once)" << std::endl;
+  const auto hard_deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(grace_seconds) + kExitMargin;
+  std::cerr << "attngrad-server: signal " << first_signal << ", shutting down (grace "
+            << grace_seconds << " s; SIGINT to stop at once)" << std::endl;
 
   // The shutdown runs on its own thread; this one keeps reading the pipe (a later signal, or the
   // shutdown thread's 0 byte when it is done) until the hard deadline. The shutdown thread starts
@@ -248,10 +248,11 @@ int main(int argc, char** argv) {
     const int next = ReadStopPipe(std::max<long long>(0, left.count()));
     if (next == 0) break;  // the shutdown finished
     if (next == kTimedOut) {
-      std::cerr << "attngrad-server: shutdown still running " << kExitMargin.count()
-                << " ms after the grace period (gRPC's shutdown or a batch that is still computing); "
-                   "exiting now"
-                << std::endl;
+      std::cerr
+          << "attngrad-server: shutdown still running " << kExitMargin.count()
+          << " ms after the grace period (gRPC's shutdown or a batch that is still computing); "
+             "exiting now"
+          << std::endl;
       _exit(0);
     }
     if (next == SIGINT) {

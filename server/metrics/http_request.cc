@@ -16,11 +16,22 @@ constexpr int kMaxHeaderLines = 100;
 bool IsTokenChar(char c) {
   if (absl::ascii_isalnum(static_cast<unsigned char>(c))) return true;
   switch (c) {
-    case '!': case '#': case '$': case '%': case '&': case '\'': case '*': case '+': case '-':
-    case '.': case '^': case '_': case '`': case '|': case '~':
-      return true;
-    default:
-      return false;
+    case '!':
+    case '#':
+    case '$':
+    case '%':
+    case '&':
+    case '\'':
+    case '*':
+    case '+':
+    case '-':
+    case '.':
+    case '^':
+    case '_':
+    case '`':
+    case '|':
+    case '~': return true;
+    default: return false;
   }
 }
 
@@ -109,7 +120,8 @@ HttpParseResult ParseHttpRequestHead(absl::string_view received, std::size_t max
       request_line.substr(first_space + 1, second_space - first_space - 1);
   const absl::string_view version = request_line.substr(second_space + 1);
   if (!IsToken(method)) return Bad("the method is not a token");
-  if (target.empty() || !IsVisible(target)) return Bad("the request target is empty or not visible ASCII");
+  if (target.empty() || !IsVisible(target))
+    return Bad("the request target is empty or not visible ASCII");
   if (target.front() != '/') return Bad("the request target does not start with '/'");
   if (version.size() != 8 || !absl::StartsWith(version, "HTTP/1.") ||
       !absl::ascii_isdigit(static_cast<unsigned char>(version[7]))) {
@@ -123,7 +135,8 @@ HttpParseResult ParseHttpRequestHead(absl::string_view received, std::size_t max
   result.head.method = std::string(method);
   const std::size_t question = target.find('?');
   result.head.path = std::string(target.substr(0, question));
-  if (question != absl::string_view::npos) result.head.query = std::string(target.substr(question + 1));
+  if (question != absl::string_view::npos)
+    result.head.query = std::string(target.substr(question + 1));
   result.head.minor_version = version[7] - '0';
   return result;
 }
@@ -135,16 +148,15 @@ HttpAnswer ChooseHttpAnswer(const HttpParseResult& parsed) {
     case HttpParseResult::Outcome::kBadRequest:
       answer.status = 400;
       answer.reason = "Bad Request";
-      answer.body = absl::StrCat("bad request: ",
-                                 parsed.error.empty() ? "incomplete request head" : parsed.error, "\n");
+      answer.body = absl::StrCat(
+          "bad request: ", parsed.error.empty() ? "incomplete request head" : parsed.error, "\n");
       return answer;
     case HttpParseResult::Outcome::kTooLarge:
       answer.status = 431;
       answer.reason = "Request Header Fields Too Large";
       answer.body = "request head too large\n";
       return answer;
-    case HttpParseResult::Outcome::kComplete:
-      break;
+    case HttpParseResult::Outcome::kComplete: break;
   }
   const bool is_head = parsed.head.method == "HEAD";
   answer.send_body = !is_head;

@@ -1,5 +1,5 @@
-// The request head of the /metrics endpoint's HTTP/1.x: a pure parser over the bytes received so far
-// (no I/O, no allocation beyond the result), so that it can be unit-tested and fuzzed
+// The request head of the /metrics endpoint's HTTP/1.x: a pure parser over the bytes received so
+// far (no I/O, no allocation beyond the result), so that it can be unit-tested and fuzzed
 // (tests/fuzz/metrics_http_request_fuzzer.cc), and the answer chosen for a parsed request.
 #ifndef ATTNGRAD_SERVER_METRICS_HTTP_REQUEST_H_
 #define ATTNGRAD_SERVER_METRICS_HTTP_REQUEST_H_
@@ -12,9 +12,9 @@
 namespace attngrad::server {
 
 struct HttpRequestHead {
-  std::string method;   // "GET"
-  std::string path;     // "/metrics" (the request target without its query)
-  std::string query;    // after '?', without it; empty when there is none
+  std::string method;     // "GET"
+  std::string path;       // "/metrics" (the request target without its query)
+  std::string query;      // after '?', without it; empty when there is none
   int minor_version = 1;  // HTTP/1.<minor_version>
 };
 

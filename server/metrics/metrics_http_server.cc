@@ -48,22 +48,25 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& listen_address, std::shared_ptr<prometheus::Registry> registry,
     const MetricsHttpOptions& options) {
   std::string host, port;
-  if (absl::Status status = SplitHostPort(listen_address, &host, &port); !status.ok()) return status;
+  if (absl::Status status = SplitHostPort(listen_address, &host, &port); !status.ok())
+    return status;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE;
   addrinfo* addresses = nullptr;
-  if (const int error = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints,
-                                    &addresses);
+  if (const int error =
+          getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &addresses);
       error != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--metrics_listen: cannot resolve \"", listen_address, "\": ", gai_strerror(error)));
+    return absl::InvalidArgumentError(absl::StrCat("--metrics_listen: cannot resolve \"",
+                                                   listen_address, "\": ", gai_strerror(error)));
   }
   int listen_fd = -1;
   std::string last_error = "no address";
-  for (addrinfo* address = addresses; address != nullptr && listen_fd < 0; address = address->ai_next) {
-    const int fd = socket(address->ai_family, address->ai_socktype | SOCK_CLOEXEC, address->ai_protocol);
+  for (addrinfo* address = addresses; address != nullptr && listen_fd < 0;
+       address = address->ai_next) {
+    const int fd =
+        socket(address->ai_family, address->ai_socktype | SOCK_CLOEXEC, address->ai_protocol);
     if (fd < 0) {
       last_error = std::strerror(errno);
       continue;
@@ -85,9 +88,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   sockaddr_storage bound{};
   socklen_t bound_size = sizeof(bound);
   getsockname(listen_fd, reinterpret_cast<sockaddr*>(&bound), &bound_size);
-  const int bound_port = ntohs(bound.ss_family == AF_INET6
-                                   ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                   : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  const int bound_port =
+      ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   int wake[2];
   if (pipe2(wake, O_CLOEXEC) != 0) {
     close(listen_fd);
@@ -134,7 +137,8 @@ void MetricsHttpServer::Serve() {
       static constexpr char kBusy[] =
           "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 36\r\n"
           "Connection: close\r\nRetry-After: 1\r\n\r\ntoo many /metrics connections open\r\n";
-      [[maybe_unused]] const ssize_t sent = send(connection_fd, kBusy, sizeof(kBusy) - 1, MSG_NOSIGNAL);
+      [[maybe_unused]] const ssize_t sent =
+          send(connection_fd, kBusy, sizeof(kBusy) - 1, MSG_NOSIGNAL);
       close(connection_fd);
       continue;
     }
@@ -172,7 +176,8 @@ bool MetricsHttpServer::WaitFor(int connection_fd, short events, absl::Time dead
   }
 }
 
-bool MetricsHttpServer::SendAll(int connection_fd, absl::string_view data, absl::Time deadline) const {
+bool MetricsHttpServer::SendAll(int connection_fd, absl::string_view data,
+                                absl::Time deadline) const {
   while (!data.empty()) {
     const ssize_t written = send(connection_fd, data.data(), data.size(), MSG_NOSIGNAL);
     if (written > 0) {
@@ -223,9 +228,9 @@ void MetricsHttpServer::Answer(int connection_fd) const {
     body = prometheus::TextSerializer().Serialize(registry_->Collect());
     content_type = "text/plain; version=0.0.4; charset=utf-8";
   }
-  const std::string head =
-      absl::StrCat("HTTP/1.1 ", answer.status, " ", answer.reason, "\r\nContent-Type: ", content_type,
-                   "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n");
+  const std::string head = absl::StrCat(
+      "HTTP/1.1 ", answer.status, " ", answer.reason, "\r\nContent-Type: ", content_type,
+      "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n");
   const absl::Time write_deadline = absl::Now() + options_.write_timeout;
   if (!SendAll(connection_fd, head, write_deadline)) return;
   if (answer.send_body && !SendAll(connection_fd, body, write_deadline)) return;

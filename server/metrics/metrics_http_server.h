@@ -53,7 +53,8 @@ class MetricsHttpServer {
   };
 
   MetricsHttpServer(int listen_fd, int wake_read_fd, int wake_write_fd, int port,
-                    std::shared_ptr<prometheus::Registry> registry, const MetricsHttpOptions& options);
+                    std::shared_ptr<prometheus::Registry> registry,
+                    const MetricsHttpOptions& options);
   void Serve();
   void JoinFinishedConnections();
   void Answer(int connection_fd) const;

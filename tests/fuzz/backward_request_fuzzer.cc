@@ -1,7 +1,8 @@
 // libFuzzer target: request validation of a Backward batch (server/rpc/backward_request.h,
 // ParseBackwardRequest). The input is a serialized attngrad.v1.BackwardRequest; it is validated
 // against a small layer (hidden 8, 2 heads, 1 KV head; head_dim 128 as the real one, so that the
-// rotary tables' exponents are the real ones) and a 64-token limit, so that valid requests are small. An accepted request must have made finite, correctly sized tensors.
+// rotary tables' exponents are the real ones) and a 64-token limit, so that valid requests are
+// small. An accepted request must have made finite, correctly sized tensors.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

@@ -19,7 +19,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const attngrad::server::HttpAnswer answer = attngrad::server::ChooseHttpAnswer(parsed);
     if (answer.status < 200 || answer.status > 599) __builtin_trap();
     if (parsed.outcome == HttpParseResult::Outcome::kComplete) {
-      if (parsed.head_bytes == 0 || parsed.head_bytes > prefix || parsed.head_bytes > max_head_bytes) {
+      if (parsed.head_bytes == 0 || parsed.head_bytes > prefix ||
+          parsed.head_bytes > max_head_bytes) {
         __builtin_trap();
       }
       if (parsed.head.path.empty() || parsed.head.path.front() != '/') __builtin_trap();

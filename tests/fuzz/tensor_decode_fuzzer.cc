@@ -39,7 +39,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::string raw;
     attngrad::wire::EncodeFromFloat(decoded, dtype, &raw);
     std::vector<float> again(decoded.size());
-    const int encoded_dtype = attngrad::wire::IsSupportedDType(dtype) ? dtype : attngrad::v1::DTYPE_FLOAT32;
+    const int encoded_dtype =
+        attngrad::wire::IsSupportedDType(dtype) ? dtype : attngrad::v1::DTYPE_FLOAT32;
     if (!attngrad::wire::DecodeToFloat(raw, encoded_dtype, "fuzz", absl::MakeSpan(again)).ok()) {
       __builtin_trap();
     }
@@ -53,7 +54,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::vector<float> out(tensor.raw_data().size() / element);
     (void)attngrad::wire::DecodeToFloat(tensor.raw_data(), dtype, "fuzz", absl::MakeSpan(out));
     std::vector<float> wrong(out.size() + 1);
-    if (attngrad::wire::DecodeToFloat(tensor.raw_data(), dtype, "fuzz", absl::MakeSpan(wrong)).ok()) {
+    if (attngrad::wire::DecodeToFloat(tensor.raw_data(), dtype, "fuzz", absl::MakeSpan(wrong))
+            .ok()) {
       __builtin_trap();  // a size mismatch must be an error
     }
   }

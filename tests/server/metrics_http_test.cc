@@ -1,5 +1,5 @@
-// The /metrics HTTP server against slow and hostile clients (issue 14, found #7: one client sending a
-// byte every 4 s made every scrape time out), and its request-head parser.
+// The /metrics HTTP server against slow and hostile clients (issue 14, found #7: one client sending
+// a byte every 4 s made every scrape time out), and its request-head parser.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -34,7 +34,12 @@ double SecondsSince(Clock::time_point start) {
 // A registry with one counter, so that a scrape has something to show.
 std::shared_ptr<prometheus::Registry> TestRegistry() {
   auto registry = std::make_shared<prometheus::Registry>();
-  prometheus::BuildCounter().Name("attngrad_test_total").Help("test").Register(*registry).Add({}).Increment();
+  prometheus::BuildCounter()
+      .Name("attngrad_test_total")
+      .Help("test")
+      .Register(*registry)
+      .Add({})
+      .Increment();
   return registry;
 }
 
@@ -60,7 +65,8 @@ std::string ReadUntilClosed(int fd, int timeout_seconds, bool* clean_close = nul
   std::string received;
   char buffer[4096];
   ssize_t n;
-  while ((n = recv(fd, buffer, sizeof(buffer), 0)) > 0) received.append(buffer, static_cast<size_t>(n));
+  while ((n = recv(fd, buffer, sizeof(buffer), 0)) > 0)
+    received.append(buffer, static_cast<size_t>(n));
   if (clean_close != nullptr) *clean_close = n == 0;
   return received;
 }
@@ -142,7 +148,8 @@ TEST(MetricsHttpServerTest, OversizedHeadIsRefused) {
   ASSERT_TRUE(server.ok()) << server.status();
   const int fd = Connect((*server)->port());
   ASSERT_GE(fd, 0);
-  const std::string request = "GET /metrics HTTP/1.1\r\nX-Filler: " + std::string(4096, 'a') + "\r\n\r\n";
+  const std::string request =
+      "GET /metrics HTTP/1.1\r\nX-Filler: " + std::string(4096, 'a') + "\r\n\r\n";
   send(fd, request.data(), request.size(), MSG_NOSIGNAL);
   const std::string answer = ReadUntilClosed(fd, 5);
   EXPECT_EQ(answer.rfind("HTTP/1.1 431 ", 0), 0u) << answer;
@@ -283,9 +290,11 @@ TEST(HttpRequestHeadTest, BadRequests) {
 }
 
 TEST(HttpRequestHeadTest, MethodsAndPaths) {
-  EXPECT_EQ(ChooseHttpAnswer(ParseHttpRequestHead("POST /metrics HTTP/1.1\r\n\r\n", 8192)).status, 405);
+  EXPECT_EQ(ChooseHttpAnswer(ParseHttpRequestHead("POST /metrics HTTP/1.1\r\n\r\n", 8192)).status,
+            405);
   EXPECT_EQ(ChooseHttpAnswer(ParseHttpRequestHead("GET / HTTP/1.1\r\n\r\n", 8192)).status, 404);
-  EXPECT_EQ(ChooseHttpAnswer(ParseHttpRequestHead("GET /metricsx HTTP/1.1\r\n\r\n", 8192)).status, 404);
+  EXPECT_EQ(ChooseHttpAnswer(ParseHttpRequestHead("GET /metricsx HTTP/1.1\r\n\r\n", 8192)).status,
+            404);
 }
 
 }  // namespace

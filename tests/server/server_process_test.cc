@@ -61,7 +61,8 @@ class ServerProcess {
       close(pipe_fds[1]);
       std::vector<char*> argv;
       argv.push_back(const_cast<char*>(binary.c_str()));
-      for (const std::string& argument : arguments) argv.push_back(const_cast<char*>(argument.c_str()));
+      for (const std::string& argument : arguments)
+        argv.push_back(const_cast<char*>(argument.c_str()));
       argv.push_back(nullptr);
       execv(binary.c_str(), argv.data());
       _exit(127);
@@ -285,7 +286,8 @@ TEST_F(ServerProcessTest, ExitsWithinGracePlusOneSecondUnderLoad) {
   std::vector<double> exits;
   for (int run = 0; run < runs; ++run) {
     ServerProcess server({"--listen=127.0.0.1:0", "--metrics_listen=", "--devices=cpu",
-                          "--cpu_threads=2", "--shutdown_grace_seconds=" + std::to_string(kGraceSeconds)});
+                          "--cpu_threads=2",
+                          "--shutdown_grace_seconds=" + std::to_string(kGraceSeconds)});
     const int port = server.WaitServing(120);
     ASSERT_NE(port, 0) << server.log();
     double seconds = 0;
