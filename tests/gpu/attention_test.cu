@@ -40,8 +40,9 @@ struct Reference {
   std::vector<double> out, lse, dq, dk, dv;
 };
 
+// window > 0: query i sees keys j with i - window < j <= i (sliding window); 0: full causal.
 Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qkv,
-                   const std::vector<double>& dout) {
+                   const std::vector<double>& dout, int window = 0) {
   Reference r;
   const size_t tokens = static_cast<size_t>(batch) * seq;
   r.out.assign(tokens * kOutWidth, 0);
@@ -56,8 +57,9 @@ Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qk
       for (int i = 0; i < seq; ++i) {
         const double* q = &qkv[(static_cast<size_t>(b) * seq + i) * kQkvWidth + h * kDim];
         const double* d_o = &dout[(static_cast<size_t>(b) * seq + i) * kOutWidth + h * kDim];
+        const int j0 = window > 0 ? std::max(0, i - window + 1) : 0;
         double row_max = -1e300;
-        for (int j = 0; j <= i; ++j) {
+        for (int j = j0; j <= i; ++j) {
           const double* k = &qkv[(static_cast<size_t>(b) * seq + j) * kQkvWidth + 3072 + g * kDim];
           double s = 0;
           for (int d = 0; d < kDim; ++d) s += q[d] * k[d];
@@ -66,11 +68,11 @@ Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qk
           row_max = std::max(row_max, p[j]);
         }
         double sum = 0;
-        for (int j = 0; j <= i; ++j) sum += std::exp(p[j] - row_max);
+        for (int j = j0; j <= i; ++j) sum += std::exp(p[j] - row_max);
         const double lse = row_max + std::log(sum);
         r.lse[(static_cast<size_t>(b) * kHeads + h) * seq + i] = lse;
         double* o = &r.out[(static_cast<size_t>(b) * seq + i) * kOutWidth + h * kDim];
-        for (int j = 0; j <= i; ++j) {
+        for (int j = j0; j <= i; ++j) {
           p[j] = std::exp(p[j] - lse);
           const double* v = &qkv[(static_cast<size_t>(b) * seq + j) * kQkvWidth + 4096 + g * kDim];
           double dot = 0;
@@ -83,7 +85,7 @@ Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qk
         double delta = 0;
         for (int d = 0; d < kDim; ++d) delta += d_o[d] * o[d];
         double* dq = &r.dq[(static_cast<size_t>(b) * seq + i) * kOutWidth + h * kDim];
-        for (int j = 0; j <= i; ++j) {
+        for (int j = j0; j <= i; ++j) {
           const double ds = p[j] * (dp[j] - delta) * (1 - t[j] * t[j]) * kScaling;
           const size_t key_row = static_cast<size_t>(b) * seq + j;
           const double* k = &qkv[key_row * kQkvWidth + 3072 + g * kDim];
@@ -154,6 +156,7 @@ struct Case {
   int batch, seq;
   AttentionOperand operand;
   AttentionTiles tiles;
+  int window = 0;  // sliding window; 0: full causal
 };
 
 class AttentionKernelTest : public ::testing::TestWithParam<Case> {};
@@ -195,7 +198,7 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   };
   encode(qkv, qkv_bytes);
   encode(dout, dout_bytes);
-  const Reference ref = Evaluate(c.batch, c.seq, cap, qkv, dout);
+  const Reference ref = Evaluate(c.batch, c.seq, cap, qkv, dout, c.window);
 
   AttentionProblem problem;
   problem.batch = c.batch;
@@ -206,6 +209,7 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   problem.softcap = static_cast<float>(cap);
   problem.operand = c.operand;
   problem.tiles = c.tiles;
+  problem.sliding_window = c.window;
 
   const DeviceBuffer<unsigned char> qkv_d = Allocate<unsigned char>(qkv_bytes.size());
   const DeviceBuffer<unsigned char> dout_d = Allocate<unsigned char>(dout_bytes.size());
@@ -324,6 +328,22 @@ std::vector<Case> Cases() {
   for (const auto& [b, s] : std::vector<std::pair<int, int>>{{1, 1}, {1, 130}, {2, 256}}) {
     cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShortSplit});
   }
+  // Sliding windows (Gemma-3's local layers): a window of 1 (each query sees itself only), windows
+  // inside one tile, across tile edges, and longer than the sequence (full causal).
+  for (AttentionOperand op :
+       {AttentionOperand::kFp32, AttentionOperand::kTf32, AttentionOperand::kFp16}) {
+    const std::tuple<int, int, int> windowed[] = {
+        {1, 1, 1}, {1, 7, 1}, {2, 7, 7}, {2, 300, 64}, {1, 300, 100}, {2, 1000, 100},
+        {1, 1000, 1024}, {1, 2500, 64}, {1, 2500, 1}};
+    for (const auto& [b, s, w] : windowed) cases.push_back({b, s, op, AttentionTiles::kAuto, w});
+    cases.push_back({2, 300, op, AttentionTiles::kSmall, 7});
+    cases.push_back({2, 300, op, AttentionTiles::kSmallSplit, 100});
+  }
+  for (const auto& [b, s, w] : std::vector<std::tuple<int, int, int>>{
+           {2, 200, 7}, {1, 256, 100}, {2, 129, 1}, {1, 256, 1024}}) {
+    cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShort, w});
+    cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShortSplit, w});
+  }
   return cases;
 }
 
@@ -338,7 +358,7 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
                       : c.tiles == AttentionTiles::kShort      ? "short"
                                                                : "shortsplit";
   return std::string(op) + "_" + tiles + "_B" + std::to_string(c.batch) + "_S" +
-         std::to_string(c.seq);
+         std::to_string(c.seq) + (c.window > 0 ? "_W" + std::to_string(c.window) : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionKernelTest, ::testing::ValuesIn(Cases()), CaseName);

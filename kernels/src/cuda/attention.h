@@ -44,6 +44,9 @@ struct AttentionProblem {
   int num_kv_heads = 0;
   float scaling = 0.f;  // s = (q' k'^T) * scaling
   float softcap = 0.f;  // c = softcap * tanh(s / softcap); 0 = no soft-cap (c = s); < 0 is invalid
+  // Sliding window: query i sees keys j with i - sliding_window < j <= i; 0 = full causal; < 0 is
+  // invalid. Key tiles wholly outside a query tile's window are never loaded nor computed.
+  int sliding_window = 0;
   AttentionOperand operand = AttentionOperand::kTf32;
   AttentionTiles tiles = AttentionTiles::kAuto;
 };
@@ -56,7 +59,8 @@ struct AttentionProblem {
 // kTf32 rounds q, k, v, dO, P, dS to TF32 (round to nearest) inside the kernels: callers may pass
 // plain fp32. kFp16 callers pass fp16 operands.
 
-// Forward: O = softmax(causal(c)) v per query head, and the log-sum-exp of each row of c.
+// Forward: O = softmax(mask(c)) v per query head (causal, and within the sliding window when
+// there is one), and the log-sum-exp of each row of c.
 //   q [B*S, ldq], k and v [B*S, ldkv]: float* or __half* by `operand` (a const void* here).
 //   out  fp32 [B*S, num_heads*128] (row stride num_heads*128): A of SPEC step 4, overwritten; may
 //        be nullptr when out_half is given (the FP16 pipeline, whose backward takes Delta from the

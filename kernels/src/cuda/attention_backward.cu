@@ -2,10 +2,10 @@
 //   1. DeltaKernel: Delta = rowsum(dO * O) per row and query head (into the workspace).
 //   2. KeyValueGradientKernel: one block per (64-key tile, key-value head, batch) keeps dK and dV of
 //      its keys in registers and loops over the query heads of its group and the 32-row query tiles
-//      that can see those keys, recomputing S^T = K Q^T and dP^T = V dO^T on tensor cores:
+//      that can see those keys (after the keys, within the sliding window), recomputing S^T = K Q^T and dP^T = V dO^T on tensor cores:
 //      dV += P^T dO, dK += dS^T Q. Each dK/dV element is summed in one fixed order.
 //   3. QueryGradientKernel: one block per (64-query tile, query head, batch) loops over the visible
-//      key tiles: dQ += dS K.
+//      key tiles (causal, and within the sliding window): dQ += dS K.
 // P = exp(c - lse), dS = P (dP - Delta) (1 - t^2) scaling with t = tanh(s / cap) from the unmasked
 // score (masked entries get P = 0, so dS = 0 and nothing is NaN). In the FP16 mode dS is multiplied
 // by a power of two (2^ceil(log2 S), sigma) before it is rounded to fp16, and dK, dQ are divided by
@@ -174,9 +174,11 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
   const Elem* q_base0 = static_cast<const Elem*>(p.q) + token0 * p.ldq;
   const Elem* do_base0 = static_cast<const Elem*>(p.grad_out) + token0 * p.ldo;
 
-  const int num_q_tiles = (seq_len + kBM - 1) / kBM;
+  // Queries [key0, key0 + kBN - 1 + window) can see this block's keys (the sliding window's end;
+  // seq_len for full causal attention): query tiles [first_q_tile, end_q_tile).
+  const int last_query = min(seq_len, key0 + kBN - 1 + p.window);
   const int first_q_tile = key0 / kBM;
-  const int q_tiles_per_head = num_q_tiles - first_q_tile;
+  const int q_tiles_per_head = (last_query + kBM - 1) / kBM - first_q_tile;
   const int steps = num_block_heads * q_tiles_per_head;
 
   auto load_step = [&](int step, int stage) {
@@ -224,8 +226,9 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
     __syncthreads();
 
     const int q0 = (first_q_tile + step % q_tiles_per_head) * kBM;
-    // Skip a warp whose keys all follow this tile's queries (fully masked for it).
-    if (q0 + kBM - 1 >= key0 + warp * 16) {
+    // Skip a warp whose keys all follow this tile's queries, or whose keys are all before the
+    // window of the tile's first query (fully masked for it).
+    if (q0 + kBM - 1 >= key0 + warp * 16 && key0 + warp * 16 + 15 >= FirstVisibleKey(p, q0)) {
       float s[kNT][4], dp[kNT][4];
       ClearAccumulators(s);
       ClearAccumulators(dp);
@@ -241,7 +244,7 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
           const int key = e < 2 ? key_a : key_b;
           float ds;
           s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], lse_tile[column], delta_tile[column],
-                                        ds_factor, q0 + column < key, ds);
+                                        ds_factor, IsMasked(p, key, q0 + column), ds);
           dp[n][e] = ds;
         }
       }
@@ -294,13 +297,15 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
   const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
   const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
 
+  // Key tiles [first_kv_tile, end): keys (q0 - window, q0 + kBM) can be visible to this tile.
   const int last_key = min(seq_len, q0 + kBM);
-  const int num_kv_tiles = (last_key + kBN - 1) / kBN;
+  const int first_kv_tile = FirstVisibleKey(p, q0) / kBN;
+  const int num_kv_tiles = (last_key + kBN - 1) / kBN - first_kv_tile;
 
   LoadTileAsync<Op, kBM, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
   LoadTileAsync<Op, kBM, kThreads>(do_tile, do_base, p.ldo, q0, seq_len);
-  LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, 0, seq_len);
-  LoadTileAsync<Op, kBN, kThreads>(v_tiles, v_base, p.ldkv, 0, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, first_kv_tile * kBN, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(v_tiles, v_base, p.ldkv, first_kv_tile * kBN, seq_len);
   CpAsyncCommit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -316,10 +321,11 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
   for (int j = 0; j < num_kv_tiles; ++j) {
     const int stage = j & 1;
     if (j + 1 < num_kv_tiles) {
+      const int next_key0 = (first_kv_tile + j + 1) * kBN;
       LoadTileAsync<Op, kBN, kThreads>(k_tiles + (stage ^ 1) * kBN * kP, k_base, p.ldkv,
-                                       (j + 1) * kBN, seq_len);
+                                       next_key0, seq_len);
       LoadTileAsync<Op, kBN, kThreads>(v_tiles + (stage ^ 1) * kBN * kP, v_base, p.ldkv,
-                                       (j + 1) * kBN, seq_len);
+                                       next_key0, seq_len);
     }
     CpAsyncCommit();
     CpAsyncWait<1>();
@@ -333,8 +339,8 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
     RoundTileTf32<Op, kBN, kThreads>(v_tile);
     __syncthreads();
 
-    const int key0 = j * kBN;
-    if (key0 <= q0 + warp * 16 + 15) {
+    const int key0 = (first_kv_tile + j) * kBN;
+    if (key0 <= q0 + warp * 16 + 15 && key0 + kBN - 1 >= FirstVisibleKey(p, q0 + warp * 16)) {
       float s[kNT][4], dp[kNT][4];
       ClearAccumulators(s);
       ClearAccumulators(dp);
@@ -348,7 +354,8 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
           const int row = e < 2 ? row_a : row_b;
           float ds;
           SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
-                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor, key > row, ds);
+                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor,
+                              IsMasked(p, key, row), ds);
           dp[n][e] = ds;
         }
       }

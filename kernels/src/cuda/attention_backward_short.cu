@@ -13,6 +13,8 @@
 //   phase 2 (warp = 16 keys): dV += P^T dO and dK += dS^T Q from the staged tiles (transposed with
 //     ldmatrix.trans), added to the block's own rows of dK/dV in global memory in a fixed order
 //     (query head, then chunk): deterministic, no atomics.
+// With a sliding window, key blocks before a warp's window are not computed (P = dS = 0 staged) and
+// key rows before a chunk's window are skipped in phase 2.
 // Delta = rowsum(dO * O) comes from DeltaKernel, lse from the forward; dS carries the power-of-two
 // scale of the FP16 mode (attention_common.cuh), removed from dK and dQ on output.
 #include <cuda_fp16.h>
@@ -152,9 +154,12 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
         const int key0 = block * kKeyBlock;
         __half* k_block = k_tile + block * kKeyBlock * kPitch;
         __half* v_block = v_tile + block * kKeyBlock * kPitch;
-        // Keys of this block this warp's queries can see: [key0, q0 + warp_row0 + 16).
+        // Keys of this block this warp's queries can see: [key0, q0 + warp_row0 + 16), and none
+        // when the whole block precedes the window of the warp's first query. A block skipped
+        // this way stages zeros (phase 2 adds nothing from it).
         const int visible = min(kKeyBlock, q0 + warp_row0 + 16 - key0);
-        const bool active = warp_row0 < chunk_rows && visible > 0;
+        const bool active = warp_row0 < chunk_rows && visible > 0 &&
+                            key0 + kKeyBlock - 1 >= FirstVisibleKey(p, q0 + warp_row0);
         AccumulatorA<Op, 16> prob_a, ds_a;
         if (active) {
           float s[16][4], dp[16][4];
@@ -172,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
               float ds;
               s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
                                             e < 2 ? rows.delta_a : rows.delta_b, ds_factor,
-                                            key > row, ds);
+                                            IsMasked(p, key, row), ds);
               dp[n][e] = ds;
             }
           }
@@ -195,6 +200,9 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
       // ---- Phase 2: 16 keys per warp, dV += P^T dO and dK += dS^T Q over the chunk's queries ----
       for (int key_group = warp; key_group * 16 < key_end; key_group += kWarps) {
         const int key_row0 = key_group * 16;
+        // Keys before the window of every query of the chunk get nothing from it; never the first
+        // contribution (that comes from the key's own chunk).
+        if (key_row0 + 15 < FirstVisibleKey(p, q0)) continue;
         const int block = key_row0 / kKeyBlock;
         const int in_block = key_row0 % kKeyBlock;
         // Queries of the chunk at or after these keys: k-steps from the one holding key_row0.

@@ -73,6 +73,9 @@ struct AttentionParams {
   float* grad_k = nullptr;
   float* grad_v = nullptr;
   int batch = 0, seq_len = 0, num_heads = 0, num_kv_heads = 0, group = 1;
+  // The effective sliding window, in [1, seq_len]: query i sees keys j with i - window < j <= i.
+  // Full causal attention is window = seq_len (then no key of a valid row is cut off).
+  int window = 0;
   float scaling = 0.f;
   bool has_cap = true;
   float score_scale = 0.f;  // s * score_scale is tanh's argument (scaling / cap), or c*log2e (no cap)
@@ -153,6 +156,16 @@ __device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, f
   }
   t = 0.f;
   return s * p.score_scale;
+}
+
+// The causal and sliding-window mask: key j is hidden from query row i when j > i or j <= i - window.
+__device__ __forceinline__ bool IsMasked(const AttentionParams& p, int key, int row) {
+  return key > row || key <= row - p.window;
+}
+
+// First key a query row sees (rows past the sequence included: they are never stored).
+__device__ __forceinline__ int FirstVisibleKey(const AttentionParams& p, int row) {
+  return max(0, row - p.window + 1);
 }
 
 // ---- mma ------------------------------------------------------------------------------------------
@@ -544,7 +557,8 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
       problem.num_kv_heads < 1 || problem.num_heads % problem.num_kv_heads != 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
-  if (!std::isfinite(problem.scaling) || !std::isfinite(problem.softcap) || problem.softcap < 0.f) {
+  if (!std::isfinite(problem.scaling) || !std::isfinite(problem.softcap) || problem.softcap < 0.f ||
+      problem.sliding_window < 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
   if (problem.operand != AttentionOperand::kFp16 && problem.operand != AttentionOperand::kTf32 &&
@@ -568,6 +582,9 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
   params->num_heads = problem.num_heads;
   params->num_kv_heads = problem.num_kv_heads;
   params->group = problem.num_heads / problem.num_kv_heads;
+  params->window = problem.sliding_window > 0 && problem.sliding_window < problem.seq_len
+                       ? problem.sliding_window
+                       : problem.seq_len;
   params->scaling = problem.scaling;
   params->has_cap = problem.softcap > 0.f;
   params->score_scale =

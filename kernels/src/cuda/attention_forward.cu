@@ -4,7 +4,8 @@
 // (64-query tile, query head, batch); key/value tiles of 64 stream through shared memory with
 // cp.async (keys double-buffered, values single-buffered: the next value tile loads while the next
 // scores are computed, and the smaller footprint lets 3 fp16 blocks share an SM instead of 2), fully
-// masked tiles are never loaded; online softmax in registers.
+// masked tiles (after the diagonal, or before a sliding window) are never loaded; online softmax in
+// registers.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -78,16 +79,19 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
   const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
 
-  // Keys [0, q0 + kBM) can be visible to this tile's rows.
+  // Keys (q0 - window, q0 + kBM) can be visible to this tile's rows: key tiles [first_kv_tile,
+  // end_kv_tile); the ones wholly before the window are never loaded.
   const int last_key = min(seq_len, q0 + kBM);
-  const int num_kv_tiles = (last_key + kBN - 1) / kBN;
+  const int first_kv_tile = FirstVisibleKey(p, q0) / kBN;
+  const int end_kv_tile = (last_key + kBN - 1) / kBN;
+  const int num_kv_tiles = end_kv_tile - first_kv_tile;
 
   // cp.async groups, in commit order: {Q, K0}, {V0}, then per iteration j: {K(j+1)} at its start
   // and {V(j+1)} at its end (empty groups past the last tile keep the counting uniform).
   LoadTileAsync<Op, kBM, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
-  LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, 0, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(k_tiles, k_base, p.ldkv, first_kv_tile * kBN, seq_len);
   CpAsyncCommit();
-  LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, 0, seq_len);
+  LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, first_kv_tile * kBN, seq_len);
   CpAsyncCommit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -104,7 +108,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
     // The other key buffer was last read in iteration j - 1, before its closing barrier.
     if (j + 1 < num_kv_tiles) {
       LoadTileAsync<Op, kBN, kThreads>(k_tiles + (stage ^ 1) * kBN * kP, k_base, p.ldkv,
-                                       (j + 1) * kBN, seq_len);
+                                       (first_kv_tile + j + 1) * kBN, seq_len);
     }
     CpAsyncCommit();
     CpAsyncWait<2>();  // K(j) has landed; V(j) and K(j+1) may still be in flight
@@ -113,15 +117,19 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
     RoundTileTf32<Op, kBN, kThreads>(k_tile);
     __syncthreads();
 
-    const int key0 = j * kBN;
-    // A warp whose 16 rows all precede this tile's keys has nothing to add (diagonal tiles only).
-    const bool active = key0 <= q0 + warp * 16 + 15;
+    const int key0 = (first_kv_tile + j) * kBN;
+    const int warp_row0 = q0 + warp * 16;
+    // A warp whose 16 rows all precede this tile's keys (diagonal tiles), or whose windows all
+    // start after its last key, has nothing to add.
+    const bool active =
+        key0 <= warp_row0 + 15 && key0 + kBN - 1 >= FirstVisibleKey(p, warp_row0);
     float s[kNT][4];
     if (active) {
       ClearAccumulators(s);
       WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
 
-      const bool needs_mask = key0 + kBN - 1 > q0 + warp * 16 || key0 + kBN > seq_len;
+      const bool needs_mask = key0 + kBN - 1 > warp_row0 || key0 + kBN > seq_len ||
+                              key0 < FirstVisibleKey(p, warp_row0 + 15);
       float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
@@ -132,7 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
           if (needs_mask) {
             const int key = key0 + n * 8 + 2 * t + (e & 1);
             const int row = e < 2 ? row_a : row_b;
-            if (key > row || key >= seq_len) c = -INFINITY;
+            if (IsMasked(p, key, row) || key >= seq_len) c = -INFINITY;
           }
           s[n][e] = c;
         }
@@ -143,18 +151,21 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
       tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 2));
       tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 1));
       tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 2));
-      // Key 0 is visible to every row, so the running max is finite from the first tile on.
+      // With a sliding window a row may see none of a tile's keys (its max stays -inf until its
+      // first visible key): exponents are then taken against 0, so nothing becomes NaN.
       const float new_max_a = fmaxf(max_a, tile_max_a), new_max_b = fmaxf(max_b, tile_max_b);
-      const float alpha_a = FastExp2(max_a - new_max_a), alpha_b = FastExp2(max_b - new_max_b);
+      const float base_a = new_max_a == -INFINITY ? 0.f : new_max_a;
+      const float base_b = new_max_b == -INFINITY ? 0.f : new_max_b;
+      const float alpha_a = FastExp2(max_a - base_a), alpha_b = FastExp2(max_b - base_b);
       max_a = new_max_a;
       max_b = new_max_b;
       float part_a = 0.f, part_b = 0.f;
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
-        s[n][0] = FastExp2(s[n][0] - max_a);
-        s[n][1] = FastExp2(s[n][1] - max_a);
-        s[n][2] = FastExp2(s[n][2] - max_b);
-        s[n][3] = FastExp2(s[n][3] - max_b);
+        s[n][0] = FastExp2(s[n][0] - base_a);
+        s[n][1] = FastExp2(s[n][1] - base_a);
+        s[n][2] = FastExp2(s[n][2] - base_b);
+        s[n][3] = FastExp2(s[n][3] - base_b);
         part_a += s[n][0] + s[n][1];
         part_b += s[n][2] + s[n][3];
       }
@@ -178,7 +189,8 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
     }
     __syncthreads();  // every warp is done with V(j) (and K(j)) before they are overwritten
     if (j + 1 < num_kv_tiles) {
-      LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, (j + 1) * kBN, seq_len);
+      LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, (first_kv_tile + j + 1) * kBN,
+                                       seq_len);
     }
     CpAsyncCommit();
   }

@@ -78,6 +78,7 @@ AttentionProblem ProblemOf(const LayerConfig& config, int batch, int seq_len,
   problem.num_kv_heads = config.num_kv_heads;
   problem.scaling = scalars.scaling;
   problem.softcap = scalars.capped() ? scalars.softcap : 0.f;  // 0: no soft-cap
+  problem.sliding_window = scalars.sliding_window;              // 0: full causal
   problem.operand = mode.attention;
   return problem;
 }
@@ -591,9 +592,6 @@ Status CheckCall(const LayerConfig& config, int batch, int seq_len, const Scalar
                                "multiple of num_kv_heads, head_dim even)"};
   }
   ATTNGRAD_RETURN_IF_ERROR(CheckBackwardArguments(config, batch, seq_len, scalars, in, out));
-  if (scalars.sliding_window != 0) {
-    return {ATTNGRAD_UNSUPPORTED, "the GPU kernels do not support sliding_window (local layers)"};
-  }
   // The element-wise kernels read 16 bytes at a time from these (cudaMalloc gives 256).
   if (!Aligned16(in.cos)) return {ATTNGRAD_INVALID_ARGUMENT, "cos is not 16-byte aligned"};
   if (!Aligned16(in.sin)) return {ATTNGRAD_INVALID_ARGUMENT, "sin is not 16-byte aligned"};
@@ -727,7 +725,7 @@ PipelineKey KeyOf(const LayerConfig& config, int batch, int seq_len, const Scala
         static_cast<long long>(seq_len), static_cast<long long>(precision),
         static_cast<long long>(accumulate), static_cast<long long>(config.hidden_size),
         static_cast<long long>(config.num_heads), static_cast<long long>(config.num_kv_heads),
-        static_cast<long long>(config.head_dim)}) {
+        static_cast<long long>(config.head_dim), static_cast<long long>(scalars.sliding_window)}) {
     add(static_cast<std::uint64_t>(value));
   }
   for (const float value : {scalars.scaling, scalars.softcap, scalars.eps}) add_float(value);

@@ -1,0 +1,371 @@
+#!/usr/bin/env python3
+"""Checks and times libattngrad.so's attngrad_backward_ex on the published Gemma-3 layers (GPU).
+
+1. Correctness: for each model of proto/models/gemma3.json (not the "spec" entry) and each layer
+   type (a local "sliding_attention" layer with the model's sliding window and rope_local_base_freq,
+   a global "full_attention" one with rope_theta and the linear rope_scaling), Hugging Face
+   transformers' own Gemma3Attention (eager, float64 autograd, built the way
+   tests/fixtures/make_gemma3_fixtures.py builds it but at the model's full hidden size, with the
+   model's causal / sliding-window mask) is the oracle for the gradients of
+   L = sum(grad_output * layer_output) with respect to hidden_states and the six weights, on random
+   inputs (SPEC section 3's distribution at the model's hidden size) with per-sequence positions.
+   Every precision mode of --modes must pass SPEC section 4's rule: >= 99% of the elements of each
+   of the 7 outputs within atol + 1e-3 |ref| (atol .0067; the two head_dim-element norm-weight
+   gradients at most one miss), no NaN/Inf. A layer for which attngrad_workspace_size_ex answers 0
+   (the GPU kernels do not compute it) is reported as such and skipped.
+2. Timing (--time): attngrad (AUTO) on one local and one global layer of each computed model at
+   B x S of --time-shapes: L2 flushed (2x L2 written) before every iteration, warm-up then timed
+   iterations, CUDA events, median; the local layer's saving over the global one; and PyTorch eager
+   TF32 (the same Gemma3Attention in fp32, forward + backward) where --torch is given.
+
+Usage: python3 bench/check_gemma3.py --lib build-h200/kernels/libattngrad.so
+          [--shapes 1:1,2:7,1:1000,2:2500] [--modes AUTO,FP32,TF32,FP16] [--models gemma-3-27b]
+          [--time] [--time-shapes 1:4096,4:1024] [--torch]
+"""
+import argparse
+import ctypes
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+MODELS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "proto", "models",
+                           "gemma3.json")
+MODES = {"AUTO": 0, "FP32": 1, "TF32": 2, "FP16": 3}
+ATOL = 0.0067
+OUTPUTS = ["grad_hidden_states", "grad_q_weight", "grad_k_weight", "grad_v_weight",
+           "grad_o_weight", "grad_q_norm_weight", "grad_k_norm_weight"]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("hidden_size", ctypes.c_int), ("num_heads", ctypes.c_int),
+                ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("scaling", ctypes.c_float), ("softcap", ctypes.c_float), ("eps", ctypes.c_float),
+                ("sliding_window", ctypes.c_int)]
+
+
+class Inputs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "grad_output", "hidden_states", "cos", "sin", "q_weight", "k_weight", "v_weight",
+        "o_weight", "q_norm_weight", "k_norm_weight")]
+
+
+class Outputs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in OUTPUTS]
+
+
+def load_library(path):
+    lib = ctypes.CDLL(path)
+    lib.attngrad_workspace_size_ex.restype = ctypes.c_size_t
+    lib.attngrad_workspace_size_ex.argtypes = [ctypes.POINTER(Layer), ctypes.c_int, ctypes.c_int,
+                                               ctypes.c_int]
+    lib.attngrad_backward_ex.restype = ctypes.c_int
+    lib.attngrad_backward_ex.argtypes = [ctypes.POINTER(Layer), ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_int, ctypes.c_int, ctypes.POINTER(Inputs),
+                                         ctypes.POINTER(Outputs), ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.c_void_p]
+    lib.attngrad_status_string.restype = ctypes.c_char_p
+    return lib
+
+
+def rope_tables(positions, head_dim, theta, linear_factor):
+    """cos/sin [B,S,D] (rotate-half layout) of integer positions [B,S]; linear scaling divides them."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=positions.device)
+    inv_freq = theta ** (-2.0 * i / head_dim) / linear_factor
+    freqs = positions.to(torch.float64)[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def window_mask(batch, seq_len, window, dtype, device):
+    """Additive mask [B,1,S,S]: 0 where i - window < j <= i (window 0: j <= i), else -inf."""
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    allowed = j <= i
+    if window:
+        allowed &= j > i - window
+    mask = torch.zeros(seq_len, seq_len, dtype=dtype, device=device).masked_fill(~allowed,
+                                                                                 float("-inf"))
+    return mask.expand(batch, 1, seq_len, seq_len)
+
+
+def hf_attention(model, layer_type, window, dtype):
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3 import modeling_gemma3
+    hidden = model["hidden_size"]
+    config = Gemma3TextConfig(
+        hidden_size=hidden, num_attention_heads=model["num_attention_heads"],
+        num_key_value_heads=model["num_key_value_heads"], head_dim=model["head_dim"],
+        query_pre_attn_scalar=model["query_pre_attn_scalar"],
+        attn_logit_softcapping=model["attn_logit_softcapping"], rms_norm_eps=model["rms_norm_eps"],
+        sliding_window=window or 4096, layer_types=[layer_type], num_hidden_layers=1,
+        intermediate_size=4 * hidden, vocab_size=32, attention_dropout=0.0, attention_bias=False)
+    config._attn_implementation = "eager"
+    return modeling_gemma3.Gemma3Attention(config, layer_idx=0).to(device="cuda",
+                                                                   dtype=dtype).eval()
+
+
+class Case:
+    """One layer (model, layer type) and its random inputs at (B, S), fp32 on the GPU."""
+
+    def __init__(self, model, layer_type, batch, seq_len, generator):
+        self.model, self.layer_type, self.batch, self.seq_len = model, layer_type, batch, seq_len
+        local = layer_type == "sliding_attention"
+        self.window = model["sliding_window"] if local else 0
+        h, nq, nkv, d = (model["hidden_size"], model["num_attention_heads"],
+                         model["num_key_value_heads"], model["head_dim"])
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.float32)
+
+        scale = math.sqrt(2.0 / h)
+        self.weights = [randn(nq * d, h) * scale, randn(nkv * d, h) * scale,
+                        randn(nkv * d, h) * scale, randn(h, nq * d) * scale, randn(d) * 0.02,
+                        randn(d) * 0.02]
+        self.grad_output = randn(batch, seq_len, h)
+        self.hidden_states = randn(batch, seq_len, h) / math.sqrt(h)
+        start = torch.randint(0, 4000, (batch, 1), generator=generator, device="cuda")
+        steps = torch.randint(1, 3, (batch, seq_len), generator=generator, device="cuda")
+        positions = start + torch.cumsum(steps, dim=1)
+        rule = model["rope_scaling"] or {}
+        theta = model["rope_local_base_freq"] if local else model["rope_theta"]
+        factor = 1.0 if local else float(rule.get("factor", 1.0))
+        cos, sin = rope_tables(positions, d, theta, factor)
+        self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
+        self.scaling = model["query_pre_attn_scalar"] ** -0.5
+        self.layer = Layer(h, nq, nkv, d, self.scaling, float(model["attn_logit_softcapping"] or 0.0),
+                           float(model["rms_norm_eps"]), self.window)
+
+    def reference(self, dtype=torch.float64):
+        """transformers' gradients [grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_qn, grad_kn]."""
+        attention = hf_attention(self.model, self.layer_type, self.window, dtype)
+        params = (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight,
+                  attention.o_proj.weight, attention.q_norm.weight, attention.k_norm.weight)
+        with torch.no_grad():
+            for parameter, value in zip(params, self.weights):
+                parameter.copy_(value.to(dtype))
+        x = self.hidden_states.to(dtype).requires_grad_(True)
+        output = attention(hidden_states=x,
+                           position_embeddings=(self.cos.to(dtype), self.sin.to(dtype)),
+                           attention_mask=window_mask(self.batch, self.seq_len, self.window, dtype,
+                                                      "cuda"))
+        y = output[0] if isinstance(output, tuple) else output
+        y.backward(self.grad_output.to(dtype))
+        grads = [x.grad] + [p.grad for p in params]
+        del attention, output, y
+        return [g.detach() for g in grads]
+
+    def new_outputs(self):
+        return [torch.zeros_like(self.hidden_states)] + [torch.zeros_like(w) for w in self.weights]
+
+    def run(self, lib, precision, outputs, workspace):
+        tensors = [self.grad_output, self.hidden_states, self.cos, self.sin] + self.weights
+        inputs = Inputs(*[t.data_ptr() for t in tensors])
+        outs = Outputs(*[t.data_ptr() for t in outputs])
+        return lib.attngrad_backward_ex(ctypes.byref(self.layer), self.batch, self.seq_len,
+                                        precision, 0, ctypes.byref(inputs), ctypes.byref(outs),
+                                        workspace.data_ptr(), workspace.numel(),
+                                        torch.cuda.current_stream().cuda_stream)
+
+
+def check_outputs(outputs, reference):
+    """SPEC section 4's rule; returns (passed, per-output fraction within tolerance)."""
+    passed, fractions = True, []
+    for out, ref in zip(outputs, reference):
+        finite = bool(torch.isfinite(out).all())
+        ref = ref.double()
+        miss = (int(((out.double() - ref).abs() > ATOL + 1e-3 * ref.abs()).sum()) if finite
+                else out.numel())
+        allowed = 1 if out.dim() == 1 else out.numel() // 100
+        passed &= finite and miss <= allowed
+        fractions.append(1.0 - miss / out.numel())
+    return passed, fractions
+
+
+def parse_shapes(text):
+    return [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item]
+
+
+def median_us(fn, flush, warmup, iters):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(warmup + iters):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+ATTENTION_KERNELS = ("AttentionForwardKernel", "KeyValueGradientKernel", "QueryGradientKernel",
+                     "DeltaKernel", "SumPartialsKernel", "ShortSequenceBackwardKernel")
+
+
+def attention_kernel_us(fn, calls=5):
+    """Device time per call of the attention kernels and of all kernels (torch.profiler / CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    attention = total = 0.0
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None)
+        if us is None:
+            us = getattr(event, "cuda_time_total", 0.0)
+        if getattr(event, "device_type", None) is not None and "CUDA" not in str(event.device_type):
+            continue
+        total += us
+        if any(name in event.key for name in ATTENTION_KERNELS):
+            attention += us
+    return attention / calls, total / calls
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lib", default="build-h200/kernels/libattngrad.so")
+    parser.add_argument("--shapes", default="1:1,2:7,1:1000,2:2500")
+    parser.add_argument("--modes", default="AUTO,FP32,TF32,FP16")
+    parser.add_argument("--models", default="")
+    parser.add_argument("--seed", type=int, default=20261202)
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--time", action="store_true")
+    parser.add_argument("--time-shapes", default="1:4096,4:1024")
+    parser.add_argument("--torch", action="store_true", help="also time PyTorch eager TF32")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--profile", action="store_true",
+                        help="also report the attention kernels' device time (torch.profiler)")
+    args = parser.parse_args()
+
+    import transformers
+    print("torch", torch.__version__, "transformers", transformers.__version__,
+          torch.cuda.get_device_name(0), flush=True)
+    lib = load_library(args.lib)
+    with open(MODELS_JSON) as f:
+        models = {k: v for k, v in json.load(f)["models"].items() if k != "spec"}
+    if args.models:
+        models = {k: models[k] for k in args.models.split(",")}
+    generator = torch.Generator(device="cuda").manual_seed(args.seed)
+    all_passed = True
+    layer_types = ("sliding_attention", "full_attention")
+    if not args.no_check:
+        for name, model in models.items():
+            for layer_type in layer_types:
+                short = "local" if layer_type == "sliding_attention" else "global"
+                for batch, seq_len in parse_shapes(args.shapes):
+                    case = Case(model, layer_type, batch, seq_len, generator)
+                    size = lib.attngrad_workspace_size_ex(ctypes.byref(case.layer), batch, seq_len,
+                                                          MODES["FP16"])
+                    label = "%s %s (window %d) B=%d S=%d" % (name, short, case.window, batch,
+                                                             seq_len)
+                    if size == 0:
+                        print("%-44s not computed by the GPU kernels (head_dim %d): skipped"
+                              % (label, model["head_dim"]), flush=True)
+                        break
+                    reference = case.reference()
+                    for mode in args.modes.split(","):
+                        workspace_size = lib.attngrad_workspace_size_ex(
+                            ctypes.byref(case.layer), batch, seq_len, MODES[mode])
+                        workspace = torch.empty(workspace_size, dtype=torch.uint8, device="cuda")
+                        outputs = case.new_outputs()
+                        for t in outputs:
+                            t.fill_(float("nan"))
+                        status = case.run(lib, MODES[mode], outputs, workspace)
+                        torch.cuda.synchronize()
+                        if status != 0:
+                            print("%-44s %-4s FAILED: %s" % (label, mode,
+                                                           lib.attngrad_status_string(status)))
+                            all_passed = False
+                            continue
+                        passed, fractions = check_outputs(outputs, reference)
+                        all_passed &= passed
+                        print("%-44s %-4s %s  min within tol %.4f%% (%s)" % (
+                            label, mode, "PASS" if passed else "FAIL", 100 * min(fractions),
+                            " ".join("%.4f" % (100 * f) for f in fractions)), flush=True)
+                    del reference, case
+                    torch.cuda.empty_cache()
+        print("correctness:", "ALL PASS" if all_passed else "SOME FAILED", flush=True)
+
+    if args.time:
+        flush = torch.empty(2 * 60 * 1024 * 1024 // 4 * 2, dtype=torch.float32, device="cuda")
+        rows = []
+        for name, model in models.items():
+            for batch, seq_len in parse_shapes(args.time_shapes):
+                row = [name, batch, seq_len]
+                for layer_type in layer_types:
+                    case = Case(model, layer_type, batch, seq_len, generator)
+                    size = lib.attngrad_workspace_size_ex(ctypes.byref(case.layer), batch, seq_len,
+                                                          MODES["AUTO"])
+                    if size == 0:
+                        row = None
+                        break
+                    workspace = torch.empty(size, dtype=torch.uint8, device="cuda")
+                    outputs = case.new_outputs()
+                    assert case.run(lib, MODES["AUTO"], outputs, workspace) == 0
+                    row.append(median_us(lambda: case.run(lib, MODES["AUTO"], outputs, workspace),
+                                         flush, args.warmup, args.iters))
+                    if args.profile:
+                        try:
+                            attention_us, kernels_us = attention_kernel_us(
+                                lambda: case.run(lib, MODES["AUTO"], outputs, workspace))
+                            print("profile %s %s B=%d S=%d: attention kernels %.1f us of %.1f us"
+                                  " of kernel time per call" % (name, layer_type, batch, seq_len,
+                                                                attention_us, kernels_us),
+                                  flush=True)
+                        except Exception as error:  # the profiler may be unavailable there
+                            print("profile failed:", error, flush=True)
+                    if args.torch:
+                        torch.backends.cuda.matmul.allow_tf32 = True
+                        torch.backends.cudnn.allow_tf32 = True
+                        attention = hf_attention(model, layer_type, case.window, torch.float32)
+                        with torch.no_grad():
+                            for parameter, value in zip(
+                                    (attention.q_proj.weight, attention.k_proj.weight,
+                                     attention.v_proj.weight, attention.o_proj.weight,
+                                     attention.q_norm.weight, attention.k_norm.weight),
+                                    case.weights):
+                                parameter.copy_(value)
+                        mask = window_mask(batch, seq_len, case.window, torch.float32, "cuda")
+                        x = case.hidden_states.clone().requires_grad_(True)
+
+                        def step():
+                            attention.zero_grad(set_to_none=True)
+                            x.grad = None
+                            out = attention(hidden_states=x, position_embeddings=(case.cos,
+                                                                                  case.sin),
+                                            attention_mask=mask)
+                            (out[0] if isinstance(out, tuple) else out).backward(case.grad_output)
+
+                        row.append(median_us(step, flush, 3, 10))
+                        torch.backends.cuda.matmul.allow_tf32 = False
+                        del attention, mask, x
+                    else:
+                        row.append(float("nan"))
+                    del case, outputs, workspace
+                    torch.cuda.empty_cache()
+                if row is None:
+                    print("%s B=%d S=%d: not computed by the GPU kernels" % (name, batch, seq_len))
+                    continue
+                rows.append(row)
+                print("timed", row, flush=True)
+        print("\n| model | B | S | attngrad local µs | attngrad global µs | local / global |"
+              " eager TF32 local µs | eager TF32 global µs |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name, batch, seq_len, local_us, local_torch, global_us, global_torch in rows:
+            print("| %s | %d | %d | %.1f | %.1f | %.2f | %.1f | %.1f |" % (
+                name, batch, seq_len, local_us, global_us, local_us / global_us, local_torch,
+                global_torch))
+    return 0 if all_passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
