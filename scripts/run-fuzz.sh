@@ -44,7 +44,11 @@ fi
 failed=()
 for target in "${targets[@]}"; do
   binary=$build_dir/$target
-  [[ -x $binary ]] || { echo "run-fuzz: $binary not built (run without --no-build)" >&2; exit 2; }
+  if [[ ! -x $binary ]]; then
+    command -v clang++ >/dev/null || { echo "run-fuzz: clang++ not found, $target not built" >&2; exit 77; }
+    echo "run-fuzz: $binary not built (run without --no-build)" >&2
+    exit 2
+  fi
   corpus=$build_dir/corpus/$target
   findings=$build_dir/findings/$target
   mkdir -p "$corpus" "$findings"
