@@ -39,12 +39,12 @@ absl::StatusOr<ReferenceOutputs> ComputeReference(const LayerConfig& config,
   in.cos = inputs.cos.data();
   in.sin = inputs.sin.data();
   o.grad_hidden_states = out.grad_hidden_states.data();
-  const attngrad_status status =
+  const Status status =
       BackwardHost(config, static_cast<int>(inputs.batch), static_cast<int>(inputs.seq_len),
                    scalars, /*accumulate=*/false, in, o);
-  if (status != ATTNGRAD_OK) {
-    return absl::InternalError(
-        absl::StrCat("reference: BackwardHost failed: ", attngrad_status_string(status)));
+  if (!status.ok()) {
+    return absl::InternalError(absl::StrCat("reference: BackwardHost failed: ", status.message,
+                                            " (", attngrad_status_string(status.code), ")"));
   }
   return out;
 }

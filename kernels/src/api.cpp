@@ -82,12 +82,6 @@ Status CheckBackwardArguments(const LayerConfig& config, int batch, int seq_len,
   return {};
 }
 
-attngrad_status ValidateBackwardArguments(const LayerConfig& config, int batch, int seq_len,
-                                          const Scalars& scalars, const BackwardInputs& in,
-                                          const BackwardOutputs& out) {
-  return CheckBackwardArguments(config, batch, seq_len, scalars, in, out).code;
-}
-
 namespace {
 
 BackwardInputs MakeInputs(const float* grad_output, const float* hidden_states, const float* cos,
@@ -178,7 +172,8 @@ int attngrad_backward_host_ex(const attngrad_layer* layer, int batch, int seq_le
   if (layer == nullptr || inputs == nullptr || outputs == nullptr) return ATTNGRAD_INVALID_ARGUMENT;
   return attngrad::BackwardHost(attngrad::ConfigOf(*layer), batch, seq_len,
                                 attngrad::ScalarsOf(*layer), accumulate != 0,
-                                attngrad::InputsOf(*inputs), attngrad::OutputsOf(*outputs));
+                                attngrad::InputsOf(*inputs), attngrad::OutputsOf(*outputs))
+      .code;
 }
 
 size_t attngrad_workspace_size(int batch, int seq_len, int precision) {
@@ -206,9 +201,6 @@ int attngrad_backward(int batch, int seq_len, float scaling, float softcap, floa
       attngrad::MakeOutputs(grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight,
                             grad_o_weight, grad_q_norm_weight, grad_k_norm_weight);
   if (!attngrad::IsValidPrecision(precision)) return ATTNGRAD_INVALID_ARGUMENT;
-  const attngrad_status status =
-      attngrad::ValidateBackwardArguments(config, batch, seq_len, scalars, in, out);
-  if (status != ATTNGRAD_OK) return status;
   return attngrad::BackwardDevice(config, batch, seq_len, scalars,
                                   static_cast<attngrad::Precision>(precision), accumulate != 0, in,
                                   out, workspace, workspace_size, stream)
@@ -229,7 +221,8 @@ int attngrad_backward_host(int batch, int seq_len, float scaling, float softcap,
       attngrad::MakeInputs(grad_output, hidden_states, cos, sin, q_weight, k_weight, v_weight,
                            o_weight, q_norm_weight, k_norm_weight),
       attngrad::MakeOutputs(grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight,
-                            grad_o_weight, grad_q_norm_weight, grad_k_norm_weight));
+                            grad_o_weight, grad_q_norm_weight, grad_k_norm_weight))
+      .code;
 }
 
 const char* attngrad_status_string(int status) {

@@ -1,13 +1,17 @@
 // The GPU entry points of backward.h in a build without CUDA (ATTNGRAD_CUDA=OFF or no nvcc): there
-// is no device backend, so every call says ATTNGRAD_UNSUPPORTED and no device is reported.
+// is no device backend, so every call with valid arguments says ATTNGRAD_UNSUPPORTED (invalid ones
+// are refused as the GPU backend refuses them) and no device is reported.
 #include "attngrad/backward.h"
 
 namespace attngrad {
 
 std::size_t DeviceWorkspaceSize(const LayerConfig&, int, int, Precision) { return 0; }
 
-Status BackwardDevice(const LayerConfig&, int, int, const Scalars&, Precision, bool,
-                      const BackwardInputs&, const BackwardOutputs&, void*, std::size_t, void*) {
+Status BackwardDevice(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                      Precision, bool, const BackwardInputs& in, const BackwardOutputs& out, void*,
+                      std::size_t, void*) {
+  const Status arguments = CheckBackwardArguments(config, batch, seq_len, scalars, in, out);
+  if (!arguments.ok()) return arguments;
   return {ATTNGRAD_UNSUPPORTED, "this build of attngrad has no CUDA backend"};
 }
 

@@ -1,5 +1,5 @@
-// Argument checks shared by every entry point (C ABI, CPU backend, GPU backend): shapes, pointers and
-// scalars of SPEC section 1, so that bad input returns ATTNGRAD_INVALID_ARGUMENT, never a crash.
+// The limit every entry point (C ABI, CPU backend, GPU backend) checks besides
+// attngrad::CheckBackwardArguments (backward.h), which names the check that failed.
 #ifndef ATTNGRAD_KERNELS_VALIDATE_H_
 #define ATTNGRAD_KERNELS_VALIDATE_H_
 
@@ -9,11 +9,6 @@ namespace attngrad {
 
 // The most tokens (B*S) one call may carry: keeps every element count far inside size_t and int64.
 inline constexpr long long kMaxTokens = 1LL << 26;
-
-// ATTNGRAD_OK when the configuration, shape, scalars and all 17 pointers are usable.
-attngrad_status ValidateBackwardArguments(const LayerConfig& config, int batch, int seq_len,
-                                          const Scalars& scalars, const BackwardInputs& in,
-                                          const BackwardOutputs& out);
 
 }  // namespace attngrad
 

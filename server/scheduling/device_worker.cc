@@ -110,9 +110,10 @@ void DeviceWorker::FinishControl(WorkerControl& control, absl::Status status,
   if (control.on_done) control.on_done(std::move(status), std::move(snapshot));
 }
 
-absl::Status KernelStatus(attngrad_status status, const std::string& what) {
-  const std::string message = absl::StrCat(what, ": ", attngrad_status_string(status));
-  switch (status) {
+absl::Status KernelStatus(const Status& status, const std::string& what) {
+  const std::string message =
+      absl::StrCat(what, ": ", status.message, ": ", attngrad_status_string(status.code));
+  switch (status.code) {
     case ATTNGRAD_OK: return absl::OkStatus();
     case ATTNGRAD_INVALID_ARGUMENT: return absl::InvalidArgumentError(message);
     case ATTNGRAD_UNSUPPORTED: return absl::UnimplementedError(message);

@@ -331,40 +331,40 @@ TEST(CpuBackendArguments, InvalidArgumentsAreRejected) {
       LayerConfig{-64, 6, 2, 16}, LayerConfig{64, -6, -2, 16}};
   for (const LayerConfig& c : bad_configs) {
     EXPECT_FALSE(c.IsValid());
-    EXPECT_EQ(attngrad::BackwardHost(c, 1, 4, scalars, false, in, outs), ATTNGRAD_INVALID_ARGUMENT)
+    EXPECT_EQ(attngrad::BackwardHost(c, 1, 4, scalars, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT)
         << Describe(c, 1, 4, scalars);
   }
-  EXPECT_EQ(attngrad::BackwardHost(good, 0, 4, scalars, false, in, outs), ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(attngrad::BackwardHost(good, 1, 0, scalars, false, in, outs), ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(attngrad::BackwardHost(good, -2, 4, scalars, false, in, outs), ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad::BackwardHost(good, 0, 4, scalars, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad::BackwardHost(good, 1, 0, scalars, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad::BackwardHost(good, -2, 4, scalars, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT);
 
   const float inf = std::numeric_limits<float>::infinity();
   for (float bad : {kNaN, inf, -inf}) {
     Scalars s = scalars;
     s.scaling = bad;
-    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs), ATTNGRAD_INVALID_ARGUMENT)
+    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT)
         << "scaling " << bad;
   }
   for (float bad : {kNaN, inf, -inf}) {
     Scalars s = scalars;
     s.softcap = bad;
-    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs), ATTNGRAD_INVALID_ARGUMENT)
+    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT)
         << "softcap " << bad;
   }
   for (float bad : {kNaN, inf, -inf, 0.0f, -1.0f}) {
     Scalars s = scalars;
     s.eps = bad;
-    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs), ATTNGRAD_INVALID_ARGUMENT)
+    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT)
         << "eps " << bad;
   }
   {
     attngrad::BackwardInputs missing = in;
     missing.cos = nullptr;
-    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, scalars, false, missing, outs),
+    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, scalars, false, missing, outs).code,
               ATTNGRAD_INVALID_ARGUMENT);
     attngrad::BackwardOutputs missing_out = outs;
     missing_out.weight_gradients[attngrad::Weight::kKNorm] = nullptr;
-    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, scalars, false, in, missing_out),
+    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, scalars, false, in, missing_out).code,
               ATTNGRAD_INVALID_ARGUMENT);
   }
   for (int i = 0; i < kNumGradients; ++i)

@@ -119,7 +119,8 @@ attngrad::BackwardOutputs OutputsOf(Gradients<float>& buffers) {
 attngrad_status RunHost(const Problem& problem, bool accumulate, Gradients<float>& out,
                         int num_threads) {
   return attngrad::BackwardHost(problem.config, problem.batch, problem.seq_len, problem.scalars,
-                                accumulate, problem.Inputs(), OutputsOf(out), num_threads);
+                                accumulate, problem.Inputs(), OutputsOf(out), num_threads)
+      .code;
 }
 
 template <typename T>

@@ -84,7 +84,7 @@ Gradients Reference(const LayerWeights& weights, const Batch& batch) {
   out.weight_gradients = DataOf(result.weights);
   Scalars scalars;  // the server's defaults: scaling 1/sqrt(head_dim), softcap 50, eps 1e-6
   scalars.scaling = 1.0f / std::sqrt(static_cast<float>(weights.config.head_dim));
-  EXPECT_EQ(BackwardHost(weights.config, batch.batch, batch.seq_len, scalars, false, in, out),
+  EXPECT_EQ(BackwardHost(weights.config, batch.batch, batch.seq_len, scalars, false, in, out).code,
             ATTNGRAD_OK);
   return result;
 }

@@ -80,10 +80,9 @@ ATTNGRAD_API Status CheckBackwardArguments(const LayerConfig& config, int batch,
 // CPU reference backend (host pointers; synchronous). Any valid configuration, any B, S >= 1.
 // num_threads: threads for the attention and the element-wise stages (0 = all hardware threads);
 // the projections run in OpenBLAS with its own thread setting. The result does not depend on it.
-ATTNGRAD_API attngrad_status BackwardHost(const LayerConfig& config, int batch, int seq_len,
-                                          const Scalars& scalars, bool accumulate,
-                                          const BackwardInputs& in, const BackwardOutputs& out,
-                                          int num_threads = 0);
+ATTNGRAD_API Status BackwardHost(const LayerConfig& config, int batch, int seq_len,
+                                 const Scalars& scalars, bool accumulate, const BackwardInputs& in,
+                                 const BackwardOutputs& out, int num_threads = 0);
 
 // GPU backend (device pointers; asynchronous on `stream`, a cudaStream_t; no device memory
 // allocation, no host synchronisation, so it can be captured in a CUDA graph; repeated calls are

@@ -220,11 +220,11 @@ void RopeNormBackward(const Problem& p, int heads, const float* normalized, cons
 
 }  // namespace
 
-attngrad_status BackwardHost(const LayerConfig& config, int batch, int seq_len,
-                             const Scalars& scalars, bool accumulate, const BackwardInputs& in,
-                             const BackwardOutputs& out, int num_threads) {
-  const attngrad_status status = ValidateBackwardArguments(config, batch, seq_len, scalars, in, out);
-  if (status != ATTNGRAD_OK) return status;
+Status BackwardHost(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                    bool accumulate, const BackwardInputs& in, const BackwardOutputs& out,
+                    int num_threads) {
+  const Status status = CheckBackwardArguments(config, batch, seq_len, scalars, in, out);
+  if (!status.ok()) return status;
   const Problem p{config, batch, seq_len, static_cast<long long>(batch) * seq_len, scalars,
                   cpu::ResolveThreadCount(num_threads)};
   const int tokens = static_cast<int>(p.tokens);
@@ -291,7 +291,7 @@ attngrad_status BackwardHost(const LayerConfig& config, int batch, int seq_len,
                in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kKProj], hidden, p.threads);
   GemmRowMajor(Transpose::kYes, Transpose::kNo, kv_width, hidden, tokens, 1.f, grad_v, kv_width,
                in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kVProj], hidden, p.threads);
-  return ATTNGRAD_OK;
+  return Status{};
 }
 
 }  // namespace attngrad
