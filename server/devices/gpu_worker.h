@@ -33,8 +33,8 @@ struct GpuWorkers {
 };
 
 // One started worker per CUDA device index in `devices`. Each uploads every layer of `layers` to
-// its device once (a layer the kernels do not support, e.g. head_dim 256 or a sliding window while
-// the kernels lack them, is refused per batch with UNIMPLEMENTED naming the kernels' reason) and
+// its device once (a layer the kernels do not support, e.g. head_dim 256 while the kernels lack
+// it, is refused per batch with UNIMPLEMENTED naming the kernels' reason) and
 // keeps up to `pipeline_depth` (at least 3: copy-in, compute, copy-out) batches in flight. With two
 // or more devices and NCCL usable (see NcclMode), the workers share one NCCL communicator each
 // (ncclCommInitAll, made here) and a fetch reduces their accumulators onto the first device.
