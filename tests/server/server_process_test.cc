@@ -120,6 +120,9 @@ class ServerProcess {
       if (waitpid(pid_, &status, WNOHANG) == pid_) {
         reaped_ = true;
         exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        // The child is gone, so the pipe ends: read what it wrote last before anyone reads log()
+        // (--help's text came back cut short now and then when log() raced the reader thread).
+        if (reader_.joinable()) reader_.join();
         return exit_status_;
       }
       if (SecondsSince(start) >= timeout_seconds) return -1;
