@@ -92,6 +92,13 @@ class Certificates {
 
 // Per-call metadata: a bearer token and/or a client id (authentication off).
 struct Identity {
+  Identity() = default;
+  Identity(std::string token_value, std::string client_id_value = "",
+           std::string for_client_value = "")
+      : token(std::move(token_value)),
+        client_id(std::move(client_id_value)),
+        for_client(std::move(for_client_value)) {}
+
   std::string token;
   std::string client_id;
   std::string for_client;  // admin: the window addressed

@@ -86,7 +86,7 @@ class ServerTest : public ::testing::Test {
 
   void SetUp() override;
   void TearDown() override;
-  virtual void Customize(ServerOptions& options) {}
+  virtual void Customize(ServerOptions& /*options*/) {}
 
   const LayerConfig& config() const { return config_; }
   const LayerWeights& weights();  // the server's initial weights, recomputed here once
