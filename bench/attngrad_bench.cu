@@ -2,10 +2,10 @@
 // flushed (a buffer of twice the L2 size written) before every iteration, 10 warm-up and 50 timed
 // iterations, CUDA events around the call, median — and prints per workload the median µs, T_SOL,
 // the ratio to SOL and the achieved TFLOP/s, then the geometric means. With --stages it also times
-// each pipeline stage (events recorded between stages) to say where the time goes. With --host-ahead
-// it also reports how long the host takes to enqueue one call and the call's time when the GPU is
-// held busy (a spin kernel after the flush) until the whole call is enqueued: the difference to
-// the median is time the GPU waited for the host.
+// each pipeline stage (events recorded between stages) to say where the time goes. With
+// --host-ahead it also reports how long the host takes to enqueue one call and the call's time when
+// the GPU is held busy (a spin kernel after the flush) until the whole call is enqueued: the
+// difference to the median is time the GPU waited for the host.
 //
 // Usage: attngrad_bench [--precision=auto|fp16|tf32|fp32] [--stages] [--host-ahead] [--warmup=10]
 //                       [--iters=50] [--workloads=B:S,B:S,...]
@@ -106,7 +106,8 @@ double Median(std::vector<double> values) {
 
 double Sol(int batch, int seq_len, double* macs_out) {
   const double tokens = static_cast<double>(batch) * seq_len;
-  const double macs = tokens * 66060288.0 + static_cast<double>(batch) * seq_len * seq_len * 18432.0;
+  const double macs =
+      tokens * 66060288.0 + static_cast<double>(batch) * seq_len * seq_len * 18432.0;
   const double weights = 2.0 * kHidden * kQOut + 2.0 * kKvOut * kHidden;
   const double elements = tokens * kHidden * 3 + tokens * kHeadDim * 2 + 2 * weights + 4 * kHeadDim;
   if (macs_out) *macs_out = macs;
@@ -136,8 +137,8 @@ struct Options {
   int warmup = 10;
   int iters = 50;
   std::vector<std::pair<int, int>> workloads = {
-      {1, 128}, {1, 256}, {1, 512}, {1, 2048}, {2, 512}, {2, 541}, {2, 1024}, {2, 2048},
-      {4, 128}, {4, 256}, {4, 1024}, {8, 128}, {8, 512}, {16, 256}, {32, 128}, {64, 256}};
+      {1, 128}, {1, 256}, {1, 512},  {1, 2048}, {2, 512}, {2, 541},  {2, 1024}, {2, 2048},
+      {4, 128}, {4, 256}, {4, 1024}, {8, 128},  {8, 512}, {16, 256}, {32, 128}, {64, 256}};
 };
 
 Options Parse(int argc, char** argv) {
@@ -172,7 +173,8 @@ Options Parse(int argc, char** argv) {
         const std::string item = list.substr(start, end - start);
         const std::size_t colon = item.find(':');
         if (colon != std::string::npos) {
-          options.workloads.emplace_back(std::atoi(item.c_str()), std::atoi(item.c_str() + colon + 1));
+          options.workloads.emplace_back(std::atoi(item.c_str()),
+                                         std::atoi(item.c_str() + colon + 1));
         }
         start = end + 1;
       }
@@ -229,7 +231,8 @@ int main(int argc, char** argv) {
       const bool norm = weight == Weight::kQNorm || weight == Weight::kKNorm;
       const std::size_t count = weights[weight].size();
       FillNormal<<<norm ? 1 : 1024, norm ? 128 : 256, 0, stream>>>(
-          weights[weight].get(), count, norm ? 0.02f : w_scale, seed + 3 + attngrad::IndexOf(weight));
+          weights[weight].get(), count, norm ? 0.02f : w_scale,
+          seed + 3 + attngrad::IndexOf(weight));
     }
     FillRotary<<<256, 256, 0, stream>>>(cos_buffer.get(), sin_buffer.get(), batch, seq_len);
     CHECK_CUDA(cudaGetLastError());
@@ -257,10 +260,9 @@ int main(int argc, char** argv) {
               ? attngrad::BackwardDevice(config, batch, seq_len, attngrad::Scalars{}, precision,
                                          /*accumulate=*/false, in, out, workspace.get(),
                                          workspace_bytes, stream)
-              : attngrad::cuda::RunBackwardPipeline(config, batch, seq_len, attngrad::Scalars{},
-                                                    precision, /*accumulate=*/false, in, out,
-                                                    workspace.get(), workspace_bytes, stream,
-                                                    observer);
+              : attngrad::cuda::RunBackwardPipeline(
+                    config, batch, seq_len, attngrad::Scalars{}, precision, /*accumulate=*/false,
+                    in, out, workspace.get(), workspace_bytes, stream, observer);
       if (!status.ok()) {
         std::fprintf(stderr, "B=%d S=%d: %s: %s\n", batch, seq_len,
                      attngrad_status_string(status.code), status.message);
@@ -303,11 +305,13 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), stop.get()));
         if (i < options.warmup) continue;
         gpu_only_us.push_back(ms * 1e3);
-        enqueue_us.push_back(std::chrono::duration<double, std::micro>(host_end - host_start).count());
+        enqueue_us.push_back(
+            std::chrono::duration<double, std::micro>(host_end - host_start).count());
       }
-      std::printf("      host-ahead: enqueue %.1f us on the host, %.1f us on the GPU when enqueued ahead "
-                  "(%.1f us less than the median)\n",
-                  Median(enqueue_us), Median(gpu_only_us), median - Median(gpu_only_us));
+      std::printf(
+          "      host-ahead: enqueue %.1f us on the host, %.1f us on the GPU when enqueued ahead "
+          "(%.1f us less than the median)\n",
+          Median(enqueue_us), Median(gpu_only_us), median - Median(gpu_only_us));
       std::fflush(stdout);
     }
 

@@ -8,14 +8,14 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK_CUDA(expression)                                                              \
-  do {                                                                                      \
-    const cudaError_t error_ = (expression);                                                \
-    if (error_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expression,              \
-                   cudaGetErrorString(error_));                                             \
-      std::exit(1);                                                                         \
-    }                                                                                       \
+#define CHECK_CUDA(expression)                                                 \
+  do {                                                                         \
+    const cudaError_t error_ = (expression);                                   \
+    if (error_ != cudaSuccess) {                                               \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expression, \
+                   cudaGetErrorString(error_));                                \
+      std::exit(1);                                                            \
+    }                                                                          \
   } while (0)
 
 #endif  // ATTNGRAD_BENCH_BENCH_CHECK_H_

@@ -1,9 +1,9 @@
 // gemm_algos: for every projection GEMM of the FP16 pipeline (SPEC section 2 steps 1, 5 and 9, the
-// shapes backward_device.cu runs) at the 16 SPEC workloads, times each algorithm cuBLASLt's heuristic
-// offers (its ranked list, up to 32), the way attngrad_bench times a call (L2 flushed before every
-// iteration, warm-up, median of the timed iterations), and prints the heuristic's first choice next
-// to the fastest one and that one's configuration. It says how much a tuned choice could save per
-// workload; it changes nothing in the library.
+// shapes backward_device.cu runs) at the 16 SPEC workloads, times each algorithm cuBLASLt's
+// heuristic offers (its ranked list, up to 32), the way attngrad_bench times a call (L2 flushed
+// before every iteration, warm-up, median of the timed iterations), and prints the heuristic's
+// first choice next to the fastest one and that one's configuration. It says how much a tuned
+// choice could save per workload; it changes nothing in the library.
 //
 // With --from-fp32 it instead compares, per workload, the FP16 pipeline's GEMMs on fp16 copies
 // (plus the per-call conversion that makes them) with the same products on the fp32 tensors that
@@ -137,7 +137,7 @@ std::vector<GemmAlgorithm> SearchCandidates(cublasLtHandle_t handle, const GemmS
   };
   const int split_ks[] = {2, 3, 4, 6, 8, 12, 16};
   const std::uint32_t reductions[] = {CUBLASLT_REDUCTION_SCHEME_INPLACE,
-                                     CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
+                                      CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
   std::vector<GemmAlgorithm> heuristic;
   for (int rank = 0; rank < GemmPlan::kMaxHeuristicRank; ++rank) {
     GemmPlan plan;
@@ -194,8 +194,8 @@ std::vector<GemmAlgorithm> SearchCandidates(cublasLtHandle_t handle, const GemmS
 
 int main(int argc, char** argv) {
   std::vector<std::pair<int, int>> workloads = {
-      {1, 128}, {1, 256}, {1, 512}, {1, 2048}, {2, 512}, {2, 541}, {2, 1024}, {2, 2048},
-      {4, 128}, {4, 256}, {4, 1024}, {8, 128}, {8, 512}, {16, 256}, {32, 128}, {64, 256}};
+      {1, 128}, {1, 256}, {1, 512},  {1, 2048}, {2, 512}, {2, 541},  {2, 1024}, {2, 2048},
+      {4, 128}, {4, 256}, {4, 1024}, {8, 128},  {8, 512}, {16, 256}, {32, 128}, {64, 256}};
   int iters = 20, ranks = GemmPlan::kMaxHeuristicRank;
   bool from_fp32 = false, search = false;
   for (int i = 1; i < argc; ++i) {
@@ -297,8 +297,8 @@ int main(int argc, char** argv) {
     std::printf("%-7s %-10s %10s %10s\n", "BxS", "product", "fp16_us", "fp32in_us");
     for (const auto& [batch, seq_len] : workloads) {
       const int tokens = batch * seq_len;
-      const std::vector<NamedGemm> half = PipelineGemms(tokens, weights.get(), activations.get(),
-                                                        grad_qkv.get(), output.get());
+      const std::vector<NamedGemm> half =
+          PipelineGemms(tokens, weights.get(), activations.get(), grad_qkv.get(), output.get());
       // The conversion the FP16 pipeline does per call: X, dY and the 25.2 M weight elements.
       const std::size_t activation_elements = static_cast<std::size_t>(tokens) * kHidden;
       auto* half_base = reinterpret_cast<__half*>(half_weights.get());
@@ -411,9 +411,9 @@ int main(int argc, char** argv) {
       if (rank == 0) outcome.first = median;
       if (median < outcome.best) {
         outcome.best = median;
-        outcome.best_text = "rank " + std::to_string(rank) + ": " +
-                            Initializer(GemmAlgorithm::Of(plan.algo())) +
-                            "  {id, tile, stages, split_k, reduction, swizzle, custom, cluster, inner}";
+        outcome.best_text =
+            "rank " + std::to_string(rank) + ": " + Initializer(GemmAlgorithm::Of(plan.algo())) +
+            "  {id, tile, stages, split_k, reduction, swizzle, custom, cluster, inner}";
       }
     }
     return outcome;
@@ -445,8 +445,9 @@ int main(int argc, char** argv) {
       }
     }
     outcome.tried = static_cast<int>(timed.size());
-    outcome.best_text = Initializer(best_algorithm) + "  (first " + Initializer(first_algorithm) +
-                        ")  {id, tile, stages, split_k, reduction, swizzle, custom, cluster, inner}";
+    outcome.best_text =
+        Initializer(best_algorithm) + "  (first " + Initializer(first_algorithm) +
+        ")  {id, tile, stages, split_k, reduction, swizzle, custom, cluster, inner}";
     return outcome;
   };
 
@@ -456,14 +457,14 @@ int main(int argc, char** argv) {
   for (const auto& [batch, seq_len] : workloads) {
     const int tokens = batch * seq_len;
     double first_total = 0, best_total = 0;
-    for (const NamedGemm& gemm : PipelineGemms(tokens, weights.get(), activations.get(),
-                                               grad_qkv.get(), output.get())) {
+    for (const NamedGemm& gemm :
+         PipelineGemms(tokens, weights.get(), activations.get(), grad_qkv.get(), output.get())) {
       const double weight = gemm.name == "grad_wk(x2)" ? 2.0 : 1.0;
       const Outcome outcome = search ? searched(gemm.spec) : ranked(gemm.spec);
       first_total += weight * outcome.first;
       best_total += weight * outcome.best;
-      std::printf("%3dx%-4d %-12s %6d %9.1f %9.1f %5.1f%%  %s\n", batch, seq_len,
-                  gemm.name.c_str(), outcome.tried, outcome.first, outcome.best,
+      std::printf("%3dx%-4d %-12s %6d %9.1f %9.1f %5.1f%%  %s\n", batch, seq_len, gemm.name.c_str(),
+                  outcome.tried, outcome.first, outcome.best,
                   100.0 * (1.0 - outcome.best / outcome.first), outcome.best_text.c_str());
       std::fflush(stdout);
     }

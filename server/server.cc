@@ -1,4 +1,5 @@
-// Server assembly: weights, workers, service, gRPC builder, health, reflection, the /metrics endpoint.
+// Server assembly: weights, workers, service, gRPC builder, health, reflection, the /metrics
+// endpoint.
 #include "server.h"
 
 #include <algorithm>
@@ -47,7 +48,8 @@ absl::StatusOr<ServedModel> LoadServedModel(const ServerOptions& options) {
       std::filesystem::exists(std::filesystem::path(options.weights) / "config.json", error);
   if (!options.model.empty() && options.weights != "random") {
     return absl::InvalidArgumentError(
-        "--model: only with --weights=random (a checkpoint directory's config.json names its model)");
+        "--model: only with --weights=random (a checkpoint directory's config.json names its "
+        "model)");
   }
   if (options.weights == "random" && !options.model.empty()) {
     absl::StatusOr<ServedModel> model =
@@ -107,9 +109,10 @@ absl::StatusOr<DeviceSelection> ParseDevices(const std::string& devices, int gpu
   for (absl::string_view part : absl::StrSplit(devices, ',')) {
     int index;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &index) || index < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--devices: '", part, "' is not a device index; expected \"\" (all GPUs, or the CPU "
-          "when there is none), \"cpu\" or a list like \"0,1\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--devices: '", part,
+                       "' is not a device index; expected \"\" (all GPUs, or the CPU "
+                       "when there is none), \"cpu\" or a list like \"0,1\""));
     }
     if (index >= gpu_count) {
       return absl::InvalidArgumentError(absl::StrCat("--devices: CUDA device ", index,
@@ -117,20 +120,22 @@ absl::StatusOr<DeviceSelection> ParseDevices(const std::string& devices, int gpu
                                                      " usable by this build)"));
     }
     if (std::find(selection.gpus.begin(), selection.gpus.end(), index) != selection.gpus.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("--devices: device ", index, " is listed twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--devices: device ", index, " is listed twice"));
     }
     selection.gpus.push_back(index);
   }
   return selection;
 }
 
-absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const ServerOptions& options) {
+absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
+    const ServerOptions& options) {
   if (options.max_batch_tokens < 1) {
     return absl::InvalidArgumentError("--max_batch_tokens must be >= 1");
   }
   if (options.max_message_bytes < (1 << 20) || options.max_message_bytes > INT_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes must be in [1 MiB, ",
-                                                   INT_MAX, "] (gRPC's limit)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_message_bytes must be in [1 MiB, ", INT_MAX, "] (gRPC's limit)"));
   }
   if (options.max_concurrent_streams < 1) {
     return absl::InvalidArgumentError("--max_concurrent_streams must be >= 1");
@@ -166,8 +171,8 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
   } else if (options.nccl == "off") {
     nccl_mode = NcclMode::kOff;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("--nccl: '", options.nccl,
-                                                   "' is not one of auto, on, off"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--nccl: '", options.nccl, "' is not one of auto, on, off"));
   }
 
   ATTNGRAD_ASSIGN_OR_RETURN(const DeviceSelection devices,
@@ -184,24 +189,22 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
   // Workers.
   std::vector<std::unique_ptr<DeviceWorker>> workers;
   if (devices.cpu) {
-    auto worker = std::make_unique<CpuWorker>(layer_slots, options.cpu_threads,
-                                              server->metrics_.get());
+    auto worker =
+        std::make_unique<CpuWorker>(layer_slots, options.cpu_threads, server->metrics_.get());
     ATTNGRAD_RETURN_IF_ERROR(worker->Start());
     workers.push_back(std::move(worker));
     server->gradient_sum_ = "gradients: one device (cpu), nothing to sum across devices";
   } else {
-    ATTNGRAD_ASSIGN_OR_RETURN(
-        GpuWorkers gpu_workers,
-        CreateGpuWorkers(devices.gpus, layer_slots, options.queue_depth, nccl_mode,
-                         server->metrics_.get()));
+    ATTNGRAD_ASSIGN_OR_RETURN(GpuWorkers gpu_workers,
+                              CreateGpuWorkers(devices.gpus, layer_slots, options.queue_depth,
+                                               nccl_mode, server->metrics_.get()));
     workers = std::move(gpu_workers.workers);
     server->uses_nccl_ = gpu_workers.sum.nccl;
     server->nccl_version_ = gpu_workers.sum.nccl_version;
     server->gradient_sum_ = gpu_workers.sum.description;
   }
   server->metrics_->SetGradientSumPath(server->uses_nccl_ ? "nccl" : "host", server->nccl_version_);
-  server->core_ = std::make_unique<GradientCore>(model, std::move(workers),
-                                                 server->metrics_.get(),
+  server->core_ = std::make_unique<GradientCore>(model, std::move(workers), server->metrics_.get(),
                                                  options.max_clients_with_sums);
 
   ServiceLimits limits;
@@ -214,8 +217,8 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
   server->security_summary_.push_back(transport);
   if (authenticator.enabled()) {
     server->security_summary_.push_back(absl::StrCat(
-        "authentication: bearer tokens from ", options.tokens_file, " (", authenticator.token_count(),
-        " tokens; roles trainer and admin)",
+        "authentication: bearer tokens from ", options.tokens_file, " (",
+        authenticator.token_count(), " tokens; roles trainer and admin)",
         options.tls_cert.empty() ? "; WARNING: without --tls_cert the tokens cross the network "
                                    "in plaintext"
                                  : ""));
@@ -225,9 +228,9 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
         "may replace the weights, zero or fetch any client's sums (clients name themselves with "
         "the attngrad-client-id metadata)");
   }
-  server->service_ = std::make_unique<GradientService>(server->core_.get(), server->metrics_.get(),
-                                                       limits, std::move(authenticator),
-                                                       ATTNGRAD_VERSION);
+  server->service_ =
+      std::make_unique<GradientService>(server->core_.get(), server->metrics_.get(), limits,
+                                        std::move(authenticator), ATTNGRAD_VERSION);
 
   // Metrics.
   if (!options.metrics_listen.empty()) {
@@ -235,12 +238,12 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(const Serv
         server->metrics_http_,
         MetricsHttpServer::Start(options.metrics_listen, server->metrics_->registry()));
     server->metrics_port_ = server->metrics_http_->port();
-    server->security_summary_.push_back(absl::StrCat(
-        "/metrics: plaintext HTTP, no authentication, on ", options.metrics_listen,
-        absl::StartsWith(options.metrics_listen, "127.") ||
-                absl::StartsWith(options.metrics_listen, "localhost:")
-            ? " (loopback only)"
-            : " (keep it on a private network)"));
+    server->security_summary_.push_back(
+        absl::StrCat("/metrics: plaintext HTTP, no authentication, on ", options.metrics_listen,
+                     absl::StartsWith(options.metrics_listen, "127.") ||
+                             absl::StartsWith(options.metrics_listen, "localhost:")
+                         ? " (loopback only)"
+                         : " (keep it on a private network)"));
   }
 
   // gRPC.

@@ -1,5 +1,6 @@
 // A running attngrad server: the device workers, the gRPC server (AttentionGradient, grpc.health.v1
-// and reflection) and the Prometheus /metrics endpoint. Used by main.cc and, in-process, by the tests.
+// and reflection) and the Prometheus /metrics endpoint. Used by main.cc and, in-process, by the
+// tests.
 #ifndef ATTNGRAD_SERVER_SERVER_H_
 #define ATTNGRAD_SERVER_SERVER_H_
 
@@ -43,8 +44,8 @@ class GradientServer {
   static absl::StatusOr<std::unique_ptr<GradientServer>> Start(const ServerOptions& options);
   ~GradientServer();  // Shutdown(0) if not done
 
-  int port() const { return port_; }                   // the bound gRPC port
-  int metrics_port() const { return metrics_port_; }   // 0 when metrics are off
+  int port() const { return port_; }                  // the bound gRPC port
+  int metrics_port() const { return metrics_port_; }  // 0 when metrics are off
   const std::string& instance_id() const { return instance_id_; }
   // How a fetch sums the devices' accumulators: with NCCL (ncclReduce onto the first GPU) or on
   // the host; gradient_sum() is one line saying which and why (main.cc logs it at start-up).

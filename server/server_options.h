@@ -9,9 +9,9 @@
 namespace attngrad::server {
 
 struct ServerOptions {
-  std::string listen = "0.0.0.0:50051";        // gRPC address (port 0: any free port)
+  std::string listen = "0.0.0.0:50051";           // gRPC address (port 0: any free port)
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics (plaintext); empty = off
-  std::string devices;                          // "" = all GPUs, else CPU; "cpu"; "0,1"
+  std::string devices;                            // "" = all GPUs, else CPU; "cpu"; "0,1"
   // "random", a Hugging Face model directory (config.json + safetensors: every layer), or a
   // .safetensors / index .json path (one layer, --weights_layer).
   std::string weights = "random";
@@ -22,18 +22,19 @@ struct ServerOptions {
   std::int64_t max_batch_tokens = 65536;
   std::int64_t max_message_bytes = 1073741824;
   int max_concurrent_streams = 64;
-  int max_streams_per_client = 16;       // Backward streams of one client id at once
+  int max_streams_per_client = 16;        // Backward streams of one client id at once
   int stream_idle_timeout_seconds = 300;  // a Backward stream without progress ends; 0 = never
   int max_clients_with_sums = 4;          // client windows holding ACCUMULATE sums at once
   // Security (server/README.md, "Security model").
-  std::string tls_cert;     // PEM certificate chain of the gRPC port; empty = plaintext
-  std::string tls_key;      // its PEM private key
+  std::string tls_cert;       // PEM certificate chain of the gRPC port; empty = plaintext
+  std::string tls_key;        // its PEM private key
   std::string tls_client_ca;  // PEM CA bundle: mutual TLS (client certificates required)
   int tls_reload_interval_seconds = 10;  // how often the TLS files are checked for changes
   std::string tokens_file;  // "token role [client_id]" lines; empty = authentication off
-  int queue_depth = 4;  // batches per stream in flight; GPU pipeline depth (at least 3)
-  int cpu_threads = 0;  // CPU backend threads (0 = all cores)
-  std::string nccl = "auto";  // cross-GPU sums: "auto" (NCCL when usable), "on" (NCCL or fail), "off"
+  int queue_depth = 4;      // batches per stream in flight; GPU pipeline depth (at least 3)
+  int cpu_threads = 0;      // CPU backend threads (0 = all cores)
+  std::string nccl =
+      "auto";  // cross-GPU sums: "auto" (NCCL when usable), "on" (NCCL or fail), "off"
 };
 
 }  // namespace attngrad::server

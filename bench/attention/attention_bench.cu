@@ -1,7 +1,8 @@
 // Device-side harness for the attention kernels alone (kernels/src/cuda/attention_*.cu): checks the
-// forward (O, lse) and backward (dq', dk', dv) of every operand mode against a float64 evaluation of
-// SPEC section 2 steps 4 and 6 on the GPU (naive kernels), checks determinism and that every output
-// element is written, then times the forward and the backward on the 16 SPEC workload shapes.
+// forward (O, lse) and backward (dq', dk', dv) of every operand mode against a float64 evaluation
+// of SPEC section 2 steps 4 and 6 on the GPU (naive kernels), checks determinism and that every
+// output element is written, then times the forward and the backward on the 16 SPEC workload
+// shapes.
 //
 // Build (here, no GPU needed):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Ikernels/include -Ikernels/src \
@@ -35,7 +36,6 @@ constexpr int kNumHeads = 24, kNumKvHeads = 8, kHeadDim = 128;
 constexpr int kQkvWidth = (kNumHeads + 2 * kNumKvHeads) * kHeadDim;  // 5120, as the pipeline
 constexpr int kOutWidth = kNumHeads * kHeadDim;
 
-
 #define STATUS_CHECK(expr)                                                                 \
   do {                                                                                     \
     attngrad_status status_ = (expr);                                                      \
@@ -45,7 +45,8 @@ constexpr int kOutWidth = kNumHeads * kHeadDim;
     }                                                                                      \
   } while (0)
 
-// ---- float64 reference kernels (one block of 128 threads per row / key) ----------------------------
+// ---- float64 reference kernels (one block of 128 threads per row / key)
+// ----------------------------
 __device__ double BlockReduce(double value, bool is_max, double* scratch) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     const double other = __shfl_xor_sync(0xffffffffu, value, offset);
@@ -62,14 +63,14 @@ __device__ double BlockReduce(double value, bool is_max, double* scratch) {
 }
 
 struct RefArgs {
-  const double* qkv;  // [B*S, 5120]
-  const double* dout; // [B*S, 3072]
-  double* out;        // [B*S, 3072]
-  double* lse;        // [B, 24, S]
-  double* delta;      // [B, 24, S]
-  double* dq;         // [B*S, 3072]
-  double* dk;         // [B*S, 1024]
-  double* dv;         // [B*S, 1024]
+  const double* qkv;   // [B*S, 5120]
+  const double* dout;  // [B*S, 3072]
+  double* out;         // [B*S, 3072]
+  double* lse;         // [B, 24, S]
+  double* delta;       // [B, 24, S]
+  double* dq;          // [B*S, 3072]
+  double* dk;          // [B*S, 1024]
+  double* dv;          // [B*S, 1024]
   int batch, seq_len;
   double scaling, cap;
 };
@@ -87,8 +88,8 @@ __device__ double Capped(const RefArgs& a, double s, double* t_out) {
 
 __global__ void RefForward(RefArgs a) {
   extern __shared__ double shared[];
-  double* scores = shared;              // [S]
-  double* q_row = scores + a.seq_len;   // [128]
+  double* scores = shared;             // [S]
+  double* q_row = scores + a.seq_len;  // [128]
   __shared__ double scratch[4];
   const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / 3;
   const long long t0 = (long long)b * a.seq_len;
@@ -109,16 +110,17 @@ __global__ void RefForward(RefArgs a) {
   for (int j = threadIdx.x; j <= i; j += blockDim.x) scores[j] = exp(scores[j] - lse);
   __syncthreads();
   double o = 0;
-  for (int j = 0; j <= i; ++j) o += scores[j] * a.qkv[(t0 + j) * kQkvWidth + 4096 + kvh * 128 + threadIdx.x];
+  for (int j = 0; j <= i; ++j)
+    o += scores[j] * a.qkv[(t0 + j) * kQkvWidth + 4096 + kvh * 128 + threadIdx.x];
   a.out[(t0 + i) * kOutWidth + h * 128 + threadIdx.x] = o;
   if (threadIdx.x == 0) a.lse[((long long)b * kNumHeads + h) * a.seq_len + i] = lse;
 }
 
 __global__ void RefQueryGradient(RefArgs a) {
   extern __shared__ double shared[];
-  double* ds = shared;              // [S]
-  double* q_row = ds + a.seq_len;   // [128]
-  double* do_row = q_row + 128;     // [128]
+  double* ds = shared;             // [S]
+  double* q_row = ds + a.seq_len;  // [128]
+  double* do_row = q_row + 128;    // [128]
   __shared__ double scratch[4];
   const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / 3;
   const long long t0 = (long long)b * a.seq_len;
@@ -144,16 +146,17 @@ __global__ void RefQueryGradient(RefArgs a) {
   }
   __syncthreads();
   double dq = 0;
-  for (int j = 0; j <= i; ++j) dq += ds[j] * a.qkv[(t0 + j) * kQkvWidth + 3072 + kvh * 128 + threadIdx.x];
+  for (int j = 0; j <= i; ++j)
+    dq += ds[j] * a.qkv[(t0 + j) * kQkvWidth + 3072 + kvh * 128 + threadIdx.x];
   a.dq[(t0 + i) * kOutWidth + h * 128 + threadIdx.x] = dq;
 }
 
 __global__ void RefKeyValueGradient(RefArgs a) {
   extern __shared__ double shared[];
-  double* p_col = shared;                // [S]
-  double* ds_col = p_col + a.seq_len;    // [S]
-  double* k_row = ds_col + a.seq_len;    // [128]
-  double* v_row = k_row + 128;           // [128]
+  double* p_col = shared;              // [S]
+  double* ds_col = p_col + a.seq_len;  // [S]
+  double* k_row = ds_col + a.seq_len;  // [128]
+  double* v_row = k_row + 128;         // [128]
   const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const long long t0 = (long long)b * a.seq_len;
   k_row[threadIdx.x] = a.qkv[(t0 + j) * kQkvWidth + 3072 + kvh * 128 + threadIdx.x];
@@ -187,7 +190,8 @@ __global__ void RefKeyValueGradient(RefArgs a) {
   a.dv[(t0 + j) * 1024 + kvh * 128 + threadIdx.x] = dv;
 }
 
-// ---- helpers --------------------------------------------------------------------------------------
+// ---- helpers
+// --------------------------------------------------------------------------------------
 using attngrad::cuda::DeviceBuffer;
 
 template <class T>
@@ -216,7 +220,8 @@ struct Errors {
   long long nonfinite = 0;
 };
 
-// floor: per-element magnitude below which the reference counts as 0 (dq, dk at S = 1 are exactly 0)
+// floor: per-element magnitude below which the reference counts as 0 (dq, dk at S = 1 are exactly
+// 0)
 Errors Compare(const std::vector<float>& out, const std::vector<double>& ref, double floor = 1e-4) {
   double num = 0, den = 0, max_err = 0, max_ref = 0;
   Errors e;
@@ -258,12 +263,16 @@ struct Problem {
   AttentionProblem problem;
 
   Problem(int b, int s, AttentionOperand o, AttentionTiles tiles = AttentionTiles::kAuto)
-      : batch(b), seq_len(s), op(o), elem(o == AttentionOperand::kFp16 ? 2 : 4),
+      : batch(b),
+        seq_len(s),
+        op(o),
+        elem(o == AttentionOperand::kFp16 ? 2 : 4),
         qkv(Allocate<unsigned char>((size_t)b * s * kQkvWidth * elem)),
         dout(Allocate<unsigned char>((size_t)b * s * kOutWidth * elem)),
         out(Allocate<float>((size_t)b * s * kOutWidth)),
         lse(Allocate<float>((size_t)b * kNumHeads * s)),
-        dq(Allocate<float>((size_t)b * s * kOutWidth)), dk(Allocate<float>((size_t)b * s * 1024)),
+        dq(Allocate<float>((size_t)b * s * kOutWidth)),
+        dk(Allocate<float>((size_t)b * s * 1024)),
         dv(Allocate<float>((size_t)b * s * 1024)),
         out_half(Allocate<__half>((size_t)b * s * kOutWidth)),
         workspace(Allocate<unsigned char>(WorkspaceFor(b, s, o, tiles))) {
@@ -290,14 +299,14 @@ struct Problem {
   const unsigned char* K() const { return qkv.get() + 3072 * elem; }
   const unsigned char* V() const { return qkv.get() + 4096 * elem; }
   attngrad_status Forward(cudaStream_t stream) {
-    return attngrad::cuda::AttentionForward(problem, Q(), kQkvWidth, K(), V(), kQkvWidth, out.get(),
-                                            op == AttentionOperand::kFp16 ? out_half.get() : nullptr,
-                                            lse.get(), stream);
+    return attngrad::cuda::AttentionForward(
+        problem, Q(), kQkvWidth, K(), V(), kQkvWidth, out.get(),
+        op == AttentionOperand::kFp16 ? out_half.get() : nullptr, lse.get(), stream);
   }
   attngrad_status Backward(cudaStream_t stream) {
-    return attngrad::cuda::AttentionBackward(problem, Q(), kQkvWidth, K(), V(), kQkvWidth, out.get(),
-                                             dout.get(), kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(),
-                                             workspace.get(), workspace.size(), stream);
+    return attngrad::cuda::AttentionBackward(
+        problem, Q(), kQkvWidth, K(), V(), kQkvWidth, out.get(), dout.get(), kOutWidth, lse.get(),
+        dq.get(), dk.get(), dv.get(), workspace.get(), workspace.size(), stream);
   }
 };
 
@@ -365,12 +374,15 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   const DeviceBuffer<double> dq_r = Allocate<double>(tokens * kOutWidth);
   const DeviceBuffer<double> dk_r = Allocate<double>(tokens * 1024);
   const DeviceBuffer<double> dv_r = Allocate<double>(tokens * 1024);
-  RefArgs args{qkv_d.get(), dout_d.get(), out_r.get(), lse_r.get(), delta_r.get(), dq_r.get(), dk_r.get(),
-               dv_r.get(), batch, seq_len, pr.problem.scaling, pr.problem.softcap};
+  RefArgs args{qkv_d.get(),   dout_d.get(), out_r.get(),        lse_r.get(),
+               delta_r.get(), dq_r.get(),   dk_r.get(),         dv_r.get(),
+               batch,         seq_len,      pr.problem.scaling, pr.problem.softcap};
   dim3 grid_q(seq_len, kNumHeads, batch), grid_kv(seq_len, kNumKvHeads, batch);
   CHECK_CUDA(cudaFuncSetAttribute(RefForward, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
-  CHECK_CUDA(cudaFuncSetAttribute(RefQueryGradient, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
-  CHECK_CUDA(cudaFuncSetAttribute(RefKeyValueGradient, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
+  CHECK_CUDA(
+      cudaFuncSetAttribute(RefQueryGradient, cudaFuncAttributeMaxDynamicSharedMemorySize, 100000));
+  CHECK_CUDA(cudaFuncSetAttribute(RefKeyValueGradient, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  100000));
   RefForward<<<grid_q, 128, (seq_len + 128) * 8>>>(args);
   CHECK_CUDA(cudaGetLastError());
   RefQueryGradient<<<grid_q, 128, (seq_len + 256) * 8>>>(args);
@@ -400,15 +412,20 @@ bool Check(int batch, int seq_len, AttentionOperand op, double q_scale, std::mt1
   const Errors e_out = Compare(out, Download(out_r)), e_lse = Compare(lse, Download(lse_r)),
                e_dq = Compare(dq, Download(dq_r), 1e-3), e_dk = Compare(dk, Download(dk_r), 1e-3),
                e_dv = Compare(dv, Download(dv_r));
-  const double bound = op == AttentionOperand::kFp32 ? 2e-5 : op == AttentionOperand::kTf32 ? 3e-3 : 6e-3;
+  const double bound = op == AttentionOperand::kFp32   ? 2e-5
+                       : op == AttentionOperand::kTf32 ? 3e-3
+                                                       : 6e-3;
   bool ok = deterministic;
-  for (const Errors* e : {&e_out, &e_lse, &e_dq, &e_dk, &e_dv}) ok = ok && e->nonfinite == 0 && e->rel_l2 < bound;
-  std::printf("check %-4s %-5s B=%-2d S=%-5d qscale=%.1f | rel_l2 O %.2e lse %.2e dq %.2e dk %.2e dv %.2e | "
-              "maxrel dq %.1e dk %.1e dv %.1e | nonfinite %lld | determ %s | %s\n",
-              Name(op), TilesName(tiles), batch, seq_len, q_scale, e_out.rel_l2, e_lse.rel_l2, e_dq.rel_l2, e_dk.rel_l2,
-              e_dv.rel_l2, e_dq.max_rel, e_dk.max_rel, e_dv.max_rel,
-              e_out.nonfinite + e_lse.nonfinite + e_dq.nonfinite + e_dk.nonfinite + e_dv.nonfinite,
-              deterministic ? "yes" : "NO", ok ? "PASS" : "FAIL");
+  for (const Errors* e : {&e_out, &e_lse, &e_dq, &e_dk, &e_dv})
+    ok = ok && e->nonfinite == 0 && e->rel_l2 < bound;
+  std::printf(
+      "check %-4s %-5s B=%-2d S=%-5d qscale=%.1f | rel_l2 O %.2e lse %.2e dq %.2e dk %.2e dv %.2e "
+      "| "
+      "maxrel dq %.1e dk %.1e dv %.1e | nonfinite %lld | determ %s | %s\n",
+      Name(op), TilesName(tiles), batch, seq_len, q_scale, e_out.rel_l2, e_lse.rel_l2, e_dq.rel_l2,
+      e_dk.rel_l2, e_dv.rel_l2, e_dq.max_rel, e_dk.max_rel, e_dv.max_rel,
+      e_out.nonfinite + e_lse.nonfinite + e_dq.nonfinite + e_dk.nonfinite + e_dv.nonfinite,
+      deterministic ? "yes" : "NO", ok ? "PASS" : "FAIL");
   std::fflush(stdout);
   return ok;
 }
@@ -418,8 +435,8 @@ double MedianMs(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-// Captures `body` on `stream` into a graph (global capture mode, as a caller of the pipeline would),
-// replays it and returns the median GPU time of one replay in microseconds.
+// Captures `body` on `stream` into a graph (global capture mode, as a caller of the pipeline
+// would), replays it and returns the median GPU time of one replay in microseconds.
 template <class Body>
 double GraphMedianUs(cudaStream_t stream, Body body, int reps) {
   cudaGraph_t graph;
@@ -459,13 +476,17 @@ double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, i
   STATUS_CHECK(pr.Forward(stream));
   STATUS_CHECK(pr.Backward(stream));
   CHECK_CUDA(cudaStreamSynchronize(stream));
-  const double f_us = GraphMedianUs(stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
-  const double b_us = GraphMedianUs(stream, [&] { STATUS_CHECK(pr.Backward(stream)); }, reps);
+  const double f_us = GraphMedianUs(
+      stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
+  const double b_us = GraphMedianUs(
+      stream, [&] { STATUS_CHECK(pr.Backward(stream)); }, reps);
   // causal MACs of one S x S x 128 product over all query heads (diagonal included)
   const double macs = (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0;
-  std::printf("time %-4s %-5s B=%-2d S=%-5d fwd %8.1f us (%5.1f TFLOP/s)  bwd %8.1f us (%5.1f TFLOP/s of 5 products, %5.1f of 7 done)  total %8.1f us\n",
-              Name(op), TilesName(tiles), batch, seq_len, f_us, 2 * 2 * macs / (f_us * 1e-6) / 1e12, b_us,
-              2 * 5 * macs / (b_us * 1e-6) / 1e12, 2 * 7 * macs / (b_us * 1e-6) / 1e12, f_us + b_us);
+  std::printf(
+      "time %-4s %-5s B=%-2d S=%-5d fwd %8.1f us (%5.1f TFLOP/s)  bwd %8.1f us (%5.1f TFLOP/s of 5 "
+      "products, %5.1f of 7 done)  total %8.1f us\n",
+      Name(op), TilesName(tiles), batch, seq_len, f_us, 2 * 2 * macs / (f_us * 1e-6) / 1e12, b_us,
+      2 * 5 * macs / (b_us * 1e-6) / 1e12, 2 * 7 * macs / (b_us * 1e-6) / 1e12, f_us + b_us);
   std::fflush(stdout);
   return f_us + b_us;
 }
@@ -485,7 +506,8 @@ int main(int argc, char** argv) {
   int failures = 0;
   if (check) {
     const int shapes[][2] = {{1, 1}, {1, 7}, {2, 33}, {1, 128}, {2, 541}, {1, 2048}};
-    for (AttentionOperand op : {AttentionOperand::kFp32, AttentionOperand::kTf32, AttentionOperand::kFp16}) {
+    for (AttentionOperand op :
+         {AttentionOperand::kFp32, AttentionOperand::kTf32, AttentionOperand::kFp16}) {
       for (const auto& s : shapes) failures += !Check(s[0], s[1], op, 1.0, rng);
       failures += !Check(2, 541, op, 1.0, rng, AttentionTiles::kSmall);
     }
@@ -498,21 +520,24 @@ int main(int argc, char** argv) {
     failures += !Check(2, 2048, AttentionOperand::kFp16, 1.0, rng);
   }
   if (timing) {
-    const int workloads[][2] = {{1, 128}, {1, 256}, {1, 512}, {1, 2048}, {2, 512}, {2, 541}, {2, 1024}, {2, 2048},
-                                {4, 128}, {4, 256}, {4, 1024}, {8, 128}, {8, 512}, {16, 256}, {32, 128}, {64, 256}};
+    const int workloads[][2] = {{1, 128},  {1, 256},  {1, 512},  {1, 2048}, {2, 512},  {2, 541},
+                                {2, 1024}, {2, 2048}, {4, 128},  {4, 256},  {4, 1024}, {8, 128},
+                                {8, 512},  {16, 256}, {32, 128}, {64, 256}};
     for (AttentionOperand op : {AttentionOperand::kFp16, AttentionOperand::kTf32}) {
       double log_sum = 0;
       for (const auto& w : workloads) log_sum += std::log(Time(w[0], w[1], op, rng, 20));
-      std::printf("geomean %s fwd+bwd over the 16 workloads: %.1f us\n", Name(op), std::exp(log_sum / 16));
+      std::printf("geomean %s fwd+bwd over the 16 workloads: %.1f us\n", Name(op),
+                  std::exp(log_sum / 16));
     }
-    const int variants[][2] = {{1, 128}, {1, 512}, {1, 2048}, {2, 1024}, {2, 2048}, {8, 512}, {64, 256}};
+    const int variants[][2] = {{1, 128},  {1, 512}, {1, 2048}, {2, 1024},
+                               {2, 2048}, {8, 512}, {64, 256}};
     for (const auto& w : variants) {
       for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kSmallSplit}) {
         Time(w[0], w[1], AttentionOperand::kFp16, rng, 10, t);
       }
     }
     // Short sequences: the tiled kernels against the whole-sequence ones.
-    const int short_workloads[][2] = {{1, 128}, {4, 128}, {8, 128}, {32, 128},
+    const int short_workloads[][2] = {{1, 128}, {4, 128}, {8, 128},  {32, 128},
                                       {1, 256}, {4, 256}, {16, 256}, {64, 256}};
     for (const auto& w : short_workloads) {
       for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kSmallSplit,

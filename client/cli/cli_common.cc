@@ -37,7 +37,8 @@ ABSL_FLAG(double, connect_timeout_seconds, 10, "how long to wait for the server 
 ABSL_FLAG(int, retries, 4, "attempts of idempotent calls (info, health, fetch without zeroing)");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
           "client-side gRPC message limit; batches are split along B to fit it and the server's");
-ABSL_FLAG(int64_t, chunk_bytes, int64_t{4} << 20, "chunk size of weight uploads / gradient fetches");
+ABSL_FLAG(int64_t, chunk_bytes, int64_t{4} << 20,
+          "chunk size of weight uploads / gradient fetches");
 
 ABSL_FLAG(int64_t, batch, 1, "B: sequences per batch");
 ABSL_FLAG(int64_t, seq_len, 16, "S: tokens per sequence");
@@ -47,12 +48,15 @@ ABSL_FLAG(uint64_t, seed, 1, "seed of the random inputs (batch i uses seed + i)"
 ABSL_FLAG(std::string, mode, "",
           "return | accumulate (default: return for backward, accumulate for bench)");
 ABSL_FLAG(std::string, precision, "auto", "auto | fp32 | tf32 | fp16");
-ABSL_FLAG(std::string, response_dtype, "float32", "wire dtype of answers: float32 | float16 | bfloat16");
-ABSL_FLAG(std::string, rotary, "tables",
-          "tables: send cos/sin [B,S,128]; positions: send position ids 0..S-1 (server builds them)");
+ABSL_FLAG(std::string, response_dtype, "float32",
+          "wire dtype of answers: float32 | float16 | bfloat16");
+ABSL_FLAG(
+    std::string, rotary, "tables",
+    "tables: send cos/sin [B,S,128]; positions: send position ids 0..S-1 (server builds them)");
 ABSL_FLAG(int, in_flight, 4, "batches in flight per stream");
 ABSL_FLAG(uint64_t, batch_id, 0, "id of the first batch (then +1 each); 0 = chosen by the client");
-ABSL_FLAG(uint64_t, expected_weights_version, 0, "refuse work if the server's weights version differs (0 = any)");
+ABSL_FLAG(uint64_t, expected_weights_version, 0,
+          "refuse work if the server's weights version differs (0 = any)");
 ABSL_FLAG(int, layer, -1,
           "decoder layer that backward, fetch, zero and load-weights address (GetModelInfo's "
           "layers; -1 = the server's first layer)");
@@ -60,19 +64,24 @@ ABSL_FLAG(std::string, layers, "",
           "fetch: several decoder layers at once, e.g. \"0,1,5\" (overrides --layer)");
 ABSL_FLAG(uint64_t, window, 0,
           "accumulation window: ACCUMULATE batches name it; fetch/zero expect it (0 = current)");
-ABSL_FLAG(std::string, hidden_states, "", "backward: .npy file (float32 [B,S,3072]) instead of random inputs");
-ABSL_FLAG(std::string, grad_output, "", "backward: .npy file (float32 [B,S,3072]) instead of random inputs");
-ABSL_FLAG(std::string, cos, "", "backward: .npy file (float32 [B,S,128]); default: positions 0..S-1, theta 1e4");
-ABSL_FLAG(std::string, sin, "", "backward: .npy file (float32 [B,S,128]); default: positions 0..S-1, theta 1e4");
+ABSL_FLAG(std::string, hidden_states, "",
+          "backward: .npy file (float32 [B,S,3072]) instead of random inputs");
+ABSL_FLAG(std::string, grad_output, "",
+          "backward: .npy file (float32 [B,S,3072]) instead of random inputs");
+ABSL_FLAG(std::string, cos, "",
+          "backward: .npy file (float32 [B,S,128]); default: positions 0..S-1, theta 1e4");
+ABSL_FLAG(std::string, sin, "",
+          "backward: .npy file (float32 [B,S,128]); default: positions 0..S-1, theta 1e4");
 ABSL_FLAG(std::string, output, "",
           "backward: directory for the results as .npy; fetch: a .safetensors file or a directory");
 
 ABSL_FLAG(bool, check, false,
           "backward: compare every answer with the local CPU reference under SPEC section 4");
-ABSL_FLAG(std::string, check_weights, "upload",
-          "--check's weights. upload: upload --weights_file or random(--weights_seed) weights first "
-          "and pin that version; server: trust that the server already holds them (its "
-          "weights_source must match)");
+ABSL_FLAG(
+    std::string, check_weights, "upload",
+    "--check's weights. upload: upload --weights_file or random(--weights_seed) weights first "
+    "and pin that version; server: trust that the server already holds them (its "
+    "weights_source must match)");
 ABSL_FLAG(uint64_t, weights_seed, 0, "seed of random weights (the server's generator)");
 ABSL_FLAG(std::string, weights_file, "", "safetensors file with the layer's weights");
 ABSL_FLAG(int, weights_layer, 0, "layer index in --weights_file");
@@ -171,9 +180,9 @@ absl::StatusOr<WeightSet> LocalWeights(const LayerConfig& config) {
     ATTNGRAD_ASSIGN_OR_RETURN(const std::string name, LayerTensorName(checkpoint, weight));
     ATTNGRAD_ASSIGN_OR_RETURN(const wire::SafetensorsEntry* entry, checkpoint.Find(name));
     if (entry->shape != WeightShape(config, weight)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": ", name, " has shape ", wire::ShapeString(entry->shape), ", expected ",
-          wire::ShapeString(WeightShape(config, weight))));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", name, " has shape ", wire::ShapeString(entry->shape),
+                       ", expected ", wire::ShapeString(WeightShape(config, weight))));
     }
     HostTensor& tensor = weights[weight];
     tensor.shape = entry->shape;
@@ -195,9 +204,9 @@ std::string TensorSummary(const HostTensor& tensor) {
     max_abs = std::max(max_abs, std::fabs(double{v}));
   }
   const double n = tensor.data.empty() ? 1.0 : static_cast<double>(tensor.data.size());
-  std::string text = absl::StrFormat("%-14s l2 %-11.5g max|x| %-11.5g mean % .4e",
-                                     wire::ShapeString(tensor.shape), std::sqrt(sum_squares), max_abs,
-                                     sum / n);
+  std::string text =
+      absl::StrFormat("%-14s l2 %-11.5g max|x| %-11.5g mean % .4e", wire::ShapeString(tensor.shape),
+                      std::sqrt(sum_squares), max_abs, sum / n);
   if (non_finite) absl::StrAppend(&text, "  NON-FINITE: ", non_finite);
   return text;
 }

@@ -1,5 +1,5 @@
-// attngrad-cli backward: sends batches (random SPEC section 3 inputs, or .npy files) on one Backward
-// stream, prints each answer, and with --check compares it with the local CPU reference.
+// attngrad-cli backward: sends batches (random SPEC section 3 inputs, or .npy files) on one
+// Backward stream, prints each answer, and with --check compares it with the local CPU reference.
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
@@ -46,9 +46,9 @@ absl::StatusOr<BatchInputs> FileInputs(const LayerConfig& config) {
   ATTNGRAD_ASSIGN_OR_RETURN(HostTensor sin, ReadNpy(sin_path));
   const std::vector<int64_t> rotary_shape = {inputs.batch, inputs.seq_len, config.head_dim};
   if (cos.shape != rotary_shape || sin.shape != rotary_shape) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--cos ", wire::ShapeString(cos.shape), " and --sin ", wire::ShapeString(sin.shape),
-        " must be ", wire::ShapeString(rotary_shape)));
+    return absl::InvalidArgumentError(absl::StrCat("--cos ", wire::ShapeString(cos.shape),
+                                                   " and --sin ", wire::ShapeString(sin.shape),
+                                                   " must be ", wire::ShapeString(rotary_shape)));
   }
   inputs.cos = std::move(cos.data);
   inputs.sin = std::move(sin.data);
@@ -82,8 +82,8 @@ int RunBackward() {
   const v1::GetModelInfoResponse info = (*client)->cached_info();
   const LayerConfig config = wire::LayerConfigFromWire(info.config());
 
-  const bool from_files = !absl::GetFlag(FLAGS_hidden_states).empty() ||
-                          !absl::GetFlag(FLAGS_grad_output).empty();
+  const bool from_files =
+      !absl::GetFlag(FLAGS_hidden_states).empty() || !absl::GetFlag(FLAGS_grad_output).empty();
   std::optional<BatchInputs> file_inputs;
   if (from_files) {
     auto inputs = FileInputs(config);
@@ -113,12 +113,12 @@ int RunBackward() {
                 << "\n";
     } else if (how == "server") {
       if (info.weights_source() != LocalWeightsSource()) {
-        return Fail(command, absl::FailedPreconditionError(absl::StrCat(
-                                 "--check_weights=server: the server holds '",
-                                 info.weights_source(), "' but the CLI would check against '",
-                                 LocalWeightsSource(),
-                                 "'; start the server with the same --weights/--weights_seed, or "
-                                 "use --check_weights=upload")));
+        return Fail(command,
+                    absl::FailedPreconditionError(absl::StrCat(
+                        "--check_weights=server: the server holds '", info.weights_source(),
+                        "' but the CLI would check against '", LocalWeightsSource(),
+                        "'; start the server with the same --weights/--weights_seed, or "
+                        "use --check_weights=upload")));
       }
       if (pinned_version == 0) pinned_version = info.weights_version();
       std::cout << "checking against the server's " << info.weights_source() << " (version "
@@ -146,8 +146,8 @@ int RunBackward() {
   if (!stream.ok()) return Fail(command, stream.status());
   if (!output.empty()) std::filesystem::create_directories(output);
 
-  std::map<uint64_t, BatchInputs> kept;     // inputs of batches in flight (for --check)
-  std::map<uint64_t, int64_t> index_of;     // batch id -> index i
+  std::map<uint64_t, BatchInputs> kept;  // inputs of batches in flight (for --check)
+  std::map<uint64_t, int64_t> index_of;  // batch id -> index i
   int64_t failures = 0, answered = 0;
   const absl::Time start = absl::Now();
 
@@ -157,21 +157,19 @@ int RunBackward() {
     if (!result.status.ok()) {
       ++failures;
       std::cout << "batch " << result.batch_id << ": FAILED "
-                << absl::StatusCodeToString(result.status.code()) << ": "
-                << result.status.message() << "\n";
+                << absl::StatusCodeToString(result.status.code()) << ": " << result.status.message()
+                << "\n";
       kept.erase(result.batch_id);
       return;
     }
-    std::cout << absl::StrFormat("batch %d: [%d,%d] %s on %s, weights v%d%s%s, %s%s\n",
-                                 result.batch_id, B, S, ModeName(*mode), result.device,
-                                 result.weights_version,
-                                 *mode == v1::GRADIENT_MODE_ACCUMULATE
-                                     ? absl::StrCat(", window ", result.accumulation_window_id)
-                                     : "",
-                                 result.duplicate ? " (duplicate: not added again)" : "",
-                                 TimingLine(result),
-                                 result.parts > 1 ? absl::StrCat(", split into ", result.parts)
-                                                  : "");
+    std::cout << absl::StrFormat(
+        "batch %d: [%d,%d] %s on %s, weights v%d%s%s, %s%s\n", result.batch_id, B, S,
+        ModeName(*mode), result.device, result.weights_version,
+        *mode == v1::GRADIENT_MODE_ACCUMULATE
+            ? absl::StrCat(", window ", result.accumulation_window_id)
+            : "",
+        result.duplicate ? " (duplicate: not added again)" : "", TimingLine(result),
+        result.parts > 1 ? absl::StrCat(", split into ", result.parts) : "");
     HostTensor grad{result.shape, result.grad_hidden_states};
     std::cout << "  grad_hidden_states   " << TensorSummary(grad) << "\n";
     if (check) {
@@ -180,12 +178,12 @@ int RunBackward() {
         ++failures;
         std::cout << "  check: " << reference.status() << "\n";
       } else {
-        const CheckReport report = CheckAgainstReference(
-            result.grad_hidden_states,
-            result.weight_gradients ? &*result.weight_gradients : nullptr, *reference,
-            SpecAtol(B, S));
-        std::cout << "  check against the CPU reference (SPEC section 4, atol "
-                  << SpecAtol(B, S) << "): " << (report.passed() ? "PASS" : "FAIL") << "\n"
+        const CheckReport report =
+            CheckAgainstReference(result.grad_hidden_states,
+                                  result.weight_gradients ? &*result.weight_gradients : nullptr,
+                                  *reference, SpecAtol(B, S));
+        std::cout << "  check against the CPU reference (SPEC section 4, atol " << SpecAtol(B, S)
+                  << "): " << (report.passed() ? "PASS" : "FAIL") << "\n"
                   << report.ToString();
         if (!report.passed()) ++failures;
       }
@@ -220,7 +218,8 @@ int RunBackward() {
     batch.response_dtype = *response_dtype;
     batch.expected_weights_version = pinned_version;
     if (layer >= 0) batch.layer = layer;
-    if (*mode == v1::GRADIENT_MODE_ACCUMULATE) batch.accumulation_window_id = absl::GetFlag(FLAGS_window);
+    if (*mode == v1::GRADIENT_MODE_ACCUMULATE)
+      batch.accumulation_window_id = absl::GetFlag(FLAGS_window);
     if (absl::GetFlag(FLAGS_batch_id) != 0) batch.batch_id = absl::GetFlag(FLAGS_batch_id) + i;
     auto id = (*stream)->Submit(batch);
     if (!id.ok()) return Fail(command, id.status());

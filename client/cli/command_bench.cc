@@ -158,11 +158,11 @@ int RunBench() {
     if (!progress) continue;
     absl::MutexLock lock(&totals.mu);
     const double elapsed = absl::ToDoubleSeconds(absl::Now() - timing_start);
-    const std::string line = absl::StrFormat(
-        "[%6.1f s] %d batches, %.0f tokens/s, %.3f GB/s, p50 %.3f s, errors %d", elapsed,
-        totals.batches, totals.tokens / std::max(elapsed, 1e-9),
-        totals.bytes / 1e9 / std::max(elapsed, 1e-9), Percentile(totals.latencies, 50),
-        totals.errors);
+    const std::string line =
+        absl::StrFormat("[%6.1f s] %d batches, %.0f tokens/s, %.3f GB/s, p50 %.3f s, errors %d",
+                        elapsed, totals.batches, totals.tokens / std::max(elapsed, 1e-9),
+                        totals.bytes / 1e9 / std::max(elapsed, 1e-9),
+                        Percentile(totals.latencies, 50), totals.errors);
     std::cerr << (tty ? "\r" : "") << line << (tty ? "" : "\n") << std::flush;
   }
   for (std::thread& t : threads) t.join();

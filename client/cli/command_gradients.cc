@@ -48,8 +48,8 @@ int RunFetch() {
     for (absl::string_view text : absl::StrSplit(absl::GetFlag(FLAGS_layers), ',')) {
       int value = 0;
       if (!absl::SimpleAtoi(text, &value)) {
-        return Fail(command, absl::InvalidArgumentError(absl::StrCat(
-                                 "--layers: \"", text, "\" is not a layer index")));
+        return Fail(command, absl::InvalidArgumentError(
+                                 absl::StrCat("--layers: \"", text, "\" is not a layer index")));
       }
       layers.push_back(value);
     }
@@ -64,8 +64,8 @@ int RunFetch() {
     }
     return 0;
   }
-  auto fetched = (*client)->Fetch(absl::GetFlag(FLAGS_zero_after), absl::GetFlag(FLAGS_window),
-                                  layer);
+  auto fetched =
+      (*client)->Fetch(absl::GetFlag(FLAGS_zero_after), absl::GetFlag(FLAGS_window), layer);
   if (!fetched.ok()) return Fail(command, fetched.status());
   std::cout << StateLine(fetched->state)
             << (absl::GetFlag(FLAGS_zero_after) ? " (zeroed: a new window started)" : "") << "\n";
@@ -80,9 +80,10 @@ int RunFetch() {
     std::vector<wire::SafetensorsTensor> tensors;
     for (Weight weight : kAllWeights) {
       const HostTensor& gradient = fetched->gradients[weight];
-      tensors.push_back({wire::HuggingFaceTensorName(
-                             layer.has_value() ? *layer : absl::GetFlag(FLAGS_weights_layer), weight),
-                         gradient.shape, gradient.data});
+      tensors.push_back(
+          {wire::HuggingFaceTensorName(
+               layer.has_value() ? *layer : absl::GetFlag(FLAGS_weights_layer), weight),
+           gradient.shape, gradient.data});
     }
     status = wire::WriteSafetensors(output, tensors);
   } else {

@@ -37,17 +37,15 @@ int RunInfo() {
               << FormatBytes(static_cast<double>(d.memory_total_bytes())) << "\n";
   }
   if (!info->model_name().empty() || info->layers_size() > 1) {
-    std::cout << "model                " << info->model_name() << ", "
-              << info->num_hidden_layers() << " decoder layers, " << info->layers_size()
-              << " held here\n";
+    std::cout << "model                " << info->model_name() << ", " << info->num_hidden_layers()
+              << " decoder layers, " << info->layers_size() << " held here\n";
   }
   for (const v1::LayerInfo& layer : info->layers()) {
     std::cout << "layer " << layer.index() << "              "
               << (layer.type() == v1::ATTENTION_TYPE_SLIDING ? "sliding" : "full")
               << " window=" << layer.sliding_window() << " rope_theta=" << layer.rope_theta()
-              << " rope_scaling=" << layer.rope_scaling_factor()
-              << " scaling=" << layer.scaling() << " softcap=" << layer.softcap()
-              << " weights v" << layer.weights_version() << "\n";
+              << " rope_scaling=" << layer.rope_scaling_factor() << " scaling=" << layer.scaling()
+              << " softcap=" << layer.softcap() << " weights v" << layer.weights_version() << "\n";
   }
   return 0;
 }

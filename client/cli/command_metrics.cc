@@ -26,8 +26,8 @@ int RunMetrics() {
   auto response = wire::HttpGet(address, "/metrics");
   if (!response.ok()) return Fail("metrics", response.status());
   if (response->status != 200) {
-    return Fail("metrics", absl::UnavailableError(absl::StrCat("GET http://", address,
-                                                               "/metrics: HTTP ", response->status)));
+    return Fail("metrics", absl::UnavailableError(absl::StrCat(
+                               "GET http://", address, "/metrics: HTTP ", response->status)));
   }
   std::set<std::string> histograms;
   std::map<std::string, std::pair<double, double>> histogram_series;  // series -> (count, sum)

@@ -33,11 +33,12 @@ uint64_t Mix64(uint64_t x) {  // splitmix64 finaliser
 }
 
 // The wire id of part `index` of `parts` of batch `batch_id`: the batch id itself when it is not
-// split, else a deterministic id with the top bit set (so a retried split batch reuses its part ids,
-// and the server's dedup in ACCUMULATE mode still holds part by part).
+// split, else a deterministic id with the top bit set (so a retried split batch reuses its part
+// ids, and the server's dedup in ACCUMULATE mode still holds part by part).
 uint64_t PartId(uint64_t batch_id, int64_t index, int64_t parts) {
   if (parts == 1) return batch_id;
-  return Mix64(batch_id ^ Mix64((static_cast<uint64_t>(parts) << 32) | static_cast<uint64_t>(index))) |
+  return Mix64(batch_id ^
+               Mix64((static_cast<uint64_t>(parts) << 32) | static_cast<uint64_t>(index))) |
          (uint64_t{1} << 63);
 }
 
@@ -63,7 +64,8 @@ absl::Status ReadAnswerTensor(const v1::Tensor& tensor, const std::vector<int64_
 class BackwardStream::Impl {
  public:
   Impl(std::shared_ptr<Client::Impl> client, absl::Duration deadline)
-      : client_(std::move(client)), layer_config_(wire::LayerConfigFromWire(client_->cached_info().config())) {
+      : client_(std::move(client)),
+        layer_config_(wire::LayerConfigFromWire(client_->cached_info().config())) {
     PrepareContext(&context_, client_->options(), deadline);
   }
 
@@ -75,7 +77,7 @@ class BackwardStream::Impl {
   }
 
   static absl::StatusOr<std::unique_ptr<BackwardStream>> Open(std::shared_ptr<Client::Impl> client,
-                                                             absl::Duration deadline) {
+                                                              absl::Duration deadline) {
     auto impl = std::make_unique<Impl>(std::move(client), deadline);
     impl->stream_ = impl->client_->stub().Backward(&impl->context_);
     if (impl->stream_ == nullptr) return absl::InternalError("Backward: could not open the stream");
@@ -144,14 +146,16 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
   if (absl::Status restart = client_->RestartStatus(); !restart.ok()) return restart;
   const v1::GetModelInfoResponse info = client_->cached_info();
   const ClientOptions& options = client_->options();
-  const int64_t B = batch.batch, S = batch.seq_len, H = layer_config_.hidden_size, D = layer_config_.head_dim;
+  const int64_t B = batch.batch, S = batch.seq_len, H = layer_config_.hidden_size,
+                D = layer_config_.head_dim;
   if (B < 1 || S < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch and seq_len must be >= 1, got batch=", B, " seq_len=", S));
   }
   if (batch.batch_id >> 63) {
     return absl::InvalidArgumentError(
-        absl::StrCat("batch_id ", batch.batch_id, " >= 2^63: ids with the top bit set are reserved "
+        absl::StrCat("batch_id ", batch.batch_id,
+                     " >= 2^63: ids with the top bit set are reserved "
                      "for the parts of split batches"));
   }
   const bool tables = !batch.cos.empty() || !batch.sin.empty();
@@ -172,7 +176,8 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
   sizes.response_fixed = 4096;
   if (batch.mode != v1::GRADIENT_MODE_ACCUMULATE) {
     sizes.response_fixed +=
-        (2 * int64_t{layer_config_.q_out()} * H + 2 * int64_t{layer_config_.kv_out()} * H + 2 * D) * response_element;
+        (2 * int64_t{layer_config_.q_out()} * H + 2 * int64_t{layer_config_.kv_out()} * H + 2 * D) *
+        response_element;
   }
   sizes.response_per_sequence = S * H * response_element;
   // The server's max_message_bytes bounds what it receives and what it sends.
@@ -304,9 +309,9 @@ void BackwardStream::Impl::ReadLoop() {
   stream_done_ = true;
   stream_status_ = FromGrpc(finished, "Backward stream");
   if (stream_status_.ok() && !pending_.empty()) {
-    stream_status_ = absl::InternalError(absl::StrCat(
-        "Backward stream: the server closed the stream with ", pending_.size(),
-        " batches unanswered"));
+    stream_status_ =
+        absl::InternalError(absl::StrCat("Backward stream: the server closed the stream with ",
+                                         pending_.size(), " batches unanswered"));
   }
   for (auto& [id, pending] : pending_) {
     pending->result.status = stream_status_;
@@ -332,11 +337,11 @@ void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) 
   absl::Status status = MergePart(response, part, pending);
   if (!status.ok() && pending->result.status.ok()) {
     if (pending->result.parts > 1) {
-      status = absl::Status(status.code(),
-                            absl::StrCat("part ", part.index + 1, "/", pending->result.parts,
-                                         " (sequences ", part.first_sequence, "..",
-                                         part.first_sequence + part.sequences - 1, "): ",
-                                         status.message()));
+      status = absl::Status(
+          status.code(),
+          absl::StrCat("part ", part.index + 1, "/", pending->result.parts, " (sequences ",
+                       part.first_sequence, "..", part.first_sequence + part.sequences - 1,
+                       "): ", status.message()));
     }
     pending->result.status = status;
   }
@@ -395,8 +400,8 @@ absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& respons
 
   if (pending->mode == v1::GRADIENT_MODE_ACCUMULATE) return absl::OkStatus();
   if (!response.has_weight_gradients()) {
-    return absl::InternalError(absl::StrCat(
-        "batch ", part.batch_id, ": a RETURN-mode answer without weight_gradients"));
+    return absl::InternalError(
+        absl::StrCat("batch ", part.batch_id, ": a RETURN-mode answer without weight_gradients"));
   }
   const bool first = !result.weight_gradients.has_value();
   if (first) result.weight_gradients.emplace();
@@ -423,8 +428,8 @@ absl::StatusOr<BackwardResult> BackwardStream::Impl::Next(absl::Duration timeout
   absl::MutexLock lock(&mu_);
   while (completed_.empty() && !pending_.empty()) {
     if (changed_.WaitWithDeadline(&mu_, deadline) && completed_.empty()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "Backward stream: no batch completed within ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(absl::StrCat("Backward stream: no batch completed within ",
+                                                      absl::FormatDuration(timeout)));
     }
   }
   if (completed_.empty()) {

@@ -82,8 +82,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentialsFromFile
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(path, "token file"));
-  const absl::string_view first_line = absl::StripAsciiWhitespace(
-      absl::string_view(text).substr(0, text.find('\n')));
+  const absl::string_view first_line =
+      absl::StripAsciiWhitespace(absl::string_view(text).substr(0, text.find('\n')));
   if (first_line.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": empty"));
   }
@@ -94,14 +94,10 @@ int64_t HostTensor::num_elements() const { return wire::NumElements(shape); }
 
 absl::string_view HealthStatusName(HealthStatus status) {
   switch (status) {
-    case HealthStatus::kServing:
-      return "SERVING";
-    case HealthStatus::kNotServing:
-      return "NOT_SERVING";
-    case HealthStatus::kServiceUnknown:
-      return "SERVICE_UNKNOWN";
-    default:
-      return "UNKNOWN";
+    case HealthStatus::kServing: return "SERVING";
+    case HealthStatus::kNotServing: return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+    default: return "UNKNOWN";
   }
 }
 
@@ -126,11 +122,11 @@ absl::StatusOr<SplitPlan> PlanSplit(int64_t batch, int64_t seq_len, const Messag
   limit_by(max_response_bytes, sizes.response_fixed, sizes.response_per_sequence);
   if (fit < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "one sequence of seq_len=", seq_len, " does not fit the limits (max_batch_tokens=",
-        max_batch_tokens, ", max request bytes=", max_request_bytes,
-        ", max response bytes=", max_response_bytes, ", request bytes per sequence=",
-        sizes.request_per_sequence, ", response bytes=", sizes.response_fixed, "+",
-        sizes.response_per_sequence,
+        "one sequence of seq_len=", seq_len,
+        " does not fit the limits (max_batch_tokens=", max_batch_tokens,
+        ", max request bytes=", max_request_bytes, ", max response bytes=", max_response_bytes,
+        ", request bytes per sequence=", sizes.request_per_sequence,
+        ", response bytes=", sizes.response_fixed, "+", sizes.response_per_sequence,
         " per sequence); only splits along B are exact, so shorten the sequences or raise the "
         "limits"));
   }
@@ -148,7 +144,8 @@ absl::StatusOr<SplitPlan> PlanSplit(int64_t batch, int64_t seq_len, const Messag
 // ---------------------------------------------------------------------------------------------
 // Client::Impl
 
-Client::Impl::Impl(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+Client::Impl::Impl(std::string target, ClientOptions options,
+                   std::shared_ptr<grpc::Channel> channel)
     : target_(std::move(target)),
       options_(std::move(options)),
       channel_(std::move(channel)),
@@ -271,9 +268,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   if (!options.tls_server_name.empty()) arguments.SetSslTargetNameOverride(options.tls_server_name);
   auto channel = grpc::CreateCustomChannel(target, credentials, arguments);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot connect to the attngrad server at ", target, " within ",
-                     absl::FormatDuration(options.connect_timeout)));
+    return absl::UnavailableError(absl::StrCat("cannot connect to the attngrad server at ", target,
+                                               " within ",
+                                               absl::FormatDuration(options.connect_timeout)));
   }
   auto impl = std::make_shared<Impl>(target, options, std::move(channel));
   if (options.read_info_on_connect) {
@@ -320,9 +317,8 @@ absl::StatusOr<HealthStatus> Client::Health(const std::string& service) {
     grpc::ByteBuffer response_buffer;
     absl::Notification done;
     grpc::Status call_status;
-    impl_->generic_stub().UnaryCall(&context, "/grpc.health.v1.Health/Check",
-                                    grpc::StubOptions(), &request_buffer, &response_buffer,
-                                    [&](grpc::Status s) {
+    impl_->generic_stub().UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(),
+                                    &request_buffer, &response_buffer, [&](grpc::Status s) {
                                       call_status = std::move(s);
                                       done.Notify();
                                     });
@@ -412,7 +408,7 @@ absl::StatusOr<std::vector<FetchedGradients>> FetchLayersOf(Client::Impl& impl,
     v1::GradientChunk chunk;
     while (reader->Read(&chunk)) {
       if (!problem.ok()) continue;  // drain the stream so that Finish reports the server's status
-      if (chunk.has_state()) {  // a new layer starts
+      if (chunk.has_state()) {      // a new layer starts
         all.emplace_back();
         all.back().state = chunk.state();
         progress.emplace_back();
@@ -434,9 +430,9 @@ absl::StatusOr<std::vector<FetchedGradients>> FetchLayersOf(Client::Impl& impl,
       HostTensor& tensor = fetched.gradients[weight];
       if (!p.started) {
         if (chunk.shape().empty()) {
-          problem = absl::InternalError(absl::StrCat("FetchGradients: the first chunk of ",
-                                                     WeightModuleName(weight),
-                                                     " carries no shape"));
+          problem =
+              absl::InternalError(absl::StrCat("FetchGradients: the first chunk of ",
+                                               WeightModuleName(weight), " carries no shape"));
           continue;
         }
         p.started = true;
@@ -449,8 +445,8 @@ absl::StatusOr<std::vector<FetchedGradients>> FetchLayersOf(Client::Impl& impl,
       if (element == 0 || count * element != static_cast<int64_t>(chunk.data().size()) ||
           chunk.offset() < 0 || chunk.offset() + count > tensor.num_elements()) {
         problem = absl::InternalError(absl::StrCat(
-            "FetchGradients: chunk of ", WeightModuleName(weight), " at offset ",
-            chunk.offset(), " with ", chunk.data().size(), " bytes of ", wire::DTypeName(p.dtype),
+            "FetchGradients: chunk of ", WeightModuleName(weight), " at offset ", chunk.offset(),
+            " with ", chunk.data().size(), " bytes of ", wire::DTypeName(p.dtype),
             " does not fit shape ", wire::ShapeString(tensor.shape)));
         continue;
       }
@@ -472,8 +468,8 @@ absl::StatusOr<std::vector<FetchedGradients>> FetchLayersOf(Client::Impl& impl,
         if (!progress[i][weight].started || progress[i][weight].received != tensor.num_elements()) {
           return absl::InternalError(absl::StrCat(
               "FetchGradients: layer ", all[i].state.layer(), " ", WeightModuleName(weight),
-              " incomplete: received ", progress[i][weight].received, " of ",
-              tensor.num_elements(), " elements"));
+              " incomplete: received ", progress[i][weight].received, " of ", tensor.num_elements(),
+              " elements"));
         }
       }
     }
@@ -526,22 +522,21 @@ absl::StatusOr<v1::ZeroGradientsResponse> Client::Zero(uint64_t expected_window_
 }
 
 absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& weights,
-                                             uint64_t expected_version,
-                                             std::optional<int> layer) {
+                                             uint64_t expected_version, std::optional<int> layer) {
   if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
   for (const WeightUpload& weight : weights) {
     const int64_t element = wire::DTypeSize(weight.dtype);
     if (element == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("LoadWeights: ",
-                                                     WeightModuleName(weight.weight),
-                                                     " has an unknown dtype ",
-                                                     static_cast<int>(weight.dtype)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("LoadWeights: ", WeightModuleName(weight.weight), " has an unknown dtype ",
+                       static_cast<int>(weight.dtype)));
     }
     if (static_cast<int64_t>(weight.data.size()) != wire::NumElements(weight.shape) * element) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "LoadWeights: ", WeightModuleName(weight.weight), " has shape ", wire::ShapeString(weight.shape),
-          " of ", wire::DTypeName(weight.dtype), " (", wire::NumElements(weight.shape) * element,
-          " bytes) but ", weight.data.size(), " bytes of data"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("LoadWeights: ", WeightModuleName(weight.weight), " has shape ",
+                       wire::ShapeString(weight.shape), " of ", wire::DTypeName(weight.dtype), " (",
+                       wire::NumElements(weight.shape) * element, " bytes) but ",
+                       weight.data.size(), " bytes of data"));
     }
   }
   grpc::ClientContext context;
@@ -564,8 +559,7 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const std::vector<WeightUpload>& we
         for (int64_t d : weight.shape) request.add_shape(d);
       }
       request.set_offset(offset);
-      request.set_data(weight.data.data() + offset * element,
-                       static_cast<size_t>(count * element));
+      request.set_data(weight.data.data() + offset * element, static_cast<size_t>(count * element));
       request.set_expected_weights_version(expected_version);
       if (layer.has_value()) request.set_layer(*layer);
       writing = writer->Write(request);
@@ -584,10 +578,10 @@ absl::StatusOr<uint64_t> Client::LoadWeights(const WeightSet& weights, uint64_t 
   std::vector<WeightUpload> uploads;
   for (Weight weight : kAllWeights) {
     const HostTensor& tensor = weights[weight];
-    uploads.push_back(WeightUpload{
-        weight, v1::DTYPE_FLOAT32, tensor.shape,
-        absl::string_view(reinterpret_cast<const char*>(tensor.data.data()),
-                          tensor.data.size() * sizeof(float))});
+    uploads.push_back(
+        WeightUpload{weight, v1::DTYPE_FLOAT32, tensor.shape,
+                     absl::string_view(reinterpret_cast<const char*>(tensor.data.data()),
+                                       tensor.data.size() * sizeof(float))});
   }
   return LoadWeights(uploads, expected_version, layer);
 }

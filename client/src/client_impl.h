@@ -46,7 +46,8 @@ struct MessageSizes {
 };
 
 // Parts of at most as many sequences as fit max_batch_tokens (b*S) and both message limits, as even
-// as possible. INVALID_ARGUMENT when a single sequence does not fit (splitting along S is not exact).
+// as possible. INVALID_ARGUMENT when a single sequence does not fit (splitting along S is not
+// exact).
 absl::StatusOr<SplitPlan> PlanSplit(int64_t batch, int64_t seq_len, const MessageSizes& sizes,
                                     int64_t max_request_bytes, int64_t max_response_bytes,
                                     int64_t max_batch_tokens);
@@ -92,8 +93,8 @@ class Client::Impl {
 
   mutable absl::Mutex mu_;
   v1::GetModelInfoResponse info_ ABSL_GUARDED_BY(mu_);
-  std::string instance_id_ ABSL_GUARDED_BY(mu_);    // adopted (first seen, or accepted)
-  std::string restarted_to_ ABSL_GUARDED_BY(mu_);   // a different id seen since; "" = none
+  std::string instance_id_ ABSL_GUARDED_BY(mu_);   // adopted (first seen, or accepted)
+  std::string restarted_to_ ABSL_GUARDED_BY(mu_);  // a different id seen since; "" = none
 };
 
 // Creates a BackwardStream on `client` with `deadline` for the whole stream.

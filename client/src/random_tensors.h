@@ -1,7 +1,7 @@
-// Deterministic random inputs and weights drawn as SPEC section 3 says, for the CLI, the benchmark and
-// the tests. Weights come from attngrad::FillRandomLayerWeights (attngrad/spec_random.h), the
-// generator behind the server's --weights=random too, so a client with --weights_seed=N holds exactly
-// the weights of a server started with --weights=random --weights_seed=N.
+// Deterministic random inputs and weights drawn as SPEC section 3 says, for the CLI, the benchmark
+// and the tests. Weights come from attngrad::FillRandomLayerWeights (attngrad/spec_random.h), the
+// generator behind the server's --weights=random too, so a client with --weights_seed=N holds
+// exactly the weights of a server started with --weights=random --weights_seed=N.
 #ifndef ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_
 #define ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_
 
@@ -17,7 +17,8 @@ namespace attngrad {
 WeightSet RandomWeights(const LayerConfig& config, uint64_t seed);
 
 // cos/sin [batch, seq_len, head_dim] of positions 0..S-1 (the same for every sequence), rope theta
-// `theta`: inv_freq_i = theta^(-2i/head_dim), embedding [f, f], computed in double, rounded to fp32.
+// `theta`: inv_freq_i = theta^(-2i/head_dim), embedding [f, f], computed in double, rounded to
+// fp32.
 void RotaryTables(int64_t batch, int64_t seq_len, int64_t head_dim, double theta,
                   std::vector<float>* cos, std::vector<float>* sin);
 

@@ -14,14 +14,14 @@ absl::StatusOr<ReferenceOutputs> ComputeReference(const LayerConfig& config,
                                                   const BatchInputs& inputs,
                                                   const WeightSet& weights,
                                                   const Scalars& scalars) {
-  const TensorSizes sizes = SizesOf(config, static_cast<int>(inputs.batch),
-                                    static_cast<int>(inputs.seq_len));
+  const TensorSizes sizes =
+      SizesOf(config, static_cast<int>(inputs.batch), static_cast<int>(inputs.seq_len));
   if (inputs.hidden_states.size() != sizes.activations ||
       inputs.grad_output.size() != sizes.activations || inputs.cos.size() != sizes.rotary ||
       inputs.sin.size() != sizes.rotary) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reference: inputs do not match [", inputs.batch, ",", inputs.seq_len, "] for hidden=",
-        config.hidden_size, " head_dim=", config.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("reference: inputs do not match [", inputs.batch, ",", inputs.seq_len,
+                     "] for hidden=", config.hidden_size, " head_dim=", config.head_dim));
   }
   ReferenceOutputs out;
   out.grad_hidden_states.resize(sizes.activations);
@@ -97,12 +97,13 @@ bool CheckReport::passed() const {
 std::string CheckReport::ToString() const {
   std::string text;
   for (const OutputComparison& c : outputs) {
-    absl::StrAppendFormat(&text,
-                          "  %-20s %s  %10d elements, %d outside tolerance (%.4f%%), %d non-finite, "
-                          "max |err| %.3g (max |ref| %.3g)\n",
-                          c.name, c.passed ? "PASS" : "FAIL", c.elements, c.misses,
-                          c.elements ? 100.0 * c.misses / c.elements : 0.0, c.non_finite,
-                          c.max_abs_error, c.max_abs_reference);
+    absl::StrAppendFormat(
+        &text,
+        "  %-20s %s  %10d elements, %d outside tolerance (%.4f%%), %d non-finite, "
+        "max |err| %.3g (max |ref| %.3g)\n",
+        c.name, c.passed ? "PASS" : "FAIL", c.elements, c.misses,
+        c.elements ? 100.0 * c.misses / c.elements : 0.0, c.non_finite, c.max_abs_error,
+        c.max_abs_reference);
   }
   return text;
 }

@@ -43,8 +43,7 @@ struct OutputComparison {
 // One output against its reference. Norm-weight gradients (`allow_one_miss`) may miss one element;
 // the others need >= 99% matching.
 OutputComparison CompareOutput(const std::string& name, absl::Span<const float> got,
-                               absl::Span<const float> reference, double atol,
-                               bool allow_one_miss);
+                               absl::Span<const float> reference, double atol, bool allow_one_miss);
 
 struct CheckReport {
   std::vector<OutputComparison> outputs;

@@ -35,9 +35,8 @@ absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
   const bool f4 = header.find("'<f4'") != std::string::npos;
   const bool f8 = header.find("'<f8'") != std::string::npos;
   if (!f4 && !f8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": dtype must be little-endian float32 '<f4' or float64 '<f8'; header ",
-                     header));
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": dtype must be little-endian float32 '<f4' or float64 '<f8'; header ", header));
   }
   const size_t open = header.find("'shape': (");
   const size_t close = header.find(')', open);
@@ -70,8 +69,8 @@ absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
 absl::Status WriteNpy(const std::string& path, const HostTensor& tensor) {
   std::string shape = absl::StrJoin(tensor.shape, ", ");
   if (tensor.shape.size() == 1) shape += ",";
-  std::string header = absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': (", shape,
-                                    "), }");
+  std::string header =
+      absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': (", shape, "), }");
   // Pad so that magic (6) + version (2) + length (2) + header + '\n' is a multiple of 64.
   while ((10 + header.size() + 1) % 64 != 0) header.push_back(' ');
   header.push_back('\n');

@@ -86,8 +86,8 @@ namespace {
 
 BackwardInputs MakeInputs(const float* grad_output, const float* hidden_states, const float* cos,
                           const float* sin, const float* q_weight, const float* k_weight,
-                          const float* v_weight, const float* o_weight,
-                          const float* q_norm_weight, const float* k_norm_weight) {
+                          const float* v_weight, const float* o_weight, const float* q_norm_weight,
+                          const float* k_norm_weight) {
   BackwardInputs in;
   in.grad_output = grad_output;
   in.hidden_states = hidden_states;
@@ -187,11 +187,11 @@ int attngrad_backward(int batch, int seq_len, float scaling, float softcap, floa
                       int precision, int accumulate, const float* grad_output,
                       const float* hidden_states, const float* cos, const float* sin,
                       const float* q_weight, const float* k_weight, const float* v_weight,
-                      const float* o_weight, const float* q_norm_weight,
-                      const float* k_norm_weight, float* grad_hidden_states, float* grad_q_weight,
-                      float* grad_k_weight, float* grad_v_weight, float* grad_o_weight,
-                      float* grad_q_norm_weight, float* grad_k_norm_weight, void* workspace,
-                      size_t workspace_size, void* stream) {
+                      const float* o_weight, const float* q_norm_weight, const float* k_norm_weight,
+                      float* grad_hidden_states, float* grad_q_weight, float* grad_k_weight,
+                      float* grad_v_weight, float* grad_o_weight, float* grad_q_norm_weight,
+                      float* grad_k_norm_weight, void* workspace, size_t workspace_size,
+                      void* stream) {
   const attngrad::LayerConfig config = attngrad::LayerConfig::Gemma3_4B();
   const attngrad::Scalars scalars{scaling, softcap, eps};
   const attngrad::BackwardInputs in =
@@ -216,12 +216,12 @@ int attngrad_backward_host(int batch, int seq_len, float scaling, float softcap,
                            float* grad_v_weight, float* grad_o_weight, float* grad_q_norm_weight,
                            float* grad_k_norm_weight) {
   return attngrad::BackwardHost(
-      attngrad::LayerConfig::Gemma3_4B(), batch, seq_len, attngrad::Scalars{scaling, softcap, eps},
-      accumulate != 0,
-      attngrad::MakeInputs(grad_output, hidden_states, cos, sin, q_weight, k_weight, v_weight,
-                           o_weight, q_norm_weight, k_norm_weight),
-      attngrad::MakeOutputs(grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight,
-                            grad_o_weight, grad_q_norm_weight, grad_k_norm_weight))
+             attngrad::LayerConfig::Gemma3_4B(), batch, seq_len,
+             attngrad::Scalars{scaling, softcap, eps}, accumulate != 0,
+             attngrad::MakeInputs(grad_output, hidden_states, cos, sin, q_weight, k_weight,
+                                  v_weight, o_weight, q_norm_weight, k_norm_weight),
+             attngrad::MakeOutputs(grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight,
+                                   grad_o_weight, grad_q_norm_weight, grad_k_norm_weight))
       .code;
 }
 

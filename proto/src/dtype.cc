@@ -98,7 +98,7 @@ std::uint16_t FloatToHalf(float value) {
     result = kHalfInfinity;
   } else if (magnitude >= 0x38800000u) {  // normal half (>= 2^-14): rebias the exponent by -112
     result = ShiftRightRoundingToEven(magnitude - 0x38000000u, 13);
-  } else if (magnitude >= 0x33000000u) {  // subnormal half: units of 2^-24
+  } else if (magnitude >= 0x33000000u) {             // subnormal half: units of 2^-24
     const std::uint32_t exponent = magnitude >> 23;  // 102..112
     const std::uint32_t significand = (magnitude & 0x7fffffu) | 0x800000u;
     result = ShiftRightRoundingToEven(significand, static_cast<int>(126 - exponent));
@@ -108,7 +108,9 @@ std::uint16_t FloatToHalf(float value) {
   return static_cast<std::uint16_t>(sign | result);
 }
 
-float BFloat16ToFloat(std::uint16_t bits) { return FloatOf(static_cast<std::uint32_t>(bits) << 16); }
+float BFloat16ToFloat(std::uint16_t bits) {
+  return FloatOf(static_cast<std::uint32_t>(bits) << 16);
+}
 
 std::uint16_t FloatToBFloat16(float value) {
   const std::uint32_t bits = BitsOf(value);

@@ -24,7 +24,8 @@ absl::StatusOr<HttpResponse> HttpGet(const std::string& address, const std::stri
   }
   std::string host = address.substr(0, colon);
   const std::string port = address.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -50,8 +51,8 @@ absl::StatusOr<HttpResponse> HttpGet(const std::string& address, const std::stri
   }
   freeaddrinfo(addresses);
   if (fd < 0) return absl::UnavailableError(absl::StrCat("connect ", address, ": ", last_error));
-  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ", address,
-                                           "\r\nConnection: close\r\n\r\n");
+  const std::string request =
+      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ", address, "\r\nConnection: close\r\n\r\n");
   if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) !=
       static_cast<ssize_t>(request.size())) {
     close(fd);

@@ -64,10 +64,9 @@ absl::StatusOr<std::string> FindLayerTensorName(const std::vector<std::string>& 
                                                 Weight weight, const std::string& where) {
   const std::string canonical = HuggingFaceTensorName(layer, weight);
   // "model.language_model.layers..." keeps "language_model.layers..." as its tail.
-  const std::string suffixes[] = {
-      canonical,
-      absl::StrCat("language_model.layers.", layer, ".self_attn.", WeightModuleName(weight),
-                   ".weight")};
+  const std::string suffixes[] = {canonical,
+                                  absl::StrCat("language_model.layers.", layer, ".self_attn.",
+                                               WeightModuleName(weight), ".weight")};
   std::vector<std::string> matches;
   for (const std::string& name : names) {
     for (const std::string& suffix : suffixes) {

@@ -54,7 +54,8 @@ absl::StatusOr<std::vector<std::uint64_t>> UnsignedArray(const nlohmann::json& v
 absl::StatusOr<nlohmann::json> ParseJsonObject(absl::string_view text, absl::string_view where) {
   nlohmann::json root = nlohmann::json::parse(text.begin(), text.end(), nullptr,
                                               /*allow_exceptions=*/false);
-  if (root.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(where, ": not valid JSON"));
+  if (root.is_discarded())
+    return absl::InvalidArgumentError(absl::StrCat(where, ": not valid JSON"));
   if (!root.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": not a JSON object"));
   }
@@ -117,8 +118,7 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
         const std::vector<std::uint64_t> offsets,
         UnsignedArray(value["data_offsets"], absl::StrCat(tensor, ": data_offsets")));
     if (offsets.size() != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(tensor, ": data_offsets must be [begin,end]"));
+      return absl::InvalidArgumentError(absl::StrCat(tensor, ": data_offsets must be [begin,end]"));
     }
     entry.begin = offsets[0];
     entry.end = offsets[1];
@@ -128,7 +128,8 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
                                                      data_size, " bytes"));
     }
     const std::uint64_t element_size = SafetensorsElementSize(entry.dtype);
-    if (element_size != 0 && entry.end - entry.begin != static_cast<std::uint64_t>(count) * element_size) {
+    if (element_size != 0 &&
+        entry.end - entry.begin != static_cast<std::uint64_t>(count) * element_size) {
       return absl::InvalidArgumentError(absl::StrCat(tensor, ": ", entry.end - entry.begin,
                                                      " bytes for ", count, " elements of ",
                                                      entry.dtype));
@@ -324,8 +325,8 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const Safetens
                                                      ShapeString(tensor.shape)));
     }
     if (SafetensorsDTypeName(tensor.dtype).empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor ", tensor.name,
-                                                     ": cannot write dtype ", tensor.dtype));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor ", tensor.name, ": cannot write dtype ", tensor.dtype));
     }
     if (tensor.name == "__metadata__" || !names.insert(tensor.name).second) {
       return absl::InvalidArgumentError(
@@ -337,8 +338,7 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const Safetens
                            {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
-  std::string text =
-      header.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  std::string text = header.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   while (text.size() % 8 != 0) text.push_back(' ');
   std::ofstream file(path, std::ios::binary | std::ios::trunc);
   if (!file) return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));

@@ -96,10 +96,10 @@ absl::StatusOr<std::vector<std::int64_t>> CheckTensor(const v1::Tensor& tensor,
   const std::size_t element_size = DTypeSize(tensor.dtype());
   const std::uint64_t expected_bytes = static_cast<std::uint64_t>(count) * element_size;
   if (tensor.raw_data().size() != expected_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".raw_data: got ", tensor.raw_data().size(), " bytes, expected ", expected_bytes,
-        " (", count, " elements of ", DTypeName(tensor.dtype()), " for shape ",
-        ShapeString(shape), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".raw_data: got ", tensor.raw_data().size(), " bytes, expected ",
+                     expected_bytes, " (", count, " elements of ", DTypeName(tensor.dtype()),
+                     " for shape ", ShapeString(shape), ")"));
   }
   return shape;
 }

@@ -30,7 +30,8 @@ CpuWorker::AccumulatorSet& CpuWorker::AccumulatorSetAt(int layer_slot, int index
   if (sets.size() <= position) sets.resize(position + 1);
   AccumulatorSet& set = sets[position];
   if (set.gradients[Weight::kQProj].empty()) {
-    set.gradients = ZeroWeights<std::vector<float>>(layers_[static_cast<std::size_t>(layer_slot)]->config);
+    set.gradients =
+        ZeroWeights<std::vector<float>>(layers_[static_cast<std::size_t>(layer_slot)]->config);
   }
   return set;
 }
@@ -62,7 +63,8 @@ void CpuWorker::Compute(BatchJob& job) {
   const LayerWeights& weights = *layers_[slot];
   const LayerConfig& config = weights.config;
   job.grad_hidden_states.assign(job.hidden_states.size(), 0.f);
-  if (scratch_[slot][Weight::kQProj].empty()) scratch_[slot] = ZeroWeights<std::vector<float>>(config);
+  if (scratch_[slot][Weight::kQProj].empty())
+    scratch_[slot] = ZeroWeights<std::vector<float>>(config);
   LayerTensors* gradients = &scratch_[slot];
   AccumulatorSet* accumulator_set = nullptr;
   if (job.return_weight_gradients) {

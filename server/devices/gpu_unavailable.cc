@@ -3,9 +3,8 @@
 
 namespace attngrad::server {
 
-absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>&,
-                                            const LayerSlots&, int, NcclMode,
-                                            ServerMetrics*) {
+absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>&, const LayerSlots&, int,
+                                            NcclMode, ServerMetrics*) {
   return absl::UnavailableError(
       "--devices: this server was built without CUDA (ATTNGRAD_CUDA=OFF); use --devices=cpu");
 }

@@ -44,14 +44,14 @@ namespace {
 
 absl::Status CudaStatus(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
-                                          cudaGetErrorString(error), ")"));
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(error), " (", cudaGetErrorString(error), ")"));
 }
 
-#define ATTNGRAD_CUDA_RETURN(call)                                   \
-  do {                                                               \
-    absl::Status cuda_status_ = CudaStatus((call), #call);           \
-    if (!cuda_status_.ok()) return cuda_status_;                     \
+#define ATTNGRAD_CUDA_RETURN(call)                         \
+  do {                                                     \
+    absl::Status cuda_status_ = CudaStatus((call), #call); \
+    if (!cuda_status_.ok()) return cuda_status_;           \
   } while (false)
 
 #ifdef ATTNGRAD_HAVE_NCCL_HEADER
@@ -144,15 +144,15 @@ class GpuWorker final : public DeviceWorker {
     std::shared_ptr<const LayerWeights> weights;
     const LayerConfig config;
     const PackedWeightLayout layout;
-    cuda::DeviceBuffer<float> device_weights;       // layout
+    cuda::DeviceBuffer<float> device_weights;      // layout
     std::vector<AccumulatorSet> accumulator_sets;  // one per client window holding sums
   };
 
   // One batch in flight and the buffers it uses (grown as batches need, never shrunk).
   struct Slot {
     std::unique_ptr<BatchJob> job;
-    cuda::PinnedBuffer<float> host_in;   // hidden_states | grad_output | cos | sin
-    cuda::PinnedBuffer<float> host_out;  // grad_hidden_states [| weight gradients (RETURN)]
+    cuda::PinnedBuffer<float> host_in;    // hidden_states | grad_output | cos | sin
+    cuda::PinnedBuffer<float> host_out;   // grad_hidden_states [| weight gradients (RETURN)]
     cuda::DeviceBuffer<float> device_in;  // same layout as host_in
     cuda::DeviceBuffer<float> device_grad_hidden;
     cuda::DeviceBuffer<float> device_weight_gradients;  // this batch's own weight gradients
@@ -229,10 +229,9 @@ class GpuWorker final : public DeviceWorker {
   absl::Status UploadWeights(ResidentLayer& layer) {
     const LayerWeights& weights = *layer.weights;
     for (Weight weight : kAllWeights) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpy(layer.device_weights.get() + layer.layout.offsets[weight],
-                                      weights.values[weight].data(),
-                                      weights.values[weight].size() * sizeof(float),
-                                      cudaMemcpyHostToDevice));
+      ATTNGRAD_CUDA_RETURN(cudaMemcpy(
+          layer.device_weights.get() + layer.layout.offsets[weight], weights.values[weight].data(),
+          weights.values[weight].size() * sizeof(float), cudaMemcpyHostToDevice));
     }
     // A pageable host-to-device cudaMemcpy may return before its DMA lands, on the legacy stream.
     ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
@@ -319,8 +318,8 @@ class GpuWorker final : public DeviceWorker {
       status = EnsureCapacity(&slot.device_in, input_elements, "cudaMalloc(device_in)");
     }
     if (status.ok()) {
-      status = EnsureCapacity(&slot.device_grad_hidden, activations,
-                              "cudaMalloc(device_grad_hidden)");
+      status =
+          EnsureCapacity(&slot.device_grad_hidden, activations, "cudaMalloc(device_grad_hidden)");
     }
     const std::size_t workspace_size =
         DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
@@ -369,8 +368,8 @@ class GpuWorker final : public DeviceWorker {
     out.grad_hidden_states = slot.device_grad_hidden.get();
     out.weight_gradients = layer.layout.Pointers(gradients);
     const Status computed =
-        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision, add, in, out,
-                       workspace_.get(), workspace_.size(), compute);
+        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision, add, in,
+                       out, workspace_.get(), workspace_.size(), compute);
     // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
     status = KernelStatus(computed, "BackwardDevice");
     if (!status.ok()) return status;
@@ -382,10 +381,9 @@ class GpuWorker final : public DeviceWorker {
                                          activations * sizeof(float), cudaMemcpyDeviceToHost,
                                          copy_out));
     if (job.return_weight_gradients) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get() + activations,
-                                           slot.device_weight_gradients.get(),
-                                           layer.layout.total_elements * sizeof(float),
-                                           cudaMemcpyDeviceToHost, copy_out));
+      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
+          slot.host_out.get() + activations, slot.device_weight_gradients.get(),
+          layer.layout.total_elements * sizeof(float), cudaMemcpyDeviceToHost, copy_out));
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
@@ -416,8 +414,8 @@ class GpuWorker final : public DeviceWorker {
         }
       }
       const double host_copy_out_seconds = SecondsSince(start);
-      job.stages.copy_in = slot.host_copy_in_seconds +
-                           ElapsedSeconds(slot.copy_in_start, slot.copy_in_done);
+      job.stages.copy_in =
+          slot.host_copy_in_seconds + ElapsedSeconds(slot.copy_in_start, slot.copy_in_done);
       job.stages.compute = ElapsedSeconds(slot.compute_start, slot.compute_done);
       job.stages.copy_out =
           ElapsedSeconds(slot.copy_out_start, slot.copy_out_done) + host_copy_out_seconds;
@@ -467,9 +465,9 @@ class GpuWorker final : public DeviceWorker {
       snapshot.tokens = accumulator_set->tokens;
     }
     if (status.ok() && may_zero && control.zero_accumulators) {
-      status = CudaStatus(
-          cudaMemset(accumulator_set->buffer.get(), 0, accumulator_set->buffer.bytes()),
-          "cudaMemset(accumulators)");
+      status =
+          CudaStatus(cudaMemset(accumulator_set->buffer.get(), 0, accumulator_set->buffer.bytes()),
+                     "cudaMemset(accumulators)");
       // cudaMemset is asynchronous on the legacy stream: finish it before the next batch.
       if (status.ok()) status = CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       if (status.ok()) {
@@ -490,10 +488,10 @@ class GpuWorker final : public DeviceWorker {
       const cudaError_t allocated =
           cuda::DeviceBuffer<float>::Create(layer.layout.total_elements, &set.buffer);
       if (allocated != cudaSuccess) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "accumulators of another client window on ", device(), ": ",
-            cudaGetErrorString(allocated),
-            " (lower --max_clients_with_sums, or fetch-and-zero idle windows)"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("accumulators of another client window on ", device(), ": ",
+                         cudaGetErrorString(allocated),
+                         " (lower --max_clients_with_sums, or fetch-and-zero idle windows)"));
       }
       ATTNGRAD_CUDA_RETURN(
           cudaMemsetAsync(set.buffer.get(), 0, set.buffer.bytes(), compute_stream_.get()));
@@ -508,10 +506,9 @@ class GpuWorker final : public DeviceWorker {
                                 AccumulatorSnapshot* snapshot) {
     snapshot->gradients = ZeroWeights<std::vector<float>>(layer.config);
     for (Weight weight : kAllWeights) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpy(snapshot->gradients[weight].data(),
-                                      device_buffer + layer.layout.offsets[weight],
-                                      snapshot->gradients[weight].size() * sizeof(float),
-                                      cudaMemcpyDeviceToHost));
+      ATTNGRAD_CUDA_RETURN(cudaMemcpy(
+          snapshot->gradients[weight].data(), device_buffer + layer.layout.offsets[weight],
+          snapshot->gradients[weight].size() * sizeof(float), cudaMemcpyDeviceToHost));
     }
     return absl::OkStatus();
   }
@@ -530,8 +527,8 @@ class GpuWorker final : public DeviceWorker {
     // recvbuff is only used on the root ("may be NULL on all calls except for root", nccl.h).
     absl::Status status = nccl.Check(
         nccl.reduce(accumulator_set->buffer.get(), rank_ == 0 ? reduce_buffer_.get() : nullptr,
-                    layer.layout.total_elements, ncclFloat32, ncclSum, /*root=*/0, nccl_->comm(rank_),
-                    nccl_stream_.get()),
+                    layer.layout.total_elements, ncclFloat32, ncclSum, /*root=*/0,
+                    nccl_->comm(rank_), nccl_stream_.get()),
         absl::StrCat("ncclReduce of the accumulators (", device(), ")"));
     // Returns once every rank's part of the reduction is done.
     if (status.ok()) {
@@ -563,9 +560,9 @@ class GpuWorker final : public DeviceWorker {
   std::atomic<long long> memory_total_{0};
   std::atomic<long long> memory_used_{0};
   cuda::Stream copy_in_stream_, compute_stream_, copy_out_stream_;
-  cuda::Stream nccl_stream_;                       // NCCL only
-  cuda::DeviceBuffer<float> reduce_buffer_;        // NCCL root only: the summed accumulators
-  cuda::DeviceBuffer<unsigned char> workspace_;    // shared by every batch on compute_stream_
+  cuda::Stream nccl_stream_;                     // NCCL only
+  cuda::DeviceBuffer<float> reduce_buffer_;      // NCCL root only: the summed accumulators
+  cuda::DeviceBuffer<unsigned char> workspace_;  // shared by every batch on compute_stream_
   std::vector<Slot> slots_;
   int retired_since_gauges_ = 0;
 };
@@ -606,14 +603,13 @@ std::shared_ptr<NcclSum> MakeNcclSum(const std::vector<int>& devices, std::strin
 }  // namespace
 
 absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>& devices,
-                                            const LayerSlots& layers,
-                                            int pipeline_depth, NcclMode nccl_mode,
-                                            ServerMetrics* metrics) {
+                                            const LayerSlots& layers, int pipeline_depth,
+                                            NcclMode nccl_mode, ServerMetrics* metrics) {
   const int count = DeviceCount();
   for (int device : devices) {
     if (device < 0 || device >= count) {
-      return absl::InvalidArgumentError(absl::StrCat("--devices: CUDA device ", device,
-                                                     " does not exist (", count, " usable)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--devices: CUDA device ", device, " does not exist (", count, " usable)"));
     }
   }
   GpuWorkers result;

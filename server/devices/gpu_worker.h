@@ -39,9 +39,8 @@ struct GpuWorkers {
 // or more devices and NCCL usable (see NcclMode), the workers share one NCCL communicator each
 // (ncclCommInitAll, made here) and a fetch reduces their accumulators onto the first device.
 absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>& devices,
-                                            const LayerSlots& layers,
-                                            int pipeline_depth, NcclMode nccl,
-                                            ServerMetrics* metrics);
+                                            const LayerSlots& layers, int pipeline_depth,
+                                            NcclMode nccl, ServerMetrics* metrics);
 
 }  // namespace attngrad::server
 

@@ -36,8 +36,9 @@ absl::Status Resolve(void* handle, const std::string& library, const char* symbo
   void* address = dlsym(handle, symbol);
   if (address == nullptr) {
     const char* error = dlerror();
-    return absl::UnavailableError(absl::StrCat(library, ": symbol ", symbol, " not found",
-                                               error != nullptr ? absl::StrCat(" (", error, ")") : ""));
+    return absl::UnavailableError(
+        absl::StrCat(library, ": symbol ", symbol, " not found",
+                     error != nullptr ? absl::StrCat(" (", error, ")") : ""));
   }
   *function = reinterpret_cast<Function>(address);
   return absl::OkStatus();
@@ -50,10 +51,10 @@ absl::StatusOr<std::unique_ptr<NcclLibrary>> NcclLibrary::Load(const std::string
   void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
     const char* error = dlerror();
-    return absl::UnavailableError(absl::StrCat(
-        "cannot load NCCL: dlopen(\"", name, "\") failed: ",
-        error != nullptr ? error : "unknown error",
-        " (install NCCL 2 or put its lib directory on LD_LIBRARY_PATH)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot load NCCL: dlopen(\"", name,
+                     "\") failed: ", error != nullptr ? error : "unknown error",
+                     " (install NCCL 2 or put its lib directory on LD_LIBRARY_PATH)"));
   }
   std::unique_ptr<NcclLibrary> library(new NcclLibrary(handle, name));
   for (absl::Status status : {
@@ -72,12 +73,12 @@ absl::StatusOr<std::unique_ptr<NcclLibrary>> NcclLibrary::Load(const std::string
   int version = 0;
   const ncclResult_t result = library->get_version(&version);
   if (result != ncclSuccess) {
-    return absl::UnavailableError(absl::StrCat(name, ": ncclGetVersion failed: ",
-                                               library->get_error_string(result)));
+    return absl::UnavailableError(
+        absl::StrCat(name, ": ncclGetVersion failed: ", library->get_error_string(result)));
   }
   if (version / 1000 < 2) {  // 1.x has a different API; 2.x codes are >= 2000
-    return absl::UnavailableError(absl::StrCat(name, ": NCCL version code ", version,
-                                               " is not NCCL 2"));
+    return absl::UnavailableError(
+        absl::StrCat(name, ": NCCL version code ", version, " is not NCCL 2"));
   }
   library->version_code_ = version;
   return library;
@@ -115,9 +116,10 @@ NcclCommunicators::~NcclCommunicators() {
 #else  // !ATTNGRAD_HAVE_NCCL_HEADER
 
 absl::StatusOr<std::unique_ptr<NcclLibrary>> NcclLibrary::Load(const std::string& name) {
-  return absl::UnavailableError(absl::StrCat(
-      "cannot load NCCL (", name, "): this server was built without nccl.h (no CUDA backend, or "
-      "the CUDA include directories have no nccl.h)"));
+  return absl::UnavailableError(
+      absl::StrCat("cannot load NCCL (", name,
+                   "): this server was built without nccl.h (no CUDA backend, or "
+                   "the CUDA include directories have no nccl.h)"));
 }
 
 #endif  // ATTNGRAD_HAVE_NCCL_HEADER

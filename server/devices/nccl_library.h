@@ -32,7 +32,8 @@ class NcclLibrary {
   // dlopen(`name`, RTLD_NOW | RTLD_LOCAL), resolves the symbols and asks ncclGetVersion. Errors
   // (all UNAVAILABLE, naming `name`): the library cannot be opened (with dlerror's text), a symbol
   // is missing, ncclGetVersion fails, or this build has no nccl.h.
-  static absl::StatusOr<std::unique_ptr<NcclLibrary>> Load(const std::string& name = kNcclLibraryName);
+  static absl::StatusOr<std::unique_ptr<NcclLibrary>> Load(
+      const std::string& name = kNcclLibraryName);
   ~NcclLibrary();
   NcclLibrary(const NcclLibrary&) = delete;
   NcclLibrary& operator=(const NcclLibrary&) = delete;

@@ -18,10 +18,11 @@ ServerMetrics::ServerMetrics(const std::string& version)
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
   using prometheus::BuildHistogram;
-  batch_duration_ = &BuildHistogram()
-                         .Name("attngrad_batch_duration_seconds")
-                         .Help("End-to-end time of one batch in the server (queue to response ready)")
-                         .Register(*registry_);
+  batch_duration_ =
+      &BuildHistogram()
+           .Name("attngrad_batch_duration_seconds")
+           .Help("End-to-end time of one batch in the server (queue to response ready)")
+           .Register(*registry_);
   stage_duration_ = &BuildHistogram()
                          .Name("attngrad_stage_duration_seconds")
                          .Help("Time of one batch in each stage: queue, copy_in, compute, copy_out")
@@ -30,8 +31,12 @@ ServerMetrics::ServerMetrics(const std::string& version)
                        .Name("attngrad_rpc_duration_seconds")
                        .Help("Duration of each RPC (streams: from start to finish)")
                        .Register(*registry_);
-  batches_ = &BuildCounter().Name("attngrad_batches_total").Help("Batches computed").Register(*registry_);
-  tokens_ = &BuildCounter().Name("attngrad_tokens_total").Help("Tokens (B*S) computed").Register(*registry_);
+  batches_ =
+      &BuildCounter().Name("attngrad_batches_total").Help("Batches computed").Register(*registry_);
+  tokens_ = &BuildCounter()
+                 .Name("attngrad_tokens_total")
+                 .Help("Tokens (B*S) computed")
+                 .Register(*registry_);
   received_bytes_ = &BuildCounter()
                          .Name("attngrad_received_bytes_total")
                          .Help("Tensor payload bytes received")
@@ -95,16 +100,18 @@ ServerMetrics::ServerMetrics(const std::string& version)
 void ServerMetrics::SetGradientSumPath(const std::string& path, const std::string& nccl_version) {
   prometheus::BuildGauge()
       .Name("attngrad_gradient_sum_info")
-      .Help("How FetchGradients sums the devices' accumulators: path nccl (ncclReduce) or host "
-            "(value 1)")
+      .Help(
+          "How FetchGradients sums the devices' accumulators: path nccl (ncclReduce) or host "
+          "(value 1)")
       .Register(*registry_)
       .Add({{"path", path}, {"nccl_version", nccl_version}})
       .Set(1);
 }
 
-void ServerMetrics::ObserveBatch(const std::string& mode, const std::string& device, long long tokens,
-                                 const StageSeconds& stages) {
-  batch_duration_->Add({{"mode", mode}, {"device", device}}, LatencyBuckets()).Observe(stages.total);
+void ServerMetrics::ObserveBatch(const std::string& mode, const std::string& device,
+                                 long long tokens, const StageSeconds& stages) {
+  batch_duration_->Add({{"mode", mode}, {"device", device}}, LatencyBuckets())
+      .Observe(stages.total);
   const std::pair<const char*, double> per_stage[] = {{"queue", stages.queue},
                                                       {"copy_in", stages.copy_in},
                                                       {"compute", stages.compute},

@@ -1,5 +1,6 @@
 // The server's Prometheus metrics (names and labels as in the team conventions; bounded labels
-// only: method, code, mode, stage, device, version, path, nccl_version). One ServerMetrics per server; thread-safe.
+// only: method, code, mode, stage, device, version, path, nccl_version). One ServerMetrics per
+// server; thread-safe.
 #ifndef ATTNGRAD_SERVER_METRICS_H_
 #define ATTNGRAD_SERVER_METRICS_H_
 

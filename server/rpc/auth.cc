@@ -21,8 +21,7 @@ constexpr absl::string_view kBearerPrefix = "Bearer ";
 absl::StatusOr<Role> ParseRole(absl::string_view name) {
   if (name == "trainer") return Role::kTrainer;
   if (name == "admin") return Role::kAdmin;
-  return absl::InvalidArgumentError(
-      absl::StrCat("role '", name, "' is not one of trainer, admin"));
+  return absl::InvalidArgumentError(absl::StrCat("role '", name, "' is not one of trainer, admin"));
 }
 
 // The single value of `key` in `metadata`; empty when absent.
@@ -59,8 +58,8 @@ absl::Status CheckClientId(absl::string_view client_id, absl::string_view what) 
   for (char c : client_id) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != ':' &&
         c != '@' && c != '-') {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": '", client_id, "' has a character outside [A-Za-z0-9._:@-]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": '", client_id, "' has a character outside [A-Za-z0-9._:@-]"));
     }
   }
   return absl::OkStatus();
@@ -96,8 +95,8 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
           where, ": expected \"token role [client_id]\" (", fields.size(), " fields)"));
     }
     if (fields[0].size() < kMinTokenLength) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": the token is shorter than ",
-                                                     kMinTokenLength, " characters"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": the token is shorter than ", kMinTokenLength, " characters"));
     }
     for (char c : fields[0]) {
       if (static_cast<unsigned char>(c) < 0x21 || static_cast<unsigned char>(c) > 0x7e) {
@@ -112,7 +111,8 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
     Entry entry;
     entry.token = std::string(fields[0]);
     absl::StatusOr<Role> role = ParseRole(fields[1]);
-    if (!role.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", role.status().message()));
+    if (!role.ok())
+      return absl::InvalidArgumentError(absl::StrCat(where, ": ", role.status().message()));
     entry.caller.role = *role;
     entry.caller.client_id = fields.size() == 3
                                  ? std::string(fields[2])
@@ -121,9 +121,10 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
     authenticator.entries_.push_back(std::move(entry));
   }
   if (authenticator.entries_.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tokens_file ", origin, ": no tokens (an empty file would lock every client out; leave "
-        "--tokens_file out to run without authentication)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tokens_file ", origin,
+                     ": no tokens (an empty file would lock every client out; leave "
+                     "--tokens_file out to run without authentication)"));
   }
   return authenticator;
 }
@@ -154,7 +155,8 @@ absl::StatusOr<Caller> Authenticator::AuthenticateMetadata(
   if (!absl::StartsWith(*authorization, kBearerPrefix)) {
     return absl::UnauthenticatedError("authorization: expected 'Bearer <token>'");
   }
-  const absl::string_view presented = absl::string_view(*authorization).substr(kBearerPrefix.size());
+  const absl::string_view presented =
+      absl::string_view(*authorization).substr(kBearerPrefix.size());
   // Every entry is compared (no early exit), each in time independent of the contents.
   const Entry* match = nullptr;
   for (const Entry& entry : entries_) {
@@ -169,12 +171,10 @@ absl::Status Authorize(const Caller& caller, Operation operation, absl::string_v
   switch (operation) {
     case Operation::kInfo:
     case Operation::kBackward:
-    case Operation::kFetchOwn:
-      return absl::OkStatus();
+    case Operation::kFetchOwn: return absl::OkStatus();
     case Operation::kAddressOtherClient:
     case Operation::kZero:
-    case Operation::kLoadWeights:
-      break;
+    case Operation::kLoadWeights: break;
   }
   return absl::PermissionDeniedError(absl::StrCat(
       method, ": client '", caller.client_id, "' has the role ", RoleName(caller.role),

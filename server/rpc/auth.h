@@ -24,12 +24,12 @@ const char* RoleName(Role role);
 
 // What a call may ask for; Authorize maps it to the roles allowed.
 enum class Operation {
-  kInfo,              // GetModelInfo
-  kBackward,          // Backward (its batches go to the caller's own window)
-  kFetchOwn,          // FetchGradients of the caller's own window, zeroing it or not
+  kInfo,                // GetModelInfo
+  kBackward,            // Backward (its batches go to the caller's own window)
+  kFetchOwn,            // FetchGradients of the caller's own window, zeroing it or not
   kAddressOtherClient,  // FetchGradients / ZeroGradients of another client's window
-  kZero,              // ZeroGradients
-  kLoadWeights,       // LoadWeights
+  kZero,                // ZeroGradients
+  kLoadWeights,         // LoadWeights
 };
 
 // The authenticated caller.

@@ -27,7 +27,8 @@ absl::Status CheckScalar(bool present, float value, const char* field, bool posi
 }
 
 // Decodes a checked tensor's raw data into `out` and checks that every value is finite.
-absl::Status DecodeFinite(const v1::Tensor& tensor, const std::string& field, absl::Span<float> out) {
+absl::Status DecodeFinite(const v1::Tensor& tensor, const std::string& field,
+                          absl::Span<float> out) {
   ATTNGRAD_RETURN_IF_ERROR(wire::DecodeToFloat(tensor.raw_data(), tensor.dtype(), field, out));
   return wire::CheckFinite(out, field);
 }
@@ -40,22 +41,23 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
                                                     const BatchLimits& limits) {
   ParsedBackward parsed;
   if (!v1::GradientMode_IsValid(request.mode())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mode: unknown value ", request.mode(),
-        "; expected GRADIENT_MODE_RETURN (1) or GRADIENT_MODE_ACCUMULATE (2)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("mode: unknown value ", request.mode(),
+                     "; expected GRADIENT_MODE_RETURN (1) or GRADIENT_MODE_ACCUMULATE (2)"));
   }
   parsed.accumulate = request.mode() == v1::GRADIENT_MODE_ACCUMULATE;
   if (!v1::Precision_IsValid(request.precision())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "precision: unknown value ", request.precision(), "; expected AUTO, FP32, TF32 or FP16"));
+    return absl::InvalidArgumentError(absl::StrCat("precision: unknown value ", request.precision(),
+                                                   "; expected AUTO, FP32, TF32 or FP16"));
   }
-  const int response_dtype =
-      request.response_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.response_dtype();
+  const int response_dtype = request.response_dtype() == v1::DTYPE_UNSPECIFIED
+                                 ? v1::DTYPE_FLOAT32
+                                 : request.response_dtype();
   if (!wire::IsSupportedDType(response_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("response_dtype: ",
-                                                   wire::DTypeName(response_dtype),
-                                                   " is not supported; expected float32, float16 "
-                                                   "or bfloat16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("response_dtype: ", wire::DTypeName(response_dtype),
+                     " is not supported; expected float32, float16 "
+                     "or bfloat16"));
   }
   parsed.response_dtype = response_dtype;
   if (!parsed.accumulate && request.accumulation_window_id() != 0) {
@@ -70,33 +72,34 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
     return absl::InvalidArgumentError(
         absl::StrCat("hidden_states: missing; expected a [B,S,", hidden, "] tensor"));
   }
-  ATTNGRAD_ASSIGN_OR_RETURN(const std::vector<std::int64_t> shape,
-                            wire::CheckTensor(request.hidden_states(), "hidden_states",
-                                              {-1, -1, hidden}));
+  ATTNGRAD_ASSIGN_OR_RETURN(
+      const std::vector<std::int64_t> shape,
+      wire::CheckTensor(request.hidden_states(), "hidden_states", {-1, -1, hidden}));
   const std::int64_t batch = shape[0];
   const std::int64_t seq_len = shape[1];
   const std::int64_t tokens = batch * seq_len;
   if (tokens > limits.max_batch_tokens || batch > std::numeric_limits<int>::max() ||
       seq_len > std::numeric_limits<int>::max()) {
     if (seq_len > limits.max_batch_tokens) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "hidden_states: one sequence of S=", seq_len, " tokens exceeds the server's limit of ",
-          limits.max_batch_tokens, " tokens per batch (--max_batch_tokens); it cannot be split "
-          "along B"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("hidden_states: one sequence of S=", seq_len,
+                       " tokens exceeds the server's limit of ", limits.max_batch_tokens,
+                       " tokens per batch (--max_batch_tokens); it cannot be split "
+                       "along B"));
     }
     return absl::ResourceExhaustedError(absl::StrCat(
         "hidden_states: B*S = ", batch, "*", seq_len, " = ", tokens,
         " tokens exceeds the server's limit of ", limits.max_batch_tokens,
         " tokens per batch (--max_batch_tokens); split the batch along B (sequences are "
-        "independent, so the split is exact): at most ", limits.max_batch_tokens / seq_len,
-        " sequences of S=", seq_len, " per request, and sum the weight gradients (or use "
+        "independent, so the split is exact): at most ",
+        limits.max_batch_tokens / seq_len, " sequences of S=", seq_len,
+        " per request, and sum the weight gradients (or use "
         "ACCUMULATE)"));
   }
   const std::vector<std::int64_t> activation_shape = {batch, seq_len, hidden};
   if (!request.has_grad_output()) {
     return absl::InvalidArgumentError(absl::StrCat("grad_output: missing; expected a ",
-                                                   wire::ShapeString(activation_shape),
-                                                   " tensor"));
+                                                   wire::ShapeString(activation_shape), " tensor"));
   }
   ATTNGRAD_RETURN_IF_ERROR(
       wire::CheckTensor(request.grad_output(), "grad_output", activation_shape));
@@ -108,9 +111,9 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   switch (request.rotary_case()) {
     case v1::BackwardRequest::kRotaryTables:
       if (!request.rotary_tables().has_cos() || !request.rotary_tables().has_sin()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "rotary_tables: both cos and sin are required, each ",
-            wire::ShapeString(rotary_shape)));
+        return absl::InvalidArgumentError(
+            absl::StrCat("rotary_tables: both cos and sin are required, each ",
+                         wire::ShapeString(rotary_shape)));
       }
       ATTNGRAD_RETURN_IF_ERROR(
           wire::CheckTensor(request.rotary_tables().cos(), "rotary_tables.cos", rotary_shape));
@@ -121,14 +124,15 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
       const auto& positions = request.positions();
       const std::int64_t count = positions.position_ids_size();
       if (count != tokens && count != seq_len) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "positions.position_ids: got ", count, " values, expected B*S = ", tokens,
-            " or S = ", seq_len));
+        return absl::InvalidArgumentError(absl::StrCat("positions.position_ids: got ", count,
+                                                       " values, expected B*S = ", tokens,
+                                                       " or S = ", seq_len));
       }
       theta = positions.rope_theta() == 0 ? settings.rope_theta : positions.rope_theta();
       if (!std::isfinite(theta) || !(theta > 0)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "positions.rope_theta: ", positions.rope_theta(), " must be finite and > 0 (0 = 10000)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("positions.rope_theta: ", positions.rope_theta(),
+                         " must be finite and > 0 (0 = 10000)"));
       }
       // Ids within +-2^40 (std::llabs(INT64_MIN) overflowed and passed) and a theta whose tables
       // are finite (a subnormal theta overflowed theta^(-2i/head_dim) into NaN tables).
@@ -138,9 +142,9 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
       break;
     }
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rotary: neither rotary_tables (cos/sin ", wire::ShapeString(rotary_shape),
-          ") nor positions (position_ids, rope_theta) is set"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rotary: neither rotary_tables (cos/sin ", wire::ShapeString(rotary_shape),
+                       ") nor positions (position_ids, rope_theta) is set"));
   }
 
   // Scalars.
@@ -154,8 +158,8 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   ATTNGRAD_RETURN_IF_ERROR(CheckScalar(request.has_eps(), request.eps(), "eps", true));
   if (request.has_sliding_window()) {
     if (request.sliding_window() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sliding_window: ", request.sliding_window(), " must be >= 0 (0 = full causal attention)"));
+      return absl::InvalidArgumentError(absl::StrCat("sliding_window: ", request.sliding_window(),
+                                                     " must be >= 0 (0 = full causal attention)"));
     }
     scalars.sliding_window = request.sliding_window();
   }
@@ -163,10 +167,10 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   // The response must fit in one message.
   const std::int64_t response_elements =
       tokens * hidden +
-      (parsed.accumulate ? 0
-                         : 2 * static_cast<std::int64_t>(config.q_out()) * hidden +
-                               2 * static_cast<std::int64_t>(config.kv_out()) * hidden +
-                               2 * head_dim);
+      (parsed.accumulate
+           ? 0
+           : 2 * static_cast<std::int64_t>(config.q_out()) * hidden +
+                 2 * static_cast<std::int64_t>(config.kv_out()) * hidden + 2 * head_dim);
   const std::int64_t response_bytes =
       response_elements * static_cast<std::int64_t>(wire::DTypeSize(response_dtype)) + 4096;
   if (response_bytes > limits.max_message_bytes) {
@@ -239,8 +243,8 @@ void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardR
     config.num_kv_heads = static_cast<int>(job.weight_gradients[Weight::kKProj].size() /
                                            static_cast<std::size_t>(hidden * config.head_dim));
     for (Weight weight : kAllWeights) {
-      wire::EncodeTensor(job.weight_gradients[weight], WeightShape(config, weight),
-                         response_dtype, wire::MutableGradientTensor(gradients, weight));
+      wire::EncodeTensor(job.weight_gradients[weight], WeightShape(config, weight), response_dtype,
+                         wire::MutableGradientTensor(gradients, weight));
     }
   }
   v1::StageTimings* timings = response->mutable_timings();
@@ -253,9 +257,11 @@ void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardR
 }
 
 std::int64_t PayloadBytes(const v1::BackwardRequest& request) {
-  std::int64_t bytes = request.hidden_states().raw_data().size() + request.grad_output().raw_data().size();
+  std::int64_t bytes =
+      request.hidden_states().raw_data().size() + request.grad_output().raw_data().size();
   if (request.has_rotary_tables()) {
-    bytes += request.rotary_tables().cos().raw_data().size() + request.rotary_tables().sin().raw_data().size();
+    bytes += request.rotary_tables().cos().raw_data().size() +
+             request.rotary_tables().sin().raw_data().size();
   }
   return bytes;
 }

@@ -100,7 +100,9 @@ class BackwardReactor final
       std::lock_guard<std::mutex> lock(mutex_);
       write_in_flight_ = false;
       last_progress_ = Clock::now();
-      if (ok) service_->metrics().AddSentBytes("Backward", static_cast<double>(PayloadBytes(*writes_.front())));
+      if (ok)
+        service_->metrics().AddSentBytes("Backward",
+                                         static_cast<double>(PayloadBytes(*writes_.front())));
       writes_.pop_front();
       if (!ok) {  // the client is gone: drop what is left to write
         broken_ = true;
@@ -225,12 +227,12 @@ class BackwardReactor final
         // The device's kernels do not compute this layer (e.g. the GPU kernels without sliding
         // windows or head_dim 256): say which layer and what serves it.
         response = ErrorResponse(
-            batch_id,
-            absl::UnimplementedError(absl::StrCat(
-                "layer ", layer, " (head_dim ", job->cos.size() / std::max<std::size_t>(1, job->tokens()),
-                ", sliding_window ", job->scalars.sliding_window, ") is not supported on ",
-                job->device, ": ", job->status.message(),
-                "; serve this layer from an attngrad-server with --devices=cpu")));
+            batch_id, absl::UnimplementedError(absl::StrCat(
+                          "layer ", layer, " (head_dim ",
+                          job->cos.size() / std::max<std::size_t>(1, job->tokens()),
+                          ", sliding_window ", job->scalars.sliding_window,
+                          ") is not supported on ", job->device, ": ", job->status.message(),
+                          "; serve this layer from an attngrad-server with --devices=cpu")));
       } else if (!job->status.ok()) {
         response = ErrorResponse(batch_id, job->status);
       } else {
@@ -250,10 +252,9 @@ class BackwardReactor final
       if (finished_) return;  // closed as idle while this request arrived: not computed
       ++jobs_outstanding_;    // before queueing: the job may finish at once
     }
-    absl::StatusOr<Admission> admission =
-        service_->core().Admit(std::move(parsed->job), client_id_, batch_id,
-                               request_.expected_weights_version(),
-                               request_.accumulation_window_id());
+    absl::StatusOr<Admission> admission = service_->core().Admit(
+        std::move(parsed->job), client_id_, batch_id, request_.expected_weights_version(),
+        request_.accumulation_window_id());
     if (!admission.ok()) {
       QueueResponse(ErrorResponse(batch_id, admission.status()), /*job_finished=*/true);
     }
@@ -274,7 +275,7 @@ class BackwardReactor final
   bool read_in_flight_ = false;
   bool write_in_flight_ = false;
   bool reads_done_ = false;
-  bool broken_ = false;    // cancelled or a write failed
+  bool broken_ = false;  // cancelled or a write failed
   bool finished_ = false;
   grpc::StatusCode finish_code_ = grpc::StatusCode::OK;
 };
@@ -286,10 +287,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
  public:
   LoadWeightsReactor(GradientService* service, grpc::CallbackServerContext* context,
                      v1::LoadWeightsResponse* response)
-      : service_(service),
-        context_(context),
-        response_(response),
-        start_(Clock::now()) {
+      : service_(service), context_(context), response_(response), start_(Clock::now()) {
     received_.items.fill(0);
     dtypes_.items.fill(v1::DTYPE_UNSPECIFIED);
     StartRead(&request_);
@@ -320,12 +318,13 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
 
  private:
   absl::Status HandleChunk() {
-    service_->metrics().AddReceivedBytes("LoadWeights", static_cast<double>(request_.data().size()));
+    service_->metrics().AddReceivedBytes("LoadWeights",
+                                         static_cast<double>(request_.data().size()));
     const std::optional<Weight> named = wire::WeightOfWireName(request_.name());
     if (!named.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "name: unknown weight ", request_.name(),
-          "; expected WEIGHT_NAME_Q_PROJ, K_PROJ, V_PROJ, O_PROJ, Q_NORM or K_NORM"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("name: unknown weight ", request_.name(),
+                       "; expected WEIGHT_NAME_Q_PROJ, K_PROJ, V_PROJ, O_PROJ, Q_NORM or K_NORM"));
     }
     const Weight index = *named;
     const std::string field = WeightModuleName(index);
@@ -333,21 +332,21 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     // the same one or leave it unset.
     if (slot_ < 0) {
       ATTNGRAD_ASSIGN_OR_RETURN(
-          slot_, service_->core().SlotOf(
-                     request_.has_layer() ? std::optional<int>(request_.layer()) : std::nullopt,
-                     "layer"));
+          slot_,
+          service_->core().SlotOf(
+              request_.has_layer() ? std::optional<int>(request_.layer()) : std::nullopt, "layer"));
       config_ = service_->core().config(slot_);
       staging_ = ZeroWeights<std::vector<float>>(config_);
     } else if (request_.has_layer() && request_.layer() != service_->core().settings(slot_).index) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer: chunks of one upload name different layers (",
-          service_->core().settings(slot_).index, " and ", request_.layer(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer: chunks of one upload name different layers (",
+                       service_->core().settings(slot_).index, " and ", request_.layer(), ")"));
     }
     if (request_.expected_weights_version() != 0) {
       if (expected_version_ != 0 && expected_version_ != request_.expected_weights_version()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "expected_weights_version: chunks disagree (", expected_version_, " and ",
-            request_.expected_weights_version(), ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("expected_weights_version: chunks disagree (", expected_version_, " and ",
+                         request_.expected_weights_version(), ")"));
       }
       expected_version_ = request_.expected_weights_version();
     }
@@ -355,9 +354,10 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     const std::vector<std::int64_t> shape(request_.shape().begin(), request_.shape().end());
     if (dtypes_[index] == v1::DTYPE_UNSPECIFIED) {  // first chunk of this weight
       if (!wire::IsSupportedDType(request_.dtype())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ".dtype: ", wire::DTypeName(request_.dtype()),
-            " is not supported; the first chunk of a weight must name float32, float16 or bfloat16"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".dtype: ", wire::DTypeName(request_.dtype()),
+                         " is not supported; the first chunk of a weight must name float32, "
+                         "float16 or bfloat16"));
       }
       if (shape != expected_shape) {
         return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ",
@@ -367,10 +367,9 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
       dtypes_[index] = request_.dtype();
     } else {
       if (request_.dtype() != v1::DTYPE_UNSPECIFIED && request_.dtype() != dtypes_[index]) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ",
-                                                       wire::DTypeName(request_.dtype()),
-                                                       " differs from the weight's first chunk (",
-                                                       wire::DTypeName(dtypes_[index]), ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".dtype: ", wire::DTypeName(request_.dtype()),
+            " differs from the weight's first chunk (", wire::DTypeName(dtypes_[index]), ")"));
       }
       if (!shape.empty() && shape != expected_shape) {
         return absl::InvalidArgumentError(absl::StrCat(field, ".shape: got ",
@@ -381,9 +380,9 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     const std::size_t element_size = wire::DTypeSize(dtypes_[index]);
     const std::size_t total = staging_[index].size();
     if (request_.offset() != static_cast<std::int64_t>(received_[index])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".offset: got ", request_.offset(), ", expected ", received_[index],
-          " (the chunks of a weight must come in order, without gaps or overlaps)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".offset: got ", request_.offset(), ", expected ", received_[index],
+                       " (the chunks of a weight must come in order, without gaps or overlaps)"));
     }
     if (request_.data().size() % element_size != 0) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", request_.data().size(),
@@ -392,10 +391,9 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     }
     const std::size_t count = request_.data().size() / element_size;
     if (count > total - received_[index]) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", count, " elements at offset ",
-                                                     received_[index], " overflow the ", total,
-                                                     " elements of ",
-                                                     wire::ShapeString(expected_shape)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".data: ", count, " elements at offset ", received_[index], " overflow the ",
+          total, " elements of ", wire::ShapeString(expected_shape)));
     }
     const absl::Span<float> values =
         absl::MakeSpan(staging_[index].data() + received_[index], count);
@@ -463,20 +461,22 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
         expected_window_id_(request.expected_window_id()) {
     dtype_ = request.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.dtype();
     if (!wire::IsSupportedDType(dtype_)) {
-      FinishWith(absl::InvalidArgumentError(absl::StrCat(
-          "dtype: ", wire::DTypeName(dtype_),
-          " is not supported; expected float32, float16 or bfloat16")));
+      FinishWith(absl::InvalidArgumentError(
+          absl::StrCat("dtype: ", wire::DTypeName(dtype_),
+                       " is not supported; expected float32, float16 or bfloat16")));
       return;
     }
     if (request.chunk_bytes() < 0) {
-      FinishWith(absl::InvalidArgumentError(absl::StrCat(
-          "chunk_bytes: ", request.chunk_bytes(), " is negative; expected 0 (default 1 MiB) or more")));
+      FinishWith(absl::InvalidArgumentError(
+          absl::StrCat("chunk_bytes: ", request.chunk_bytes(),
+                       " is negative; expected 0 (default 1 MiB) or more")));
       return;
     }
-    std::int64_t chunk_bytes = request.chunk_bytes() == 0 ? kDefaultChunkBytes : request.chunk_bytes();
+    std::int64_t chunk_bytes =
+        request.chunk_bytes() == 0 ? kDefaultChunkBytes : request.chunk_bytes();
     chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
-    chunk_bytes = std::min<std::int64_t>(chunk_bytes,
-                                         service_->limits().batch.max_message_bytes - 65536);
+    chunk_bytes =
+        std::min<std::int64_t>(chunk_bytes, service_->limits().batch.max_message_bytes - 65536);
     chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
     elements_per_chunk_ = static_cast<std::size_t>(chunk_bytes) / wire::DTypeSize(dtype_);
     // The layers, in the order asked (none: the first served layer).
@@ -489,8 +489,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
         return;
       }
       if (std::find(slots_.begin(), slots_.end(), *slot) != slots_.end()) {
-        FinishWith(absl::InvalidArgumentError(absl::StrCat(
-            field, ": layer ", request.layers(i), " is listed twice")));
+        FinishWith(absl::InvalidArgumentError(
+            absl::StrCat(field, ": layer ", request.layers(i), " is listed twice")));
         return;
       }
       slots_.push_back(*slot);
@@ -573,7 +573,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
 
   void FinishWith(const absl::Status& status) {
     finish_code_ = static_cast<int>(status.code());
-    if (!status.ok()) service_->metrics().CountError("FetchGradients", StatusCodeName(finish_code_));
+    if (!status.ok())
+      service_->metrics().CountError("FetchGradients", StatusCodeName(finish_code_));
     Finish(ToGrpcStatus(status));
   }
 
@@ -582,8 +583,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   const std::string window_owner_;
   const bool zero_after_fetch_;
   const std::uint64_t expected_window_id_;
-  std::vector<int> slots_;           // the layers to fetch, in order
-  std::size_t layer_position_ = 0;   // into slots_
+  std::vector<int> slots_;          // the layers to fetch, in order
+  std::size_t layer_position_ = 0;  // into slots_
   int dtype_ = v1::DTYPE_FLOAT32;
   std::size_t elements_per_chunk_ = 0;
   FetchResult result_;

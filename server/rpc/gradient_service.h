@@ -19,8 +19,8 @@ namespace attngrad::server {
 
 struct ServiceLimits {
   BatchLimits batch;
-  StreamLimits streams;    // Backward streams open at once, server-wide and per client; idle end
-  int stream_window = 4;   // batches one stream may have queued or unanswered
+  StreamLimits streams;   // Backward streams open at once, server-wide and per client; idle end
+  int stream_window = 4;  // batches one stream may have queued or unanswered
 };
 
 class GradientService final : public v1::AttentionGradient::CallbackService {

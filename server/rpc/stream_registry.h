@@ -31,8 +31,8 @@ class IdleStream {
 };
 
 struct StreamLimits {
-  int max_streams = 64;             // server-wide
-  int max_streams_per_client = 16;  // per client id
+  int max_streams = 64;                                                          // server-wide
+  int max_streams_per_client = 16;                                               // per client id
   std::chrono::steady_clock::duration idle_timeout = std::chrono::seconds(300);  // zero = none
 };
 

@@ -53,12 +53,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     ATTNGRAD_RETURN_IF_ERROR(CheckPemFile(files.client_ca, "--tls_client_ca", "CERTIFICATE"));
   }
   const unsigned int interval = static_cast<unsigned int>(files.reload_interval_seconds);
-  auto provider =
-      files.client_ca.empty()
-          ? std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-                files.private_key, files.certificate, interval)
-          : std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-                files.private_key, files.certificate, files.client_ca, interval);
+  auto provider = files.client_ca.empty()
+                      ? std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+                            files.private_key, files.certificate, interval)
+                      : std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+                            files.private_key, files.certificate, files.client_ca, interval);
   grpc::experimental::TlsServerCredentialsOptions options(provider);
   options.watch_identity_key_cert_pairs();
   if (files.client_ca.empty()) {
@@ -67,14 +66,17 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     options.watch_root_certs();
     options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   }
-  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::experimental::TlsServerCredentials(options);
+  std::shared_ptr<grpc::ServerCredentials> credentials =
+      grpc::experimental::TlsServerCredentials(options);
   if (credentials == nullptr) {
     return absl::InternalError("gRPC could not make TLS server credentials");
   }
   if (description != nullptr) {
     *description = absl::StrCat(
-        "gRPC transport: ", files.client_ca.empty() ? "TLS" : "mutual TLS (client certificates "
-                                                              "required, verified against ",
+        "gRPC transport: ",
+        files.client_ca.empty() ? "TLS"
+                                : "mutual TLS (client certificates "
+                                  "required, verified against ",
         files.client_ca.empty() ? "" : files.client_ca, files.client_ca.empty() ? "" : ")",
         "; certificate ", files.certificate, ", reloaded when the files change (checked every ",
         files.reload_interval_seconds, " s)");

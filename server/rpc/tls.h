@@ -16,9 +16,9 @@
 namespace attngrad::server {
 
 struct TlsFiles {
-  std::string certificate;      // PEM certificate chain; empty = plaintext
-  std::string private_key;      // PEM private key
-  std::string client_ca;        // PEM CA bundle: mutual TLS; empty = no client certificates
+  std::string certificate;  // PEM certificate chain; empty = plaintext
+  std::string private_key;  // PEM private key
+  std::string client_ca;    // PEM CA bundle: mutual TLS; empty = no client certificates
   int reload_interval_seconds = 10;
 };
 

@@ -15,8 +15,8 @@ DeviceWorker::DeviceWorker(std::string device, ServerMetrics* metrics, int pipel
 }
 
 DeviceWorker::~DeviceWorker() {
-  // Derived classes call StopAndJoin() in their destructors (their members must outlive the thread);
-  // this is a safety net only.
+  // Derived classes call StopAndJoin() in their destructors (their members must outlive the
+  // thread); this is a safety net only.
   if (thread_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(mutex_);

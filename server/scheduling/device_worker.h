@@ -116,14 +116,15 @@ class DeviceWorker {
   DeviceWorker(std::string device, ServerMetrics* metrics, int pipeline_depth);
 
   struct Item {
-    std::unique_ptr<BatchJob> job;          // a batch, or
-    std::optional<WorkerControl> control;   // a control
+    std::unique_ptr<BatchJob> job;         // a batch, or
+    std::optional<WorkerControl> control;  // a control
   };
 
   // Sets the device up on the worker's thread (called once before Run).
   virtual absl::Status Initialize() = 0;
   // The thread body: Pop items until Pop(true) returns nothing, which happens once stopping and
-  // the queue is empty; every job must go through FinishJob and every control through FinishControl.
+  // the queue is empty; every job must go through FinishJob and every control through
+  // FinishControl.
   virtual void Run() = 0;
 
   // The next item; with wait, blocks until there is one (nothing = stop); without, returns nothing

@@ -55,7 +55,8 @@ GradientCore::GradientCore(const ServedModel& model,
   // Window ids start at a random point (below 2^52, so they stay exact as JSON numbers), so a
   // window id of an earlier server instance is refused by a restarted server rather than matched.
   std::random_device device;
-  next_window_id_ = ((static_cast<std::uint64_t>(device()) << 32 | device()) & ((1ull << 51) - 1)) + 1;
+  next_window_id_ =
+      ((static_cast<std::uint64_t>(device()) << 32 | device()) & ((1ull << 51) - 1)) + 1;
   for (const ServedLayer& layer : model.layers) {
     LayerState state;
     state.weights = layer.weights;
@@ -86,8 +87,8 @@ absl::StatusOr<int> GradientCore::SlotOf(std::optional<int> layer, const std::st
   return absl::InvalidArgumentError(absl::StrCat(
       field, ": this server has no decoder layer ", *layer, "; it holds layer",
       first == last ? absl::StrCat(" ", first) : absl::StrCat("s ", first, "-", last),
-      model_name_.empty() ? "" : absl::StrCat(" of ", model_name_, " (", num_hidden_layers_,
-                                              " layers)"),
+      model_name_.empty() ? ""
+                          : absl::StrCat(" of ", model_name_, " (", num_hidden_layers_, " layers)"),
       " (GetModelInfo.layers)"));
 }
 
@@ -109,8 +110,8 @@ std::uint64_t GradientCore::window_id(const std::string& client_id, int slot) {
 std::string GradientCore::weights_source() const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (layers_.size() == 1) return layers_.front().weights->source;
-  return absl::StrCat(model_name_.empty() ? std::string("model") : model_name_, ":layers=",
-                      settings_.front().index, "-", settings_.back().index, " (",
+  return absl::StrCat(model_name_.empty() ? std::string("model") : model_name_,
+                      ":layers=", settings_.front().index, "-", settings_.back().index, " (",
                       layers_.front().weights->source, ", ...)");
 }
 
@@ -144,9 +145,9 @@ absl::StatusOr<std::shared_ptr<GradientCore::Window>> GradientCore::WindowOfLock
       return entry.second->accumulator_set < 0 && entry.second->batch_ids.empty();
     });
     if (empty == windows_.end()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "accumulation windows: ", windows_.size(), " clients hold windows with sums; fetch-and-"
-          "zero or zero some of them"));
+      return absl::ResourceExhaustedError(absl::StrCat("accumulation windows: ", windows_.size(),
+                                                       " clients hold windows with sums; fetch-and-"
+                                                       "zero or zero some of them"));
     }
     windows_.erase(empty);
   }
@@ -204,8 +205,7 @@ DeviceWorker& GradientCore::LeastBusyWorker() {
 }
 
 absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
-                                              const std::string& client_id,
-                                              std::uint64_t batch_id,
+                                              const std::string& client_id, std::uint64_t batch_id,
                                               std::uint64_t expected_weights_version,
                                               std::uint64_t expected_window_id) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -216,8 +216,7 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
     return absl::FailedPreconditionError(absl::StrCat(
         "expected_weights_version: the request expects weights version ", expected_weights_version,
         " but layer ", settings_[static_cast<std::size_t>(slot)].index, " has version ",
-        layer_version,
-        " (the weights were replaced, or the server restarted; see GetModelInfo)"));
+        layer_version, " (the weights were replaced, or the server restarted; see GetModelInfo)"));
   }
   Admission admission;
   admission.weights_version = layer_version;
@@ -226,12 +225,12 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
   if (job->accumulate) {
     ATTNGRAD_ASSIGN_OR_RETURN(window, WindowOfLocked({client_id, slot}));
     if (expected_window_id != 0 && expected_window_id != window->id) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "accumulation_window_id: the batch names window ", expected_window_id,
-          " but the current window of client '", client_id, "' for layer ",
-          settings_[static_cast<std::size_t>(slot)].index, " is ", window->id,
-          " of server instance ", instance_id_,
-          " (the window was zeroed or fetched-and-zeroed, or the server restarted)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("accumulation_window_id: the batch names window ", expected_window_id,
+                       " but the current window of client '", client_id, "' for layer ",
+                       settings_[static_cast<std::size_t>(slot)].index, " is ", window->id,
+                       " of server instance ", instance_id_,
+                       " (the window was zeroed or fetched-and-zeroed, or the server restarted)"));
     }
     if (window->batch_ids.count(batch_id) != 0) {
       admission.duplicate = true;
@@ -262,7 +261,8 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
   }
   if (counts) {
     auto on_done = std::move(job->on_done);
-    job->on_done = [this, window, batch_id, on_done = std::move(on_done)](std::unique_ptr<BatchJob> done) {
+    job->on_done = [this, window, batch_id,
+                    on_done = std::move(on_done)](std::unique_ptr<BatchJob> done) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (!done->status.ok()) {
@@ -321,7 +321,7 @@ void GradientCore::Collect(int slot, int accumulator_set, bool read, bool zero,
   struct Gather {
     std::mutex mutex;
     std::size_t remaining;
-    std::vector<absl::Status> statuses;         // per worker
+    std::vector<absl::Status> statuses;          // per worker
     std::vector<AccumulatorSnapshot> snapshots;  // per worker
     std::function<void(absl::Status, AccumulatorSnapshot)> done;
   };
@@ -354,7 +354,8 @@ void GradientCore::Collect(int slot, int accumulator_set, bool read, bool zero,
         AccumulatorSnapshot& snapshot = gather->snapshots[i];
         sum.batches += snapshot.batches;
         sum.tokens += snapshot.tokens;
-        if (snapshot.gradients[Weight::kQProj].empty()) continue;  // not read, or a non-root NCCL rank
+        if (snapshot.gradients[Weight::kQProj].empty())
+          continue;  // not read, or a non-root NCCL rank
         if (!have_gradients) {
           sum.gradients = std::move(snapshot.gradients);
           have_gradients = true;
@@ -387,11 +388,11 @@ void GradientCore::Fetch(const std::string& client_id, int slot, bool zero_after
   if (expected_window_id != 0 && expected_window_id != window->id) {
     const std::uint64_t current = window->id;
     lock.unlock();
-    done(absl::FailedPreconditionError(absl::StrCat(
-        "expected_window_id: the fetch names window ", expected_window_id,
-        " but the current window of client '", client_id, "' for layer ",
-        settings_[static_cast<std::size_t>(slot)].index, " is ", current,
-        " of server instance ", instance_id_)));
+    done(absl::FailedPreconditionError(
+        absl::StrCat("expected_window_id: the fetch names window ", expected_window_id,
+                     " but the current window of client '", client_id, "' for layer ",
+                     settings_[static_cast<std::size_t>(slot)].index, " is ", current,
+                     " of server instance ", instance_id_)));
     return;
   }
   const WindowState state = StateOfLocked(*window);
@@ -406,19 +407,20 @@ void GradientCore::Fetch(const std::string& client_id, int slot, bool zero_after
     return;
   }
   // Queued under the lock: every batch admitted to this window before is ahead of it on its worker.
-  Collect(slot, accumulator_set, /*read=*/true, zero_after_fetch,
-          [state, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
-            if (!status.ok()) {
-              done(std::move(status));
-              return;
-            }
-            FetchResult result;
-            result.state = state;
-            result.state.batches = snapshot.batches;
-            result.state.tokens = snapshot.tokens;
-            result.gradients = std::move(snapshot.gradients);
-            done(std::move(result));
-          });
+  Collect(
+      slot, accumulator_set, /*read=*/true, zero_after_fetch,
+      [state, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
+        if (!status.ok()) {
+          done(std::move(status));
+          return;
+        }
+        FetchResult result;
+        result.state = state;
+        result.state.batches = snapshot.batches;
+        result.state.tokens = snapshot.tokens;
+        result.gradients = std::move(snapshot.gradients);
+        done(std::move(result));
+      });
 }
 
 void GradientCore::Zero(const std::string& client_id, int slot, std::uint64_t expected_window_id,
@@ -435,11 +437,11 @@ void GradientCore::Zero(const std::string& client_id, int slot, std::uint64_t ex
   if (expected_window_id != 0 && expected_window_id != window->id) {
     const std::uint64_t current = window->id;
     lock.unlock();
-    done(absl::FailedPreconditionError(absl::StrCat(
-        "expected_window_id: the request names window ", expected_window_id,
-        " but the current window of client '", client_id, "' for layer ",
-        settings_[static_cast<std::size_t>(slot)].index, " is ", current,
-        " of server instance ", instance_id_)));
+    done(absl::FailedPreconditionError(
+        absl::StrCat("expected_window_id: the request names window ", expected_window_id,
+                     " but the current window of client '", client_id, "' for layer ",
+                     settings_[static_cast<std::size_t>(slot)].index, " is ", current,
+                     " of server instance ", instance_id_)));
     return;
   }
   ZeroResult result;
@@ -452,16 +454,17 @@ void GradientCore::Zero(const std::string& client_id, int slot, std::uint64_t ex
     done(std::move(result));
     return;
   }
-  Collect(slot, accumulator_set, /*read=*/false, /*zero=*/true,
-          [result, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
-            if (!status.ok()) {
-              done(std::move(status));
-              return;
-            }
-            result.previous.batches = snapshot.batches;
-            result.previous.tokens = snapshot.tokens;
-            done(std::move(result));
-          });
+  Collect(
+      slot, accumulator_set, /*read=*/false, /*zero=*/true,
+      [result, done = std::move(done)](absl::Status status, AccumulatorSnapshot snapshot) mutable {
+        if (!status.ok()) {
+          done(std::move(status));
+          return;
+        }
+        result.previous.batches = snapshot.batches;
+        result.previous.tokens = snapshot.tokens;
+        done(std::move(result));
+      });
 }
 
 }  // namespace attngrad::server

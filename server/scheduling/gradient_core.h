@@ -3,8 +3,9 @@
 // client and layer (id, weights version, batch ids already accumulated, the accumulator set on the
 // devices that holds its sums), the server instance id, and the device workers batches are spread
 // over. Layers are addressed by slot (0 .. layer_count()-1, ascending decoder-layer index); SlotOf
-// maps a request's layer index to its slot. Every decision that orders batches against weight changes and window changes is made here
-// under one mutex, and the matching work is queued to the workers in that same order.
+// maps a request's layer index to its slot. Every decision that orders batches against weight
+// changes and window changes is made here under one mutex, and the matching work is queued to the
+// workers in that same order.
 //
 // Clients are named by the id the RPC layer authenticated (rpc/auth.h). A client's window of a
 // layer takes one of that layer's accumulator sets (0 .. max_clients_with_sums-1) at its first
@@ -90,7 +91,9 @@ class GradientCore {
   // naming `field` and the layers this server holds when it holds no such layer.
   absl::StatusOr<int> SlotOf(std::optional<int> layer, const std::string& field) const;
   // Constant per slot.
-  const LayerSettings& settings(int slot) const { return settings_[static_cast<std::size_t>(slot)]; }
+  const LayerSettings& settings(int slot) const {
+    return settings_[static_cast<std::size_t>(slot)];
+  }
   const LayerConfig& config(int slot = 0) const { return configs_[static_cast<std::size_t>(slot)]; }
   const std::string& model_name() const { return model_name_; }
   int num_hidden_layers() const { return num_hidden_layers_; }
@@ -110,8 +113,7 @@ class GradientCore {
   // accumulation_window_id, or weights changed within a non-empty window), RESOURCE_EXHAUSTED
   // (max_clients_with_sums other clients hold sums); nothing is queued then.
   absl::StatusOr<Admission> Admit(std::unique_ptr<BatchJob> job, const std::string& client_id,
-                                  std::uint64_t batch_id,
-                                  std::uint64_t expected_weights_version,
+                                  std::uint64_t batch_id, std::uint64_t expected_weights_version,
                                   std::uint64_t expected_window_id);
 
   // Installs new weights of a layer (checked: shapes of config(slot), every value finite) and bumps

@@ -16,7 +16,6 @@
 
 namespace attngrad::server {
 
-
 // Six fp32 arrays (or six gradient arrays of the same shapes).
 using LayerTensors = PerWeight<std::vector<float>>;
 

@@ -54,19 +54,20 @@ absl::StatusOr<double> Number(const Json& object, const char* key, double fallba
 }
 
 absl::StatusOr<ModelConfig> ConfigFromJson(const Json& root, absl::string_view where) {
-  const Json& text = root.contains("text_config") && root["text_config"].is_object()
-                         ? root["text_config"]
-                         : root;
+  const Json& text =
+      root.contains("text_config") && root["text_config"].is_object() ? root["text_config"] : root;
   ModelConfig config;
   if (text.contains("model_type") && text["model_type"].is_string()) {
     config.name = text["model_type"].get<std::string>();
   }
   ATTNGRAD_ASSIGN_OR_RETURN(config.layer.hidden_size, PositiveInt(text, "hidden_size", where));
-  ATTNGRAD_ASSIGN_OR_RETURN(config.layer.num_heads, PositiveInt(text, "num_attention_heads", where));
+  ATTNGRAD_ASSIGN_OR_RETURN(config.layer.num_heads,
+                            PositiveInt(text, "num_attention_heads", where));
   ATTNGRAD_ASSIGN_OR_RETURN(config.layer.num_kv_heads,
                             PositiveInt(text, "num_key_value_heads", where));
   ATTNGRAD_ASSIGN_OR_RETURN(config.layer.head_dim, PositiveInt(text, "head_dim", where));
-  ATTNGRAD_ASSIGN_OR_RETURN(config.num_hidden_layers, PositiveInt(text, "num_hidden_layers", where));
+  ATTNGRAD_ASSIGN_OR_RETURN(config.num_hidden_layers,
+                            PositiveInt(text, "num_hidden_layers", where));
   if (!config.layer.IsValid()) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, ": invalid attention shape (heads ", config.layer.num_heads, " / kv heads ",
@@ -86,17 +87,17 @@ absl::StatusOr<ModelConfig> ConfigFromJson(const Json& root, absl::string_view w
     return absl::InvalidArgumentError(absl::StrCat(where, ": sliding_window must be >= 0"));
   }
   config.sliding_window = static_cast<int>(window);
-  const char* pattern_key =
-      text.contains("sliding_window_pattern") ? "sliding_window_pattern" : "_sliding_window_pattern";
+  const char* pattern_key = text.contains("sliding_window_pattern") ? "sliding_window_pattern"
+                                                                    : "_sliding_window_pattern";
   ATTNGRAD_ASSIGN_OR_RETURN(const double pattern, Number(text, pattern_key, 6, 1, where));
   config.sliding_window_pattern = pattern >= 1 ? static_cast<int>(pattern) : 1;
   if (text.contains("layer_types") && text["layer_types"].is_array()) {
     for (const Json& type : text["layer_types"]) {
       if (!type.is_string() || (type.get<std::string>() != "sliding_attention" &&
                                 type.get<std::string>() != "full_attention")) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": layer_types holds ", type.dump(),
-            "; expected \"sliding_attention\" or \"full_attention\""));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": layer_types holds ", type.dump(),
+                         "; expected \"sliding_attention\" or \"full_attention\""));
       }
       config.layer_types.push_back(type.get<std::string>());
     }
@@ -119,8 +120,8 @@ absl::StatusOr<ModelConfig> ConfigFromJson(const Json& root, absl::string_view w
     const Json& scaling = text["rope_scaling"];
     const std::string type = scaling.value("rope_type", scaling.value("type", std::string()));
     if (type != "linear" && type != "default") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": rope_scaling type \"", type, "\" is not supported (linear only)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": rope_scaling type \"", type, "\" is not supported (linear only)"));
     }
     ATTNGRAD_ASSIGN_OR_RETURN(config.rope_scaling_factor, Number(scaling, "factor", 1, 1, where));
     if (!(config.rope_scaling_factor > 0)) {
@@ -143,10 +144,9 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 LayerSettings ModelConfig::Layer(int index) const {
   LayerSettings settings;
   settings.index = index;
-  const bool full =
-      !layer_types.empty() && index < static_cast<int>(layer_types.size())
-          ? layer_types[static_cast<std::size_t>(index)] == "full_attention"
-          : (index + 1) % sliding_window_pattern == 0;
+  const bool full = !layer_types.empty() && index < static_cast<int>(layer_types.size())
+                        ? layer_types[static_cast<std::size_t>(index)] == "full_attention"
+                        : (index + 1) % sliding_window_pattern == 0;
   settings.type = full || sliding_window <= 0 ? AttentionType::kFull : AttentionType::kSliding;
   settings.scalars.scaling = static_cast<float>(1.0 / std::sqrt(query_pre_attn_scalar));
   settings.scalars.softcap = softcap > 0 ? softcap : 0.f;
@@ -179,9 +179,8 @@ std::vector<std::string> NamedModels() {
 absl::StatusOr<ModelConfig> NamedModelConfig(const std::string& name) {
   const Json root = Json::parse(kGemma3ModelsJson, nullptr, /*allow_exceptions=*/false);
   if (!root.is_object() || !root.contains("models") || !root["models"].contains(name)) {
-    return absl::InvalidArgumentError(absl::StrCat("--model: unknown model \"", name,
-                                                   "\"; known: ",
-                                                   absl::StrJoin(NamedModels(), ", ")));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--model: unknown model \"", name, "\"; known: ", absl::StrJoin(NamedModels(), ", ")));
   }
   ATTNGRAD_ASSIGN_OR_RETURN(ModelConfig config,
                             ConfigFromJson(root["models"][name], absl::StrCat("model ", name)));
@@ -224,15 +223,15 @@ absl::StatusOr<ServedModel> LoadModelDirectory(const std::string& directory,
     const LayerConfig& expected = config.layer;
     if (found.hidden_size != expected.hidden_size || found.num_heads != expected.num_heads ||
         found.num_kv_heads != expected.num_kv_heads || found.head_dim != expected.head_dim) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          directory, ": layer ", index, "'s weights have hidden ", found.hidden_size, ", heads ",
-          found.num_heads, "/", found.num_kv_heads, ", head_dim ", found.head_dim,
-          " but config.json says ", expected.hidden_size, ", ", expected.num_heads, "/",
-          expected.num_kv_heads, ", ", expected.head_dim));
+      return absl::InvalidArgumentError(
+          absl::StrCat(directory, ": layer ", index, "'s weights have hidden ", found.hidden_size,
+                       ", heads ", found.num_heads, "/", found.num_kv_heads, ", head_dim ",
+                       found.head_dim, " but config.json says ", expected.hidden_size, ", ",
+                       expected.num_heads, "/", expected.num_kv_heads, ", ", expected.head_dim));
     }
     weights.source = absl::StrCat("safetensors:", directory, "#layer=", index);
-    model.layers.push_back(ServedLayer{config.Layer(index),
-                                       std::make_shared<const LayerWeights>(std::move(weights))});
+    model.layers.push_back(
+        ServedLayer{config.Layer(index), std::make_shared<const LayerWeights>(std::move(weights))});
   }
   return model;
 }
@@ -246,10 +245,11 @@ absl::StatusOr<ServedModel> RandomModel(const std::string& name, std::uint64_t s
   model.name = name;
   model.num_hidden_layers = config.num_hidden_layers;
   for (int index = range.first; index <= range.last; ++index) {
-    LayerWeights weights = RandomLayerWeights(config.layer, seed + static_cast<std::uint64_t>(index));
+    LayerWeights weights =
+        RandomLayerWeights(config.layer, seed + static_cast<std::uint64_t>(index));
     weights.source = absl::StrCat("random:model=", name, ",seed=", seed + index, "#layer=", index);
-    model.layers.push_back(ServedLayer{config.Layer(index),
-                                       std::make_shared<const LayerWeights>(std::move(weights))});
+    model.layers.push_back(
+        ServedLayer{config.Layer(index), std::make_shared<const LayerWeights>(std::move(weights))});
   }
   return model;
 }

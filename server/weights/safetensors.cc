@@ -21,9 +21,9 @@ absl::StatusOr<LayerConfig> ConfigFromShapes(const PerWeight<std::vector<std::in
   const std::vector<std::int64_t>& q_proj = shapes[Weight::kQProj];
   const std::vector<std::int64_t>& k_proj = shapes[Weight::kKProj];
   if (q_norm.size() != 1 || q_proj.size() != 2 || k_proj.size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": expected q_norm [head_dim] and 2-D projections; got q_norm ",
-        absl::StrJoin(q_norm, "x"), ", q_proj ", absl::StrJoin(q_proj, "x")));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": expected q_norm [head_dim] and 2-D projections; got q_norm ",
+                     absl::StrJoin(q_norm, "x"), ", q_proj ", absl::StrJoin(q_proj, "x")));
   }
   LayerConfig config;
   config.head_dim = static_cast<int>(q_norm[0]);
@@ -37,12 +37,12 @@ absl::StatusOr<LayerConfig> ConfigFromShapes(const PerWeight<std::vector<std::in
   }
   for (Weight weight : kAllWeights) {
     if (shapes[weight] != WeightShape(config, weight)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": layer ", layer, " ", WeightModuleName(weight), " has shape [",
-          absl::StrJoin(shapes[weight], ","), "], expected [",
-          absl::StrJoin(WeightShape(config, weight), ","), "] (hidden ", config.hidden_size,
-          ", heads ", config.num_heads, "/", config.num_kv_heads, ", head_dim ", config.head_dim,
-          ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": layer ", layer, " ", WeightModuleName(weight), " has shape [",
+                       absl::StrJoin(shapes[weight], ","), "], expected [",
+                       absl::StrJoin(WeightShape(config, weight), ","), "] (hidden ",
+                       config.hidden_size, ", heads ", config.num_heads, "/", config.num_kv_heads,
+                       ", head_dim ", config.head_dim, ")"));
     }
   }
   return config;
@@ -51,7 +51,8 @@ absl::StatusOr<LayerConfig> ConfigFromShapes(const PerWeight<std::vector<std::in
 }  // namespace
 
 absl::StatusOr<LayerWeights> LoadSafetensorsLayer(const std::string& path, int layer) {
-  if (layer < 0) return absl::InvalidArgumentError(absl::StrCat("--weights_layer: ", layer, " < 0"));
+  if (layer < 0)
+    return absl::InvalidArgumentError(absl::StrCat("--weights_layer: ", layer, " < 0"));
   ATTNGRAD_ASSIGN_OR_RETURN(const wire::SafetensorsCheckpoint checkpoint,
                             wire::SafetensorsCheckpoint::Open(path));
   return LoadCheckpointLayer(checkpoint, layer);

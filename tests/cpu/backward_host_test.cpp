@@ -1,7 +1,7 @@
 // attngrad::BackwardHost (the CPU reference backend) against the float64 loops of reference.cpp:
-// small configurations of several group sizes, odd S (1, 7, 541), B > 1 with cos/sin that differ per
-// sequence, non-default scalars with a soft-cap that bites, the real Gemma-3 4B configuration at
-// small S, accumulate, thread-count independence, untouched inputs and invalid configurations.
+// small configurations of several group sizes, odd S (1, 7, 541), B > 1 with cos/sin that differ
+// per sequence, non-default scalars with a soft-cap that bites, the real Gemma-3 4B configuration
+// at small S, accumulate, thread-count independence, untouched inputs and invalid configurations.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,7 +32,6 @@ std::uint64_t SeedOf(const std::string& name) {
   return h;
 }
 
-
 Scalars DefaultScalarsFor(int head_dim) {
   Scalars s;
   s.scaling = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
@@ -53,7 +52,7 @@ struct SmallCase {
 
 std::vector<SmallCase> SmallCases() {
   const LayerConfig small = LayerConfig{64, 6, 2, 16};  // group 3, like the 4B model
-  Scalars capped;                                   // non-default scalars: the cap bites, eps shows
+  Scalars capped;  // non-default scalars: the cap bites, eps shows
   capped.scaling = 1.0f;
   capped.softcap = 5.0f;
   capped.eps = 1e-2f;
@@ -77,7 +76,7 @@ std::vector<SmallCase> SmallCases() {
   Scalars head_dim_256 = uncapped;
   head_dim_256.scaling = 1.0f / 16.0f;
   head_dim_256.sliding_window = 3;
-  Scalars sharp;                 // scores of several hundred, cap far away: softmax must be stable
+  Scalars sharp;  // scores of several hundred, cap far away: softmax must be stable
   sharp.scaling = 60.0f;
   sharp.softcap = 1e4f;
   return {
@@ -109,8 +108,8 @@ class SmallConfigTest : public ::testing::TestWithParam<SmallCase> {};
 
 TEST_P(SmallConfigTest, MatchesFloat64Loops) {
   const SmallCase& c = GetParam();
-  const Problem problem = MakeProblem(c.config, c.batch, c.seq_len, c.scalars,
-                                      SeedOf(c.name), c.options);
+  const Problem problem =
+      MakeProblem(c.config, c.batch, c.seq_len, c.scalars, SeedOf(c.name), c.options);
   const Inputs64 wide = problem.Widened();
   if (c.min_max_abs_score > 0) {
     const double max_abs_score = ReferenceMaxAbsScore(wide);
@@ -119,8 +118,8 @@ TEST_P(SmallConfigTest, MatchesFloat64Loops) {
   Gradients<float> got = MakeOutputBuffers(c.config, c.batch, c.seq_len, kNaN);
   ASSERT_EQ(RunHost(problem, /*accumulate=*/false, got), ATTNGRAD_OK);
   const Gradients<double> ref = ReferenceBackward(wide);
-  EXPECT_TRUE(AllMatch(c.name + " (" + Describe(c.config, c.batch, c.seq_len, c.scalars) + ")",
-                       got, ref, Tolerance()));
+  EXPECT_TRUE(AllMatch(c.name + " (" + Describe(c.config, c.batch, c.seq_len, c.scalars) + ")", got,
+                       ref, Tolerance()));
 }
 
 INSTANTIATE_TEST_SUITE_P(CpuBackend, SmallConfigTest, ::testing::ValuesIn(SmallCases()),
@@ -173,7 +172,8 @@ TEST(CpuBackendRope, UsesEachSequencesOwnCosSin) {
       shared.cos[b * per_sequence + e] = own.cos[e];
       shared.sin[b * per_sequence + e] = own.sin[e];
     }
-  EXPECT_FALSE(AllMatch("sequence 0's cos/sin for all", got, ReferenceBackward(shared), Tolerance()))
+  EXPECT_FALSE(
+      AllMatch("sequence 0's cos/sin for all", got, ReferenceBackward(shared), Tolerance()))
       << "the draw does not tell per-sequence cos/sin from shared ones";
 }
 
@@ -203,7 +203,8 @@ TEST(CpuBackendAccumulate, AddsToWeightGradientsAndOverwritesGradHiddenStates) {
   ASSERT_EQ(RunHost(problem, true, accumulated), ATTNGRAD_OK);
 
   for (std::size_t e = 0; e < fresh[0].size(); ++e) {
-    ASSERT_TRUE(std::isfinite(accumulated[0][e])) << "grad_hidden_states[" << e << "] not overwritten";
+    ASSERT_TRUE(std::isfinite(accumulated[0][e]))
+        << "grad_hidden_states[" << e << "] not overwritten";
     ASSERT_NEAR(accumulated[0][e], fresh[0][e], 4 * Ulp(fresh[0][e]))
         << "grad_hidden_states[" << e << "] with accumulate differs from the fresh result";
   }
@@ -214,8 +215,9 @@ TEST(CpuBackendAccumulate, AddsToWeightGradientsAndOverwritesGradHiddenStates) {
       const double allowed = 4 * (Ulp(g) + Ulp(r) + Ulp(g + r));
       if (!(std::fabs(a - (g + r)) <= allowed)) {
         if (++misses <= 3) {
-          ADD_FAILURE() << kGradientNames[static_cast<std::size_t>(i)] << "[" << e << "]: accumulate gave "
-                        << a << ", G + fresh = " << g + r << " (G " << g << ", fresh " << r << ")";
+          ADD_FAILURE() << kGradientNames[static_cast<std::size_t>(i)] << "[" << e
+                        << "]: accumulate gave " << a << ", G + fresh = " << g + r << " (G " << g
+                        << ", fresh " << r << ")";
         }
       }
     }
@@ -243,12 +245,14 @@ TEST(CpuBackendAccumulate, WithoutAccumulateEveryOutputIsOverwritten) {
   for (int i = 0; i < kNumGradients; ++i)
     EXPECT_EQ(from_nan[i], from_big[i]) << kGradientNames[static_cast<std::size_t>(i)];
   for (int i = 0; i < kNumGradients; ++i)
-    for (float v : from_nan[i]) ASSERT_TRUE(std::isfinite(v)) << kGradientNames[static_cast<std::size_t>(i)];
+    for (float v : from_nan[i])
+      ASSERT_TRUE(std::isfinite(v)) << kGradientNames[static_cast<std::size_t>(i)];
 }
 
-// backward.h: "The result does not depend on [num_threads]": bit-identical for 1, 2, 3 and 7 threads.
-// A sliding window changes the result only where a query has keys beyond it: a window at least as
-// long as the sequence is bit for bit full causal attention; a shorter one differs from it.
+// backward.h: "The result does not depend on [num_threads]": bit-identical for 1, 2, 3 and 7
+// threads. A sliding window changes the result only where a query has keys beyond it: a window at
+// least as long as the sequence is bit for bit full causal attention; a shorter one differs from
+// it.
 TEST(CpuBackendSlidingWindow, MattersOnlyBeyondTheWindow) {
   const LayerConfig config = LayerConfig{64, 6, 2, 16};
   Scalars full = DefaultScalarsFor(16);
@@ -261,13 +265,15 @@ TEST(CpuBackendSlidingWindow, MattersOnlyBeyondTheWindow) {
   as_long.scalars.sliding_window = 11;
   Gradients<float> as_long_out = MakeOutputBuffers(config, 2, 11, kNaN);
   ASSERT_EQ(RunHost(as_long, false, as_long_out), ATTNGRAD_OK);
-  for (int i = 0; i < kNumGradients; ++i) EXPECT_EQ(as_long_out[i], causal_out[i]) << kGradientNames[i];
+  for (int i = 0; i < kNumGradients; ++i)
+    EXPECT_EQ(as_long_out[i], causal_out[i]) << kGradientNames[i];
 
   Problem shorter = causal;
   shorter.scalars.sliding_window = 10;
   Gradients<float> shorter_out = MakeOutputBuffers(config, 2, 11, kNaN);
   ASSERT_EQ(RunHost(shorter, false, shorter_out), ATTNGRAD_OK);
-  EXPECT_NE(shorter_out[0], causal_out[0]) << "window 10 of 11 tokens must change grad_hidden_states";
+  EXPECT_NE(shorter_out[0], causal_out[0])
+      << "window 10 of 11 tokens must change grad_hidden_states";
 }
 
 // A negative window is an invalid argument; softcap 0 (no capping) is valid.
@@ -325,36 +331,43 @@ TEST(CpuBackendArguments, InvalidArgumentsAreRejected) {
   const Scalars scalars = problem.scalars;
 
   const std::vector<LayerConfig> bad_configs = {
-      LayerConfig{0, 6, 2, 16},  LayerConfig{64, 0, 2, 16}, LayerConfig{64, 6, 0, 16}, LayerConfig{64, 6, 2, 0},
-      LayerConfig{64, 6, 4, 16},  // heads not a multiple of kv heads
-      LayerConfig{64, 6, 2, 15},  // odd head_dim
+      LayerConfig{0, 6, 2, 16},   LayerConfig{64, 0, 2, 16},  LayerConfig{64, 6, 0, 16},
+      LayerConfig{64, 6, 2, 0},   LayerConfig{64, 6, 4, 16},  // heads not a multiple of kv heads
+      LayerConfig{64, 6, 2, 15},                              // odd head_dim
       LayerConfig{-64, 6, 2, 16}, LayerConfig{64, -6, -2, 16}};
   for (const LayerConfig& c : bad_configs) {
     EXPECT_FALSE(c.IsValid());
-    EXPECT_EQ(attngrad::BackwardHost(c, 1, 4, scalars, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT)
+    EXPECT_EQ(attngrad::BackwardHost(c, 1, 4, scalars, false, in, outs).code,
+              ATTNGRAD_INVALID_ARGUMENT)
         << Describe(c, 1, 4, scalars);
   }
-  EXPECT_EQ(attngrad::BackwardHost(good, 0, 4, scalars, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(attngrad::BackwardHost(good, 1, 0, scalars, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT);
-  EXPECT_EQ(attngrad::BackwardHost(good, -2, 4, scalars, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad::BackwardHost(good, 0, 4, scalars, false, in, outs).code,
+            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad::BackwardHost(good, 1, 0, scalars, false, in, outs).code,
+            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(attngrad::BackwardHost(good, -2, 4, scalars, false, in, outs).code,
+            ATTNGRAD_INVALID_ARGUMENT);
 
   const float inf = std::numeric_limits<float>::infinity();
   for (float bad : {kNaN, inf, -inf}) {
     Scalars s = scalars;
     s.scaling = bad;
-    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT)
+    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code,
+              ATTNGRAD_INVALID_ARGUMENT)
         << "scaling " << bad;
   }
   for (float bad : {kNaN, inf, -inf}) {
     Scalars s = scalars;
     s.softcap = bad;
-    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT)
+    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code,
+              ATTNGRAD_INVALID_ARGUMENT)
         << "softcap " << bad;
   }
   for (float bad : {kNaN, inf, -inf, 0.0f, -1.0f}) {
     Scalars s = scalars;
     s.eps = bad;
-    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code, ATTNGRAD_INVALID_ARGUMENT)
+    EXPECT_EQ(attngrad::BackwardHost(good, 1, 4, s, false, in, outs).code,
+              ATTNGRAD_INVALID_ARGUMENT)
         << "eps " << bad;
   }
   {
@@ -368,7 +381,8 @@ TEST(CpuBackendArguments, InvalidArgumentsAreRejected) {
               ATTNGRAD_INVALID_ARGUMENT);
   }
   for (int i = 0; i < kNumGradients; ++i)
-    for (float v : out[i]) ASSERT_EQ(v, 7.0f) << kGradientNames[static_cast<std::size_t>(i)] << " written";
+    for (float v : out[i])
+      ASSERT_EQ(v, 7.0f) << kGradientNames[static_cast<std::size_t>(i)] << " written";
 }
 
 }  // namespace

@@ -37,14 +37,24 @@ struct AbiCall {
   float* outputs[7];
 
   AbiCall(const Problem& p, Gradients<float>& out, int accumulate_flag)
-      : batch(p.batch), seq_len(p.seq_len), scaling(p.scalars.scaling),
-        softcap(p.scalars.softcap), eps(p.scalars.eps), accumulate(accumulate_flag),
-        inputs{p.grad_output.data(), p.hidden_states.data(), p.cos.data(), p.sin.data(),
-               p.weights[Weight::kQProj].data(), p.weights[Weight::kKProj].data(),
-               p.weights[Weight::kVProj].data(), p.weights[Weight::kOProj].data(),
-               p.weights[Weight::kQNorm].data(), p.weights[Weight::kKNorm].data()},
-        outputs{out[0].data(), out[1].data(), out[2].data(), out[3].data(), out[4].data(),
-                out[5].data(), out[6].data()} {}
+      : batch(p.batch),
+        seq_len(p.seq_len),
+        scaling(p.scalars.scaling),
+        softcap(p.scalars.softcap),
+        eps(p.scalars.eps),
+        accumulate(accumulate_flag),
+        inputs{p.grad_output.data(),
+               p.hidden_states.data(),
+               p.cos.data(),
+               p.sin.data(),
+               p.weights[Weight::kQProj].data(),
+               p.weights[Weight::kKProj].data(),
+               p.weights[Weight::kVProj].data(),
+               p.weights[Weight::kOProj].data(),
+               p.weights[Weight::kQNorm].data(),
+               p.weights[Weight::kKNorm].data()},
+        outputs{out[0].data(), out[1].data(), out[2].data(), out[3].data(),
+                out[4].data(), out[5].data(), out[6].data()} {}
 
   int Host() const {
     return attngrad_backward_host(batch, seq_len, scaling, softcap, eps, accumulate, inputs[0],
@@ -61,12 +71,13 @@ struct AbiCall {
   }
 };
 
-const char* const kInputNames[10] = {"grad_output", "hidden_states", "cos", "sin", "q_weight",
-                                     "k_weight", "v_weight", "o_weight", "q_norm_weight",
-                                     "k_norm_weight"};
+const char* const kInputNames[10] = {"grad_output",   "hidden_states", "cos",      "sin",
+                                     "q_weight",      "k_weight",      "v_weight", "o_weight",
+                                     "q_norm_weight", "k_norm_weight"};
 
-// Full-size 4B buffers for B=1, S=2 (about 100 MB of weights), shared by the argument tests, so that
-// a call that wrongly went ahead would still touch valid memory. The values do not matter here.
+// Full-size 4B buffers for B=1, S=2 (about 100 MB of weights), shared by the argument tests, so
+// that a call that wrongly went ahead would still touch valid memory. The values do not matter
+// here.
 Problem ConstantProblem(const LayerConfig& config, int batch, int seq_len) {
   Problem p;
   p.config = config;
@@ -167,9 +178,9 @@ TEST_F(CAbiArguments, BadScalarsReturnInvalidArgument) {
   ExpectOutputsUntouched();
 }
 
-// attngrad_backward: bad arguments are INVALID_ARGUMENT whether or not CUDA is built in; a valid call
-// with too small a workspace is WORKSPACE_TOO_SMALL in a build with the CUDA backend (checked before
-// any device work, so also on a machine without a GPU), UNSUPPORTED in a build without it.
+// attngrad_backward: bad arguments are INVALID_ARGUMENT whether or not CUDA is built in; a valid
+// call with too small a workspace is WORKSPACE_TOO_SMALL in a build with the CUDA backend (checked
+// before any device work, so also on a machine without a GPU), UNSUPPORTED in a build without it.
 TEST_F(CAbiArguments, DeviceEntryPointArgumentsAndWorkspace) {
   const int devices = attngrad_device_count();
   EXPECT_GE(devices, 0);
@@ -228,8 +239,8 @@ TEST(CAbiWorkspace, SizeIsZeroForBadArguments) {
   EXPECT_EQ(attngrad_workspace_size(1, 128, 4), 0u);
   EXPECT_EQ(attngrad_workspace_size(INT_MAX, INT_MAX, ATTNGRAD_PRECISION_FP32), 0u);
   if (attngrad_workspace_size(1, 1, ATTNGRAD_PRECISION_FP32) > 0) {  // built with CUDA
-    for (int precision : {ATTNGRAD_PRECISION_AUTO, ATTNGRAD_PRECISION_FP32,
-                          ATTNGRAD_PRECISION_TF32, ATTNGRAD_PRECISION_FP16}) {
+    for (int precision : {ATTNGRAD_PRECISION_AUTO, ATTNGRAD_PRECISION_FP32, ATTNGRAD_PRECISION_TF32,
+                          ATTNGRAD_PRECISION_FP16}) {
       EXPECT_GT(attngrad_workspace_size(2, 541, precision), 0u) << "precision " << precision;
     }
   }
@@ -238,7 +249,8 @@ TEST(CAbiWorkspace, SizeIsZeroForBadArguments) {
 TEST(CAbiStatus, StringsNameEveryStatus) {
   EXPECT_STREQ(attngrad_status_string(ATTNGRAD_OK), "ATTNGRAD_OK");
   EXPECT_STREQ(attngrad_status_string(ATTNGRAD_INVALID_ARGUMENT), "ATTNGRAD_INVALID_ARGUMENT");
-  EXPECT_STREQ(attngrad_status_string(ATTNGRAD_WORKSPACE_TOO_SMALL), "ATTNGRAD_WORKSPACE_TOO_SMALL");
+  EXPECT_STREQ(attngrad_status_string(ATTNGRAD_WORKSPACE_TOO_SMALL),
+               "ATTNGRAD_WORKSPACE_TOO_SMALL");
   EXPECT_STREQ(attngrad_status_string(ATTNGRAD_CUDA_ERROR), "ATTNGRAD_CUDA_ERROR");
   EXPECT_STREQ(attngrad_status_string(ATTNGRAD_UNSUPPORTED), "ATTNGRAD_UNSUPPORTED");
   EXPECT_STREQ(attngrad_status_string(ATTNGRAD_INTERNAL), "ATTNGRAD_INTERNAL");
@@ -257,8 +269,8 @@ TEST(CAbiStatus, StringsNameEveryStatus) {
   EXPECT_EQ(ATTNGRAD_PRECISION_FP16, 3);
 }
 
-// attngrad_backward_host (the 4B configuration) against the float64 loops, with non-default scalars,
-// and then accumulate through the ABI onto those results.
+// attngrad_backward_host (the 4B configuration) against the float64 loops, with non-default
+// scalars, and then accumulate through the ABI onto those results.
 TEST(CAbiHost, Gemma4BMatchesFloat64LoopsAndAccumulates) {
   attngrad::Scalars scalars;
   scalars.scaling = 0.25f;
@@ -267,7 +279,8 @@ TEST(CAbiHost, Gemma4BMatchesFloat64LoopsAndAccumulates) {
   ProblemOptions options;
   options.norm_weight_std = 0.3;
   const int batch = 2, seq_len = 4;
-  const Problem problem = MakeProblem(LayerConfig::Gemma3_4B(), batch, seq_len, scalars, 4343, options);
+  const Problem problem =
+      MakeProblem(LayerConfig::Gemma3_4B(), batch, seq_len, scalars, 4343, options);
   const Inputs64 wide = problem.Widened();
   ASSERT_GT(ReferenceMaxAbsScore(wide) / scalars.softcap, 1.0) << "the soft-cap does not bite";
 
@@ -290,12 +303,12 @@ TEST(CAbiHost, Gemma4BMatchesFloat64LoopsAndAccumulates) {
   }
 }
 
-// attngrad_backward_host_ex: a Gemma-3 layer of another shape (head_dim 256, 4/1 heads like the 1B),
-// no soft-capping and a sliding window, against the float64 loops; the SPEC layer through the _ex
-// entry is bit for bit attngrad_backward_host; null structs are invalid arguments.
+// attngrad_backward_host_ex: a Gemma-3 layer of another shape (head_dim 256, 4/1 heads like the
+// 1B), no soft-capping and a sliding window, against the float64 loops; the SPEC layer through the
+// _ex entry is bit for bit attngrad_backward_host; null structs are invalid arguments.
 attngrad_layer AbiLayerOf(const Problem& p) {
-  return attngrad_layer{p.config.hidden_size, p.config.num_heads,  p.config.num_kv_heads,
-                        p.config.head_dim,    p.scalars.scaling,   p.scalars.softcap,
+  return attngrad_layer{p.config.hidden_size, p.config.num_heads,      p.config.num_kv_heads,
+                        p.config.head_dim,    p.scalars.scaling,       p.scalars.softcap,
                         p.scalars.eps,        p.scalars.sliding_window};
 }
 
@@ -347,8 +360,7 @@ TEST(CAbiHostEx, AnyGemma3LayerMatchesFloat64Loops) {
 }
 
 TEST(CAbiHostEx, SpecLayerIsTheSeedsEntryPoint) {
-  const Problem problem =
-      MakeProblem(LayerConfig::Gemma3_4B(), 1, 3, attngrad::Scalars(), 4646);
+  const Problem problem = MakeProblem(LayerConfig::Gemma3_4B(), 1, 3, attngrad::Scalars(), 4646);
   Gradients<float> seed = MakeOutputBuffers(LayerConfig::Gemma3_4B(), 1, 3, kNaN);
   Gradients<float> extended = MakeOutputBuffers(LayerConfig::Gemma3_4B(), 1, 3, kNaN);
   ASSERT_EQ(AbiCall(problem, seed, 0).Host(), ATTNGRAD_OK);

@@ -66,7 +66,6 @@ struct FdCase {
   double norm_weight_std;
 };
 
-
 Scalars MakeScalars(float scaling, float softcap, float eps) {
   Scalars s;
   s.scaling = scaling;
@@ -102,9 +101,10 @@ TEST_P(GradientCheckTest, AnalyticMatchesFiniteDifferences) {
     } else {
       std::uniform_int_distribution<std::size_t> pick(0, a.size() - 1);
       while (elements.size() < kSamples - 1) elements.insert(pick(rng));
-      elements.insert(static_cast<std::size_t>(std::max_element(a.begin(), a.end(), [](double x, double y) {
-                                                 return std::fabs(x) < std::fabs(y);
-                                               }) - a.begin()));
+      elements.insert(static_cast<std::size_t>(
+          std::max_element(a.begin(), a.end(),
+                           [](double x, double y) { return std::fabs(x) < std::fabs(y); }) -
+          a.begin()));
     }
     const double h = 1e-3 * std::max(Rms(InputOf(in, g)), 1e-2);
     for (std::size_t e : elements) {
@@ -121,10 +121,11 @@ INSTANTIATE_TEST_SUITE_P(
     Tiny, GradientCheckTest,
     ::testing::Values(
         // Group 2, the soft-cap biting, a large eps and large norm weights.
-        FdCase{"Group2_Capped", LayerConfig{12, 4, 2, 6}, 2, 4, MakeScalars(0.9f, 2.0f, 1e-2f), 0.3},
+        FdCase{"Group2_Capped", LayerConfig{12, 4, 2, 6}, 2, 4, MakeScalars(0.9f, 2.0f, 1e-2f),
+               0.3},
         // Group 3 like the 4B model, benchmark-like scalars.
-        FdCase{"Group3_Benchmark", LayerConfig{16, 3, 1, 8}, 1, 5, MakeScalars(0.35355339f, 50.0f, 1e-6f),
-               0.02},
+        FdCase{"Group3_Benchmark", LayerConfig{16, 3, 1, 8}, 1, 5,
+               MakeScalars(0.35355339f, 50.0f, 1e-6f), 0.02},
         // Group 1.
         FdCase{"Group1", LayerConfig{8, 2, 2, 4}, 2, 3, MakeScalars(0.5f, 10.0f, 1e-5f), 0.1}),
     [](const ::testing::TestParamInfo<FdCase>& info) { return info.param.name; });

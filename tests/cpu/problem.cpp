@@ -18,7 +18,9 @@ std::vector<float> RandomNormal(std::mt19937_64& rng, std::size_t count, double 
   return values;
 }
 
-std::vector<double> Widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+std::vector<double> Widen(const std::vector<float>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
 
 }  // namespace
 
@@ -72,7 +74,8 @@ Problem MakeProblem(const attngrad::LayerConfig& config, int batch, int seq_len,
   if (options.zero_token >= 0) {
     const std::size_t row = static_cast<std::size_t>(options.zero_token) * config.hidden_size;
     std::fill(p.hidden_states.begin() + static_cast<std::ptrdiff_t>(row),
-              p.hidden_states.begin() + static_cast<std::ptrdiff_t>(row + config.hidden_size), 0.0f);
+              p.hidden_states.begin() + static_cast<std::ptrdiff_t>(row + config.hidden_size),
+              0.0f);
   }
 
   const int dim = config.head_dim;
@@ -128,15 +131,15 @@ template <typename T>
                                    const std::vector<double>& ref, const Tolerance& tolerance,
                                    MatchStats* stats) {
   if (got.size() != ref.size()) {
-    return ::testing::AssertionFailure() << what << ": " << got.size() << " elements, expected "
-                                         << ref.size();
+    return ::testing::AssertionFailure()
+           << what << ": " << got.size() << " elements, expected " << ref.size();
   }
   double sum_sq_ref = 0.0, sum_sq_err = 0.0, max_abs_ref = 0.0;
   for (std::size_t i = 0; i < ref.size(); ++i) {
     const double g = static_cast<double>(got[i]);
     if (!std::isfinite(g)) {
-      return ::testing::AssertionFailure() << what << "[" << i << "] = " << g
-                                           << " is not finite (expected " << ref[i] << ")";
+      return ::testing::AssertionFailure()
+             << what << "[" << i << "] = " << g << " is not finite (expected " << ref[i] << ")";
     }
     sum_sq_ref += ref[i] * ref[i];
     sum_sq_err += (g - ref[i]) * (g - ref[i]);
@@ -167,11 +170,11 @@ template <typename T>
     return ::testing::AssertionFailure()
            << what << ": " << misses << " of " << ref.size() << " elements outside "
            << (s.rms_ref > 0 ? tolerance.atol_rms : tolerance.zero_atol)
-           << (s.rms_ref > 0 ? "*rms(ref) + " : " (reference all zero) + ") << tolerance.rtol << "*|ref|; worst [" << worst
-           << "] got " << static_cast<double>(got[worst]) << " ref " << ref[worst]
-           << "; ||err||/||ref|| = " << s.rel_norm_error << " (allowed " << tolerance.rel_norm
-           << "); max|err| = " << s.max_abs_error << ", rms(ref) = " << s.rms_ref
-           << ", max|ref| = " << max_abs_ref;
+           << (s.rms_ref > 0 ? "*rms(ref) + " : " (reference all zero) + ") << tolerance.rtol
+           << "*|ref|; worst [" << worst << "] got " << static_cast<double>(got[worst]) << " ref "
+           << ref[worst] << "; ||err||/||ref|| = " << s.rel_norm_error << " (allowed "
+           << tolerance.rel_norm << "); max|err| = " << s.max_abs_error
+           << ", rms(ref) = " << s.rms_ref << ", max|ref| = " << max_abs_ref;
   }
   return ::testing::AssertionSuccess();
 }
@@ -185,12 +188,12 @@ template <typename T>
   bool failed = false;
   for (int i = 0; i < kNumGradients; ++i) {
     MatchStats stats;
-    const auto r = Matches(kGradientNames[static_cast<std::size_t>(i)], got[i], ref[i], tolerance,
-                           &stats);
+    const auto r =
+        Matches(kGradientNames[static_cast<std::size_t>(i)], got[i], ref[i], tolerance, &stats);
     if (verbose) {
-      std::printf("[stats] %s %-18s rel_norm_err %.3e max_err/rms %.3e rms %.3e\n",
-                  context.c_str(), kGradientNames[static_cast<std::size_t>(i)],
-                  stats.rel_norm_error, stats.max_abs_error_over_rms, stats.rms_ref);
+      std::printf("[stats] %s %-18s rel_norm_err %.3e max_err/rms %.3e rms %.3e\n", context.c_str(),
+                  kGradientNames[static_cast<std::size_t>(i)], stats.rel_norm_error,
+                  stats.max_abs_error_over_rms, stats.rms_ref);
     }
     if (!r) {
       failed = true;

@@ -1,5 +1,5 @@
-// Test support for the CPU suite: random inputs of SPEC.md section 3 for any LayerConfig, calls of the
-// CPU backend into owned buffers, and the comparison of fp32 results with float64 references.
+// Test support for the CPU suite: random inputs of SPEC.md section 3 for any LayerConfig, calls of
+// the CPU backend into owned buffers, and the comparison of fp32 results with float64 references.
 #ifndef ATTNGRAD_TESTS_CPU_PROBLEM_H_
 #define ATTNGRAD_TESTS_CPU_PROBLEM_H_
 
@@ -63,7 +63,8 @@ struct Tolerance {
   double rel_norm = 1e-5;
   double rtol = 1e-4;
   double atol_rms = 1e-4;
-  double zero_atol = 1e-6;  // absolute, for a reference that is identically zero (then it is the bar)
+  double zero_atol =
+      1e-6;  // absolute, for a reference that is identically zero (then it is the bar)
 };
 
 // Largest errors seen, for messages and for the suite's log.

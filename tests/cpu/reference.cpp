@@ -88,9 +88,9 @@ NormRope NormRopeForward(const Dims& d, const std::vector<double>& projected, si
   return r;
 }
 
-// Softmax row of step 4 for query i of head h: fills tanh values t[j] and probabilities p[j], j <= i.
-// Without soft-capping (softcap <= 0) c = s and t = 0. Keys outside a sliding window (j <= i - window)
-// are masked: c = -inf, so p = 0 and they add nothing anywhere.
+// Softmax row of step 4 for query i of head h: fills tanh values t[j] and probabilities p[j], j <=
+// i. Without soft-capping (softcap <= 0) c = s and t = 0. Keys outside a sliding window (j <= i -
+// window) are masked: c = -inf, so p = 0 and they add nothing anywhere.
 void AttentionRow(const Dims& d, const Inputs64& in, const std::vector<double>& q_rot,
                   const std::vector<double>& k_rot, size_t b, size_t h, size_t i,
                   std::vector<double>& t_row, std::vector<double>& p_row) {
@@ -128,9 +128,12 @@ Forward RunForward(const Inputs64& in) {
   Forward f;
   const Dims& d = f.d = DimsOf(in);
   // Step 1.
-  const std::vector<double> q = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kQProj], d.tokens, d.hidden, d.q_out);
-  const std::vector<double> k = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kKProj], d.tokens, d.hidden, d.kv_out);
-  f.v = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kVProj], d.tokens, d.hidden, d.kv_out);
+  const std::vector<double> q = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kQProj],
+                                            d.tokens, d.hidden, d.q_out);
+  const std::vector<double> k = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kKProj],
+                                            d.tokens, d.hidden, d.kv_out);
+  f.v = ProjectRows(in.hidden_states, in.weights[attngrad::Weight::kVProj], d.tokens, d.hidden,
+                    d.kv_out);
   // Steps 2-3.
   f.q = NormRopeForward(d, q, d.heads, in.weights[attngrad::Weight::kQNorm], in);
   f.k = NormRopeForward(d, k, d.kv_heads, in.weights[attngrad::Weight::kKNorm], in);
@@ -216,9 +219,11 @@ std::array<std::size_t, kNumGradients> GradientSizes(const attngrad::LayerConfig
   const size_t tokens = static_cast<size_t>(batch) * static_cast<size_t>(seq_len);
   const size_t hidden = static_cast<size_t>(config.hidden_size);
   const size_t q_out = static_cast<size_t>(config.num_heads) * static_cast<size_t>(config.head_dim);
-  const size_t kv_out = static_cast<size_t>(config.num_kv_heads) * static_cast<size_t>(config.head_dim);
+  const size_t kv_out =
+      static_cast<size_t>(config.num_kv_heads) * static_cast<size_t>(config.head_dim);
   const size_t dim = static_cast<size_t>(config.head_dim);
-  return {tokens * hidden, q_out * hidden, kv_out * hidden, kv_out * hidden, hidden * q_out, dim, dim};
+  return {
+      tokens * hidden, q_out * hidden, kv_out * hidden, kv_out * hidden, hidden * q_out, dim, dim};
 }
 
 std::vector<double> ReferenceLayerOutput(const Inputs64& in) {
@@ -258,7 +263,8 @@ Gradients<double> ReferenceBackward(const Inputs64& in) {
   // Step 5: dWo = dYᵀ A; dA = dY Wo.
   out[4] = WeightGradient(in.grad_output, f.a, d.tokens, d.hidden, d.q_out);
   std::vector<double> d_a(d.tokens * d.q_out, 0.0);
-  AddInputGradient(in.grad_output, in.weights[attngrad::Weight::kOProj], d.tokens, d.hidden, d.q_out, d_a);
+  AddInputGradient(in.grad_output, in.weights[attngrad::Weight::kOProj], d.tokens, d.hidden,
+                   d.q_out, d_a);
 
   // Step 6, per (batch, query head), with P and t recomputed row by row.
   std::vector<double> d_q_rot(d.tokens * d.q_out, 0.0);
@@ -297,7 +303,8 @@ Gradients<double> ReferenceBackward(const Inputs64& in) {
   // Steps 7-8.
   std::vector<double> d_q, d_k;
   NormRopeBackward(d, in, f.q, d.heads, in.weights[attngrad::Weight::kQNorm], d_q_rot, d_q, out[5]);
-  NormRopeBackward(d, in, f.k, d.kv_heads, in.weights[attngrad::Weight::kKNorm], d_k_rot, d_k, out[6]);
+  NormRopeBackward(d, in, f.k, d.kv_heads, in.weights[attngrad::Weight::kKNorm], d_k_rot, d_k,
+                   out[6]);
 
   // Step 9.
   out[0].assign(d.tokens * d.hidden, 0.0);

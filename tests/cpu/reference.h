@@ -13,14 +13,15 @@
 
 namespace attngrad_test {
 
-// The ten inputs of SPEC section 1 in float64 (row-major, SPEC's shapes), with the shape and scalars.
+// The ten inputs of SPEC section 1 in float64 (row-major, SPEC's shapes), with the shape and
+// scalars.
 struct Inputs64 {
   attngrad::LayerConfig config;
   int batch = 1;
   int seq_len = 1;
   double scaling = 0.0;
-  double softcap = 0.0;     // <= 0: no soft-capping
-  int sliding_window = 0;   // > 0: keys j with i - window < j <= i only
+  double softcap = 0.0;    // <= 0: no soft-capping
+  int sliding_window = 0;  // > 0: keys j with i - window < j <= i only
   double eps = 0.0;
   std::vector<double> grad_output, hidden_states, cos, sin;
   attngrad::PerWeight<std::vector<double>> weights;

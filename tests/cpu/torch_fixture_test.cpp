@@ -1,10 +1,11 @@
 // Cross-check with PyTorch: tests/fixtures/*.bin hold small inputs and the float64 gradients (and
-// layer output) that torch autograd computed from the forward alone (tests/fixtures/make_fixtures.py,
-// which documents the file format). The CPU backend must match them like it matches the float64 loops,
-// and the loops themselves must match them to float64 rounding. The hf_* fixtures come from Hugging
-// Face transformers' own Gemma3Attention with each published Gemma-3 model's heads, head_dim,
-// scaling, no soft-capping and a sliding window (tests/fixtures/make_gemma3_fixtures.py); that module
-// computes its RMSNorm and softmax in float32, so the loops match it to float32 rounding there.
+// layer output) that torch autograd computed from the forward alone
+// (tests/fixtures/make_fixtures.py, which documents the file format). The CPU backend must match
+// them like it matches the float64 loops, and the loops themselves must match them to float64
+// rounding. The hf_* fixtures come from Hugging Face transformers' own Gemma3Attention with each
+// published Gemma-3 model's heads, head_dim, scaling, no soft-capping and a sliding window
+// (tests/fixtures/make_gemma3_fixtures.py); that module computes its RMSNorm and softmax in
+// float32, so the loops match it to float32 rounding there.
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -31,7 +32,8 @@ struct Fixture {
   std::vector<double> layer_output;
 };
 
-// Reads `count` little-endian values of type T at `offset` (this suite runs on little-endian hosts).
+// Reads `count` little-endian values of type T at `offset` (this suite runs on little-endian
+// hosts).
 template <typename T>
 bool Take(const std::string& bytes, std::size_t& offset, std::size_t count, std::vector<T>& out) {
   if (offset + count * sizeof(T) > bytes.size()) return false;
@@ -70,9 +72,9 @@ bool Take(const std::string& bytes, std::size_t& offset, std::size_t count, std:
   const auto sizes = GradientSizes(p.config, p.batch, p.seq_len);
   const std::size_t rotary = static_cast<std::size_t>(p.batch) * p.seq_len * p.config.head_dim;
   std::size_t offset = 48;
-  bool ok =
-      Take(bytes, offset, sizes[0], p.grad_output) && Take(bytes, offset, sizes[0], p.hidden_states) &&
-      Take(bytes, offset, rotary, p.cos) && Take(bytes, offset, rotary, p.sin);
+  bool ok = Take(bytes, offset, sizes[0], p.grad_output) &&
+            Take(bytes, offset, sizes[0], p.hidden_states) && Take(bytes, offset, rotary, p.cos) &&
+            Take(bytes, offset, rotary, p.sin);
   for (attngrad::Weight weight : attngrad::kAllWeights) {
     ok = ok && Take(bytes, offset, attngrad::WeightElements(p.config, weight), p.weights[weight]);
   }
@@ -81,8 +83,8 @@ bool Take(const std::string& bytes, std::size_t& offset, std::size_t count, std:
     ok_out = Take(bytes, offset, sizes[static_cast<std::size_t>(i)], f.gradients[i]);
   ok_out = ok_out && Take(bytes, offset, sizes[0], f.layer_output);
   if (!ok_out || offset != bytes.size())
-    return ::testing::AssertionFailure() << path << ": " << bytes.size()
-                                         << " bytes, which does not match its header";
+    return ::testing::AssertionFailure()
+           << path << ": " << bytes.size() << " bytes, which does not match its header";
   return ::testing::AssertionSuccess();
 }
 
@@ -110,8 +112,8 @@ TEST_P(TorchFixtureTest, Float64LoopsMatchTorchAutograd) {
   tight.rtol = float32_oracle ? 1e-4 : 1e-9;
   tight.atol_rms = float32_oracle ? 1e-5 : 1e-11;
   EXPECT_TRUE(Matches("layer_output", ReferenceLayerOutput(in), f.layer_output, tight));
-  EXPECT_TRUE(AllMatch(GetParam() + ": float64 loops vs torch", ReferenceBackward(in), f.gradients,
-                       tight));
+  EXPECT_TRUE(
+      AllMatch(GetParam() + ": float64 loops vs torch", ReferenceBackward(in), f.gradients, tight));
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TorchFixtureTest,
@@ -120,7 +122,9 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TorchFixtureTest,
                                            "hf_gemma_3_1b_local", "hf_gemma_3_1b_global",
                                            "hf_gemma_3_4b_local", "hf_gemma_3_4b_global",
                                            "hf_gemma_3_12b_local", "hf_gemma_3_27b_local"),
-                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
 
 }  // namespace
 }  // namespace attngrad_test

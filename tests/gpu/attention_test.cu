@@ -1,6 +1,7 @@
-// The attention kernels alone (kernels/src/cuda/attention.h: SPEC section 2 steps 4 and 6) against a
-// float64 CPU evaluation on small and odd shapes, in every operand mode and tile choice; determinism,
-// every output element written, and the argument checks. Skipped when no CUDA device is present.
+// The attention kernels alone (kernels/src/cuda/attention.h: SPEC section 2 steps 4 and 6) against
+// a float64 CPU evaluation on small and odd shapes, in every operand mode and tile choice;
+// determinism, every output element written, and the argument checks. Skipped when no CUDA device
+// is present.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -138,9 +139,10 @@ std::uint64_t TestSeed() {
   return seed;
 }
 
-// ||out - ref|| / max(||ref||, floor * sqrt(n)), NaN if any element is not finite. The floor matters
-// only where the exact result vanishes: at S = 1, dq and dk are exactly 0 (P = 1, dP = Delta) and the
-// kernels return rounding noise there (~1e-8 in fp32); elsewhere |dq|, |dk| ~ 1e-2 per element.
+// ||out - ref|| / max(||ref||, floor * sqrt(n)), NaN if any element is not finite. The floor
+// matters only where the exact result vanishes: at S = 1, dq and dk are exactly 0 (P = 1, dP =
+// Delta) and the kernels return rounding noise there (~1e-8 in fp32); elsewhere |dq|, |dk| ~ 1e-2
+// per element.
 double RelativeError(const std::vector<float>& out, const std::vector<double>& ref,
                      double floor = 1e-4) {
   double num = 0, den = 0;
@@ -224,7 +226,8 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   DeviceBuffer<unsigned char> workspace = Allocate<unsigned char>(workspace_size);
   ASSERT_NE(workspace.get(), nullptr);
   ASSERT_CUDA(cudaMemcpy(qkv_d.get(), qkv_bytes.data(), qkv_bytes.size(), cudaMemcpyHostToDevice));
-  ASSERT_CUDA(cudaMemcpy(dout_d.get(), dout_bytes.data(), dout_bytes.size(), cudaMemcpyHostToDevice));
+  ASSERT_CUDA(
+      cudaMemcpy(dout_d.get(), dout_bytes.data(), dout_bytes.size(), cudaMemcpyHostToDevice));
   const unsigned char* q = qkv_d.get();
   const unsigned char* k = qkv_d.get() + 3072 * elem;
   const unsigned char* v = qkv_d.get() + 4096 * elem;
@@ -322,7 +325,8 @@ std::vector<Case> Cases() {
     cases.push_back({3, 200, op, AttentionTiles::kAuto});
   }
   // The short-sequence kernel (fp16, S <= 256) in both forms, across its chunk and block edges.
-  for (const auto& [b, s] : std::vector<std::pair<int, int>>{{2, 70}, {2, 129}, {3, 200}, {1, 256}}) {
+  for (const auto& [b, s] :
+       std::vector<std::pair<int, int>>{{2, 70}, {2, 129}, {3, 200}, {1, 256}}) {
     cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShort});
   }
   for (const auto& [b, s] : std::vector<std::pair<int, int>>{{1, 1}, {1, 130}, {2, 256}}) {
@@ -332,9 +336,9 @@ std::vector<Case> Cases() {
   // inside one tile, across tile edges, and longer than the sequence (full causal).
   for (AttentionOperand op :
        {AttentionOperand::kFp32, AttentionOperand::kTf32, AttentionOperand::kFp16}) {
-    const std::tuple<int, int, int> windowed[] = {
-        {1, 1, 1}, {1, 7, 1}, {2, 7, 7}, {2, 300, 64}, {1, 300, 100}, {2, 1000, 100},
-        {1, 1000, 1024}, {1, 2500, 64}, {1, 2500, 1}};
+    const std::tuple<int, int, int> windowed[] = {{1, 1, 1},       {1, 7, 1},     {2, 7, 7},
+                                                  {2, 300, 64},    {1, 300, 100}, {2, 1000, 100},
+                                                  {1, 1000, 1024}, {1, 2500, 64}, {1, 2500, 1}};
     for (const auto& [b, s, w] : windowed) cases.push_back({b, s, op, AttentionTiles::kAuto, w});
     cases.push_back({2, 300, op, AttentionTiles::kSmall, 7});
     cases.push_back({2, 300, op, AttentionTiles::kSmallSplit, 100});
@@ -389,18 +393,18 @@ TEST(AttentionKernelArguments, RejectsBadShapesStridesAndSmallWorkspace) {
 
   AttentionProblem bad = problem;
   bad.batch = 0;
-  EXPECT_EQ(AttentionForward(bad, q, kQkvWidth, k, v, kQkvWidth, out.get(), nullptr, lse.get(),
-                             nullptr),
-            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(
+      AttentionForward(bad, q, kQkvWidth, k, v, kQkvWidth, out.get(), nullptr, lse.get(), nullptr),
+      ATTNGRAD_INVALID_ARGUMENT);
   bad = problem;
   bad.num_heads = 20;  // not a multiple of num_kv_heads
-  EXPECT_EQ(AttentionForward(bad, q, kQkvWidth, k, v, kQkvWidth, out.get(), nullptr, lse.get(),
-                             nullptr),
-            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(
+      AttentionForward(bad, q, kQkvWidth, k, v, kQkvWidth, out.get(), nullptr, lse.get(), nullptr),
+      ATTNGRAD_INVALID_ARGUMENT);
   // row stride narrower than the heads, or not keeping rows 16-byte aligned
-  EXPECT_EQ(AttentionForward(problem, q, 1024, k, v, kQkvWidth, out.get(), nullptr, lse.get(),
-                             nullptr),
-            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(
+      AttentionForward(problem, q, 1024, k, v, kQkvWidth, out.get(), nullptr, lse.get(), nullptr),
+      ATTNGRAD_INVALID_ARGUMENT);
   EXPECT_EQ(AttentionForward(problem, q, kQkvWidth + 2, k, v, kQkvWidth, out.get(), nullptr,
                              lse.get(), nullptr),
             ATTNGRAD_INVALID_ARGUMENT);
@@ -411,10 +415,10 @@ TEST(AttentionKernelArguments, RejectsBadShapesStridesAndSmallWorkspace) {
                               kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(), workspace.get(),
                               workspace_size - 1, nullptr),
             ATTNGRAD_WORKSPACE_TOO_SMALL);
-  EXPECT_EQ(AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout.get(),
-                              kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(), nullptr,
-                              workspace_size, nullptr),
-            ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_EQ(
+      AttentionBackward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout.get(), kOutWidth,
+                        lse.get(), dq.get(), dk.get(), dv.get(), nullptr, workspace_size, nullptr),
+      ATTNGRAD_INVALID_ARGUMENT);
   EXPECT_EQ(AttentionBackwardWorkspaceSize(bad), 0u);
   ASSERT_CUDA(cudaDeviceSynchronize());
 }

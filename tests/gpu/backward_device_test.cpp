@@ -86,7 +86,8 @@ struct HostGradients {
   }
   PerWeight<float*> WeightGradients() {
     PerWeight<float*> gradients;
-    for (Weight weight : kAllWeights) gradients[weight] = tensors[1 + attngrad::IndexOf(weight)].data();
+    for (Weight weight : kAllWeights)
+      gradients[weight] = tensors[1 + attngrad::IndexOf(weight)].data();
     return gradients;
   }
 };
@@ -137,9 +138,9 @@ DeviceBuffer<float> Allocate(std::size_t count) {
 }
 
 void CopyToDevice(const DeviceBuffer<float>& device, const std::vector<float>& host) {
-  EXPECT_EQ(cudaMemcpy(device.get(), host.data(), host.size() * sizeof(float),
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  EXPECT_EQ(
+      cudaMemcpy(device.get(), host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice),
+      cudaSuccess);
 }
 
 DeviceBuffer<float> Upload(const std::vector<float>& host) {
@@ -170,8 +171,11 @@ struct DeviceProblem {
   DeviceBuffer<float> outputs[kOutputs];
 
   explicit DeviceProblem(const HostProblem& h)
-      : host(h), grad_output(Upload(h.grad_output)), hidden_states(Upload(h.hidden_states)),
-        cos(Upload(h.cos)), sin(Upload(h.sin)) {
+      : host(h),
+        grad_output(Upload(h.grad_output)),
+        hidden_states(Upload(h.hidden_states)),
+        cos(Upload(h.cos)),
+        sin(Upload(h.sin)) {
     for (Weight weight : kAllWeights) weights[weight] = Upload(h.weights[weight]);
     HostGradients shapes(h.tokens());
     for (int i = 0; i < kOutputs; ++i) outputs[i] = Allocate(shapes.tensors[i].size());
@@ -341,8 +345,8 @@ TEST_F(GpuBackwardTest, Fp16KeepsGradientsOfAnyMagnitudeInRange) {
     DeviceProblem device(scaled);
     auto unscaled = [&device, factor]() { return Scaled(device.GetOutputs(), 1.f / factor); };
     for (const int precision : {ATTNGRAD_PRECISION_AUTO, ATTNGRAD_PRECISION_FP16}) {
-      const std::string what = "factor " + std::to_string(factor) + " precision " +
-                               std::to_string(precision);
+      const std::string what =
+          "factor " + std::to_string(factor) + " precision " + std::to_string(precision);
       const std::size_t bytes = attngrad_workspace_size(host.batch, host.seq_len, precision);
       DeviceBuffer<unsigned char> workspace = Workspace(bytes);
       device.SetOutputs(Filled(host.tokens(), NAN));  // beta = 0 must not read the outputs
@@ -473,8 +477,7 @@ TEST_F(GpuBackwardTest, BadArgumentsAreRejectedBeforeAnyLaunch) {
   DeviceBuffer<unsigned char> workspace = Workspace(bytes);
   device.SetOutputs(Filled(host.tokens(), 1234.5f));
 
-  EXPECT_EQ(device.Run(precision, false, workspace.get(), bytes - 1),
-            ATTNGRAD_WORKSPACE_TOO_SMALL);
+  EXPECT_EQ(device.Run(precision, false, workspace.get(), bytes - 1), ATTNGRAD_WORKSPACE_TOO_SMALL);
   EXPECT_EQ(device.Run(precision, false, nullptr, bytes), ATTNGRAD_WORKSPACE_TOO_SMALL);
   EXPECT_EQ(device.Run(9, false, workspace.get(), bytes), ATTNGRAD_INVALID_ARGUMENT);
   EXPECT_EQ(device.Run(precision, false, workspace.get(), bytes, nullptr, CallChanges{0}),
@@ -525,9 +528,9 @@ TEST_F(GpuBackwardTest, SlidingWindowMatchesCpuBackendInEveryModeAndIsDeterminis
     int batch, seq_len, window;
     float softcap;
   };
-  const WindowCase cases[] = {{1, 1, 1, kSoftcap},   {2, 7, 1, 0.f},        {3, 7, 7, kSoftcap},
-                              {1, 300, 64, 0.f},     {2, 300, 100, kSoftcap}, {1, 1000, 100, 0.f},
-                              {2, 1000, 1024, 0.f},  {1, 2500, 512, 0.f}};
+  const WindowCase cases[] = {{1, 1, 1, kSoftcap},  {2, 7, 1, 0.f},          {3, 7, 7, kSoftcap},
+                              {1, 300, 64, 0.f},    {2, 300, 100, kSoftcap}, {1, 1000, 100, 0.f},
+                              {2, 1000, 1024, 0.f}, {1, 2500, 512, 0.f}};
   unsigned seed = 71;
   for (const WindowCase& c : cases) {
     const HostProblem host(c.batch, c.seq_len, seed++);
@@ -559,8 +562,8 @@ TEST_F(GpuBackwardTest, SlidingWindowMatchesCpuBackendInEveryModeAndIsDeterminis
           first = got;
         } else {
           for (int i = 0; i < kOutputs; ++i) {
-            EXPECT_EQ(got.tensors[i], first.tensors[i]) << what << " not deterministic, "
-                                                        << OutputName(i);
+            EXPECT_EQ(got.tensors[i], first.tensors[i])
+                << what << " not deterministic, " << OutputName(i);
           }
         }
       }

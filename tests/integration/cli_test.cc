@@ -53,10 +53,10 @@ TEST_F(CliTest, InfoAndHealth) {
 
 TEST_F(CliTest, BackwardCheckWithUploadedWeightsPasses) {
   std::string out;
-  ASSERT_EQ(Cli({"backward", "--batch=2", "--seq_len=8", "--count=2", "--check",
-                 "--weights_seed=3"},
-                &out),
-            0)
+  ASSERT_EQ(
+      Cli({"backward", "--batch=2", "--seq_len=8", "--count=2", "--check", "--weights_seed=3"},
+          &out),
+      0)
       << out;
   EXPECT_THAT(out, HasSubstr("uploaded random:seed=3 as weights version"));
   EXPECT_THAT(out, HasSubstr("PASS"));
@@ -91,7 +91,8 @@ TEST_F(CliTest, AccumulateFetchZeroAndBench) {
   TempDir dir;
   std::string out;
   ASSERT_EQ(Cli({"zero"}, &out), 0) << out;
-  ASSERT_EQ(Cli({"backward", "--mode=accumulate", "--count=3", "--batch=1", "--seq_len=8"}, &out), 0)
+  ASSERT_EQ(Cli({"backward", "--mode=accumulate", "--count=3", "--batch=1", "--seq_len=8"}, &out),
+            0)
       << out;
   const std::string file = dir.path() + "/grads.safetensors";
   ASSERT_EQ(Cli({"fetch", "--output=" + file}, &out), 0) << out;
@@ -114,9 +115,9 @@ TEST_F(CliTest, AccumulateFetchZeroAndBench) {
   EXPECT_THAT(out, HasSubstr("tokens/s"));
   EXPECT_THAT(out, HasSubstr("p99"));
   // The metrics summary: 3 + 6 ACCUMULATE batches of 8 tokens so far.
-  ASSERT_EQ(Cli({"metrics", absl::StrCat("--metrics_target=127.0.0.1:", server_->metrics_port())},
-                &out),
-            0)
+  ASSERT_EQ(
+      Cli({"metrics", absl::StrCat("--metrics_target=127.0.0.1:", server_->metrics_port())}, &out),
+      0)
       << out;
   EXPECT_THAT(out, HasSubstr("attngrad_batches_total{device=\"cpu\",mode=\"accumulate\"}"));
   EXPECT_THAT(out, HasSubstr("observed, mean"));
@@ -134,8 +135,8 @@ TEST_F(CliTest, LoadWeightsFromSafetensors) {
   const WeightSet weights = RandomWeights(config, 11);
   std::vector<wire::SafetensorsTensor> tensors;
   for (Weight weight : kAllWeights) {
-    tensors.push_back({wire::HuggingFaceTensorName(2, weight), weights[weight].shape,
-                       weights[weight].data});
+    tensors.push_back(
+        {wire::HuggingFaceTensorName(2, weight), weights[weight].shape, weights[weight].data});
   }
   const std::string file = dir.path() + "/layer.safetensors";
   ASSERT_TRUE(wire::WriteSafetensors(file, tensors).ok());

@@ -77,7 +77,8 @@ TEST(ReferenceCheckTest, SpecSectionFourRule) {
 
 TEST(RandomTensorsTest, DeterministicAndShapedAsSpecSectionThree) {
   const LayerConfig config;
-  const WeightSet a = RandomWeights(config, 5), b = RandomWeights(config, 5), c = RandomWeights(config, 6);
+  const WeightSet a = RandomWeights(config, 5), b = RandomWeights(config, 5),
+                  c = RandomWeights(config, 6);
   EXPECT_EQ(a[Weight::kQNorm].data, b[Weight::kQNorm].data);
   EXPECT_NE(a[Weight::kQNorm].data, c[Weight::kQNorm].data);
   EXPECT_EQ(a[Weight::kOProj].shape, (std::vector<int64_t>{3072, 3072}));

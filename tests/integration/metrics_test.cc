@@ -100,7 +100,8 @@ TEST(MetricsTest, PrometheusScrapesServerMetricsAndPromtoolAcceptsThem) {
   std::ofstream(exposition) << metrics->body;
   std::string promtool_output;
   EXPECT_EQ(RunCommand({kPromtool, "check", "metrics"}, &promtool_output, exposition), 0)
-      << "promtool check metrics:\n" << promtool_output;
+      << "promtool check metrics:\n"
+      << promtool_output;
 
   // A real Prometheus scraping the server every second.
   const std::string config_path = dir.path() + "/prometheus.yml";
@@ -161,8 +162,9 @@ TEST(MetricsTest, PrometheusScrapesServerMetricsAndPromtoolAcceptsThem) {
     EXPECT_EQ(*value, e.value) << e.query;
   }
   // Histograms have buckets Prometheus can compute quantiles from.
-  auto p50 = QueryValue(prometheus_port,
-                        "histogram_quantile(0.5, sum by (le) (attngrad_batch_duration_seconds_bucket))");
+  auto p50 =
+      QueryValue(prometheus_port,
+                 "histogram_quantile(0.5, sum by (le) (attngrad_batch_duration_seconds_bucket))");
   ASSERT_TRUE(p50.ok()) << p50.status();
   EXPECT_GT(*p50, 0);
 }

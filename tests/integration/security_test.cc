@@ -36,8 +36,8 @@ class SecureServerTest : public ::testing::Test {
   void SetUp() override {
     const absl::Status made = MakeTestCertificates(dir_.path());
     ASSERT_TRUE(made.ok()) << made;
-    WriteFile(Path("tokens.txt"), absl::StrCat(kTrainerToken, " trainer trainer-1\n", kAdminToken,
-                                               " admin ops\n"));
+    WriteFile(Path("tokens.txt"),
+              absl::StrCat(kTrainerToken, " trainer trainer-1\n", kAdminToken, " admin ops\n"));
     WriteFile(Path("trainer.token"), absl::StrCat(kTrainerToken, "\n"));
     WriteFile(Path("admin.token"), absl::StrCat(kAdminToken, "\n"));
     auto server = TestServer::Start(
@@ -105,10 +105,9 @@ TEST_F(SecureServerTest, CppClientWithCertificateAndTokenAccumulatesAndFetches) 
 }
 
 TEST_F(SecureServerTest, CliTakesTheCaTheCertificateAndATokenFile) {
-  const std::vector<std::string> tls = {"--tls_ca=" + Path("ca.pem"),
-                                        "--tls_cert=" + Path("client.pem"),
-                                        "--tls_key=" + Path("client.key"),
-                                        "--tls_server_name=localhost"};
+  const std::vector<std::string> tls = {
+      "--tls_ca=" + Path("ca.pem"), "--tls_cert=" + Path("client.pem"),
+      "--tls_key=" + Path("client.key"), "--tls_server_name=localhost"};
   auto with = [&](std::vector<std::string> args, const std::string& token_file) {
     args.insert(args.end(), tls.begin(), tls.end());
     if (!token_file.empty()) args.push_back("--token_file=" + Path(token_file));
@@ -118,10 +117,10 @@ TEST_F(SecureServerTest, CliTakesTheCaTheCertificateAndATokenFile) {
   EXPECT_EQ(Cli(with({"info"}, "trainer.token"), &output), 0) << output;
   EXPECT_NE(Cli(with({"info"}, ""), &output), 0);
   EXPECT_THAT(output, HasSubstr("UNAUTHENTICATED"));
-  EXPECT_EQ(Cli(with({"backward", "--mode=accumulate", "--batch=1", "--seq_len=4"},
-                     "trainer.token"),
-                &output),
-            0)
+  EXPECT_EQ(
+      Cli(with({"backward", "--mode=accumulate", "--batch=1", "--seq_len=4"}, "trainer.token"),
+          &output),
+      0)
       << output;
   EXPECT_NE(Cli(with({"load-weights", "--weights_seed=3"}, "trainer.token"), &output), 0);
   EXPECT_THAT(output, HasSubstr("PERMISSION_DENIED"));

@@ -1,6 +1,6 @@
-// End-to-end tests of the gradient service: the real attngrad-server (CPU backend, random weights of
-// seed 7, max_batch_tokens 32) on a loopback port, driven through attngrad::Client and compared with
-// the local CPU reference (SPEC section 4).
+// End-to-end tests of the gradient service: the real attngrad-server (CPU backend, random weights
+// of seed 7, max_batch_tokens 32) on a loopback port, driven through attngrad::Client and compared
+// with the local CPU reference (SPEC section 4).
 #include <cmath>
 #include <memory>
 #include <thread>
@@ -78,7 +78,8 @@ class EndToEndTest : public ::testing::Test {
 };
 
 // Every element of `got` within `relative` * max|want| of `want`.
-void ExpectNear(const WeightSet& got, const WeightSet& want, double relative, const std::string& what) {
+void ExpectNear(const WeightSet& got, const WeightSet& want, double relative,
+                const std::string& what) {
   for (Weight weight : kAllWeights) {
     const HostTensor& g = got[weight];
     const HostTensor& w = want[weight];
@@ -165,16 +166,16 @@ TEST_F(EndToEndTest, PositionsAndHalfResponse) {
   // fp16 rounding (relative 2^-11) of values of order 1: compare loosely with the fp32 answer.
   double worst = 0;
   for (size_t i = 0; i < half->grad_hidden_states.size(); ++i) {
-    worst = std::max(worst, std::fabs(double{half->grad_hidden_states[i]} -
-                                      result->grad_hidden_states[i]) /
-                                (1e-3 + std::fabs(double{result->grad_hidden_states[i]})));
+    worst = std::max(
+        worst, std::fabs(double{half->grad_hidden_states[i]} - result->grad_hidden_states[i]) /
+                   (1e-3 + std::fabs(double{result->grad_hidden_states[i]})));
   }
   EXPECT_LT(worst, 2e-3);
 }
 
 // K ACCUMULATE batches from three concurrent clients; the fetched sums equal the sum of the same
-// batches in RETURN mode and the CPU reference; a retried batch id is not added twice; fetch-and-zero
-// starts a new window and a batch naming the old window is refused.
+// batches in RETURN mode and the CPU reference; a retried batch id is not added twice;
+// fetch-and-zero starts a new window and a batch naming the old window is refused.
 TEST_F(EndToEndTest, AccumulateFromConcurrentClientsEqualsReturnSumAndReference) {
   auto zeroed = client_->Zero();
   ASSERT_TRUE(zeroed.ok()) << zeroed.status();
@@ -224,8 +225,8 @@ TEST_F(EndToEndTest, AccumulateFromConcurrentClientsEqualsReturnSumAndReference)
           return;
         }
         if (result->duplicate || result->accumulation_window_id != window) {
-          statuses[t] = absl::InternalError(absl::StrCat("batch ", result->batch_id,
-                                                         ": duplicate or wrong window"));
+          statuses[t] = absl::InternalError(
+              absl::StrCat("batch ", result->batch_id, ": duplicate or wrong window"));
           return;
         }
       }
@@ -302,7 +303,8 @@ TEST_F(EndToEndTest, BadInputReachesClientWithServerMessage) {
     BackwardBatch b = good.View();
     b.mode = v1::GRADIENT_MODE_ACCUMULATE;
     b.hidden_states = b.hidden_states.subspan(0, b.hidden_states.size() - 5);  // wrong byte count
-    cases.push_back({"short hidden_states", b, absl::StatusCode::kInvalidArgument, "hidden_states"});
+    cases.push_back(
+        {"short hidden_states", b, absl::StatusCode::kInvalidArgument, "hidden_states"});
   }
   {
     BackwardBatch b = good.View();
@@ -412,8 +414,8 @@ TEST_F(EndToEndTest, BadInputReachesClientWithServerMessage) {
 }
 
 // A stream cancelled with batches in flight leaves the accumulators consistent: once the server is
-// quiet, re-sending every batch with its id adds exactly the ones that were not accumulated, and the
-// window then holds each batch exactly once.
+// quiet, re-sending every batch with its id adds exactly the ones that were not accumulated, and
+// the window then holds each batch exactly once.
 TEST_F(EndToEndTest, CancelledStreamLeavesAccumulatorsConsistent) {
   auto zeroed = client_->Zero();
   ASSERT_TRUE(zeroed.ok()) << zeroed.status();

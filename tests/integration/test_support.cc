@@ -33,9 +33,8 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
                             const std::string& stdin_path) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO,
-                                   stdin_path.empty() ? "/dev/null" : stdin_path.c_str(),
-                                   O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(
+      &actions, STDIN_FILENO, stdin_path.empty() ? "/dev/null" : stdin_path.c_str(), O_RDONLY, 0);
   posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
                                    O_WRONLY | O_CREAT | O_APPEND, 0644);
   posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
@@ -217,16 +216,15 @@ absl::Status TestServer::Restart() {
 
 absl::Status TestServer::Launch() {
   ++launches_;
-  std::vector<std::string> argv = {
-      ServerBinary(),
-      absl::StrCat("--listen=127.0.0.1:", grpc_port_),
-      absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port_),
-      "--devices=cpu",
-      "--weights=random",
-      absl::StrCat("--weights_seed=", kWeightsSeed),
-      absl::StrCat("--max_batch_tokens=", kMaxBatchTokens),
-      "--cpu_threads=2",
-      "--shutdown_grace_seconds=5"};
+  std::vector<std::string> argv = {ServerBinary(),
+                                   absl::StrCat("--listen=127.0.0.1:", grpc_port_),
+                                   absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port_),
+                                   "--devices=cpu",
+                                   "--weights=random",
+                                   absl::StrCat("--weights_seed=", kWeightsSeed),
+                                   absl::StrCat("--max_batch_tokens=", kMaxBatchTokens),
+                                   "--cpu_threads=2",
+                                   "--shutdown_grace_seconds=5"};
   argv.insert(argv.end(), extra_flags_.begin(), extra_flags_.end());
   const std::string log = absl::StrCat(dir_->path(), "/server-", launches_, ".log");
   auto process = Subprocess::Start(argv, log);
@@ -254,7 +252,8 @@ absl::Status MakeTestCertificates(const std::string& directory) {
   const std::string script = absl::StrCat(
       "set -e; cd '", directory, "'\n",
       "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out \"$1\"; }\n",
-      "key ca.key; openssl req -x509 -new -key ca.key -out ca.pem -days 2 -subj /CN=attngrad-test-ca\n",
+      "key ca.key; openssl req -x509 -new -key ca.key -out ca.pem -days 2 -subj "
+      "/CN=attngrad-test-ca\n",
       "key other-ca.key; openssl req -x509 -new -key other-ca.key -out other-ca.pem -days 2 "
       "-subj /CN=attngrad-other-ca\n",
       "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext\n",

@@ -1,6 +1,6 @@
-// Support for the end-to-end tests: child processes (the real attngrad-server, prometheus, promtool,
-// attngrad-cli) started and stopped by RAII objects, loopback port picking, and a minimal HTTP/1.0
-// GET for /metrics and Prometheus's HTTP API. Everything talks to 127.0.0.1 only.
+// Support for the end-to-end tests: child processes (the real attngrad-server, prometheus,
+// promtool, attngrad-cli) started and stopped by RAII objects, loopback port picking, and a minimal
+// HTTP/1.0 GET for /metrics and Prometheus's HTTP API. Everything talks to 127.0.0.1 only.
 #ifndef ATTNGRAD_TESTS_INTEGRATION_TEST_SUPPORT_H_
 #define ATTNGRAD_TESTS_INTEGRATION_TEST_SUPPORT_H_
 

@@ -41,8 +41,8 @@ constexpr Format kBFloat16{7, -126, 127};
 double ReferenceNarrow(float x, const Format& format) {
   const double value = x;
   const double magnitude = std::fabs(value);
-  const double overflow = std::ldexp(2.0 - std::ldexp(1.0, -format.mantissa_bits - 1),
-                                     format.max_exponent);
+  const double overflow =
+      std::ldexp(2.0 - std::ldexp(1.0, -format.mantissa_bits - 1), format.max_exponent);
   if (magnitude >= overflow) return std::copysign(std::numeric_limits<double>::infinity(), value);
   int exponent = 0;
   std::frexp(magnitude, &exponent);  // magnitude = f * 2^exponent, f in [0.5, 1)
@@ -71,13 +71,13 @@ void ExpectNarrowsLikeReference(float x) {
   if (std::isnan(x)) return;
   const float half = HalfToFloat(FloatToHalf(x));
   const double half_reference = ReferenceNarrow(x, kHalf);
-  ASSERT_EQ(static_cast<double>(half), half_reference) << "fp16 of " << x << " (0x" << std::hex
-                                                       << BitsOfFloat(x) << ")";
+  ASSERT_EQ(static_cast<double>(half), half_reference)
+      << "fp16 of " << x << " (0x" << std::hex << BitsOfFloat(x) << ")";
   ASSERT_EQ(std::signbit(half), std::signbit(half_reference)) << x;
   const float bfloat = BFloat16ToFloat(FloatToBFloat16(x));
   const double bfloat_reference = ReferenceNarrow(x, kBFloat16);
-  ASSERT_EQ(static_cast<double>(bfloat), bfloat_reference) << "bf16 of " << x << " (0x"
-                                                           << std::hex << BitsOfFloat(x) << ")";
+  ASSERT_EQ(static_cast<double>(bfloat), bfloat_reference)
+      << "bf16 of " << x << " (0x" << std::hex << BitsOfFloat(x) << ")";
   ASSERT_EQ(std::signbit(bfloat), std::signbit(bfloat_reference)) << x;
 }
 
@@ -154,14 +154,14 @@ TEST(DTypeTest, NarrowingMatchesTheReferenceAtTiesAndNeighbours) {
     }
   }
   // Overflow edges, the smallest subnormals, and halfway to zero.
-  for (float x : {65504.f, 65519.f, 65520.f, 65536.f, 1e30f, -65520.f, std::ldexp(1.f, -24),
-                  std::ldexp(1.f, -25), std::ldexp(1.5f, -25), std::ldexp(1.f, -26),
-                  std::ldexp(1.f, -149), std::numeric_limits<float>::max(),
-                  std::numeric_limits<float>::infinity(), -0.f}) {
+  for (float x :
+       {65504.f, 65519.f, 65520.f, 65536.f, 1e30f, -65520.f, std::ldexp(1.f, -24),
+        std::ldexp(1.f, -25), std::ldexp(1.5f, -25), std::ldexp(1.f, -26), std::ldexp(1.f, -149),
+        std::numeric_limits<float>::max(), std::numeric_limits<float>::infinity(), -0.f}) {
     ExpectNarrowsLikeReference(x);
   }
-  EXPECT_EQ(FloatToHalf(65520.f), 0x7c00);                        // the midpoint to 2^16: Inf
-  EXPECT_EQ(FloatToHalf(65519.f), 0x7bff);                        // 65504
+  EXPECT_EQ(FloatToHalf(65520.f), 0x7c00);                         // the midpoint to 2^16: Inf
+  EXPECT_EQ(FloatToHalf(65519.f), 0x7bff);                         // 65504
   EXPECT_EQ(FloatToHalf(1.f + std::ldexp(1.f, -11)), 0x3c00);      // tie to even (down)
   EXPECT_EQ(FloatToHalf(1.f + 3 * std::ldexp(1.f, -11)), 0x3c02);  // tie to even (up)
   EXPECT_EQ(FloatToHalf(std::ldexp(1.f, -25)), 0x0000);            // half the smallest subnormal

@@ -30,7 +30,8 @@ TEST(LayerNamesTest, WireNamesMapBothWays) {
 
 TEST(LayerNamesTest, GradientFieldsAndConfig) {
   v1::WeightGradients gradients;
-  for (Weight weight : kAllWeights) MutableGradientTensor(&gradients, weight)->add_shape(IndexOf(weight));
+  for (Weight weight : kAllWeights)
+    MutableGradientTensor(&gradients, weight)->add_shape(IndexOf(weight));
   for (Weight weight : kAllWeights) {
     // The field named like the module holds the weight's gradient.
     const google::protobuf::FieldDescriptor* field =
@@ -92,7 +93,7 @@ absl::Status ReturnIfError(bool fail, int* reached) {
 absl::StatusOr<int> AssignOrReturn(bool fail_first, bool fail_second) {
   ATTNGRAD_ASSIGN_OR_RETURN(auto first, MakeValue(fail_first, 2));  // move-only, new variable
   std::unique_ptr<int> second;
-  ATTNGRAD_ASSIGN_OR_RETURN(second, MakeValue(fail_second, 3));  // an existing variable
+  ATTNGRAD_ASSIGN_OR_RETURN(second, MakeValue(fail_second, 3));        // an existing variable
   ATTNGRAD_ASSIGN_OR_RETURN(const int third, absl::StatusOr<int>(4));  // twice on one name
   return *first * *second * third;
 }

@@ -106,11 +106,13 @@ TEST(SafetensorsTest, MalformedFilesAreErrorsNotCrashes) {
       {"end past the data", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})",
        eight_bytes},
       {"begin after end", R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", eight_bytes},
-      {"huge offsets", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551608,18446744073709551615]}})",
+      {"huge offsets",
+       R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551608,18446744073709551615]}})",
        eight_bytes},
       {"offsets too big for uint64", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,1e30]}})",
        eight_bytes},
-      {"negative offset", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", eight_bytes},
+      {"negative offset", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})",
+       eight_bytes},
       {"three offsets", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}})", eight_bytes},
       {"bytes != shape x dtype", R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})",
        eight_bytes},
@@ -170,8 +172,8 @@ TEST(SafetensorsTest, HeaderJsonIsReadInFull) {
   EXPECT_EQ(header->metadata.size(), 1u);
   EXPECT_EQ(header->metadata.at("format"), "pt");
   ASSERT_EQ(header->tensors.count("x\"\xc3\xa9\xf0\x9f\x98\x80"), 1u);
-  for (const char* bad : {"", "{", R"({"a":})", "[1,]", R"({"a":1} x)", R"("\q")", "01x",
-                          "[1 2]", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},})"}) {
+  for (const char* bad : {"", "{", R"({"a":})", "[1,]", R"({"a":1} x)", R"("\q")", "01x", "[1 2]",
+                          R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},})"}) {
     EXPECT_EQ(ParseSafetensorsHeader(bad, 4, "memory").status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;
@@ -183,8 +185,10 @@ TEST(SafetensorsTest, ParsesAHeaderInMemory) {
       R"({"a":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", 8, "memory");
   ASSERT_TRUE(header.ok()) << header.status();
   EXPECT_EQ(header->tensors.at("a").end, 8u);
-  absl::Status outside = ParseSafetensorsHeader(
-      R"({"a":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", 7, "memory").status();
+  absl::Status outside =
+      ParseSafetensorsHeader(R"({"a":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", 7,
+                             "memory")
+          .status();
   EXPECT_NE(std::string(outside.message()).find("memory: tensor a: data_offsets [0,8] outside"),
             std::string::npos)
       << outside;
@@ -197,10 +201,10 @@ class ShardedCheckpointTest : public ::testing::Test {
                                  {{"model.embed.weight", {2}, first_},
                                   {"model.layers.0.self_attn.q_proj.weight", {2}, second_}})
                     .ok());
-    ASSERT_TRUE(WriteSafetensors(dir_.File("model-00002-of-00002.safetensors"),
-                                 {{"model.layers.1.self_attn.q_proj.weight", {2}, third_,
-                                   v1::DTYPE_BFLOAT16},
-                                  {"not.in.the.index", {2}, first_}})
+    ASSERT_TRUE(WriteSafetensors(
+                    dir_.File("model-00002-of-00002.safetensors"),
+                    {{"model.layers.1.self_attn.q_proj.weight", {2}, third_, v1::DTYPE_BFLOAT16},
+                     {"not.in.the.index", {2}, first_}})
                     .ok());
   }
   void WriteIndex(const std::string& weight_map) {
@@ -225,10 +229,10 @@ TEST_F(ShardedCheckpointTest, ReadsEveryTensorThroughTheIndex) {
   for (const std::string& path : {dir_.path(), dir_.File("model.safetensors.index.json")}) {
     absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(path);
     ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
-    EXPECT_EQ(checkpoint->TensorNames(),
-              (std::vector<std::string>{"model.embed.weight",
-                                        "model.layers.0.self_attn.q_proj.weight",
-                                        "model.layers.1.self_attn.q_proj.weight"}));
+    EXPECT_EQ(
+        checkpoint->TensorNames(),
+        (std::vector<std::string>{"model.embed.weight", "model.layers.0.self_attn.q_proj.weight",
+                                  "model.layers.1.self_attn.q_proj.weight"}));
     EXPECT_EQ(*checkpoint->ReadFloats("model.embed.weight"), first_);
     EXPECT_EQ(*checkpoint->ReadFloats("model.layers.0.self_attn.q_proj.weight"), second_);
     EXPECT_EQ(*checkpoint->ReadFloats("model.layers.1.self_attn.q_proj.weight"), third_);
@@ -253,20 +257,15 @@ TEST_F(ShardedCheckpointTest, BadIndexesAreErrors) {
   WriteIndex(R"({"model.embed.weight":"model-00003-of-00002.safetensors"})");
   EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(), absl::StatusCode::kNotFound);
   WriteIndex(R"({"model.missing.weight":"model-00001-of-00002.safetensors"})");
-  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(), absl::StatusCode::kInvalidArgument);
   WriteIndex(R"({"model.embed.weight":"../elsewhere.safetensors"})");
-  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(), absl::StatusCode::kInvalidArgument);
   WriteIndex(R"({"model.embed.weight":7})");
-  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(), absl::StatusCode::kInvalidArgument);
   WriteIndex(R"(["not a map"])");
-  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(), absl::StatusCode::kInvalidArgument);
   WriteText(index, R"({"weight_map": {"a": "b",}})");
-  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SafetensorsCheckpoint::Open(index).status().code(), absl::StatusCode::kInvalidArgument);
   TempDir empty;
   EXPECT_EQ(SafetensorsCheckpoint::Open(empty.path()).status().code(), absl::StatusCode::kNotFound);
 }

@@ -12,7 +12,8 @@ namespace attngrad::wire::testing {
 class TempDir {
  public:
   TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "attngrad_wire_XXXXXX").string();
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "attngrad_wire_XXXXXX").string();
     path_ = mkdtemp(pattern.data()) == nullptr ? std::string() : pattern;
   }
   ~TempDir() {

@@ -55,7 +55,8 @@ TEST(TensorTest, RoundTripsInEveryDType) {
   EXPECT_EQ(raw.size(), 2 + 12u);
   std::vector<float> decoded(6);
   ASSERT_TRUE(DecodeToFloat(absl::string_view(raw).substr(2), v1::DTYPE_FLOAT16, "raw",
-                            absl::MakeSpan(decoded)).ok());
+                            absl::MakeSpan(decoded))
+                  .ok());
   EXPECT_EQ(decoded, values);
 }
 
@@ -69,7 +70,8 @@ TEST(TensorTest, CheckTensorErrorsNameTheFieldAndTheExpectedShape) {
   EXPECT_TRUE(Contains(rank, "hidden_states.shape: got [2,4,8] (rank 3), expected [*,8]")) << rank;
 
   absl::Status dimension = CheckTensor(tensor, "grad_output", {2, 4, 16}).status();
-  EXPECT_TRUE(Contains(dimension, "grad_output.shape: got [2,4,8], expected [2,4,16]")) << dimension;
+  EXPECT_TRUE(Contains(dimension, "grad_output.shape: got [2,4,8], expected [2,4,16]"))
+      << dimension;
 
   v1::Tensor zero = MakeTensor({}, {0, 4, 8});
   EXPECT_FALSE(CheckTensor(zero, "x", {-1, 4, 8}).ok());  // "*" means >= 1
@@ -91,8 +93,8 @@ TEST(TensorTest, CheckTensorErrorsNameTheFieldAndTheExpectedShape) {
 
 TEST(TensorTest, DecodeErrors) {
   std::vector<float> out(3);
-  absl::Status size = DecodeToFloat(std::string(10, '\0'), v1::DTYPE_FLOAT32, "chunk",
-                                    absl::MakeSpan(out));
+  absl::Status size =
+      DecodeToFloat(std::string(10, '\0'), v1::DTYPE_FLOAT32, "chunk", absl::MakeSpan(out));
   EXPECT_TRUE(Contains(size, "chunk: got 10 bytes, expected 12")) << size;
   absl::Status dtype = DecodeToFloat(std::string(6, '\0'), 9, "chunk", absl::MakeSpan(out));
   EXPECT_TRUE(Contains(dtype, "chunk.dtype: dtype 9 is not supported")) << dtype;

@@ -34,9 +34,10 @@ TEST_F(ServerBackwardTest, ReturnMatchesBackwardHost) {
   EXPECT_EQ(response.grad_hidden_states().shape(2), config().hidden_size);
   EXPECT_EQ(response.weight_gradients().q_proj().shape(0), config().q_out());
   EXPECT_EQ(response.weight_gradients().o_proj().shape(1), config().q_out());
-  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, Tolerance(1e-5),
-                    "grad_hidden_states"));
-  EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-5), "weight gradient"));
+  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states,
+                    Tolerance(1e-5), "grad_hidden_states"));
+  EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-5),
+                    "weight gradient"));
 }
 
 TEST_F(ServerBackwardTest, PositionsBuildTheSameRotaryTables) {
@@ -59,8 +60,8 @@ TEST_F(ServerBackwardTest, PositionsBuildTheSameRotaryTables) {
   for (const v1::BackwardResponse& response : responses) {
     ASSERT_FALSE(response.has_error()) << response.error().message();
     EXPECT_FALSE(response.has_weight_gradients());  // ACCUMULATE returns only grad_hidden_states
-    EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, Tolerance(1e-4),
-                      "grad_hidden_states from positions"));
+    EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states,
+                      Tolerance(1e-4), "grad_hidden_states from positions"));
   }
 }
 
@@ -84,8 +85,8 @@ TEST_F(ServerBackwardTest, SixteenBitWireDtypes) {
   EXPECT_EQ(response.grad_hidden_states().raw_data().size(), 4u * config().hidden_size * 2);
   EXPECT_EQ(response.weight_gradients().k_norm().dtype(), v1::DTYPE_FLOAT16);
   // fp16 output rounding: relative 2^-11 per element, plus subnormals.
-  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, Tolerance(1e-3),
-                    "grad_hidden_states (fp16)"));
+  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states,
+                    Tolerance(1e-3), "grad_hidden_states (fp16)"));
   EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-3),
                     "weight gradient (fp16)"));
 }
@@ -107,7 +108,8 @@ TEST_F(ServerBackwardTest, ManyBatchesOnOneStreamAreAllAnswered) {
     ASSERT_LT(index, requests.size());
     EXPECT_FALSE(seen[index]);
     seen[index] = true;
-    EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected[index].grad_hidden_states, Tolerance(1e-5), "grad_hidden_states"));
+    EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected[index].grad_hidden_states,
+                      Tolerance(1e-5), "grad_hidden_states"));
   }
 }
 

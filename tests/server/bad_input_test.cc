@@ -39,9 +39,11 @@ TEST_F(ServerBadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
        grpc::StatusCode::INVALID_ARGUMENT, "hidden_states.shape"},
       {"byte count", [](auto& r) { r.mutable_hidden_states()->mutable_raw_data()->resize(100); },
        grpc::StatusCode::INVALID_ARGUMENT, "hidden_states.raw_data"},
-      {"unknown dtype", [](auto& r) { r.mutable_grad_output()->set_dtype(static_cast<v1::DType>(7)); },
+      {"unknown dtype",
+       [](auto& r) { r.mutable_grad_output()->set_dtype(static_cast<v1::DType>(7)); },
        grpc::StatusCode::INVALID_ARGUMENT, "grad_output.dtype"},
-      {"unspecified dtype", [](auto& r) { r.mutable_grad_output()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+      {"unspecified dtype",
+       [](auto& r) { r.mutable_grad_output()->set_dtype(v1::DTYPE_UNSPECIFIED); },
        grpc::StatusCode::INVALID_ARGUMENT, "grad_output.dtype"},
       {"grad_output shape", [](auto& r) { r.mutable_grad_output()->set_shape(1, 3); },
        grpc::StatusCode::INVALID_ARGUMENT, "grad_output.shape"},
@@ -49,19 +51,24 @@ TEST_F(ServerBadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
        grpc::StatusCode::INVALID_ARGUMENT, "rotary_tables.cos.shape"},
       {"missing sin", [](auto& r) { r.mutable_rotary_tables()->clear_sin(); },
        grpc::StatusCode::INVALID_ARGUMENT, "rotary_tables"},
-      {"no rotary", [](auto& r) { r.clear_rotary_tables(); },
-       grpc::StatusCode::INVALID_ARGUMENT, "rotary"},
-      {"position count", [](auto& r) {
+      {"no rotary", [](auto& r) { r.clear_rotary_tables(); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "rotary"},
+      {"position count",
+       [](auto& r) {
          r.mutable_positions()->add_position_ids(0);  // 1 id for S=2
-       }, grpc::StatusCode::INVALID_ARGUMENT, "positions.position_ids"},
-      {"negative theta", [](auto& r) {
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "positions.position_ids"},
+      {"negative theta",
+       [](auto& r) {
          r.mutable_positions()->add_position_ids(0);
          r.mutable_positions()->add_position_ids(1);
          r.mutable_positions()->set_rope_theta(-1);
-       }, grpc::StatusCode::INVALID_ARGUMENT, "positions.rope_theta"},
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "positions.rope_theta"},
       {"NaN scaling", [nan](auto& r) { r.set_scaling(nan); }, grpc::StatusCode::INVALID_ARGUMENT,
        "scaling"},
-      {"infinite eps", [inf](auto& r) { r.set_eps(inf); }, grpc::StatusCode::INVALID_ARGUMENT, "eps"},
+      {"infinite eps", [inf](auto& r) { r.set_eps(inf); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "eps"},
       // softcap <= 0 means "no soft-capping" (issue 15); a non-finite one is refused.
       {"infinite softcap", [inf](auto& r) { r.set_softcap(-inf); },
        grpc::StatusCode::INVALID_ARGUMENT, "softcap"},
@@ -75,35 +82,42 @@ TEST_F(ServerBadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
        grpc::StatusCode::INVALID_ARGUMENT, "precision"},
       {"unknown response dtype", [](auto& r) { r.set_response_dtype(static_cast<v1::DType>(5)); },
        grpc::StatusCode::INVALID_ARGUMENT, "response_dtype"},
-      {"non-finite activation", [nan](auto& r) {
+      {"non-finite activation",
+       [nan](auto& r) {
          std::string& raw = *r.mutable_hidden_states()->mutable_raw_data();
          std::memcpy(raw.data() + 8, &nan, 4);
-       }, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states.raw_data: element 2"},
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "hidden_states.raw_data: element 2"},
       {"weights version", [](auto& r) { r.set_expected_weights_version(5); },
        grpc::StatusCode::FAILED_PRECONDITION, "expected_weights_version"},
       {"unknown window", [](auto& r) { r.set_accumulation_window_id(1); },
        grpc::StatusCode::FAILED_PRECONDITION, "accumulation_window_id"},
-      {"window with RETURN", [](auto& r) {
+      {"window with RETURN",
+       [](auto& r) {
          r.set_mode(v1::GRADIENT_MODE_RETURN);
          r.set_accumulation_window_id(3);
-       }, grpc::StatusCode::INVALID_ARGUMENT, "accumulation_window_id"},
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "accumulation_window_id"},
   };
 
   std::vector<v1::BackwardRequest> requests;
   std::vector<Batch> good_batches;
   for (std::size_t i = 0; i < cases.size(); ++i) {
     const Batch bad = MakeBatch(config(), 1, 2, 900 + i);
-    v1::BackwardRequest request = MakeRequest(config(), bad, 10000 + i, v1::GRADIENT_MODE_ACCUMULATE);
+    v1::BackwardRequest request =
+        MakeRequest(config(), bad, 10000 + i, v1::GRADIENT_MODE_ACCUMULATE);
     cases[i].spoil(request);
     requests.push_back(request);
     good_batches.push_back(MakeBatch(config(), 1, 2, 2000 + i));
-    requests.push_back(MakeRequest(config(), good_batches.back(), 20000 + i, v1::GRADIENT_MODE_ACCUMULATE));
+    requests.push_back(
+        MakeRequest(config(), good_batches.back(), 20000 + i, v1::GRADIENT_MODE_ACCUMULATE));
   }
   // Too many tokens for --max_batch_tokens=32: B=3, S=16.
   const Batch big = MakeBatch(config(), 3, 16, 3000);
   requests.push_back(MakeRequest(config(), big, 30000, v1::GRADIENT_MODE_ACCUMULATE));
   good_batches.push_back(MakeBatch(config(), 1, 2, 3001));
-  requests.push_back(MakeRequest(config(), good_batches.back(), 30001, v1::GRADIENT_MODE_ACCUMULATE));
+  requests.push_back(
+      MakeRequest(config(), good_batches.back(), 30001, v1::GRADIENT_MODE_ACCUMULATE));
   (void)hidden;
 
   const std::vector<v1::BackwardResponse> responses = RunStream(stub(), requests);

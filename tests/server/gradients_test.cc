@@ -35,7 +35,8 @@ class ServerGradientsTest : public ServerTest {
 TEST_F(ServerGradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
   constexpr int kStreams = 3, kPerStream = 2;
   std::vector<Batch> batches;
-  for (int i = 0; i < kStreams * kPerStream; ++i) batches.push_back(MakeBatch(config(), 1, 3, 500 + i));
+  for (int i = 0; i < kStreams * kPerStream; ++i)
+    batches.push_back(MakeBatch(config(), 1, 3, 500 + i));
   std::vector<std::thread> threads;
   std::vector<std::vector<v1::BackwardResponse>> responses(kStreams);
   for (int s = 0; s < kStreams; ++s) {
@@ -44,7 +45,8 @@ TEST_F(ServerGradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
       std::vector<v1::BackwardRequest> requests;
       for (int k = 0; k < kPerStream; ++k) {
         const int index = s * kPerStream + k;
-        requests.push_back(MakeRequest(config(), batches[index], index, v1::GRADIENT_MODE_ACCUMULATE));
+        requests.push_back(
+            MakeRequest(config(), batches[index], index, v1::GRADIENT_MODE_ACCUMULATE));
       }
       responses[s] = RunStream(*stub, requests);
     });
@@ -61,7 +63,8 @@ TEST_F(ServerGradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
     }
   }
   // The reference: the RETURN gradients of one batch through the server equal BackwardHost
-  // (ServerBackwardTest), so the sum of BackwardHost's is the sum of RETURN gradients; check one here too.
+  // (ServerBackwardTest), so the sum of BackwardHost's is the sum of RETURN gradients; check one
+  // here too.
   const v1::BackwardResponse returned =
       RunOne(stub(), MakeRequest(config(), batches[0], 99, v1::GRADIENT_MODE_RETURN));
   ASSERT_FALSE(returned.has_error());
@@ -85,7 +88,8 @@ TEST_F(ServerGradientsTest, AccumulateFromConcurrentStreamsEqualsSumOfReturn) {
 TEST_F(ServerGradientsTest, RetriedBatchIdIsAnsweredButNotCountedTwice) {
   const Batch batch = MakeBatch(config(), 1, 4, 600);
   const Batch other = MakeBatch(config(), 1, 4, 601);
-  const v1::BackwardRequest request = MakeRequest(config(), batch, 77, v1::GRADIENT_MODE_ACCUMULATE);
+  const v1::BackwardRequest request =
+      MakeRequest(config(), batch, 77, v1::GRADIENT_MODE_ACCUMULATE);
   const v1::BackwardResponse first = RunOne(stub(), request);
   const v1::BackwardResponse again = RunOne(stub(), request);  // a retry on a new stream
   ASSERT_FALSE(first.has_error());
@@ -93,14 +97,16 @@ TEST_F(ServerGradientsTest, RetriedBatchIdIsAnsweredButNotCountedTwice) {
   EXPECT_FALSE(first.duplicate());
   EXPECT_TRUE(again.duplicate());
   EXPECT_EQ(first.accumulation_window_id(), again.accumulation_window_id());
-  EXPECT_TRUE(Close(ToFloats(again.grad_hidden_states()), ToFloats(first.grad_hidden_states()), Tolerance(0),
-                    "retried grad_hidden_states"));
+  EXPECT_TRUE(Close(ToFloats(again.grad_hidden_states()), ToFloats(first.grad_hidden_states()),
+                    Tolerance(0), "retried grad_hidden_states"));
   // A different batch with another id counts.
-  ASSERT_FALSE(RunOne(stub(), MakeRequest(config(), other, 78, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
+  ASSERT_FALSE(
+      RunOne(stub(), MakeRequest(config(), other, 78, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
   const Fetched fetched = FetchAll(/*zero=*/true);
   ASSERT_TRUE(fetched.status.ok());
   EXPECT_EQ(fetched.state.batches(), 2);
-  EXPECT_TRUE(Close(fetched.gradients, SumOfReferences({batch, other}), Tolerance(1e-5), "deduplicated sum"));
+  EXPECT_TRUE(Close(fetched.gradients, SumOfReferences({batch, other}), Tolerance(1e-5),
+                    "deduplicated sum"));
   // In the next window the same id counts again.
   const v1::BackwardResponse next_window = RunOne(stub(), request);
   EXPECT_FALSE(next_window.duplicate());
@@ -135,7 +141,8 @@ TEST_F(ServerGradientsTest, FetchAndZeroStartsANewWindow) {
   ASSERT_TRUE(after.status.ok());
   EXPECT_EQ(after.state.window_id(), window + 1);
   EXPECT_EQ(after.state.batches(), 0);
-  EXPECT_TRUE(Close(after.gradients, ZeroWeights<std::vector<float>>(config()), Tolerance(0), "zeroed"));
+  EXPECT_TRUE(
+      Close(after.gradients, ZeroWeights<std::vector<float>>(config()), Tolerance(0), "zeroed"));
 
   // Naming the old window is refused, in-band, and nothing is added.
   v1::BackwardRequest stale = MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE);
@@ -169,7 +176,8 @@ TEST_F(ServerGradientsTest, FetchAndZeroStartsANewWindow) {
   EXPECT_EQ(zeroed.current().batches(), 0);
   const Fetched empty = FetchAll(/*zero=*/false);
   EXPECT_EQ(empty.state.batches(), 0);
-  EXPECT_TRUE(Close(empty.gradients, ZeroWeights<std::vector<float>>(config()), Tolerance(0), "after ZeroGradients"));
+  EXPECT_TRUE(Close(empty.gradients, ZeroWeights<std::vector<float>>(config()), Tolerance(0),
+                    "after ZeroGradients"));
 }
 
 TEST_F(ServerGradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {
@@ -195,7 +203,8 @@ TEST_F(ServerGradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {
   ASSERT_GE(taken, 1);
   ASSERT_LE(taken, 4);
   EXPECT_TRUE(Close(partial.gradients,
-                    SumOfReferences(std::vector<Batch>(batches.begin(), batches.begin() + taken)), Tolerance(1e-5), "after cancel"));
+                    SumOfReferences(std::vector<Batch>(batches.begin(), batches.begin() + taken)),
+                    Tolerance(1e-5), "after cancel"));
   // The client retries everything: what was taken is a duplicate, the rest is added.
   const std::vector<v1::BackwardResponse> retried = RunStream(stub(), requests);
   ASSERT_EQ(retried.size(), 4u);

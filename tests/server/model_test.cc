@@ -1,7 +1,7 @@
-// A whole checkpoint in one server (issue 16, item 1), on the CPU backend: a tiny Gemma-3-like model
-// directory written here (config.json with a text_config, four layers alternating sliding and full
-// attention, head_dim 32, a multimodal tensor prefix, bf16 weights in two shards with an index)
-// served with --weights=DIR; layer-addressed batches against BackwardHost with each layer's
+// A whole checkpoint in one server (issue 16, item 1), on the CPU backend: a tiny Gemma-3-like
+// model directory written here (config.json with a text_config, four layers alternating sliding and
+// full attention, head_dim 32, a multimodal tensor prefix, bf16 weights in two shards with an
+// index) served with --weights=DIR; layer-addressed batches against BackwardHost with each layer's
 // config.json settings (window, RoPE base and linear scaling, scaling, no soft-cap); per-layer
 // accumulation, windows and a fetch of several layers; GetModelInfo's layer list; unknown layers;
 // per-layer weight versions; and --weights=random --model=gemma-3-270m --layers=0-1.
@@ -283,15 +283,15 @@ TEST_F(ModelDirectoryTest, LayerAddressedBatchesMatchTheReference) {
     SCOPED_TRACE(absl::StrCat("layer ", layer));
     ASSERT_FALSE(response.has_error()) << response.error().message();
     EXPECT_EQ(response.layer(), layer);
-    const Gradients expected =
-        TinyReference(layers_[static_cast<std::size_t>(layer)], batches[static_cast<std::size_t>(layer)], layer);
+    const Gradients expected = TinyReference(layers_[static_cast<std::size_t>(layer)],
+                                             batches[static_cast<std::size_t>(layer)], layer);
     EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, 1e-5,
                       "grad_hidden_states"));
     EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, 1e-5, "weights"));
   }
   // The window and the layer's RoPE made a difference: full attention with the local base differs.
-  const Gradients unwindowed = LayerReference(layers_[0], batches[0], kLocalTheta, 1.0,
-                                              TinyScalars(/*a full layer*/ 1));
+  const Gradients unwindowed =
+      LayerReference(layers_[0], batches[0], kLocalTheta, 1.0, TinyScalars(/*a full layer*/ 1));
   const Gradients windowed = TinyReference(layers_[0], batches[0], 0);
   EXPECT_FALSE(Close(unwindowed.grad_hidden_states, windowed.grad_hidden_states, 1e-3, "window"));
 }
@@ -315,18 +315,18 @@ TEST_F(ModelDirectoryTest, RequestOverridesWindowAndScalars) {
   const v1::BackwardResponse uncapped = RunOne(stub(), request);
   ASSERT_FALSE(uncapped.has_error()) << uncapped.error().message();
   const Gradients plain = TinyReference(layers_[2], batch, 2);
-  EXPECT_TRUE(Close(ToFloats(uncapped.grad_hidden_states()), plain.grad_hidden_states, 1e-5,
-                    "softcap -1"));
+  EXPECT_TRUE(
+      Close(ToFloats(uncapped.grad_hidden_states()), plain.grad_hidden_states, 1e-5, "softcap -1"));
 }
 
 TEST_F(ModelDirectoryTest, AccumulatesPerLayerAndFetchesSeveralLayers) {
   const Batch a = MakeBatch(TinyConfig(), 1, 6, 1), b = MakeBatch(TinyConfig(), 2, 5, 2),
               c = MakeBatch(TinyConfig(), 1, 7, 3);
   // The same batch id in two layers: windows are per layer, so both count.
-  const std::vector<v1::BackwardResponse> responses = RunStream(
-      stub(), {LayerRequest(TinyConfig(), a, 1, 10, v1::GRADIENT_MODE_ACCUMULATE),
-               LayerRequest(TinyConfig(), b, 1, 11, v1::GRADIENT_MODE_ACCUMULATE),
-               LayerRequest(TinyConfig(), c, 3, 10, v1::GRADIENT_MODE_ACCUMULATE)});
+  const std::vector<v1::BackwardResponse> responses =
+      RunStream(stub(), {LayerRequest(TinyConfig(), a, 1, 10, v1::GRADIENT_MODE_ACCUMULATE),
+                         LayerRequest(TinyConfig(), b, 1, 11, v1::GRADIENT_MODE_ACCUMULATE),
+                         LayerRequest(TinyConfig(), c, 3, 10, v1::GRADIENT_MODE_ACCUMULATE)});
   ASSERT_EQ(responses.size(), 3u);
   for (const v1::BackwardResponse& response : responses) {
     ASSERT_FALSE(response.has_error()) << response.error().message();
@@ -443,8 +443,7 @@ TEST_F(ModelDirectoryTest, LoadWeightsReplacesOneLayerAndBumpsItsVersion) {
   ASSERT_FALSE(response.has_error()) << response.error().message();
   EXPECT_EQ(response.weights_version(), 2u);
   EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()),
-                    TinyReference(replacement, batch, 2).grad_hidden_states, 1e-5,
-                    "new weights"));
+                    TinyReference(replacement, batch, 2).grad_hidden_states, 1e-5, "new weights"));
 }
 
 TEST(ModelConfigTest, LayerTypesOverrideThePattern) {
@@ -519,8 +518,7 @@ TEST_F(RandomModelTest, ServesTheRangeOfGemma3_270m) {
       RunOne(stub(), LayerRequest(model->layer, batch, 5, 2, v1::GRADIENT_MODE_RETURN));
   ASSERT_TRUE(missing.has_error());
   EXPECT_EQ(missing.error().code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
-  EXPECT_NE(missing.error().message().find("0-1"), std::string::npos)
-      << missing.error().message();
+  EXPECT_NE(missing.error().message().find("0-1"), std::string::npos) << missing.error().message();
 }
 
 }  // namespace

@@ -15,7 +15,6 @@
 namespace attngrad::server::testing {
 namespace {
 
-
 // The value of the sample `series` (name{labels}) in a scrape, 0 when absent.
 double Sample(const std::string& text, const std::string& series) {
   const std::size_t at = text.find("\n" + series + " ");
@@ -146,8 +145,8 @@ TEST_F(ServerNcclSumTest, FetchSumsBothDevicesWithNccl) {
       const double ref = reference[w][j];
       if (!(std::fabs(got[j] - ref) <= 1e-5 * scale + 1e-3 * std::fabs(ref))) ++misses;
     }
-    EXPECT_LE(misses, got.size() / 100) << WeightModuleName(w) << ": " << misses << " of "
-                                        << got.size() << " elements off";
+    EXPECT_LE(misses, got.size() / 100)
+        << WeightModuleName(w) << ": " << misses << " of " << got.size() << " elements off";
   }
 
   // Deterministic: the same accumulators give a bit-equal sum.

@@ -62,7 +62,8 @@ class Certificates {
     const std::string script = absl::StrCat(
         "set -e; cd '", d, "'\n",
         "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out \"$1\"; }\n",
-        "key ca.key; openssl req -x509 -new -key ca.key -out ca.pem -days 2 -subj /CN=attngrad-test-ca\n",
+        "key ca.key; openssl req -x509 -new -key ca.key -out ca.pem -days 2 -subj "
+        "/CN=attngrad-test-ca\n",
         "key other-ca.key; openssl req -x509 -new -key other-ca.key -out other-ca.pem -days 2 "
         "-subj /CN=attngrad-other-ca\n",
         "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext\n",
@@ -76,7 +77,8 @@ class Certificates {
         "key renewed.key; openssl req -new -key renewed.key -out renewed.csr -subj /CN=localhost\n",
         "openssl x509 -req -in renewed.csr -CA other-ca.pem -CAkey other-ca.key -CAcreateserial "
         "-out renewed.pem -days 2 -extfile server.ext\n",
-        "key stranger.key; openssl req -new -key stranger.key -out stranger.csr -subj /CN=stranger\n",
+        "key stranger.key; openssl req -new -key stranger.key -out stranger.csr -subj "
+        "/CN=stranger\n",
         "openssl x509 -req -in stranger.csr -CA other-ca.pem -CAkey other-ca.key -CAcreateserial "
         "-out stranger.pem -days 2 -extfile client.ext\n");
     WriteFile(d + "/make.sh", script);
@@ -419,7 +421,8 @@ TEST_F(TokenTest, AdminsLoadWeightsZeroAndAddressAnyWindow) {
   ASSERT_TRUE(taken.status.ok()) << taken.status.error_message();
   EXPECT_EQ(taken.state.batches(), 1);
   const Gradients reference = Reference(*weights_, batch);
-  EXPECT_TRUE(Close(taken.gradients, reference.weights, 1e-4, "trainer-a's sums, fetched by admin"));
+  EXPECT_TRUE(
+      Close(taken.gradients, reference.weights, 1e-4, "trainer-a's sums, fetched by admin"));
   EXPECT_EQ(FetchWindow(*stub, {kTrainerToken}, false).state.batches(), 0);
   grpc::ClientContext zero_context;
   Decorate(zero_context, {kAdminToken, "", "trainer-b"});
@@ -574,7 +577,8 @@ TEST_F(StreamShareTest, OneClientsIdleStreamsDoNotLockOthersOut) {
   // Another client still gets a stream and its batch computed.
   Batch batch;
   v1::BackwardResponse response;
-  const grpc::Status other = RunBackward(*stub, {"", "patient"}, Accumulate(1, 51, &batch), &response);
+  const grpc::Status other =
+      RunBackward(*stub, {"", "patient"}, Accumulate(1, 51, &batch), &response);
   EXPECT_TRUE(other.ok()) << other.error_message();
   EXPECT_FALSE(response.has_error());
 }
@@ -625,10 +629,11 @@ TEST(AuthenticatorTest, ReadsTokensRolesAndClientIds) {
             absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE(Authorize(*caller, Operation::kBackward, "Backward").ok());
 
-  for (const char* bad : {"short trainer\n", "abcdefghijklmnopqrstuvwxyz root\n",
-                          "abcdefghijklmnopqrstuvwxyz\n", "abcdefghijklmnopqrstuvwxyz trainer bad/id\n",
-                          "abcdefghijklmnopqrstuvwxyz trainer\nabcdefghijklmnopqrstuvwxyz admin\n",
-                          "# only a comment\n"}) {
+  for (const char* bad :
+       {"short trainer\n", "abcdefghijklmnopqrstuvwxyz root\n", "abcdefghijklmnopqrstuvwxyz\n",
+        "abcdefghijklmnopqrstuvwxyz trainer bad/id\n",
+        "abcdefghijklmnopqrstuvwxyz trainer\nabcdefghijklmnopqrstuvwxyz admin\n",
+        "# only a comment\n"}) {
     absl::StatusOr<Authenticator> refused = Authenticator::FromText(bad, "test");
     EXPECT_FALSE(refused.ok()) << bad;
     if (!refused.ok()) {

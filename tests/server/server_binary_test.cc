@@ -25,7 +25,8 @@ int RunServer(const std::vector<std::string>& arguments, bool send_sigterm, std:
     close(pipe_fds[0]);
     std::vector<char*> argv;
     argv.push_back(const_cast<char*>(ATTNGRAD_SERVER_BINARY));
-    for (const std::string& argument : arguments) argv.push_back(const_cast<char*>(argument.c_str()));
+    for (const std::string& argument : arguments)
+      argv.push_back(const_cast<char*>(argument.c_str()));
     argv.push_back(nullptr);
     execv(ATTNGRAD_SERVER_BINARY, argv.data());
     _exit(127);
@@ -59,7 +60,8 @@ TEST(ServerBinaryTest, SigtermExitsZero) {
 
 TEST(ServerBinaryTest, BadFlagsFailWithAMessage) {
   std::string log;
-  EXPECT_NE(RunServer({"--listen=127.0.0.1:0", "--metrics_listen=", "--devices=7"}, false, &log), 0);
+  EXPECT_NE(RunServer({"--listen=127.0.0.1:0", "--metrics_listen=", "--devices=7"}, false, &log),
+            0);
   EXPECT_NE(log.find("--devices"), std::string::npos) << log;
   log.clear();
   EXPECT_NE(RunServer({"--listen=127.0.0.1:0", "--metrics_listen=", "--devices=cpu",

@@ -51,7 +51,8 @@ std::vector<float> ToFloats(const v1::Tensor& tensor) {
   const std::size_t size = wire::DTypeSize(tensor.dtype());
   std::vector<float> values(size == 0 ? 0 : tensor.raw_data().size() / size);
   EXPECT_TRUE(
-      wire::DecodeToFloat(tensor.raw_data(), tensor.dtype(), "tensor", absl::MakeSpan(values)).ok());
+      wire::DecodeToFloat(tensor.raw_data(), tensor.dtype(), "tensor", absl::MakeSpan(values))
+          .ok());
   return values;
 }
 
@@ -101,12 +102,13 @@ LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response) {
                                  const std::vector<float>& expected, double relative,
                                  const std::string& what) {
   if (actual.size() != expected.size()) {
-    return ::testing::AssertionFailure() << what << ": " << actual.size() << " elements, expected "
-                                         << expected.size();
+    return ::testing::AssertionFailure()
+           << what << ": " << actual.size() << " elements, expected " << expected.size();
   }
   double scale = 0, worst = 0;
   std::size_t worst_index = 0;
-  for (std::size_t i = 0; i < expected.size(); ++i) scale = std::max(scale, std::fabs(double(expected[i])));
+  for (std::size_t i = 0; i < expected.size(); ++i)
+    scale = std::max(scale, std::fabs(double(expected[i])));
   for (std::size_t i = 0; i < expected.size(); ++i) {
     const double diff = std::fabs(double(actual[i]) - double(expected[i]));
     if (!(diff <= worst)) {  // also catches NaN
@@ -248,9 +250,9 @@ std::unique_ptr<v1::AttentionGradient::Stub> ServerTest::NewStub() {
   arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   arguments.SetMaxReceiveMessageSize(-1);
   arguments.SetMaxSendMessageSize(-1);
-  return v1::AttentionGradient::NewStub(grpc::CreateCustomChannel(
-      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials(),
-      arguments));
+  return v1::AttentionGradient::NewStub(
+      grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                grpc::InsecureChannelCredentials(), arguments));
 }
 
 std::string HttpGet(int port, const std::string& path) {

@@ -51,7 +51,8 @@ TEST_F(ServerServiceTest, HealthCheckAndReflection) {
   grpc::GenericStub generic(channel());
   grpc::CompletionQueue queue;
   grpc::ClientContext context;
-  auto call = generic.PrepareCall(&context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &queue);
+  auto call = generic.PrepareCall(
+      &context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &queue);
   auto wait = [&queue](std::intptr_t expected) {
     void* tag;
     bool ok;
@@ -74,7 +75,8 @@ TEST_F(ServerServiceTest, HealthCheckAndReflection) {
   std::vector<grpc::Slice> slices;
   ASSERT_TRUE(reply.Dump(&slices).ok());
   std::string text;
-  for (const grpc::Slice& part : slices) text.append(reinterpret_cast<const char*>(part.begin()), part.size());
+  for (const grpc::Slice& part : slices)
+    text.append(reinterpret_cast<const char*>(part.begin()), part.size());
   EXPECT_NE(text.find("attngrad.v1.AttentionGradient"), std::string::npos);
   EXPECT_NE(text.find("grpc.health.v1.Health"), std::string::npos);
   grpc::Status status;
@@ -92,7 +94,8 @@ TEST_F(ServerServiceTest, MetricsAreExported) {
   if (TestOnGpu()) GTEST_SKIP() << "expects the CPU backend's device label";
   ASSERT_GT(server().metrics_port(), 0);
   const Batch batch = MakeBatch(config(), 1, 2, 1300);
-  ASSERT_FALSE(RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
+  ASSERT_FALSE(
+      RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
   v1::BackwardRequest bad = MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE);
   bad.clear_grad_output();
   ASSERT_TRUE(RunOne(stub(), bad).has_error());
@@ -151,7 +154,8 @@ TEST_F(ServerStreamLimitTest, StreamsBeyondTheLimitAreRefused) {
   open->WritesDone();
   EXPECT_TRUE(open->Finish().ok());
   // Once the first stream is done, a new one is accepted.
-  EXPECT_FALSE(RunOne(*other_stub, MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
+  EXPECT_FALSE(RunOne(*other_stub, MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE))
+                   .has_error());
 }
 
 TEST_F(ServerServiceTest, ShutdownFinishesTheBatchInFlight) {

@@ -37,8 +37,8 @@ grpc::Status Upload(v1::AttentionGradient::Stub& stub, const LayerWeights& weigh
         for (std::int64_t dim : shape) chunk.add_shape(dim);
       }
       const std::size_t count = std::min(chunk_elements, values.size() - offset);
-      wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset, count),
-                            v1::DTYPE_FLOAT32, chunk.mutable_data());
+      wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset, count), v1::DTYPE_FLOAT32,
+                            chunk.mutable_data());
       if (!writer->Write(chunk)) return writer->Finish();
     }
   }
@@ -51,7 +51,8 @@ class ServerLoadWeightsTest : public ServerTest {};
 TEST_F(ServerLoadWeightsTest, UploadBumpsTheVersionAndIsUsed) {
   const Batch batch = MakeBatch(config(), 1, 3, 1100);
   // A window with batches of version 1.
-  ASSERT_FALSE(RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
+  ASSERT_FALSE(
+      RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
 
   const LayerWeights replacement = RandomLayerWeights(config(), 12);
   v1::LoadWeightsResponse loaded;
@@ -74,9 +75,10 @@ TEST_F(ServerLoadWeightsTest, UploadBumpsTheVersionAndIsUsed) {
   ASSERT_FALSE(response.has_error()) << response.error().message();
   EXPECT_EQ(response.weights_version(), 2u);
   const Gradients expected = Reference(replacement, batch);
-  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, Tolerance(1e-5),
-                    "grad_hidden_states with uploaded weights"));
-  EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-5), "uploaded"));
+  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states,
+                    Tolerance(1e-5), "grad_hidden_states with uploaded weights"));
+  EXPECT_TRUE(
+      Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-5), "uploaded"));
 
   // The window holds version-1 gradients: accumulating against version 2 is refused until zeroed.
   response = RunOne(stub(), MakeRequest(config(), batch, 3, v1::GRADIENT_MODE_ACCUMULATE));
@@ -104,18 +106,21 @@ TEST_F(ServerLoadWeightsTest, BadUploadsChangeNothing) {
   small.values = ZeroWeights<std::vector<float>>(config());
   v1::LoadWeightsResponse response;
   // A weight missing.
-  grpc::Status status = Upload(stub(), small, 0, &response, 1 << 20, /*skip_weight=*/Weight::kKNorm);
+  grpc::Status status =
+      Upload(stub(), small, 0, &response, 1 << 20, /*skip_weight=*/Weight::kKNorm);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("k_norm"), std::string::npos) << status.error_message();
   // A wrong shape.
   status = Upload(stub(), small, 0, &response, 1 << 20, std::nullopt, {3, 3});
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(status.error_message().find("q_proj.shape"), std::string::npos) << status.error_message();
+  EXPECT_NE(status.error_message().find("q_proj.shape"), std::string::npos)
+      << status.error_message();
   // A non-finite value.
   small.values[Weight::kVProj][5] = std::numeric_limits<float>::infinity();
   status = Upload(stub(), small, 0, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(status.error_message().find("v_proj.data"), std::string::npos) << status.error_message();
+  EXPECT_NE(status.error_message().find("v_proj.data"), std::string::npos)
+      << status.error_message();
   // An unknown weight name.
   {
     grpc::ClientContext context;
@@ -166,22 +171,28 @@ class ServerSafetensorsTest : public ServerTest {
     small_.num_heads = 4;
     small_.num_kv_heads = 2;
     small_.head_dim = 16;
-    path_ = ::testing::TempDir() + "attngrad_server_test_" + std::to_string(::getpid()) + ".safetensors";
+    path_ = ::testing::TempDir() + "attngrad_server_test_" + std::to_string(::getpid()) +
+            ".safetensors";
     const LayerWeights layer3 = RandomLayerWeights(small_, 31);
     const LayerWeights layer2 = RandomLayerWeights(small_, 32);
     const v1::DType dtypes[kNumWeights] = {v1::DTYPE_FLOAT32,  v1::DTYPE_BFLOAT16,
                                            v1::DTYPE_FLOAT16,  v1::DTYPE_FLOAT32,
                                            v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT16};
-    for (const auto& [layer, weights] : {std::pair<int, const LayerWeights*>{2, &layer2}, {kLayer, &layer3}}) {
+    for (const auto& [layer, weights] :
+         {std::pair<int, const LayerWeights*>{2, &layer2}, {kLayer, &layer3}}) {
       for (Weight i : kAllWeights) {
-        tensors_.push_back(StoredTensor{
-            absl::StrCat("language_model.model.layers.", layer, ".self_attn.", WeightModuleName(i), ".weight"),
-            dtypes[IndexOf(i)], WeightShape(small_, i), weights->values[i]});
+        tensors_.push_back(StoredTensor{absl::StrCat("language_model.model.layers.", layer,
+                                                     ".self_attn.", WeightModuleName(i), ".weight"),
+                                        dtypes[IndexOf(i)], WeightShape(small_, i),
+                                        weights->values[i]});
       }
     }
     // A vision-tower layer with the same suffix shape must not be picked up.
-    tensors_.push_back(StoredTensor{"vision_tower.vision_model.encoder.layers.3.self_attn.q_proj.weight",
-                                    v1::DTYPE_FLOAT32, {4, 4}, std::vector<float>(16, 1.f)});
+    tensors_.push_back(
+        StoredTensor{"vision_tower.vision_model.encoder.layers.3.self_attn.q_proj.weight",
+                     v1::DTYPE_FLOAT32,
+                     {4, 4},
+                     std::vector<float>(16, 1.f)});
     WriteSafetensors(path_, tensors_);
     expected_.config = small_;
     for (Weight i : kAllWeights) expected_.values[i] = tensors_[kNumWeights + IndexOf(i)].values;
@@ -216,14 +227,16 @@ TEST_F(ServerSafetensorsTest, ServesTheChosenLayer) {
   const v1::BackwardResponse response =
       RunOne(stub(), MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_RETURN));
   ASSERT_FALSE(response.has_error()) << response.error().message();
-  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, Tolerance(1e-5),
-                    "grad_hidden_states"));
-  EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-5), "weights"));
+  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states,
+                    Tolerance(1e-5), "grad_hidden_states"));
+  EXPECT_TRUE(
+      Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-5), "weights"));
 }
 
 TEST_F(ServerSafetensorsTest, LoaderReadsShardsAndReportsProblems) {
   // The same layer through a sharded index.
-  const std::string index = ::testing::TempDir() + "attngrad_index_" + std::to_string(::getpid()) + ".json";
+  const std::string index =
+      ::testing::TempDir() + "attngrad_index_" + std::to_string(::getpid()) + ".json";
   {
     std::ofstream file(index);
     file << "{\"metadata\":{\"total_size\":1},\"weight_map\":{";
@@ -240,7 +253,8 @@ TEST_F(ServerSafetensorsTest, LoaderReadsShardsAndReportsProblems) {
 
   absl::StatusOr<LayerWeights> missing = LoadSafetensorsLayer(path_, 7);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_NE(missing.status().message().find("model.layers.7.self_attn.q_proj.weight"), std::string::npos)
+  EXPECT_NE(missing.status().message().find("model.layers.7.self_attn.q_proj.weight"),
+            std::string::npos)
       << missing.status();
 
   // A truncated file and a corrupt header.

@@ -1,9 +1,9 @@
-// attngrad::Client: the C++ client of the attngrad.v1.AttentionGradient service, for trainers written
-// in C++. It hides the bidirectional Backward stream (batches are matched to responses by batch_id),
-// splits a batch along B when it exceeds the server's limits (and reassembles the answer), assembles
-// the chunked gradient and weight transfers, retries idempotent calls with backoff, puts a deadline on
-// every call, and turns a server restart (a changed server_instance_id) into an ABORTED error instead
-// of silently mixing two servers' state.
+// attngrad::Client: the C++ client of the attngrad.v1.AttentionGradient service, for trainers
+// written in C++. It hides the bidirectional Backward stream (batches are matched to responses by
+// batch_id), splits a batch along B when it exceeds the server's limits (and reassembles the
+// answer), assembles the chunked gradient and weight transfers, retries idempotent calls with
+// backoff, puts a deadline on every call, and turns a server restart (a changed server_instance_id)
+// into an ABORTED error instead of silently mixing two servers' state.
 //
 // Thread safety: a Client may be shared by any number of threads; a BackwardStream is used by one
 // thread at a time (Submit and Next/Await may be called from two different threads).
@@ -95,12 +95,12 @@ using WeightSet = PerWeight<HostTensor>;
 // One batch for the Backward stream. The spans are read during Submit/Backward only (the data is
 // serialised before the call returns), so they may point into the caller's buffers.
 struct BackwardBatch {
-  int64_t batch = 0;    // B
-  int64_t seq_len = 0;  // S
+  int64_t batch = 0;                      // B
+  int64_t seq_len = 0;                    // S
   absl::Span<const float> hidden_states;  // [B,S,hidden]
   absl::Span<const float> grad_output;    // [B,S,hidden]
-  // Rotary inputs: cos/sin tables [B,S,head_dim], or (when both are empty) position ids from which the
-  // server builds them: B*S values, S values shared by every sequence, or none for 0..S-1.
+  // Rotary inputs: cos/sin tables [B,S,head_dim], or (when both are empty) position ids from which
+  // the server builds them: B*S values, S values shared by every sequence, or none for 0..S-1.
   absl::Span<const float> cos;
   absl::Span<const float> sin;
   std::vector<int64_t> position_ids;
@@ -116,11 +116,11 @@ struct BackwardBatch {
   v1::GradientMode mode = v1::GRADIENT_MODE_RETURN;
   v1::Precision precision = v1::PRECISION_UNSPECIFIED;
   // 0: the client picks a unique id. Caller-chosen ids must be below 2^63 (ids with the top bit set
-  // name the parts of a split batch). Reusing an id in ACCUMULATE mode within one window is a retry:
-  // the server answers it again and does not add it twice.
+  // name the parts of a split batch). Reusing an id in ACCUMULATE mode within one window is a
+  // retry: the server answers it again and does not add it twice.
   uint64_t batch_id = 0;
-  uint64_t expected_weights_version = 0;  // 0 = any
-  uint64_t accumulation_window_id = 0;    // ACCUMULATE: 0 = the current window
+  uint64_t expected_weights_version = 0;             // 0 = any
+  uint64_t accumulation_window_id = 0;               // ACCUMULATE: 0 = the current window
   v1::DType response_dtype = v1::DTYPE_UNSPECIFIED;  // wire dtype of the answer; results are fp32
 };
 
@@ -130,17 +130,17 @@ struct BackwardResult {
   // OK, or why this batch failed (the server's code and message). Only BackwardStream::Next returns
   // failed batches as results; every other call returns the failure as its status.
   absl::Status status;
-  std::vector<int64_t> shape;             // [B,S,hidden]
-  std::vector<float> grad_hidden_states;  // [B,S,hidden]
+  std::vector<int64_t> shape;                 // [B,S,hidden]
+  std::vector<float> grad_hidden_states;      // [B,S,hidden]
   std::optional<WeightSet> weight_gradients;  // RETURN mode: summed over the parts
   uint64_t weights_version = 0;
   int layer = 0;                        // the decoder layer the server computed
   uint64_t accumulation_window_id = 0;  // ACCUMULATE mode
-  bool duplicate = false;  // ACCUMULATE mode: some part was already accumulated in this window
-  std::string device;      // the device(s) that computed it, e.g. "cpu" or "cuda:0,cuda:1"
-  int parts = 1;           // how many requests the batch was split into
-  v1::StageTimings timings;  // the server's stage times, summed over the parts
-  absl::Duration latency;    // from Submit to the last part's answer, as the client saw it
+  bool duplicate = false;      // ACCUMULATE mode: some part was already accumulated in this window
+  std::string device;          // the device(s) that computed it, e.g. "cpu" or "cuda:0,cuda:1"
+  int parts = 1;               // how many requests the batch was split into
+  v1::StageTimings timings;    // the server's stage times, summed over the parts
+  absl::Duration latency;      // from Submit to the last part's answer, as the client saw it
   int64_t request_bytes = 0;   // serialised request sizes, summed over the parts
   int64_t response_bytes = 0;  // serialised response sizes, summed over the parts
 };
@@ -167,8 +167,8 @@ absl::string_view HealthStatusName(HealthStatus status);
 class Client;
 
 // A Backward session: one bidirectional stream with many batches in flight. Submit sends a batch
-// (split as needed) and returns its id; Next returns batches in the order they complete; Await waits
-// for one id. Destroying an unfinished stream cancels it.
+// (split as needed) and returns its id; Next returns batches in the order they complete; Await
+// waits for one id. Destroying an unfinished stream cancels it.
 class BackwardStream {
  public:
   ~BackwardStream();
@@ -180,8 +180,8 @@ class BackwardStream {
   // split to fit the server's limits.
   absl::StatusOr<uint64_t> Submit(const BackwardBatch& batch);
 
-  // The next completed batch (a failed batch comes back with a non-OK `status`). Errors: OUT_OF_RANGE
-  // when nothing is outstanding, DEADLINE_EXCEEDED after `timeout`.
+  // The next completed batch (a failed batch comes back with a non-OK `status`). Errors:
+  // OUT_OF_RANGE when nothing is outstanding, DEADLINE_EXCEEDED after `timeout`.
   absl::StatusOr<BackwardResult> Next(absl::Duration timeout = absl::InfiniteDuration());
 
   // Waits for one batch; its failure is returned as the status.
@@ -191,8 +191,8 @@ class BackwardStream {
   // Batches submitted and not yet returned by Next/Await.
   int64_t outstanding() const;
 
-  // Half-closes the stream and waits for the server to answer everything in flight (the answers stay
-  // available to Next/Await). Returns the stream's final status.
+  // Half-closes the stream and waits for the server to answer everything in flight (the answers
+  // stay available to Next/Await). Returns the stream's final status.
   absl::Status Finish();
 
   // Cancels the stream: outstanding batches fail with CANCELLED.

@@ -1,6 +1,6 @@
 /* attngrad C ABI: the backward pass of a Gemma-3 (4B) attention layer, exactly as kernels/SPEC.md
- * section 2 defines it (Q/K RMSNorm, rotate-half RoPE, soft-capped causal grouped-query attention and
- * the Q/K/V/O projections), on the GPU (attngrad_backward) or the CPU (attngrad_backward_host).
+ * section 2 defines it (Q/K RMSNorm, rotate-half RoPE, soft-capped causal grouped-query attention
+ * and the Q/K/V/O projections), on the GPU (attngrad_backward) or the CPU (attngrad_backward_host).
  *
  * Shapes (fp32, row-major, contiguous): grad_output, hidden_states, grad_hidden_states [B,S,3072];
  * cos, sin [B,S,128]; q_weight [3072,3072]; k_weight, v_weight [1024,3072]; o_weight [3072,3072];
@@ -59,31 +59,25 @@ ATTNGRAD_API size_t attngrad_workspace_size(int batch, int seq_len, int precisio
    ~5 us; inputs are read when the graph runs, so new contents in the same buffers are used. A
    stream that the caller is capturing gets the kernels themselves (never a nested graph). */
 ATTNGRAD_API int attngrad_backward(int batch, int seq_len, float scaling, float softcap, float eps,
-                                   int precision, int accumulate,
-                                   const float* grad_output, const float* hidden_states,
-                                   const float* cos, const float* sin,
+                                   int precision, int accumulate, const float* grad_output,
+                                   const float* hidden_states, const float* cos, const float* sin,
                                    const float* q_weight, const float* k_weight,
                                    const float* v_weight, const float* o_weight,
                                    const float* q_norm_weight, const float* k_norm_weight,
                                    float* grad_hidden_states, float* grad_q_weight,
-                                   float* grad_k_weight, float* grad_v_weight,
-                                   float* grad_o_weight, float* grad_q_norm_weight,
-                                   float* grad_k_norm_weight, void* workspace,
-                                   size_t workspace_size, void* stream);
+                                   float* grad_k_weight, float* grad_v_weight, float* grad_o_weight,
+                                   float* grad_q_norm_weight, float* grad_k_norm_weight,
+                                   void* workspace, size_t workspace_size, void* stream);
 
 /* The same on the CPU with host pointers (the reference backend; precision is ignored: fp32).
    Synchronous; uses OpenBLAS for the projections and a few threads for the attention. */
-ATTNGRAD_API int attngrad_backward_host(int batch, int seq_len, float scaling, float softcap,
-                                        float eps, int accumulate,
-                                        const float* grad_output, const float* hidden_states,
-                                        const float* cos, const float* sin,
-                                        const float* q_weight, const float* k_weight,
-                                        const float* v_weight, const float* o_weight,
-                                        const float* q_norm_weight, const float* k_norm_weight,
-                                        float* grad_hidden_states, float* grad_q_weight,
-                                        float* grad_k_weight, float* grad_v_weight,
-                                        float* grad_o_weight, float* grad_q_norm_weight,
-                                        float* grad_k_norm_weight);
+ATTNGRAD_API int attngrad_backward_host(
+    int batch, int seq_len, float scaling, float softcap, float eps, int accumulate,
+    const float* grad_output, const float* hidden_states, const float* cos, const float* sin,
+    const float* q_weight, const float* k_weight, const float* v_weight, const float* o_weight,
+    const float* q_norm_weight, const float* k_norm_weight, float* grad_hidden_states,
+    float* grad_q_weight, float* grad_k_weight, float* grad_v_weight, float* grad_o_weight,
+    float* grad_q_norm_weight, float* grad_k_norm_weight);
 
 /* ---- Any Gemma-3 layer ------------------------------------------------------------------------
  * The entry points above compute SPEC.md's layer (hidden 3072, 24/8 heads, head_dim 128, soft-cap
@@ -100,28 +94,28 @@ typedef struct {
   int num_heads;
   int num_kv_heads;
   int head_dim;
-  float scaling;       /* e.g. query_pre_attn_scalar^-0.5 */
-  float softcap;       /* attn_logit_softcapping; <= 0: none */
-  float eps;           /* rms_norm_eps */
-  int sliding_window;  /* 0: full causal attention */
+  float scaling;      /* e.g. query_pre_attn_scalar^-0.5 */
+  float softcap;      /* attn_logit_softcapping; <= 0: none */
+  float eps;          /* rms_norm_eps */
+  int sliding_window; /* 0: full causal attention */
 } attngrad_layer;
 
 typedef struct {
-  const float* grad_output;    /* [B,S,hidden] */
-  const float* hidden_states;  /* [B,S,hidden] */
-  const float* cos;            /* [B,S,D] */
-  const float* sin;            /* [B,S,D] */
-  const float* q_weight;       /* [q_out,hidden] */
-  const float* k_weight;       /* [kv_out,hidden] */
-  const float* v_weight;       /* [kv_out,hidden] */
-  const float* o_weight;       /* [hidden,q_out] */
-  const float* q_norm_weight;  /* [D] */
-  const float* k_norm_weight;  /* [D] */
+  const float* grad_output;   /* [B,S,hidden] */
+  const float* hidden_states; /* [B,S,hidden] */
+  const float* cos;           /* [B,S,D] */
+  const float* sin;           /* [B,S,D] */
+  const float* q_weight;      /* [q_out,hidden] */
+  const float* k_weight;      /* [kv_out,hidden] */
+  const float* v_weight;      /* [kv_out,hidden] */
+  const float* o_weight;      /* [hidden,q_out] */
+  const float* q_norm_weight; /* [D] */
+  const float* k_norm_weight; /* [D] */
 } attngrad_inputs;
 
 typedef struct {
-  float* grad_hidden_states;  /* [B,S,hidden], always overwritten */
-  float* grad_q_weight;       /* the weight gradients: the weights' shapes */
+  float* grad_hidden_states; /* [B,S,hidden], always overwritten */
+  float* grad_q_weight;      /* the weight gradients: the weights' shapes */
   float* grad_k_weight;
   float* grad_v_weight;
   float* grad_o_weight;
@@ -133,7 +127,8 @@ typedef struct {
  * kernels do not compute. */
 ATTNGRAD_API size_t attngrad_workspace_size_ex(const attngrad_layer* layer, int batch, int seq_len,
                                                int precision);
-/* attngrad_backward for `layer` (ATTNGRAD_UNSUPPORTED for a layer the GPU kernels do not compute). */
+/* attngrad_backward for `layer` (ATTNGRAD_UNSUPPORTED for a layer the GPU kernels do not compute).
+ */
 ATTNGRAD_API int attngrad_backward_ex(const attngrad_layer* layer, int batch, int seq_len,
                                       int precision, int accumulate, const attngrad_inputs* inputs,
                                       const attngrad_outputs* outputs, void* workspace,
@@ -143,10 +138,12 @@ ATTNGRAD_API int attngrad_backward_host_ex(const attngrad_layer* layer, int batc
                                            int accumulate, const attngrad_inputs* inputs,
                                            const attngrad_outputs* outputs);
 
-/* A static, human-readable name for a status code ("ATTNGRAD_OK", ...; "unknown status" otherwise). */
+/* A static, human-readable name for a status code ("ATTNGRAD_OK", ...; "unknown status" otherwise).
+ */
 ATTNGRAD_API const char* attngrad_status_string(int status);
 
-/* Number of CUDA devices this library can use (0 when built without CUDA or when none is present). */
+/* Number of CUDA devices this library can use (0 when built without CUDA or when none is present).
+ */
 ATTNGRAD_API int attngrad_device_count(void);
 
 #ifdef __cplusplus

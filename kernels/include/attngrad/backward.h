@@ -90,7 +90,7 @@ ATTNGRAD_API Status BackwardHost(const LayerConfig& config, int batch, int seq_l
 // ATTNGRAD_UNSUPPORTED when the library was built without CUDA or the configuration is not one the
 // kernels support. The Status names the check or the step that failed.
 ATTNGRAD_API std::size_t DeviceWorkspaceSize(const LayerConfig& config, int batch, int seq_len,
-                                Precision precision);
+                                             Precision precision);
 ATTNGRAD_API Status BackwardDevice(const LayerConfig& config, int batch, int seq_len,
                                    const Scalars& scalars, Precision precision, bool accumulate,
                                    const BackwardInputs& in, const BackwardOutputs& out,

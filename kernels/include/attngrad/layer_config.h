@@ -20,7 +20,8 @@ struct ATTNGRAD_API LayerConfig {
   constexpr int q_out() const { return num_heads * head_dim; }
   constexpr int kv_out() const { return num_kv_heads * head_dim; }
   constexpr int group_size() const { return num_heads / num_kv_heads; }
-  // True when the numbers are positive, num_heads is a multiple of num_kv_heads and head_dim is even.
+  // True when the numbers are positive, num_heads is a multiple of num_kv_heads and head_dim is
+  // even.
   bool IsValid() const;
 };
 

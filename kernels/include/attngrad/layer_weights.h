@@ -1,7 +1,7 @@
 // The six weights of one attention layer as one indexed type: which they are (attngrad::Weight, in
-// SPEC section 1's order, which is also attngrad.v1.WeightName's order minus one), their Hugging Face
-// module names and shapes for a LayerConfig, and PerWeight<T>, six values of any type indexed by
-// Weight (pointers for the backward call, host arrays for a server's master copy, tensors for a
+// SPEC section 1's order, which is also attngrad.v1.WeightName's order minus one), their Hugging
+// Face module names and shapes for a LayerConfig, and PerWeight<T>, six values of any type indexed
+// by Weight (pointers for the backward call, host arrays for a server's master copy, tensors for a
 // client). Everything that wires six weights, names them or sizes them goes through this header.
 #ifndef ATTNGRAD_LAYER_WEIGHTS_H_
 #define ATTNGRAD_LAYER_WEIGHTS_H_

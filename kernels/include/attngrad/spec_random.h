@@ -1,6 +1,6 @@
-// Random numbers drawn the way SPEC section 3 says, reproducible from a seed on every platform (up to
-// the C library's log/sin/cos): the one generator behind the server's --weights=random, the CLI's
-// inputs and weights, and anything else that must reproduce them.
+// Random numbers drawn the way SPEC section 3 says, reproducible from a seed on every platform (up
+// to the C library's log/sin/cos): the one generator behind the server's --weights=random, the
+// CLI's inputs and weights, and anything else that must reproduce them.
 #ifndef ATTNGRAD_SPEC_RANDOM_H_
 #define ATTNGRAD_SPEC_RANDOM_H_
 
@@ -45,9 +45,10 @@ class SpecNormalGenerator {
   double spare_ = 0.0;  // the sine deviate of the last pair
 };
 
-// The six weights of a layer as SPEC section 3 draws them: each projection randn * sqrt(2 / hidden),
-// the norm weights randn * 0.02, from one SpecNormalGenerator(seed) filling q, k, v, o, q_norm,
-// k_norm in that order, each row-major. Each pointer holds WeightElements(config, w) elements.
+// The six weights of a layer as SPEC section 3 draws them: each projection randn * sqrt(2 /
+// hidden), the norm weights randn * 0.02, from one SpecNormalGenerator(seed) filling q, k, v, o,
+// q_norm, k_norm in that order, each row-major. Each pointer holds WeightElements(config, w)
+// elements.
 inline void FillRandomLayerWeights(const LayerConfig& config, std::uint64_t seed,
                                    const PerWeight<float*>& weights) {
   SpecNormalGenerator normal(seed);

@@ -1,7 +1,8 @@
-// The CPU reference backend: all of SPEC section 2 (steps 1-9) in fp32 storage, with the projections
-// in OpenBLAS (gemm_host), the attention rows accumulated in double and spread over threads, and
-// every reduction in a fixed order, so the result is deterministic and independent of the thread
-// count. It is the oracle of the GPU backend and the engine of the server on machines without one.
+// The CPU reference backend: all of SPEC section 2 (steps 1-9) in fp32 storage, with the
+// projections in OpenBLAS (gemm_host), the attention rows accumulated in double and spread over
+// threads, and every reduction in a fixed order, so the result is deterministic and independent of
+// the thread count. It is the oracle of the GPU backend and the engine of the server on machines
+// without one.
 #include <cmath>
 #include <cstddef>
 #include <vector>
@@ -46,7 +47,8 @@ void NormRopeForward(const Problem& p, int heads, const float* projected, const 
     for (int h = 0; h < heads; ++h) {
       const std::size_t base = static_cast<std::size_t>(token) * width + h * head_dim;
       double square_sum = 0.0;
-      for (int d = 0; d < head_dim; ++d) square_sum += double(projected[base + d]) * projected[base + d];
+      for (int d = 0; d < head_dim; ++d)
+        square_sum += double(projected[base + d]) * projected[base + d];
       const double r = 1.0 / std::sqrt(square_sum / head_dim + double(p.scalars.eps));
       inv_rms[token * heads + h] = static_cast<float>(r);
       for (int d = 0; d < head_dim; ++d)
@@ -83,7 +85,8 @@ inline int FirstKey(int i, int sliding_window) {
   return sliding_window > 0 && i >= sliding_window ? i - sliding_window + 1 : 0;
 }
 
-// Step 4: causal soft-capped attention per (sequence, query head); writes A and the row log-sum-exp.
+// Step 4: causal soft-capped attention per (sequence, query head); writes A and the row
+// log-sum-exp.
 void AttentionForward(const Problem& p, const float* q_rot, const float* k_rot, const float* v,
                       float* attention_out, std::vector<double>& lse) {
   const LayerConfig& c = p.config;
@@ -98,7 +101,8 @@ void AttentionForward(const Problem& p, const float* q_rot, const float* k_rot, 
       double max_score = -INFINITY;
       const int first = FirstKey(i, p.scalars.sliding_window);
       for (int j = first; j <= i; ++j) {
-        const float* k_row = k_rot + static_cast<std::size_t>(b * seq + j) * kv_width + kv_head * head_dim;
+        const float* k_row =
+            k_rot + static_cast<std::size_t>(b * seq + j) * kv_width + kv_head * head_dim;
         double t;
         scores[j] = CappedScore(q_row, k_row, head_dim, p.scalars.scaling, p.scalars.softcap, &t);
         if (scores[j] > max_score) max_score = scores[j];
@@ -107,7 +111,8 @@ void AttentionForward(const Problem& p, const float* q_rot, const float* k_rot, 
       for (int j = first; j <= i; ++j) sum += (scores[j] = std::exp(scores[j] - max_score));
       std::fill(out_row.begin(), out_row.end(), 0.0);
       for (int j = first; j <= i; ++j) {
-        const float* v_row = v + static_cast<std::size_t>(b * seq + j) * kv_width + kv_head * head_dim;
+        const float* v_row =
+            v + static_cast<std::size_t>(b * seq + j) * kv_width + kv_head * head_dim;
         const double weight = scores[j] / sum;
         for (int d = 0; d < head_dim; ++d) out_row[d] += weight * v_row[d];
       }
@@ -128,7 +133,8 @@ void AttentionBackward(const Problem& p, const float* q_rot, const float* k_rot,
   const int q_width = c.q_out(), kv_width = c.kv_out(), head_dim = c.head_dim, seq = p.seq_len;
   const double scaling = p.scalars.scaling, softcap = p.scalars.softcap;
   ParallelFor(static_cast<long long>(p.batch) * c.num_kv_heads, p.threads, [&](long long task) {
-    const int b = static_cast<int>(task / c.num_kv_heads), g = static_cast<int>(task % c.num_kv_heads);
+    const int b = static_cast<int>(task / c.num_kv_heads),
+              g = static_cast<int>(task % c.num_kv_heads);
     std::vector<double> grad_k(static_cast<std::size_t>(seq) * head_dim, 0.0);
     std::vector<double> grad_v_acc(static_cast<std::size_t>(seq) * head_dim, 0.0);
     std::vector<double> grad_q(head_dim);
@@ -149,7 +155,8 @@ void AttentionBackward(const Problem& p, const float* q_rot, const float* k_rot,
           const float* k_row = kv_row(k_rot, j);
           const float* v_row = kv_row(v, j);
           double t;
-          const double prob = std::exp(CappedScore(q_row, k_row, head_dim, scaling, softcap, &t) - row_lse);
+          const double prob =
+              std::exp(CappedScore(q_row, k_row, head_dim, scaling, softcap, &t) - row_lse);
           double grad_prob = 0.0;
           for (int d = 0; d < head_dim; ++d) grad_prob += double(do_row[d]) * v_row[d];
           const double grad_score = prob * (grad_prob - delta) * (1.0 - t * t) * scaling;
@@ -167,15 +174,17 @@ void AttentionBackward(const Problem& p, const float* q_rot, const float* k_rot,
     for (int j = 0; j < seq; ++j) {
       const std::size_t offset = static_cast<std::size_t>(b * seq + j) * kv_width + g * head_dim;
       for (int d = 0; d < head_dim; ++d) {
-        grad_k_rot[offset + d] = static_cast<float>(grad_k[static_cast<std::size_t>(j) * head_dim + d]);
-        grad_v[offset + d] = static_cast<float>(grad_v_acc[static_cast<std::size_t>(j) * head_dim + d]);
+        grad_k_rot[offset + d] =
+            static_cast<float>(grad_k[static_cast<std::size_t>(j) * head_dim + d]);
+        grad_v[offset + d] =
+            static_cast<float>(grad_v_acc[static_cast<std::size_t>(j) * head_dim + d]);
       }
     }
   });
 }
 
-// Steps 7-8 for q or k: RoPE backward, then RMSNorm backward, in place (grad of the rotated tensor in,
-// grad of the projection out), and the norm-weight gradient summed in a fixed chunk order.
+// Steps 7-8 for q or k: RoPE backward, then RMSNorm backward, in place (grad of the rotated tensor
+// in, grad of the projection out), and the norm-weight gradient summed in a fixed chunk order.
 void RopeNormBackward(const Problem& p, int heads, const float* normalized, const float* inv_rms,
                       const float* norm_weight, const float* cos, const float* sin, float* grad,
                       float* grad_norm_weight, bool accumulate) {
@@ -207,14 +216,16 @@ void RopeNormBackward(const Problem& p, int heads, const float* normalized, cons
         mean_product /= head_dim;
         const double r = inv_rms[token * heads + h];
         for (int d = 0; d < head_dim; ++d)
-          g[d] = static_cast<float>(r * (grad_normed[d] - double(normalized[base + d]) * mean_product));
+          g[d] = static_cast<float>(r *
+                                    (grad_normed[d] - double(normalized[base + d]) * mean_product));
       }
     }
   });
   for (int d = 0; d < head_dim; ++d) {
     double total = 0.0;
     for (long long chunk = 0; chunk < chunks; ++chunk) total += partials[chunk * head_dim + d];
-    grad_norm_weight[d] = static_cast<float>((accumulate ? double(grad_norm_weight[d]) : 0.0) + total);
+    grad_norm_weight[d] =
+        static_cast<float>((accumulate ? double(grad_norm_weight[d]) : 0.0) + total);
   }
 }
 
@@ -225,8 +236,9 @@ Status BackwardHost(const LayerConfig& config, int batch, int seq_len, const Sca
                     int num_threads) {
   const Status status = CheckBackwardArguments(config, batch, seq_len, scalars, in, out);
   if (!status.ok()) return status;
-  const Problem p{config, batch, seq_len, static_cast<long long>(batch) * seq_len, scalars,
-                  cpu::ResolveThreadCount(num_threads)};
+  const Problem p{config,  batch,
+                  seq_len, static_cast<long long>(batch) * seq_len,
+                  scalars, cpu::ResolveThreadCount(num_threads)};
   const int tokens = static_cast<int>(p.tokens);
   const int hidden = config.hidden_size, q_width = config.q_out(), kv_width = config.kv_out();
   const std::size_t q_elems = static_cast<std::size_t>(tokens) * q_width;
@@ -246,10 +258,10 @@ Status BackwardHost(const LayerConfig& config, int batch, int seq_len, const Sca
   std::vector<float> q_hat(q_elems), k_hat(kv_elems), q_rot(q_elems), k_rot(kv_elems);
   std::vector<float> q_inv_rms(static_cast<std::size_t>(tokens) * config.num_heads);
   std::vector<float> k_inv_rms(static_cast<std::size_t>(tokens) * config.num_kv_heads);
-  NormRopeForward(p, config.num_heads, q.data(), in.weights[Weight::kQNorm], in.cos, in.sin, q_hat.data(),
-                  q_inv_rms.data(), q_rot.data());
-  NormRopeForward(p, config.num_kv_heads, k.data(), in.weights[Weight::kKNorm], in.cos, in.sin, k_hat.data(),
-                  k_inv_rms.data(), k_rot.data());
+  NormRopeForward(p, config.num_heads, q.data(), in.weights[Weight::kQNorm], in.cos, in.sin,
+                  q_hat.data(), q_inv_rms.data(), q_rot.data());
+  NormRopeForward(p, config.num_kv_heads, k.data(), in.weights[Weight::kKNorm], in.cos, in.sin,
+                  k_hat.data(), k_inv_rms.data(), k_rot.data());
 
   // Step 4: attention forward (A and the row log-sum-exp).
   std::vector<float> attention_out(q_elems);
@@ -258,11 +270,11 @@ Status BackwardHost(const LayerConfig& config, int batch, int seq_len, const Sca
 
   // Step 5: dWo = dY^T A, dA = dY Wo.
   GemmRowMajor(Transpose::kYes, Transpose::kNo, hidden, q_width, tokens, 1.f, in.grad_output,
-               hidden, attention_out.data(), q_width, weight_beta, out.weight_gradients[Weight::kOProj], q_width,
-               p.threads);
+               hidden, attention_out.data(), q_width, weight_beta,
+               out.weight_gradients[Weight::kOProj], q_width, p.threads);
   std::vector<float> grad_attention(q_elems);
-  GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, q_width, hidden, 1.f, in.grad_output,
-               hidden, in.weights[Weight::kOProj], q_width, 0.f, grad_attention.data(), q_width, p.threads);
+  GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, q_width, hidden, 1.f, in.grad_output, hidden,
+               in.weights[Weight::kOProj], q_width, 0.f, grad_attention.data(), q_width, p.threads);
 
   // Step 6: attention backward. dq' and dk' reuse the storage of q and k (no longer needed).
   float* grad_q = q.data();
@@ -273,10 +285,11 @@ Status BackwardHost(const LayerConfig& config, int batch, int seq_len, const Sca
                     grad_attention.data(), lse, grad_q, grad_k, grad_v);
 
   // Steps 7-8: RoPE + RMSNorm backward, norm-weight gradients.
-  RopeNormBackward(p, config.num_heads, q_hat.data(), q_inv_rms.data(), in.weights[Weight::kQNorm], in.cos,
-                   in.sin, grad_q, out.weight_gradients[Weight::kQNorm], accumulate);
-  RopeNormBackward(p, config.num_kv_heads, k_hat.data(), k_inv_rms.data(), in.weights[Weight::kKNorm],
-                   in.cos, in.sin, grad_k, out.weight_gradients[Weight::kKNorm], accumulate);
+  RopeNormBackward(p, config.num_heads, q_hat.data(), q_inv_rms.data(), in.weights[Weight::kQNorm],
+                   in.cos, in.sin, grad_q, out.weight_gradients[Weight::kQNorm], accumulate);
+  RopeNormBackward(p, config.num_kv_heads, k_hat.data(), k_inv_rms.data(),
+                   in.weights[Weight::kKNorm], in.cos, in.sin, grad_k,
+                   out.weight_gradients[Weight::kKNorm], accumulate);
 
   // Step 9: grad_hidden_states = dq Wq + dk Wk + dv Wv; dW = d^T X.
   GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, hidden, q_width, 1.f, grad_q, q_width,
@@ -286,11 +299,14 @@ Status BackwardHost(const LayerConfig& config, int batch, int seq_len, const Sca
   GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, hidden, kv_width, 1.f, grad_v, kv_width,
                in.weights[Weight::kVProj], hidden, 1.f, out.grad_hidden_states, hidden, p.threads);
   GemmRowMajor(Transpose::kYes, Transpose::kNo, q_width, hidden, tokens, 1.f, grad_q, q_width,
-               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kQProj], hidden, p.threads);
+               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kQProj], hidden,
+               p.threads);
   GemmRowMajor(Transpose::kYes, Transpose::kNo, kv_width, hidden, tokens, 1.f, grad_k, kv_width,
-               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kKProj], hidden, p.threads);
+               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kKProj], hidden,
+               p.threads);
   GemmRowMajor(Transpose::kYes, Transpose::kNo, kv_width, hidden, tokens, 1.f, grad_v, kv_width,
-               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kVProj], hidden, p.threads);
+               in.hidden_states, hidden, weight_beta, out.weight_gradients[Weight::kVProj], hidden,
+               p.threads);
   return Status{};
 }
 

@@ -2,8 +2,8 @@
 // SPEC section 2 steps 4 and 6 (attention_forward.cu, attention_backward.cu). Internal to kernels/.
 //
 // Layout: every tensor here is token-major, as the projection GEMMs produce it. Element
-// (b, s, head, d) of a tensor with row stride `ld` (in elements) is at ptr[(b*S + s)*ld + head*128 + d].
-// head_dim is 128. Query head h reads key-value head h / (num_heads / num_kv_heads).
+// (b, s, head, d) of a tensor with row stride `ld` (in elements) is at ptr[(b*S + s)*ld + head*128
+// + d]. head_dim is 128. Query head h reads key-value head h / (num_heads / num_kv_heads).
 #ifndef ATTNGRAD_KERNELS_CUDA_ATTENTION_H_
 #define ATTNGRAD_KERNELS_CUDA_ATTENTION_H_
 
@@ -78,14 +78,15 @@ struct FusedDelta {
   void* backward_workspace = nullptr;  // the workspace the backward will be given
 };
 attngrad_status AttentionForward(const AttentionProblem& problem, const void* q, int ldq,
-                                 const void* k, const void* v, int ldkv, float* out,
-                                 void* out_half, float* lse, cudaStream_t stream,
+                                 const void* k, const void* v, int ldkv, float* out, void* out_half,
+                                 float* lse, cudaStream_t stream,
                                  const FusedDelta* fused_delta = nullptr);
 
 // Bytes of scratch AttentionBackward needs (0 for an invalid shape): Delta = rowsum(dO * O), fp32
 // [B, num_heads, S] (rounded up to 256 bytes), plus, when the dK/dV work is split over query heads
-// (kSmallSplit; kAuto picks it for B * ceil(S/64) * num_kv_heads < 400 blocks, i.e. small problems),
-// fp32 partials [group][2][B*S][num_kv_heads*128] (24 KiB per token for Gemma-3 4B; at most ~80 MB).
+// (kSmallSplit; kAuto picks it for B * ceil(S/64) * num_kv_heads < 400 blocks, i.e. small
+// problems), fp32 partials [group][2][B*S][num_kv_heads*128] (24 KiB per token for Gemma-3 4B; at
+// most ~80 MB).
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 
 // Which kernels a backward call launches: all of them, or one of its two independent halves so
@@ -96,12 +97,12 @@ enum class AttentionBackwardPart { kAll, kKeyValue, kQuery };
 
 // Backward: SPEC step 6. Deterministic (no atomics: bitwise-identical results call after call).
 // ATTNGRAD_WORKSPACE_TOO_SMALL when workspace_size < AttentionBackwardWorkspaceSize(problem).
-//   q, k, v as in the forward; out fp32 [B*S, num_heads*128] is the forward's O; lse from the forward.
-//   grad_out: dO, same element type as q (float or __half), [B*S, ldo].
-//   grad_q fp32 [B*S, num_heads*128], grad_k and grad_v fp32 [B*S, num_kv_heads*128]: dq', dk', dv
-//   (dk and dv summed over the query heads of each key-value head), overwritten (ld = their widths).
-//   delta_ready: the forward already wrote Delta into this workspace (FusedDelta, same problem,
-//   same dO); `out` is then not read. Required for AttentionBackwardPart::kQuery.
+//   q, k, v as in the forward; out fp32 [B*S, num_heads*128] is the forward's O; lse from the
+//   forward. grad_out: dO, same element type as q (float or __half), [B*S, ldo]. grad_q fp32 [B*S,
+//   num_heads*128], grad_k and grad_v fp32 [B*S, num_kv_heads*128]: dq', dk', dv (dk and dv summed
+//   over the query heads of each key-value head), overwritten (ld = their widths). delta_ready: the
+//   forward already wrote Delta into this workspace (FusedDelta, same problem, same dO); `out` is
+//   then not read. Required for AttentionBackwardPart::kQuery.
 attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q, int ldq,
                                   const void* k, const void* v, int ldkv, const float* out,
                                   const void* grad_out, int ldo, const float* lse, float* grad_q,

@@ -1,9 +1,11 @@
 // SPEC section 2 step 6: the attention backward, flash style and deterministic (no atomics).
 //   1. DeltaKernel: Delta = rowsum(dO * O) per row and query head (into the workspace).
-//   2. KeyValueGradientKernel: one block per (64-key tile, key-value head, batch) keeps dK and dV of
+//   2. KeyValueGradientKernel: one block per (64-key tile, key-value head, batch) keeps dK and dV
+//   of
 //      its keys in registers and loops over the query heads of its group and the 32-row query tiles
-//      that can see those keys (after the keys, within the sliding window), recomputing S^T = K Q^T and dP^T = V dO^T on tensor cores:
-//      dV += P^T dO, dK += dS^T Q. Each dK/dV element is summed in one fixed order.
+//      that can see those keys (after the keys, within the sliding window), recomputing S^T = K Q^T
+//      and dP^T = V dO^T on tensor cores: dV += P^T dO, dK += dS^T Q. Each dK/dV element is summed
+//      in one fixed order.
 //   3. QueryGradientKernel: one block per (64-query tile, query head, batch) loops over the visible
 //      key tiles (causal, and within the sliding window): dQ += dS K.
 // P = exp(c - lse), dS = P (dP - Delta) (1 - t^2) scaling with t = tanh(s / cap) from the unmasked
@@ -23,8 +25,8 @@ namespace attngrad::cuda {
 namespace attention_detail {
 namespace {
 
-// Key-value kernel: kWarps warps of 16 keys, 32 query rows per step. Query kernel: kWarps warps of 16
-// query rows, 64 keys per step. 4 warps: 8 warps (one block per SM at ~245 registers) measured
+// Key-value kernel: kWarps warps of 16 keys, 32 query rows per step. Query kernel: kWarps warps of
+// 16 query rows, 64 keys per step. 4 warps: 8 warps (one block per SM at ~245 registers) measured
 // 10-15% slower on the H200.
 constexpr int kBackwardWarps = 4;
 constexpr int kKvBlockM = 32;
@@ -33,8 +35,8 @@ constexpr int kQBlockN = 64;
 std::size_t RoundUp256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 std::size_t DeltaBytes(const AttentionProblem& problem) {
-  return RoundUp256(static_cast<std::size_t>(problem.batch) * problem.num_heads *
-                    problem.seq_len * sizeof(float));
+  return RoundUp256(static_cast<std::size_t>(problem.batch) * problem.num_heads * problem.seq_len *
+                    sizeof(float));
 }
 
 std::size_t PartialBytes(const AttentionProblem& problem) {
@@ -128,8 +130,8 @@ __global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
   const int head = static_cast<int>(warp_index % p.num_heads);
   const Elem* grad_out =
       static_cast<const Elem*>(p.grad_out) + token * p.ldo + head * kHeadDim + lane * 4;
-  const float4 o = *reinterpret_cast<const float4*>(
-      p.out_in + token * (p.num_heads * kHeadDim) + head * kHeadDim + lane * 4);
+  const float4 o = *reinterpret_cast<const float4*>(p.out_in + token * (p.num_heads * kHeadDim) +
+                                                    head * kHeadDim + lane * 4);
   const float2 low = LoadGradOutPair<Op>(grad_out), high = LoadGradOutPair<Op>(grad_out + 2);
   const float d0 = low.x, d1 = low.y, d2 = high.x, d3 = high.y;
   float sum = fmaf(d0, o.x, fmaf(d1, o.y, fmaf(d2, o.z, d3 * o.w)));
@@ -186,11 +188,12 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
     const int q0 = (first_q_tile + step % q_tiles_per_head) * kBM;
     LoadTileAsync<Op, kBM, kThreads>(q_tiles + stage * kBM * kP, q_base0 + head * kHeadDim, p.ldq,
                                      q0, seq_len);
-    LoadTileAsync<Op, kBM, kThreads>(do_tiles + stage * kBM * kP, do_base0 + head * kHeadDim,
-                                     p.ldo, q0, seq_len);
+    LoadTileAsync<Op, kBM, kThreads>(do_tiles + stage * kBM * kP, do_base0 + head * kHeadDim, p.ldo,
+                                     q0, seq_len);
     if (threadIdx.x < kBM) {
       const int row = q0 + threadIdx.x;
-      const long long stat = (static_cast<long long>(item.batch) * p.num_heads + head) * seq_len + row;
+      const long long stat =
+          (static_cast<long long>(item.batch) * p.num_heads + head) * seq_len + row;
       lse_tiles[stage * kBM + threadIdx.x] = row < seq_len ? p.lse_in[stat] * kLog2e : INFINITY;
       delta_tiles[stage * kBM + threadIdx.x] = row < seq_len ? p.delta[stat] : 0.f;
     }
@@ -322,10 +325,10 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
     const int stage = j & 1;
     if (j + 1 < num_kv_tiles) {
       const int next_key0 = (first_kv_tile + j + 1) * kBN;
-      LoadTileAsync<Op, kBN, kThreads>(k_tiles + (stage ^ 1) * kBN * kP, k_base, p.ldkv,
-                                       next_key0, seq_len);
-      LoadTileAsync<Op, kBN, kThreads>(v_tiles + (stage ^ 1) * kBN * kP, v_base, p.ldkv,
-                                       next_key0, seq_len);
+      LoadTileAsync<Op, kBN, kThreads>(k_tiles + (stage ^ 1) * kBN * kP, k_base, p.ldkv, next_key0,
+                                       seq_len);
+      LoadTileAsync<Op, kBN, kThreads>(v_tiles + (stage ^ 1) * kBN * kP, v_base, p.ldkv, next_key0,
+                                       seq_len);
     }
     CpAsyncCommit();
     CpAsyncWait<1>();
@@ -354,8 +357,8 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
           const int row = e < 2 ? row_a : row_b;
           float ds;
           SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
-                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor,
-                              IsMasked(p, key, row), ds);
+                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor, IsMasked(p, key, row),
+                              ds);
           dp[n][e] = ds;
         }
       }
@@ -384,8 +387,9 @@ attngrad_status LaunchKeyValue(const AttentionParams& params, cudaStream_t strea
   if (SetSharedBytes(KeyValueGradientKernel<Op, kWarps>, kShared) != ATTNGRAD_OK) {
     return ATTNGRAD_CUDA_ERROR;
   }
-  const long long blocks = static_cast<long long>((params.seq_len + 16 * kWarps - 1) / (16 * kWarps)) *
-                           (params.kv_split ? params.num_heads : params.num_kv_heads) * params.batch;
+  const long long blocks =
+      static_cast<long long>((params.seq_len + 16 * kWarps - 1) / (16 * kWarps)) *
+      (params.kv_split ? params.num_heads : params.num_kv_heads) * params.batch;
   if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
   KeyValueGradientKernel<Op, kWarps>
       <<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
@@ -398,8 +402,9 @@ attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) 
   if (SetSharedBytes(QueryGradientKernel<Op, kWarps>, kShared) != ATTNGRAD_OK) {
     return ATTNGRAD_CUDA_ERROR;
   }
-  const long long blocks = static_cast<long long>((params.seq_len + 16 * kWarps - 1) / (16 * kWarps)) *
-                           params.num_heads * params.batch;
+  const long long blocks =
+      static_cast<long long>((params.seq_len + 16 * kWarps - 1) / (16 * kWarps)) *
+      params.num_heads * params.batch;
   if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
   QueryGradientKernel<Op, kWarps>
       <<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
@@ -407,8 +412,8 @@ attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) 
 }
 
 template <class Op>
-attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequence,
-                               bool delta_ready, AttentionBackwardPart part, cudaStream_t stream) {
+attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequence, bool delta_ready,
+                               AttentionBackwardPart part, cudaStream_t stream) {
   const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
   const long long delta_blocks = (rows * 32 + 255) / 256;
   const long long sum_blocks =
@@ -447,8 +452,8 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
                                   const void* k, const void* v, int ldkv, const float* out,
                                   const void* grad_out, int ldo, const float* lse, float* grad_q,
                                   float* grad_k, float* grad_v, void* workspace,
-                                  std::size_t workspace_size, cudaStream_t stream,
-                                  bool delta_ready, AttentionBackwardPart part) {
+                                  std::size_t workspace_size, cudaStream_t stream, bool delta_ready,
+                                  AttentionBackwardPart part) {
   using namespace attention_detail;
   AttentionParams params;
   attngrad_status status = MakeParams(problem, q, ldq, k, v, ldkv, &params);
@@ -456,8 +461,7 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   const int per_16_bytes = 16 / ElementBytes(problem.operand);
   if ((out == nullptr && !delta_ready) || lse == nullptr || grad_out == nullptr ||
       grad_q == nullptr || grad_k == nullptr || grad_v == nullptr || !Aligned16(out) ||
-      !Aligned16(grad_out) ||
-      !Aligned16(grad_q) || !Aligned16(grad_k) || !Aligned16(grad_v) ||
+      !Aligned16(grad_out) || !Aligned16(grad_q) || !Aligned16(grad_k) || !Aligned16(grad_v) ||
       ldo < problem.num_heads * kHeadDim || ldo % per_16_bytes != 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
@@ -470,7 +474,8 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   params.ldo = ldo;
   params.out_in = out;
   params.lse_in = lse;
-  params.delta = static_cast<float*>(workspace);  // first in the workspace (FusedDelta relies on it)
+  params.delta =
+      static_cast<float*>(workspace);  // first in the workspace (FusedDelta relies on it)
   params.grad_q = grad_q;
   params.grad_k = grad_k;
   params.grad_v = grad_v;
@@ -479,8 +484,8 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   const bool short_sequence =
       tiling == KeyValueTiling::kShort || tiling == KeyValueTiling::kShortSplit;
   if (params.kv_split) {
-    params.partials = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) +
-                                               DeltaBytes(problem));
+    params.partials =
+        reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + DeltaBytes(problem));
   }
   if (problem.operand == AttentionOperand::kFp16) {
     int exponent = 0;

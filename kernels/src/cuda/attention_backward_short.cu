@@ -7,8 +7,8 @@
 // summed over the group in head order by attention_backward.cu's SumPartialsKernel). For each query
 // head and each chunk of 128 queries:
 //   phase 1 (warp = 16 queries): for each 128-key block at or before the chunk, S = Q K^T and
-//     dP = dO V^T in registers, P = exp(c - lse), dS = P (dP - Delta) (1 - t^2) scaling; dQ += dS K.
-//     P and dS (fp16) are then staged in shared memory over the V and K rows of that key block
+//     dP = dO V^T in registers, P = exp(c - lse), dS = P (dP - Delta) (1 - t^2) scaling; dQ += dS
+//     K. P and dS (fp16) are then staged in shared memory over the V and K rows of that key block
 //     (no longer needed by this chunk). dQ of the chunk is complete: written once.
 //   phase 2 (warp = 16 keys): dV += P^T dO and dK += dS^T Q from the staged tiles (transposed with
 //     ldmatrix.trans), added to the block's own rows of dK/dV in global memory in a fixed order
@@ -41,8 +41,7 @@ constexpr int kPitch = Op::kPitch;
 // block hold that block's dS and P instead.
 struct ShortSequenceTile {
   static constexpr std::size_t kSharedBytes =
-      static_cast<std::size_t>(2 * kChunk + 2 * kShortSequenceMaxLength) * kPitch *
-      sizeof(__half);
+      static_cast<std::size_t>(2 * kChunk + 2 * kShortSequenceMaxLength) * kPitch * sizeof(__half);
 
   __half* queries;   // [kChunk][kPitch]
   __half* grad_out;  // [kChunk][kPitch]
@@ -58,8 +57,8 @@ constexpr std::size_t kSharedBytes = ShortSequenceTile::kSharedBytes;
 
 // A fragment of rows [row0, row0 + 16) and k-step k0 of A = T^T, where `tile` holds T stored
 // [k][row] (the staged P or dS, [query][key], read as [key][query]).
-__device__ __forceinline__ void LoadATransposed(std::uint32_t (&a)[4], const __half* tile,
-                                                int row0, int k0) {
+__device__ __forceinline__ void LoadATransposed(std::uint32_t (&a)[4], const __half* tile, int row0,
+                                                int k0) {
   const int lane = threadIdx.x & 31;
   const int mi = lane >> 3, r = lane & 7;
   const __half* address = tile + (k0 + (mi >> 1) * 8 + r) * kPitch + row0 + (mi & 1) * 8;
@@ -84,7 +83,8 @@ __device__ __forceinline__ void StoreFragments(const AccumulatorA<Op, 16>& a, __
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    ShortSequenceBackwardKernel(const AttentionParams p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const ShortSequenceTile tile(shared_raw);
   __half* q_tile = tile.queries;
@@ -134,10 +134,10 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
       LoadTileAsync<Op, kChunk, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
       LoadTileAsync<Op, kChunk, kThreads>(do_tile, do_base, p.ldo, q0, seq_len);
       for (int block = 0; block < key_blocks; ++block) {
-        LoadTileAsync<Op, kKeyBlock, kThreads>(k_tile + block * kKeyBlock * kPitch, k_base,
-                                               p.ldkv, block * kKeyBlock, seq_len);
-        LoadTileAsync<Op, kKeyBlock, kThreads>(v_tile + block * kKeyBlock * kPitch, v_base,
-                                               p.ldkv, block * kKeyBlock, seq_len);
+        LoadTileAsync<Op, kKeyBlock, kThreads>(k_tile + block * kKeyBlock * kPitch, k_base, p.ldkv,
+                                               block * kKeyBlock, seq_len);
+        LoadTileAsync<Op, kKeyBlock, kThreads>(v_tile + block * kKeyBlock * kPitch, v_base, p.ldkv,
+                                               block * kKeyBlock, seq_len);
       }
       CpAsyncCommit();
       CpAsyncWait<0>();
@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
         StoreFragments(ds_a, k_block, warp_row0);
       }
       // dQ of the chunk's rows is complete.
-      StoreAccumulatorRows(acc_dq, p.grad_q, token0, p.num_heads * kHeadDim, head * kHeadDim,
-                           row_a, seq_len, p.inv_ds_scale);
+      StoreAccumulatorRows(acc_dq, p.grad_q, token0, p.num_heads * kHeadDim, head * kHeadDim, row_a,
+                           seq_len, p.inv_ds_scale);
       __syncthreads();  // P and dS of every key block are staged
 
       // ---- Phase 2: 16 keys per warp, dV += P^T dO and dK += dS^T Q over the chunk's queries ----
@@ -227,9 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1) ShortSequenceBackwardKernel(const
               Mma<Op>(acc[n + 1], a, b[1]);
             }
           }
-          StoreAccumulatorRows(acc, which == 0 ? grad_v : grad_k, token0, kv_ld,
-                               kv_head * kHeadDim, key_row0 + g, seq_len,
-                               which == 0 ? 1.f : p.inv_ds_scale, /*add=*/!first);
+          StoreAccumulatorRows(acc, which == 0 ? grad_v : grad_k, token0, kv_ld, kv_head * kHeadDim,
+                               key_row0 + g, seq_len, which == 0 ? 1.f : p.inv_ds_scale,
+                               /*add=*/!first);
         }
       }
       __syncthreads();  // the next chunk's loads overwrite every tile

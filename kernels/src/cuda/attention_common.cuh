@@ -1,17 +1,19 @@
 // Building blocks shared by the flash-style attention kernels (attention_forward.cu, SPEC section 2
-// step 4; attention_backward.cu, step 6): operand traits per AttentionOperand mode, warp-level tensor-core
-// tile products on shared-memory tiles, the soft-cap, and the cp.async tile loads. Internal to kernels/.
+// step 4; attention_backward.cu, step 6): operand traits per AttentionOperand mode, warp-level
+// tensor-core tile products on shared-memory tiles, the soft-cap, and the cp.async tile loads.
+// Internal to kernels/.
 //
 // Warp tiles follow the mma.sync fragment layouts (sm_80+): a warp owns 16 rows; g = lane / 4 and
 // t = lane % 4; an fp32 accumulator tile of 16 x 8 holds (row g, cols 2t, 2t+1) in c[0..1] and
 // (row g + 8, same cols) in c[2..3].
 //   kFp16: mma.m16n8k16 with fp16 operands (ldmatrix from padded shared memory), fp32 accumulation.
-//   kTf32: mma.m16n8k8 with tf32 operands (tiles rounded to tf32 in shared memory), fp32 accumulation.
-//   kFp32: the same m16n8k8 fragments, the product done exactly with fp32 FMA through warp shuffles.
+//   kTf32: mma.m16n8k8 with tf32 operands (tiles rounded to tf32 in shared memory), fp32
+//   accumulation. kFp32: the same m16n8k8 fragments, the product done exactly with fp32 FMA through
+//   warp shuffles.
 // An A operand built from an accumulator tile (P, dS) keeps the accumulator's column order. For the
 // 8-wide k-step of tf32/fp32 this permutes the k index (logical k = t <-> column 2t, k = t + 4 <->
-// column 2t + 1); the B operand that pairs with such an A (always one stored [k][n] in shared memory)
-// is loaded with the same permutation, so the product is unchanged.
+// column 2t + 1); the B operand that pairs with such an A (always one stored [k][n] in shared
+// memory) is loaded with the same permutation, so the product is unchanged.
 #ifndef ATTNGRAD_KERNELS_CUDA_ATTENTION_COMMON_CUH_
 #define ATTNGRAD_KERNELS_CUDA_ATTENTION_COMMON_CUH_
 
@@ -33,8 +35,8 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 // ---- Operand traits ---------------------------------------------------------------------------
 struct OpFp16 {
   using Elem = __half;
-  static constexpr int kK = 16;         // k per mma
-  static constexpr int kPitch = 136;    // shared-memory row pitch in elements (272 bytes)
+  static constexpr int kK = 16;       // k per mma
+  static constexpr int kPitch = 136;  // shared-memory row pitch in elements (272 bytes)
   static constexpr bool kRoundTf32 = false;
   static constexpr bool kEmulated = false;
   static constexpr bool kPreciseTanh = false;
@@ -42,7 +44,7 @@ struct OpFp16 {
 struct OpTf32 {
   using Elem = float;
   static constexpr int kK = 8;
-  static constexpr int kPitch = 132;    // 528 bytes: conflict-free scalar fragment loads
+  static constexpr int kPitch = 132;  // 528 bytes: conflict-free scalar fragment loads
   static constexpr bool kRoundTf32 = true;
   static constexpr bool kEmulated = false;
   static constexpr bool kPreciseTanh = false;
@@ -78,11 +80,12 @@ struct AttentionParams {
   int window = 0;
   float scaling = 0.f;
   bool has_cap = true;
-  float score_scale = 0.f;  // s * score_scale is tanh's argument (scaling / cap), or c*log2e (no cap)
-  float cap_log2e = 0.f;    // cap * log2(e)
-  bool kv_split = false;    // dK/dV per query head into `partials`, summed by a reduce kernel
+  float score_scale =
+      0.f;                // s * score_scale is tanh's argument (scaling / cap), or c*log2e (no cap)
+  float cap_log2e = 0.f;  // cap * log2(e)
+  bool kv_split = false;  // dK/dV per query head into `partials`, summed by a reduce kernel
   float* partials = nullptr;  // [group][2][B*S][num_kv_heads*128]
-  float ds_scale = 1.f;     // power of two applied to dS before it becomes an fp16 operand
+  float ds_scale = 1.f;       // power of two applied to dS before it becomes an fp16 operand
   float inv_ds_scale = 1.f;
 };
 
@@ -158,7 +161,8 @@ __device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, f
   return s * p.score_scale;
 }
 
-// The causal and sliding-window mask: key j is hidden from query row i when j > i or j <= i - window.
+// The causal and sliding-window mask: key j is hidden from query row i when j > i or j <= i -
+// window.
 __device__ __forceinline__ bool IsMasked(const AttentionParams& p, int key, int row) {
   return key > row || key <= row - p.window;
 }
@@ -168,7 +172,8 @@ __device__ __forceinline__ int FirstVisibleKey(const AttentionParams& p, int row
   return max(0, row - p.window + 1);
 }
 
-// ---- mma ------------------------------------------------------------------------------------------
+// ---- mma
+// ------------------------------------------------------------------------------------------
 template <class Op>
 __device__ __forceinline__ void Mma(float (&c)[4], const std::uint32_t (&a)[4],
                                     const std::uint32_t (&b)[2]) {
@@ -210,8 +215,8 @@ __device__ __forceinline__ void Mma(float (&c)[4], const std::uint32_t (&a)[4],
   }
 }
 
-// ---- Fragment loads from shared memory (tiles of 128 columns, row pitch Op::kPitch) ----------------
-// A: rows [row0, row0 + 16), k-step at k0, stored [row][k].
+// ---- Fragment loads from shared memory (tiles of 128 columns, row pitch Op::kPitch)
+// ---------------- A: rows [row0, row0 + 16), k-step at k0, stored [row][k].
 template <class Op>
 __device__ __forceinline__ void LoadA(std::uint32_t (&a)[4], const typename Op::Elem* tile,
                                       int row0, int k0) {
@@ -313,9 +318,10 @@ __device__ __forceinline__ void AccumulatorToA(const float (&c)[kNT][4], float s
   }
 }
 
-// ---- Accumulator tiles: clearing and storing -------------------------------------------------------
-// Every kernel's fp32 accumulators (scores, dP, O, dQ, dK, dV) are arrays of 16 x 8 tiles in the mma
-// layout above; these clear them, and store a warp's 16 x 128 output tile to global memory.
+// ---- Accumulator tiles: clearing and storing
+// ------------------------------------------------------- Every kernel's fp32 accumulators (scores,
+// dP, O, dQ, dK, dV) are arrays of 16 x 8 tiles in the mma layout above; these clear them, and
+// store a warp's 16 x 128 output tile to global memory.
 template <int kTiles>
 __device__ __forceinline__ void ClearAccumulators(float (&acc)[kTiles][4]) {
 #pragma unroll
@@ -346,8 +352,7 @@ __device__ __forceinline__ void StoreAccumulatorRows(const float (&acc)[16][4], 
     float* out_row = out + (token0 + row) * ld + column0 + 2 * t;
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
-      float2 value =
-          make_float2(acc[n][2 * half_rows] * scale, acc[n][2 * half_rows + 1] * scale);
+      float2 value = make_float2(acc[n][2 * half_rows] * scale, acc[n][2 * half_rows + 1] * scale);
       if (add) {
         const float2 previous = *reinterpret_cast<const float2*>(out_row + n * 8);
         value.x += previous.x;
@@ -360,12 +365,9 @@ __device__ __forceinline__ void StoreAccumulatorRows(const float (&acc)[16][4], 
 
 // Two tiles of the same rows in one pass, row by row (dK times `first_scale` and dV, unscaled, of
 // the dK/dV kernel): the first into `first_out`, the second into `second_out`, same layout.
-__device__ __forceinline__ void StoreAccumulatorRowPairs(const float (&first)[16][4],
-                                                         float* first_out, float first_scale,
-                                                         const float (&second)[16][4],
-                                                         float* second_out, long long token0,
-                                                         int ld, int column0, int row_a,
-                                                         int seq_len) {
+__device__ __forceinline__ void StoreAccumulatorRowPairs(
+    const float (&first)[16][4], float* first_out, float first_scale, const float (&second)[16][4],
+    float* second_out, long long token0, int ld, int column0, int row_a, int seq_len) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int half_rows = 0; half_rows < 2; ++half_rows) {
@@ -374,9 +376,8 @@ __device__ __forceinline__ void StoreAccumulatorRowPairs(const float (&first)[16
     const long long offset = (token0 + row) * ld + column0 + 2 * t;
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
-      *reinterpret_cast<float2*>(first_out + offset + n * 8) =
-          make_float2(first[n][2 * half_rows] * first_scale,
-                      first[n][2 * half_rows + 1] * first_scale);
+      *reinterpret_cast<float2*>(first_out + offset + n * 8) = make_float2(
+          first[n][2 * half_rows] * first_scale, first[n][2 * half_rows + 1] * first_scale);
       *reinterpret_cast<float2*>(second_out + offset + n * 8) =
           make_float2(second[n][2 * half_rows], second[n][2 * half_rows + 1]);
     }
@@ -389,8 +390,7 @@ struct RowStatistics {
   float lse_a, lse_b, delta_a, delta_b;
 };
 __device__ __forceinline__ RowStatistics LoadRowStatistics(const AttentionParams& p,
-                                                           long long stat0, int row_a,
-                                                           int row_b) {
+                                                           long long stat0, int row_a, int row_b) {
   RowStatistics rows;
   rows.lse_a = row_a < p.seq_len ? p.lse_in[stat0 + row_a] * kLog2e : INFINITY;
   rows.lse_b = row_b < p.seq_len ? p.lse_in[stat0 + row_b] * kLog2e : INFINITY;
@@ -399,10 +399,11 @@ __device__ __forceinline__ RowStatistics LoadRowStatistics(const AttentionParams
   return rows;
 }
 
-// ---- Warp tile products --------------------------------------------------------------------------
-// acc[16 x 8*kNT] += A[16 x 128] B[8*kNT x 128]^T; A rows [a_row0, +16) of a_tile; B rows [0, 8*kNT).
-// Only the columns of acc below n_limit (rounded up to 16) are computed, the rest left untouched
-// (callers pass the causal limit: keys past a warp's last query).
+// ---- Warp tile products
+// -------------------------------------------------------------------------- acc[16 x 8*kNT] +=
+// A[16 x 128] B[8*kNT x 128]^T; A rows [a_row0, +16) of a_tile; B rows [0, 8*kNT). Only the columns
+// of acc below n_limit (rounded up to 16) are computed, the rest left untouched (callers pass the
+// causal limit: keys past a warp's last query).
 template <class Op, int kNT>
 __device__ __forceinline__ void WarpProductNk(float (&acc)[kNT][4], const typename Op::Elem* a_tile,
                                               int a_row0, const typename Op::Elem* b_tile,
@@ -423,8 +424,8 @@ __device__ __forceinline__ void WarpProductNk(float (&acc)[kNT][4], const typena
   }
 }
 
-// acc[16 x 128] += A[16 x 8*kNT] B[8*kNT x 128]; A from AccumulatorToA, B stored [k][n] rows [0, 8*kNT).
-// Only the k-steps below k_limit (A's columns past it must be zero).
+// acc[16 x 128] += A[16 x 8*kNT] B[8*kNT x 128]; A from AccumulatorToA, B stored [k][n] rows [0,
+// 8*kNT). Only the k-steps below k_limit (A's columns past it must be zero).
 template <class Op, int kNT>
 __device__ __forceinline__ void WarpProductKn(float (&acc)[16][4], const AccumulatorA<Op, kNT>& a,
                                               const typename Op::Elem* b_tile,
@@ -462,13 +463,14 @@ __device__ __forceinline__ float SoftmaxGradient(const AttentionParams& p, float
   return prob;
 }
 
-// ---- Tile loads (cp.async, 16 bytes per copy; rows >= seq_len are zero-filled) ---------------------
+// ---- Tile loads (cp.async, 16 bytes per copy; rows >= seq_len are zero-filled)
+// ---------------------
 __device__ __forceinline__ void CpAsync16(void* shared_destination, const void* global_source,
                                           bool valid) {
   const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   SmemAddress(shared_destination)),
-               "l"(global_source), "r"(bytes));
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(shared_destination)),
+      "l"(global_source), "r"(bytes));
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -522,8 +524,8 @@ __device__ __forceinline__ float ElemToFloat(typename Op::Elem x) {
   }
 }
 
-// Work item of a 1-D grid of num_tiles * num_heads * batch blocks, heaviest tiles first (causal load
-// balance): heavy_last means the last tile index has the most work.
+// Work item of a 1-D grid of num_tiles * num_heads * batch blocks, heaviest tiles first (causal
+// load balance): heavy_last means the last tile index has the most work.
 struct WorkItem {
   int tile, head, batch;
 };
@@ -551,8 +553,7 @@ inline int ElementBytes(AttentionOperand operand) {
 // Checks the shape, the scalars and the q/k/v operands (non-null, 16-byte aligned, row strides that
 // keep every row 16-byte aligned and wide enough), and fills the common part of the parameters.
 inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q, int ldq,
-                                  const void* k, const void* v, int ldkv,
-                                  AttentionParams* params) {
+                                  const void* k, const void* v, int ldkv, AttentionParams* params) {
   if (problem.batch < 1 || problem.seq_len < 1 || problem.num_heads < 1 ||
       problem.num_kv_heads < 1 || problem.num_heads % problem.num_kv_heads != 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
@@ -598,8 +599,8 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
 inline constexpr int kShortSequenceMaxLength = 256;
 bool ShortSequenceBackwardFitsDevice();
 inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
-  return problem.operand == AttentionOperand::kFp16 &&
-         problem.seq_len <= kShortSequenceMaxLength && ShortSequenceBackwardFitsDevice();
+  return problem.operand == AttentionOperand::kFp16 && problem.seq_len <= kShortSequenceMaxLength &&
+         ShortSequenceBackwardFitsDevice();
 }
 // Launches it (after DeltaKernel; SumPartialsKernel follows when params.kv_split).
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);
@@ -630,7 +631,8 @@ inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
   // Splitting over the query heads pays while there are fewer than ~2 waves of 64-key blocks.
   const long long small_blocks =
       static_cast<long long>((problem.seq_len + 63) / 64) * problem.num_kv_heads * problem.batch;
-  if (small_blocks >= 400 || problem.num_heads == problem.num_kv_heads) return KeyValueTiling::kSmall;
+  if (small_blocks >= 400 || problem.num_heads == problem.num_kv_heads)
+    return KeyValueTiling::kSmall;
   return KeyValueTiling::kSmallSplit;
 }
 

@@ -1,11 +1,11 @@
 // SPEC section 2 step 4: the attention forward, flash style. Per query head, scores s = q' k'^T *
-// scaling, soft-cap c = cap * tanh(s / cap), causal mask, P = softmax(c), O = P v; writes O (= A, fp32
-// and optionally fp16) and the log-sum-exp of every row, never materialising S x S. One block per
-// (64-query tile, query head, batch); key/value tiles of 64 stream through shared memory with
+// scaling, soft-cap c = cap * tanh(s / cap), causal mask, P = softmax(c), O = P v; writes O (= A,
+// fp32 and optionally fp16) and the log-sum-exp of every row, never materialising S x S. One block
+// per (64-query tile, query head, batch); key/value tiles of 64 stream through shared memory with
 // cp.async (keys double-buffered, values single-buffered: the next value tile loads while the next
-// scores are computed, and the smaller footprint lets 3 fp16 blocks share an SM instead of 2), fully
-// masked tiles (after the diagonal, or before a sliding window) are never loaded; online softmax in
-// registers.
+// scores are computed, and the smaller footprint lets 3 fp16 blocks share an SM instead of 2),
+// fully masked tiles (after the diagonal, or before a sliding window) are never loaded; online
+// softmax in registers.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -121,8 +121,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
     const int warp_row0 = q0 + warp * 16;
     // A warp whose 16 rows all precede this tile's keys (diagonal tiles), or whose windows all
     // start after its last key, has nothing to add.
-    const bool active =
-        key0 <= warp_row0 + 15 && key0 + kBN - 1 >= FirstVisibleKey(p, warp_row0);
+    const bool active = key0 <= warp_row0 + 15 && key0 + kBN - 1 >= FirstVisibleKey(p, warp_row0);
     float s[kNT][4];
     if (active) {
       ClearAccumulators(s);
@@ -251,9 +250,9 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
 template <class Op, int kWarps>
 attngrad_status LaunchForward(const AttentionParams& params, cudaStream_t stream) {
   constexpr std::size_t kShared = ForwardTile<Op, kWarps>::kSharedBytes;
-  cudaError_t error = cudaFuncSetAttribute(AttentionForwardKernel<Op, kWarps>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kShared));
+  cudaError_t error =
+      cudaFuncSetAttribute(AttentionForwardKernel<Op, kWarps>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kShared));
   if (error != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
   const long long num_q_tiles = (params.seq_len + 16 * kWarps - 1) / (16 * kWarps);
   const long long blocks = num_q_tiles * params.num_heads * params.batch;
@@ -267,9 +266,8 @@ attngrad_status LaunchForward(const AttentionParams& params, cudaStream_t stream
 }  // namespace attention_detail
 
 attngrad_status AttentionForward(const AttentionProblem& problem, const void* q, int ldq,
-                                 const void* k, const void* v, int ldkv, float* out,
-                                 void* out_half, float* lse, cudaStream_t stream,
-                                 const FusedDelta* fused_delta) {
+                                 const void* k, const void* v, int ldkv, float* out, void* out_half,
+                                 float* lse, cudaStream_t stream, const FusedDelta* fused_delta) {
   using namespace attention_detail;
   AttentionParams params;
   attngrad_status status = MakeParams(problem, q, ldq, k, v, ldkv, &params);

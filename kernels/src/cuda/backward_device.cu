@@ -1,5 +1,5 @@
-// Stage: the whole GPU backward of SPEC section 2 — the pipeline that strings the stages together on
-// the caller's stream with memory carved from the caller's workspace (no allocation, no host
+// Stage: the whole GPU backward of SPEC section 2 — the pipeline that strings the stages together
+// on the caller's stream with memory carved from the caller's workspace (no allocation, no host
 // synchronisation, so a caller can capture it in a CUDA graph):
 //   convert (FP16 mode)  X, dY (times the power of two s found on the device), Wq|Wk|Wv, Wo
 //                        -> fp16 operands; every output GEMM then has alpha = 1/s (stages.h)
@@ -48,7 +48,9 @@ namespace {
 
 constexpr std::size_t kAlignment = 256;
 
-std::size_t RoundUp(std::size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+std::size_t RoundUp(std::size_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
 
 // What one precision mode uses for each kind of arithmetic.
 struct ModeChoice {
@@ -64,8 +66,7 @@ ModeChoice ChoiceOf(Precision resolved) {
       return {GemmArithmetic::kFp16, OperandType::kHalf, AttentionOperand::kFp16};
     case Precision::kTf32:
       return {GemmArithmetic::kTf32, OperandType::kFloat, AttentionOperand::kTf32};
-    default:
-      return {GemmArithmetic::kFp32, OperandType::kFloat, AttentionOperand::kFp32};
+    default: return {GemmArithmetic::kFp32, OperandType::kFloat, AttentionOperand::kFp32};
   }
 }
 
@@ -78,7 +79,7 @@ AttentionProblem ProblemOf(const LayerConfig& config, int batch, int seq_len,
   problem.num_kv_heads = config.num_kv_heads;
   problem.scaling = scalars.scaling;
   problem.softcap = scalars.capped() ? scalars.softcap : 0.f;  // 0: no soft-cap
-  problem.sliding_window = scalars.sliding_window;              // 0: full causal
+  problem.sliding_window = scalars.sliding_window;             // 0: full causal
   problem.operand = mode.attention;
   return problem;
 }
@@ -145,8 +146,8 @@ constexpr Weight kQkvWeights[3] = {Weight::kQProj, Weight::kKProj, Weight::kVPro
 struct PipelinePlan {
   ModeChoice mode;
   int tokens, hidden, q_width, kv_width, qkv_width;
-  int qkv_rows[3];       // rows of Wq, Wk, Wv: their widths in a qkv row
-  int qkv_first_row[3];  // where each starts in a qkv row
+  int qkv_rows[3];            // rows of Wq, Wk, Wv: their widths in a qkv row
+  int qkv_first_row[3];       // where each starts in a qkv row
   std::size_t operand_bytes;  // of the GEMM and attention operands: 2 in FP16 mode, else 4
   AttentionProblem attention;
   HeadLayout heads;
@@ -187,29 +188,29 @@ struct PipelineBuffers {
   const void* w_o = nullptr;
   const void* w_qkv[3] = {};  // Wq, Wk, Wv (FP16: consecutive parts of w_qkv_half)
   // Steps 1-4.
-  float* qkv = nullptr;                    // fp32 projections [T, qkv_width]
-  void* attention_operands = nullptr;      // q', k' (and v in FP16 mode) [T, qkv_width]
-  const void* q = nullptr;                 // the attention's operands, row stride qkv_width
+  float* qkv = nullptr;                // fp32 projections [T, qkv_width]
+  void* attention_operands = nullptr;  // q', k' (and v in FP16 mode) [T, qkv_width]
+  const void* q = nullptr;             // the attention's operands, row stride qkv_width
   const void* k = nullptr;
-  const void* v = nullptr;                 // fp32 modes: straight from qkv
+  const void* v = nullptr;  // fp32 modes: straight from qkv
   float* inv_rms = nullptr;
-  void* grad_attention = nullptr;          // dA [T, q_width]
-  float* attention_out = nullptr;          // A in fp32 (fp32 modes only)
-  void* attention_out_half = nullptr;      // A in fp16 (FP16 mode only)
+  void* grad_attention = nullptr;      // dA [T, q_width]
+  float* attention_out = nullptr;      // A in fp32 (fp32 modes only)
+  void* attention_out_half = nullptr;  // A in fp16 (FP16 mode only)
   float* lse = nullptr;
-  void* attention_workspace = nullptr;     // Delta (written by the forward) and dK/dV partials
+  void* attention_workspace = nullptr;  // Delta (written by the forward) and dK/dV partials
   // Steps 6-9.
   float* grad_q_rot = nullptr;
   float* grad_k_rot = nullptr;
   float* grad_v = nullptr;
-  void* grad_qkv = nullptr;                // dq, dk, dv [T, qkv_width]
-  float* partials = nullptr;               // the norm-weight gradients' per-block sums
-  void* gemm_workspace = nullptr;          // cuBLASLt's, for the lane's GEMMs
-  void* side_gemm_workspace = nullptr;     // and for the side stream's
+  void* grad_qkv = nullptr;             // dq, dk, dv [T, qkv_width]
+  float* partials = nullptr;            // the norm-weight gradients' per-block sums
+  void* gemm_workspace = nullptr;       // cuBLASLt's, for the lane's GEMMs
+  void* side_gemm_workspace = nullptr;  // and for the side stream's
 
   PipelineBuffers(const PipelinePlan& plan, const BackwardInputs& in, void* workspace) {
-    auto* base = reinterpret_cast<unsigned char*>(
-        RoundUp(reinterpret_cast<std::uintptr_t>(workspace)));
+    auto* base =
+        reinterpret_cast<unsigned char*>(RoundUp(reinterpret_cast<std::uintptr_t>(workspace)));
     auto at = [base](std::size_t offset) { return static_cast<void*>(base + offset); };
     const WorkspaceLayout& layout = plan.layout;
     x = in.hidden_states;
@@ -262,10 +263,10 @@ Status StepStatus(attngrad_status code, const char* what) {
   return code == ATTNGRAD_OK ? Status{} : Status{code, what};
 }
 
-#define ATTNGRAD_RETURN_IF_ERROR(expression)   \
-  do {                                         \
-    const Status status_ = (expression);       \
-    if (!status_.ok()) return status_;         \
+#define ATTNGRAD_RETURN_IF_ERROR(expression) \
+  do {                                       \
+    const Status status_ = (expression);     \
+    if (!status_.ok()) return status_;       \
   } while (0)
 
 // One call being enqueued: its plan, buffers and arguments, the streams it runs on and the
@@ -321,7 +322,8 @@ struct PipelineCall {
   }
 };
 
-// ---- One function per stage of SPEC section 2, in the order they are enqueued ---------------------
+// ---- One function per stage of SPEC section 2, in the order they are enqueued
+// ---------------------
 
 // FP16 mode: X, dY (with its power of two s), Wq|Wk|Wv and Wo -> fp16 operands. The side stream
 // converts dY and Wo for its grad_attn GEMM while the lane converts X and Wq|Wk|Wv for the qkv
@@ -342,10 +344,10 @@ Status ConvertOperands(const PipelineCall& call) {
                                       "rescale of grad_output to fp16 failed"));
   ConvertSegment lane_segments[4] = {{call.in.hidden_states, buffers.x_half, activations, 1.f}};
   for (int i = 0; i < 3; ++i) {
-    lane_segments[1 + i] = {call.in.weights[kQkvWeights[i]],
-                            buffers.w_qkv_half +
-                                static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden,
-                            static_cast<std::size_t>(plan.qkv_rows[i]) * plan.hidden, 1.f};
+    lane_segments[1 + i] = {
+        call.in.weights[kQkvWeights[i]],
+        buffers.w_qkv_half + static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden,
+        static_cast<std::size_t>(plan.qkv_rows[i]) * plan.hidden, 1.f};
   }
   ATTNGRAD_RETURN_IF_ERROR(StepStatus(ConvertToHalf(lane_segments, 4, call.lane),
                                       "conversion of hidden_states and q/k/v_proj to fp16 failed"));
@@ -381,12 +383,13 @@ Status ProjectQkv(const PipelineCall& call) {
 // Steps 2-3: q', k' (and v in fp16) as the attention's operands; 1/rms kept.
 Status NormalizeAndRotate(const PipelineCall& call) {
   const PipelineBuffers& buffers = call.buffers;
-  ATTNGRAD_RETURN_IF_ERROR(StepStatus(
-      RmsNormRopeForward(call.plan.heads, buffers.qkv, call.in.cos, call.in.sin,
-                         call.in.weights[Weight::kQNorm], call.in.weights[Weight::kKNorm],
-                         call.scalars.eps, call.plan.mode.operand, /*write_v=*/call.plan.mode.half(),
-                         buffers.attention_operands, buffers.inv_rms, call.lane),
-      "rmsnorm_rope (RMSNorm and RoPE forward) failed"));
+  ATTNGRAD_RETURN_IF_ERROR(
+      StepStatus(RmsNormRopeForward(call.plan.heads, buffers.qkv, call.in.cos, call.in.sin,
+                                    call.in.weights[Weight::kQNorm],
+                                    call.in.weights[Weight::kKNorm], call.scalars.eps,
+                                    call.plan.mode.operand, /*write_v=*/call.plan.mode.half(),
+                                    buffers.attention_operands, buffers.inv_rms, call.lane),
+                 "rmsnorm_rope (RMSNorm and RoPE forward) failed"));
   call.StageDone("rmsnorm_rope");
   return {};
 }
@@ -425,11 +428,11 @@ Status AttentionForwardStage(const PipelineCall& call) {
   fused_delta.grad_out = buffers.grad_attention;
   fused_delta.ldo = plan.q_width;
   fused_delta.backward_workspace = buffers.attention_workspace;
-  ATTNGRAD_RETURN_IF_ERROR(StepStatus(
-      AttentionForward(plan.attention, buffers.q, plan.qkv_width, buffers.k, buffers.v,
-                       plan.qkv_width, buffers.attention_out, buffers.attention_out_half,
-                       buffers.lse, call.lane, &fused_delta),
-      "attention forward failed"));
+  ATTNGRAD_RETURN_IF_ERROR(
+      StepStatus(AttentionForward(plan.attention, buffers.q, plan.qkv_width, buffers.k, buffers.v,
+                                  plan.qkv_width, buffers.attention_out, buffers.attention_out_half,
+                                  buffers.lse, call.lane, &fused_delta),
+                 "attention forward failed"));
   call.StageDone("attention_forward");
   return call.Order(ForkJoinEvent::kAttentionForwardDone, call.lane, call.side);
 }
@@ -439,12 +442,11 @@ attngrad_status AttentionBackwardPartOn(const PipelineCall& call, AttentionBackw
                                         cudaStream_t stream) {
   const PipelinePlan& plan = call.plan;
   const PipelineBuffers& buffers = call.buffers;
-  return AttentionBackward(plan.attention, buffers.q, plan.qkv_width, buffers.k, buffers.v,
-                           plan.qkv_width, buffers.attention_out, buffers.grad_attention,
-                           plan.q_width, buffers.lse, buffers.grad_q_rot, buffers.grad_k_rot,
-                           buffers.grad_v, buffers.attention_workspace,
-                           plan.layout.attention_workspace_bytes, stream, /*delta_ready=*/true,
-                           part);
+  return AttentionBackward(
+      plan.attention, buffers.q, plan.qkv_width, buffers.k, buffers.v, plan.qkv_width,
+      buffers.attention_out, buffers.grad_attention, plan.q_width, buffers.lse, buffers.grad_q_rot,
+      buffers.grad_k_rot, buffers.grad_v, buffers.attention_workspace,
+      plan.layout.attention_workspace_bytes, stream, /*delta_ready=*/true, part);
 }
 
 // Step 6, dq' half: on the side stream, beside the dk'/dv half (independent kernels).
@@ -498,13 +500,13 @@ Status AttentionBackwardKeyValue(const PipelineCall& call) {
 Status RopeRmsNormBackwardStage(const PipelineCall& call) {
   const PipelineBuffers& buffers = call.buffers;
   int partial_rows = 0;
-  ATTNGRAD_RETURN_IF_ERROR(StepStatus(
-      RopeRmsNormBackward(call.plan.heads, buffers.grad_q_rot, buffers.grad_k_rot, buffers.grad_v,
-                          buffers.qkv, buffers.inv_rms, call.in.cos, call.in.sin,
-                          call.in.weights[Weight::kQNorm], call.in.weights[Weight::kKNorm],
-                          call.plan.mode.operand, buffers.grad_qkv, buffers.partials,
-                          &partial_rows, call.lane),
-      "rope_rmsnorm_backward failed"));
+  ATTNGRAD_RETURN_IF_ERROR(
+      StepStatus(RopeRmsNormBackward(call.plan.heads, buffers.grad_q_rot, buffers.grad_k_rot,
+                                     buffers.grad_v, buffers.qkv, buffers.inv_rms, call.in.cos,
+                                     call.in.sin, call.in.weights[Weight::kQNorm],
+                                     call.in.weights[Weight::kKNorm], call.plan.mode.operand,
+                                     buffers.grad_qkv, buffers.partials, &partial_rows, call.lane),
+                 "rope_rmsnorm_backward failed"));
   ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kGradQkvReady, call.lane, call.side));
   GradientScale* scale = buffers.gradient_scale;
   ATTNGRAD_RETURN_IF_ERROR(StepStatus(
@@ -667,16 +669,16 @@ Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
   ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kLaneForked, call.caller, call.lane));
   ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kSideForked, call.lane, call.side));
   if (plan.mode.half()) ATTNGRAD_RETURN_IF_ERROR(ConvertOperands(call));  // lane and side
-  ATTNGRAD_RETURN_IF_ERROR(ProjectQkv(call));                // lane
-  ATTNGRAD_RETURN_IF_ERROR(NormalizeAndRotate(call));        // lane
-  ATTNGRAD_RETURN_IF_ERROR(GradAttentionGemm(call));         // side
-  ATTNGRAD_RETURN_IF_ERROR(AttentionForwardStage(call));     // lane, after dA
-  ATTNGRAD_RETURN_IF_ERROR(AttentionBackwardQuery(call));    // side, after the forward
-  ATTNGRAD_RETURN_IF_ERROR(GradOutputWeightGemm(call));      // side
-  ATTNGRAD_RETURN_IF_ERROR(AttentionBackwardKeyValue(call)); // lane, then waits for dq'
-  ATTNGRAD_RETURN_IF_ERROR(RopeRmsNormBackwardStage(call));  // lane, final sum on the side
-  ATTNGRAD_RETURN_IF_ERROR(GradHiddenGemm(call));            // lane
-  ATTNGRAD_RETURN_IF_ERROR(GradQkvWeightGemms(call));        // side (dWq, dWk) and lane (dWv)
+  ATTNGRAD_RETURN_IF_ERROR(ProjectQkv(call));                             // lane
+  ATTNGRAD_RETURN_IF_ERROR(NormalizeAndRotate(call));                     // lane
+  ATTNGRAD_RETURN_IF_ERROR(GradAttentionGemm(call));                      // side
+  ATTNGRAD_RETURN_IF_ERROR(AttentionForwardStage(call));                  // lane, after dA
+  ATTNGRAD_RETURN_IF_ERROR(AttentionBackwardQuery(call));                 // side, after the forward
+  ATTNGRAD_RETURN_IF_ERROR(GradOutputWeightGemm(call));                   // side
+  ATTNGRAD_RETURN_IF_ERROR(AttentionBackwardKeyValue(call));  // lane, then waits for dq'
+  ATTNGRAD_RETURN_IF_ERROR(RopeRmsNormBackwardStage(call));   // lane, final sum on the side
+  ATTNGRAD_RETURN_IF_ERROR(GradHiddenGemm(call));             // lane
+  ATTNGRAD_RETURN_IF_ERROR(GradQkvWeightGemms(call));         // side (dWq, dWk) and lane (dWv)
   // Join: the call ends on the caller's stream when both streams are done.
   ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kSideDone, call.side, call.lane));
   return call.Order(ForkJoinEvent::kLaneDone, call.lane, call.caller);
@@ -772,11 +774,11 @@ Status BackwardDevice(const LayerConfig& config, int batch, int seq_len, const S
   if (cudaGetDevice(&device) != cudaSuccess) return {ATTNGRAD_CUDA_ERROR, "cudaGetDevice failed"};
   const attngrad_status got = cuda::DeviceContextRegistry::Instance().Get(device, &context);
   if (got != ATTNGRAD_OK) return {got, "creating the device's cuBLASLt context failed"};
-  return result(context->pipeline_graphs().Run(cuda::KeyOf(config, batch, seq_len, scalars,
-                                                           precision, accumulate, in, out,
-                                                           workspace, workspace_size),
-                                               enqueue, caller_stream, context),
-                "launching the pipeline's CUDA graph failed");
+  return result(
+      context->pipeline_graphs().Run(cuda::KeyOf(config, batch, seq_len, scalars, precision,
+                                                 accumulate, in, out, workspace, workspace_size),
+                                     enqueue, caller_stream, context),
+      "launching the pipeline's CUDA graph failed");
 }
 
 int DeviceCount() {

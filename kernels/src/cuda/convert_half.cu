@@ -56,8 +56,8 @@ __device__ void RecordBlockMaximum(unsigned int bits, GradientScale* scale) {
 }
 
 // Converts values [first, count) in steps of `stride` with the factor s (8-element chunks: two
-// 16-byte loads, one 16-byte store, when both pointers are 16-byte aligned); returns max |x| as bits
-// when kTrack.
+// 16-byte loads, one 16-byte store, when both pointers are 16-byte aligned); returns max |x| as
+// bits when kTrack.
 template <bool kTrack>
 __device__ unsigned int ConvertRange(const float* source, __half* destination, std::size_t count,
                                      float s, std::size_t first, std::size_t stride) {
@@ -72,10 +72,9 @@ __device__ unsigned int ConvertRange(const float* source, __half* destination, s
       const float4 low = source4[2 * chunk];
       const float4 high = source4[2 * chunk + 1];
       if constexpr (kTrack) bits = max(bits, max(AbsBits(low), AbsBits(high)));
-      __half2 packed[4] = {__floats2half2_rn(low.x * s, low.y * s),
-                           __floats2half2_rn(low.z * s, low.w * s),
-                           __floats2half2_rn(high.x * s, high.y * s),
-                           __floats2half2_rn(high.z * s, high.w * s)};
+      __half2 packed[4] = {
+          __floats2half2_rn(low.x * s, low.y * s), __floats2half2_rn(low.z * s, low.w * s),
+          __floats2half2_rn(high.x * s, high.y * s), __floats2half2_rn(high.z * s, high.w * s)};
       destination4[chunk] = *reinterpret_cast<const uint4*>(packed);
     }
     done = chunks * 8;
@@ -99,8 +98,8 @@ __global__ void __launch_bounds__(kConvertThreads)
                         stride);
     return;
   }
-  const unsigned int bits = ConvertRange<true>(segment.source, segment.destination,
-                                               segment.count, 1.f, first, stride);
+  const unsigned int bits =
+      ConvertRange<true>(segment.source, segment.destination, segment.count, 1.f, first, stride);
   RecordBlockMaximum(bits, segment.find_scale);
 }
 

@@ -24,15 +24,15 @@ class StageObserver {
 // where the FP16 mode's weight conversion costs most).
 Precision ResolvePrecision(Precision precision, int batch, int seq_len);
 
-// Enqueues the whole pipeline on `stream`: forked onto the two streams of `side` when given, else of
-// one leased from the device's pool, and joined back (with an observer everything runs on
+// Enqueues the whole pipeline on `stream`: forked onto the two streams of `side` when given, else
+// of one leased from the device's pool, and joined back (with an observer everything runs on
 // `stream`). The Status names the check or the stage that failed.
 class SideStream;
 Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
                            const Scalars& scalars, Precision precision, bool accumulate,
                            const BackwardInputs& in, const BackwardOutputs& out, void* workspace,
-                           std::size_t workspace_size, cudaStream_t stream,
-                           StageObserver* observer, SideStream* side = nullptr);
+                           std::size_t workspace_size, cudaStream_t stream, StageObserver* observer,
+                           SideStream* side = nullptr);
 
 }  // namespace attngrad::cuda
 

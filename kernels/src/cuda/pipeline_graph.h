@@ -8,8 +8,8 @@
 // stream, instantiated, and launched as a graph on the caller's stream; later calls with the same
 // arguments launch that graph. Inputs are read at replay time, so new contents in the same buffers
 // are used as they should be. A call whose stream is itself being captured never comes here (the
-// caller's graph already has the kernels). Capture or instantiation failures fall back to the direct
-// path for that key, for good.
+// caller's graph already has the kernels). Capture or instantiation failures fall back to the
+// direct path for that key, for good.
 #ifndef ATTNGRAD_KERNELS_CUDA_PIPELINE_GRAPH_H_
 #define ATTNGRAD_KERNELS_CUDA_PIPELINE_GRAPH_H_
 
@@ -59,7 +59,7 @@ class PipelineGraphCache {
     bool direct_only = false;  // capture failed once: always enqueue directly
     std::uint64_t last_use = 0;
   };
-  Entry* Find(const PipelineKey& key);  // with mutex_ held
+  Entry* Find(const PipelineKey& key);    // with mutex_ held
   Entry* Insert(const PipelineKey& key);  // with mutex_ held; may evict
   // Captures and instantiates the pipeline; nullptr on any failure (errors cleared).
   cudaGraphExec_t Build(const PipelineEnqueue& enqueue, DeviceContext* context);

@@ -41,13 +41,16 @@ GemmPlan::~GemmPlan() {
 attngrad_status GemmPlan::Describe(const GemmSpec& spec) {
   const cudaDataType_t operand = OperandType(spec);
   const cudaDataType_t output = spec.d_is_half ? CUDA_R_16F : CUDA_R_32F;
-  if (!Ok(cublasLtMatmulDescCreate(&desc_, ComputeType(spec), CUDA_R_32F))) return ATTNGRAD_INTERNAL;
+  if (!Ok(cublasLtMatmulDescCreate(&desc_, ComputeType(spec), CUDA_R_32F)))
+    return ATTNGRAD_INTERNAL;
   const cublasOperation_t op_a = spec.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = spec.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasLtPointerMode_t pointer_mode =
       spec.device_scalars() ? CUBLASLT_POINTER_MODE_DEVICE : CUBLASLT_POINTER_MODE_HOST;
-  if (!Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a))) ||
-      !Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b))) ||
+  if (!Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,
+                                         sizeof(op_a))) ||
+      !Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
+                                         sizeof(op_b))) ||
       !Ok(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
                                          sizeof(pointer_mode)))) {
     return ATTNGRAD_INTERNAL;
@@ -140,9 +143,9 @@ attngrad_status GemmPlan::Init(cublasLtHandle_t handle, const GemmSpec& spec, in
   cublasLtMatmulHeuristicResult_t results[kMaxHeuristicRank] = {};
   int found = 0;
   if (configured) {
-    configured = Ok(cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_a_, layout_b_, layout_d_,
-                                                   layout_d_, preference, heuristic_rank + 1,
-                                                   results, &found));
+    configured =
+        Ok(cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_a_, layout_b_, layout_d_, layout_d_,
+                                          preference, heuristic_rank + 1, results, &found));
   }
   cublasLtMatmulPreferenceDestroy(preference);
   if (!configured || found <= heuristic_rank) return ATTNGRAD_INTERNAL;
@@ -158,10 +161,9 @@ attngrad_status GemmPlan::Run(cublasLtHandle_t handle, const GemmSpec& spec, voi
   if (spec.device_scalars() != (spec.device_beta != nullptr)) return ATTNGRAD_INTERNAL;
   const float* alpha = spec.device_scalars() ? spec.device_alpha : &spec.alpha;
   const float* beta = spec.device_scalars() ? spec.device_beta : &spec.beta;
-  const cublasStatus_t status =
-      cublasLtMatmul(handle, desc_, alpha, spec.a, layout_a_, spec.b, layout_b_, beta, spec.d,
-                     layout_d_, spec.d, layout_d_, &algo_, gemm_workspace, workspace_bytes_,
-                     stream);
+  const cublasStatus_t status = cublasLtMatmul(
+      handle, desc_, alpha, spec.a, layout_a_, spec.b, layout_b_, beta, spec.d, layout_d_, spec.d,
+      layout_d_, &algo_, gemm_workspace, workspace_bytes_, stream);
   if (status == CUBLAS_STATUS_SUCCESS) return ATTNGRAD_OK;
   return status == CUBLAS_STATUS_EXECUTION_FAILED ? ATTNGRAD_CUDA_ERROR : ATTNGRAD_INTERNAL;
 }
@@ -214,9 +216,18 @@ attngrad_status DeviceContext::Gemm(const GemmSpec& spec, void* gemm_workspace,
   int alignment = AlignmentOf(spec.a);
   if (AlignmentOf(spec.b) < alignment) alignment = AlignmentOf(spec.b);
   if (AlignmentOf(spec.d) < alignment) alignment = AlignmentOf(spec.d);
-  const PlanKey key{spec.transpose_a ? 1 : 0, spec.transpose_b ? 1 : 0, spec.m, spec.n, spec.k,
-                    spec.lda, spec.ldb, spec.ldd, static_cast<int>(spec.arithmetic),
-                    spec.d_is_half ? 1 : 0, alignment, spec.device_scalars() ? 1 : 0};
+  const PlanKey key{spec.transpose_a ? 1 : 0,
+                    spec.transpose_b ? 1 : 0,
+                    spec.m,
+                    spec.n,
+                    spec.k,
+                    spec.lda,
+                    spec.ldb,
+                    spec.ldd,
+                    static_cast<int>(spec.arithmetic),
+                    spec.d_is_half ? 1 : 0,
+                    alignment,
+                    spec.device_scalars() ? 1 : 0};
   const GemmPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);

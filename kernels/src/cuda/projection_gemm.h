@@ -6,11 +6,11 @@
 // A row-major matrix [rows, cols] is the column-major matrix [cols x rows] with the same leading
 // dimension, so every product of the pipeline maps onto one such description (backward_device.cu).
 //
-// Plans (matmul descriptor, matrix layouts, the algorithm cuBLASLt's heuristic picked) are created on
-// first use of a shape and reused for every later call with that shape on that device. The registry
-// that owns them is one process-wide object (DeviceContextRegistry::Instance(), a function-local
-// static with thread-safe initialisation); every lookup takes its mutex, plans are never freed or
-// changed once made, so the GEMMs themselves run without holding a lock.
+// Plans (matmul descriptor, matrix layouts, the algorithm cuBLASLt's heuristic picked) are created
+// on first use of a shape and reused for every later call with that shape on that device. The
+// registry that owns them is one process-wide object (DeviceContextRegistry::Instance(), a
+// function-local static with thread-safe initialisation); every lookup takes its mutex, plans are
+// never freed or changed once made, so the GEMMs themselves run without holding a lock.
 #ifndef ATTNGRAD_KERNELS_CUDA_PROJECTION_GEMM_H_
 #define ATTNGRAD_KERNELS_CUDA_PROJECTION_GEMM_H_
 
@@ -85,8 +85,8 @@ class GemmPlan {
   attngrad_status Init(cublasLtHandle_t handle, const GemmSpec& spec, int alignment,
                        int heuristic_rank = 0);
   // Builds the descriptors with the given algorithm instead of asking the heuristic;
-  // ATTNGRAD_UNSUPPORTED when cuBLASLt's check rejects it for this shape and device (or it needs more
-  // than kGemmWorkspaceBytes of workspace).
+  // ATTNGRAD_UNSUPPORTED when cuBLASLt's check rejects it for this shape and device (or it needs
+  // more than kGemmWorkspaceBytes of workspace).
   attngrad_status InitWithAlgorithm(cublasLtHandle_t handle, const GemmSpec& spec,
                                     const GemmAlgorithm& algorithm);
   attngrad_status Run(cublasLtHandle_t handle, const GemmSpec& spec, void* gemm_workspace,
@@ -108,14 +108,14 @@ class GemmPlan {
 // and join it back, each recorded once per call on one stream and waited for on another
 // (backward_device.cu's RunBackwardPipeline says where).
 enum class ForkJoinEvent : int {
-  kLaneForked,              // caller -> lane: the call starts
-  kSideForked,              // lane -> side: the side stream may read the inputs
-  kGradAttentionReady,      // side -> lane: dA = dY Wo, read by the attention forward
-  kAttentionForwardDone,    // lane -> side: A, lse and Delta, read by the dQ half and dWo
-  kGradQueryReady,          // side -> lane: dq', read by rope_rmsnorm_backward
-  kGradQkvReady,            // lane -> side: dq, dk, dv and the norm-weight partials
-  kSideDone,                // side -> lane: everything on the side stream
-  kLaneDone,                // lane -> caller: the call ends
+  kLaneForked,            // caller -> lane: the call starts
+  kSideForked,            // lane -> side: the side stream may read the inputs
+  kGradAttentionReady,    // side -> lane: dA = dY Wo, read by the attention forward
+  kAttentionForwardDone,  // lane -> side: A, lse and Delta, read by the dQ half and dWo
+  kGradQueryReady,        // side -> lane: dq', read by rope_rmsnorm_backward
+  kGradQkvReady,          // lane -> side: dq, dk, dv and the norm-weight partials
+  kSideDone,              // side -> lane: everything on the side stream
+  kLaneDone,              // lane -> caller: the call ends
 };
 inline constexpr int kForkJoinEvents = 8;
 
@@ -129,9 +129,7 @@ class SideStream {
   attngrad_status Init();
   cudaStream_t stream() const { return stream_.get(); }
   cudaStream_t lane() const { return lane_.get(); }
-  cudaEvent_t event(ForkJoinEvent which) const {
-    return events_[static_cast<int>(which)].get();
-  }
+  cudaEvent_t event(ForkJoinEvent which) const { return events_[static_cast<int>(which)].get(); }
 
  private:
   Stream stream_;

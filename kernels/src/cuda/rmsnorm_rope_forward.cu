@@ -34,8 +34,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int token = blockIdx.x; token < layout.tokens; token += gridDim.x) {
     const float* row = qkv + static_cast<std::size_t>(token) * width;
     Operand* out_row = operands + static_cast<std::size_t>(token) * width;
-    const float4 c = reinterpret_cast<const float4*>(cos + static_cast<std::size_t>(token) * kHeadDim)[lane];
-    const float4 s = reinterpret_cast<const float4*>(sin + static_cast<std::size_t>(token) * kHeadDim)[lane];
+    const float4 c =
+        reinterpret_cast<const float4*>(cos + static_cast<std::size_t>(token) * kHeadDim)[lane];
+    const float4 s =
+        reinterpret_cast<const float4*>(sin + static_cast<std::size_t>(token) * kHeadDim)[lane];
     // kTasksPerWarp heads per pass, all loads issued before the first use (memory parallelism).
     for (int base = warp; base < tasks; base += kWarps * kTasksPerWarp) {
       float4 x[kTasksPerWarp];
@@ -67,10 +69,9 @@ __global__ void __launch_bounds__(kWarps * 32)
         partner.w = __shfl_xor_sync(0xffffffffu, n.w, 16);
         // rot(n)[d] = -n[d+64] for d < 64, n[d-64] for d >= 64.
         const float sign = low_half ? -1.f : 1.f;
-        const float4 out = make_float4(n.x * c.x + sign * partner.x * s.x,
-                                       n.y * c.y + sign * partner.y * s.y,
-                                       n.z * c.z + sign * partner.z * s.z,
-                                       n.w * c.w + sign * partner.w * s.w);
+        const float4 out =
+            make_float4(n.x * c.x + sign * partner.x * s.x, n.y * c.y + sign * partner.y * s.y,
+                        n.z * c.z + sign * partner.z * s.z, n.w * c.w + sign * partner.w * s.w);
         Store4(out_row + column, out);
         if (lane == 0) inv_rms[static_cast<std::size_t>(token) * norm_heads + head] = r;
       }
@@ -102,13 +103,13 @@ attngrad_status RmsNormRopeForward(const HeadLayout& layout, const float* qkv, c
   int blocks = multiprocessors * (per_multiprocessor > 0 ? per_multiprocessor : 1);
   if (blocks > layout.tokens) blocks = layout.tokens;
   if (type == OperandType::kHalf) {
-    RmsNormRopeForwardKernel<__half><<<blocks, kWarps * 32, 0, stream>>>(
-        layout, qkv, cos, sin, q_norm_weight, k_norm_weight, eps, write_v,
-        static_cast<__half*>(operands), inv_rms);
+    RmsNormRopeForwardKernel<__half>
+        <<<blocks, kWarps * 32, 0, stream>>>(layout, qkv, cos, sin, q_norm_weight, k_norm_weight,
+                                             eps, write_v, static_cast<__half*>(operands), inv_rms);
   } else {
-    RmsNormRopeForwardKernel<float><<<blocks, kWarps * 32, 0, stream>>>(
-        layout, qkv, cos, sin, q_norm_weight, k_norm_weight, eps, write_v,
-        static_cast<float*>(operands), inv_rms);
+    RmsNormRopeForwardKernel<float>
+        <<<blocks, kWarps * 32, 0, stream>>>(layout, qkv, cos, sin, q_norm_weight, k_norm_weight,
+                                             eps, write_v, static_cast<float*>(operands), inv_rms);
   }
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }

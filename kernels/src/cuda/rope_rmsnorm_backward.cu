@@ -1,9 +1,9 @@
-// Stage: SPEC section 2 steps 7-8 — RoPE backward (dxn = dx' cos + rot^T(dx' sin)) and Gemma RMSNorm
-// backward (g = dxn (1 + w), dx = r (g - x̂ mean(g x̂))) of every q and k head, writing dq, dk and the
-// converted dv side by side as the operand of the dX and dW_qkv GEMMs, plus the norm-weight
-// gradients (sum over tokens and heads of dxn x̂) through a deterministic two-pass reduction:
-// each block sums its tokens in a fixed order into its own row of `partials`, then one block adds
-// the rows in a fixed order.
+// Stage: SPEC section 2 steps 7-8 — RoPE backward (dxn = dx' cos + rot^T(dx' sin)) and Gemma
+// RMSNorm backward (g = dxn (1 + w), dx = r (g - x̂ mean(g x̂))) of every q and k head, writing dq,
+// dk and the converted dv side by side as the operand of the dX and dW_qkv GEMMs, plus the
+// norm-weight gradients (sum over tokens and heads of dxn x̂) through a deterministic two-pass
+// reduction: each block sums its tokens in a fixed order into its own row of `partials`, then one
+// block adds the rows in a fixed order.
 //
 // One warp per (token, head) as in rmsnorm_rope_forward.cu: lane l holds elements 4l..4l+3.
 #include "cuda/stages.h"
@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocksPerSm)
         if (head >= tasks) continue;
         const int column = head * kHeadDim + 4 * lane;
         if (head >= norm_heads) {  // dv
-          g[i] = *reinterpret_cast<const float4*>(grad_v + t * kv_width + column - q_width -
-                                                  kv_width);
+          g[i] =
+              *reinterpret_cast<const float4*>(grad_v + t * kv_width + column - q_width - kv_width);
         } else if (head < layout.num_heads) {
           g[i] = *reinterpret_cast<const float4*>(grad_q_rot + t * q_width + column);
         } else {
@@ -110,8 +110,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocksPerSm)
           k_sum.w += dn.w * xh.w;
         }
         const float4 w = __ldg(is_q ? q_weight : k_weight);
-        const float4 gg = make_float4(dn.x * (1.f + w.x), dn.y * (1.f + w.y),
-                                      dn.z * (1.f + w.z), dn.w * (1.f + w.w));
+        const float4 gg = make_float4(dn.x * (1.f + w.x), dn.y * (1.f + w.y), dn.z * (1.f + w.z),
+                                      dn.w * (1.f + w.w));
         const float mean =
             WarpSum(gg.x * xh.x + gg.y * xh.y + gg.z * xh.z + gg.w * xh.w) / kHeadDim;
         Store4(out_row + column,
@@ -198,12 +198,11 @@ attngrad_status BlocksFor(Kernel kernel, int tokens, int* blocks) {
 }  // namespace
 
 attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_q_rot,
-                                    const float* grad_k_rot, const float* grad_v,
-                                    const float* qkv, const float* inv_rms, const float* cos,
-                                    const float* sin, const float* q_norm_weight,
-                                    const float* k_norm_weight, OperandType type,
-                                    void* grad_qkv, float* partials, int* partial_rows,
-                                    cudaStream_t stream) {
+                                    const float* grad_k_rot, const float* grad_v, const float* qkv,
+                                    const float* inv_rms, const float* cos, const float* sin,
+                                    const float* q_norm_weight, const float* k_norm_weight,
+                                    OperandType type, void* grad_qkv, float* partials,
+                                    int* partial_rows, cudaStream_t stream) {
   if (layout.tokens < 1 || partial_rows == nullptr) return ATTNGRAD_INTERNAL;
   // The build for the shape; the block count then depends only on the device and T, so the
   // reduction order is the same call after call.

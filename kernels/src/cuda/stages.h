@@ -3,8 +3,8 @@
 // mode. Internal to kernels/; backward_device.cu strings them together.
 //
 // Layout (token-major, as the GEMMs produce it): the projections of one token are one row of
-// width qkv_width = (num_heads + 2 * num_kv_heads) * 128: q heads first, then k heads, then v heads.
-// Every kernel here supports head_dim == 128 only.
+// width qkv_width = (num_heads + 2 * num_kv_heads) * 128: q heads first, then k heads, then v
+// heads. Every kernel here supports head_dim == 128 only.
 #ifndef ATTNGRAD_KERNELS_CUDA_STAGES_H_
 #define ATTNGRAD_KERNELS_CUDA_STAGES_H_
 
@@ -24,17 +24,18 @@ enum class OperandType { kFloat, kHalf };
 
 // The FP16 mode's power-of-two scale of grad_output, found on the device every call (so a
 // caller's gradients of any magnitude, e.g. 1e-7 from a loss averaged over many tokens, stay in
-// fp16's normal range; SPEC section 4). Everything after dY in the backward is linear in it: the fp16
-// operands derived from dY carry the factor s, and the GEMMs that write the outputs undo it exactly
-// with alpha = 1/s read from here (cuBLASLt device pointer mode), as does the norm-weight final sum.
-// s = 2^k with max|dY| * s in [4, 8), the range of SPEC section 3's randn draws (so the benchmark's
-// inputs get s = 1); s = 1 when dY is all zero or holds a NaN/Inf. Lives in the workspace.
+// fp16's normal range; SPEC section 4). Everything after dY in the backward is linear in it: the
+// fp16 operands derived from dY carry the factor s, and the GEMMs that write the outputs undo it
+// exactly with alpha = 1/s read from here (cuBLASLt device pointer mode), as does the norm-weight
+// final sum. s = 2^k with max|dY| * s in [4, 8), the range of SPEC section 3's randn draws (so the
+// benchmark's inputs get s = 1); s = 1 when dY is all zero or holds a NaN/Inf. Lives in the
+// workspace.
 inline constexpr unsigned int kMaxConvertBlocks = 2048;  // blocks per segment of a conversion
 struct GradientScale {
-  float scale;                 // s
-  float inverse;               // 1/s: alpha of the dY-linear GEMMs
-  float one, zero;             // their betas (accumulating or not) in the same pointer mode
-  unsigned int blocks;         // the conversion's blocks per segment
+  float scale;          // s
+  float inverse;        // 1/s: alpha of the dY-linear GEMMs
+  float one, zero;      // their betas (accumulating or not) in the same pointer mode
+  unsigned int blocks;  // the conversion's blocks per segment
   unsigned int block_maxima[kMaxConvertBlocks];  // max |dY| per block, as non-negative float bits
 };
 
@@ -60,9 +61,7 @@ struct HeadLayout {
   int tokens = 0;        // B*S
   int num_heads = 0;     // query heads
   int num_kv_heads = 0;  // key-value heads
-  __host__ __device__ int qkv_width() const {
-    return (num_heads + 2 * num_kv_heads) * kHeadDim;
-  }
+  __host__ __device__ int qkv_width() const { return (num_heads + 2 * num_kv_heads) * kHeadDim; }
   // Heads with an RMSNorm (q and k).
   __host__ __device__ int norm_heads() const { return num_heads + num_kv_heads; }
 };
@@ -89,12 +88,11 @@ inline std::size_t RopeRmsNormBackwardPartialsBytes(int tokens) {
 // of the norm-weight gradients' deterministic reduction: per-block partial sums, *partial_rows rows
 // of `partials` (a count that depends only on the device and T).
 attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_q_rot,
-                                    const float* grad_k_rot, const float* grad_v,
-                                    const float* qkv, const float* inv_rms, const float* cos,
-                                    const float* sin, const float* q_norm_weight,
-                                    const float* k_norm_weight, OperandType type,
-                                    void* grad_qkv, float* partials, int* partial_rows,
-                                    cudaStream_t stream);
+                                    const float* grad_k_rot, const float* grad_v, const float* qkv,
+                                    const float* inv_rms, const float* cos, const float* sin,
+                                    const float* q_norm_weight, const float* k_norm_weight,
+                                    OperandType type, void* grad_qkv, float* partials,
+                                    int* partial_rows, cudaStream_t stream);
 
 // The second pass: the norm-weight gradients as the fixed-order sum of the partials' rows, times
 // *inverse_scale when that is set (the FP16 mode's 1/s, GradientScale), added to

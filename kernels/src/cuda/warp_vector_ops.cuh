@@ -11,7 +11,8 @@ namespace attngrad::cuda {
 
 __device__ __forceinline__ float WarpSum(float value) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
   return value;
 }
 

@@ -1,7 +1,8 @@
-// One attention layer on the wire: its configuration (attngrad::LayerConfig <-> attngrad.v1.LayerConfig)
-// and its six weights (attngrad::Weight, kernels/include/attngrad/layer_weights.h: names and shapes)
-// as the wire names them (attngrad.v1.WeightName, the fields of attngrad.v1.WeightGradients) and as
-// Hugging Face checkpoints name them.
+// One attention layer on the wire: its configuration (attngrad::LayerConfig <->
+// attngrad.v1.LayerConfig) and its six weights (attngrad::Weight,
+// kernels/include/attngrad/layer_weights.h: names and shapes) as the wire names them
+// (attngrad.v1.WeightName, the fields of attngrad.v1.WeightGradients) and as Hugging Face
+// checkpoints name them.
 #ifndef ATTNGRAD_WIRE_LAYER_H_
 #define ATTNGRAD_WIRE_LAYER_H_
 

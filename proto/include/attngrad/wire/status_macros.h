@@ -32,7 +32,7 @@ const absl::Status& AsStatus(const absl::StatusOr<T>& status_or) {
     }                                                                                      \
   } while (false)
 
-#define ATTNGRAD_ASSIGN_OR_RETURN(lhs, expr)                                                   \
+#define ATTNGRAD_ASSIGN_OR_RETURN(lhs, expr)                                                     \
   ATTNGRAD_ASSIGN_OR_RETURN_IMPL_(ATTNGRAD_STATUS_MACROS_CONCAT_(attngrad_status_or_, __LINE__), \
                                   lhs, expr)
 
