@@ -373,28 +373,31 @@ void GradientCore::Collect(int slot, int accumulator_set, bool read, bool zero,
   }
 }
 
+absl::StatusOr<std::shared_ptr<GradientCore::Window>> GradientCore::ExpectedWindowLocked(
+    const WindowKey& key, std::uint64_t expected_window_id) {
+  ATTNGRAD_ASSIGN_OR_RETURN(std::shared_ptr<Window> window, WindowOfLocked(key));
+  if (expected_window_id != 0 && expected_window_id != window->id) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("expected_window_id: the request names window ", expected_window_id,
+                     " but the current window of client '", key.first, "' for layer ",
+                     settings_[static_cast<std::size_t>(key.second)].index, " is ", window->id,
+                     " of server instance ", instance_id_));
+  }
+  return window;
+}
+
 void GradientCore::Fetch(const std::string& client_id, int slot, bool zero_after_fetch,
                          std::uint64_t expected_window_id,
                          std::function<void(absl::StatusOr<FetchResult>)> done) {
   std::unique_lock<std::mutex> lock(mutex_);
   const WindowKey key{client_id, slot};
-  absl::StatusOr<std::shared_ptr<Window>> found = WindowOfLocked(key);
+  absl::StatusOr<std::shared_ptr<Window>> found = ExpectedWindowLocked(key, expected_window_id);
   if (!found.ok()) {
     lock.unlock();
     done(found.status());
     return;
   }
   const std::shared_ptr<Window> window = *std::move(found);
-  if (expected_window_id != 0 && expected_window_id != window->id) {
-    const std::uint64_t current = window->id;
-    lock.unlock();
-    done(absl::FailedPreconditionError(
-        absl::StrCat("expected_window_id: the fetch names window ", expected_window_id,
-                     " but the current window of client '", client_id, "' for layer ",
-                     settings_[static_cast<std::size_t>(slot)].index, " is ", current,
-                     " of server instance ", instance_id_)));
-    return;
-  }
   const WindowState state = StateOfLocked(*window);
   const int accumulator_set = window->accumulator_set;
   if (zero_after_fetch) StartWindowLocked(key);
@@ -427,23 +430,13 @@ void GradientCore::Zero(const std::string& client_id, int slot, std::uint64_t ex
                         std::function<void(absl::StatusOr<ZeroResult>)> done) {
   std::unique_lock<std::mutex> lock(mutex_);
   const WindowKey key{client_id, slot};
-  absl::StatusOr<std::shared_ptr<Window>> found = WindowOfLocked(key);
+  absl::StatusOr<std::shared_ptr<Window>> found = ExpectedWindowLocked(key, expected_window_id);
   if (!found.ok()) {
     lock.unlock();
     done(found.status());
     return;
   }
   const std::shared_ptr<Window> window = *std::move(found);
-  if (expected_window_id != 0 && expected_window_id != window->id) {
-    const std::uint64_t current = window->id;
-    lock.unlock();
-    done(absl::FailedPreconditionError(
-        absl::StrCat("expected_window_id: the request names window ", expected_window_id,
-                     " but the current window of client '", client_id, "' for layer ",
-                     settings_[static_cast<std::size_t>(slot)].index, " is ", current,
-                     " of server instance ", instance_id_)));
-    return;
-  }
   ZeroResult result;
   result.previous = StateOfLocked(*window);
   const int accumulator_set = window->accumulator_set;

@@ -147,6 +147,9 @@ class GradientCore {
   // kMaxClientWindows clients have windows and none of them is empty.
   using WindowKey = std::pair<std::string, int>;  // (client id, layer slot)
   absl::StatusOr<std::shared_ptr<Window>> WindowOfLocked(const WindowKey& key);
+  // WindowOfLocked, and FAILED_PRECONDITION when expected_window_id (0: any) is not its id.
+  absl::StatusOr<std::shared_ptr<Window>> ExpectedWindowLocked(const WindowKey& key,
+                                                               std::uint64_t expected_window_id);
   // Starts a new window for the client; the old one's accumulator set goes back to the free list
   // (caller holds mutex_ and has queued the zeroing of that set).
   void StartWindowLocked(const WindowKey& key);
