@@ -80,9 +80,11 @@ class StreamBase {
   // Half-closes the stream and waits for the server's status.
   absl::Status Close() {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::unique_lock<std::mutex> lock(mutex_);
       closing_ = true;
       budget_ = 0;
+      // A broken stream may still have a write outstanding; WritesDone must not overlap it.
+      changed_.wait(lock, [&] { return !writing_; });
     }
     HalfClose();
     std::unique_lock<std::mutex> lock(mutex_);
