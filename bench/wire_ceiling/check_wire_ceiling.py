@@ -150,6 +150,9 @@ def check_run(binary, *, transport, mode, B, S, channels, streams, in_flight, co
            "request_gb_per_second")
     expect(close(result["response_gb_per_second"], result["response_bytes"] / 1e9 / seconds),
            "response_gb_per_second")
+    expect(close(result["gb_per_second"],
+                 (result["request_bytes"] + result["response_bytes"]) / 1e9 / seconds),
+           "gb_per_second")
     expect(0 < result["p50_seconds"] <= result["p99_seconds"] <= result["max_seconds"] <= seconds,
            "latencies: need 0 < p50 <= p99 <= max <= seconds")
     moved_gb = (result["request_bytes"] + result["response_bytes"]) / 1e9
@@ -172,6 +175,30 @@ def check_text_line(binary):
     expect(sizes == want, f"B/batch {sizes}, expected {want}")
     expect(" 6 batches in " in lines[0] and lines[0].endswith("errors 0"),
            "expected 6 batches and errors 0")
+
+
+def check_serve_and_connect(binary):
+    """--serve in one process, --connect from another; the server stops on SIGTERM."""
+    server = subprocess.Popen([binary, "--serve=127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stderr.readline()
+        print(line.strip())
+        port = re.search(r"serving on port (\d+)", line)
+        expect(port is not None, "--serve did not say its port")
+        done = run(binary, [f"--connect=127.0.0.1:{port.group(1)}", "--transport=bytebuffer",
+                            "--batch=1", "--seq_len=4", "--count=4", "--streams=2", "--json"])
+        expect(done.returncode == 0, f"--connect: exit status {done.returncode}")
+        result = json.loads(done.stdout)
+        want = request_bytes(1, 4, SPEC_LAYER, "accumulate", "float32", "float32", "tables")
+        expect(result["batches"] == 8 and result["server_received_bytes"] == 8 * want,
+               f"--connect: {result['batches']} batches, {result['server_received_bytes']} "
+               f"bytes at the server; expected 8 and {8 * want}")
+        server.terminate()
+        expect(server.wait(timeout=30) == 0, f"--serve exited with {server.returncode} on SIGTERM")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
 
 
 def check_bad_flag(binary):
@@ -198,6 +225,7 @@ def main():
         lambda: check_run(binary, transport="protobuf", mode="accumulate", B=1, S=32, channels=2,
                           streams=2, in_flight=2, count=0, duration=0.5),
         lambda: check_text_line(binary),
+        lambda: check_serve_and_connect(binary),
         lambda: check_bad_flag(binary),
     ]
     failures = 0

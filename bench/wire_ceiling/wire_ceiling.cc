@@ -211,6 +211,7 @@ void Print(const RunOptions& options, const RunResult& result) {
         {"response_bytes_per_batch", result.response_bytes_per_batch},
         {"request_gb_per_second", result.request_bytes / 1e9 / seconds},
         {"response_gb_per_second", result.response_bytes / 1e9 / seconds},
+        {"gb_per_second", moved_gb / seconds},
         {"p50_seconds", result.p50_seconds},
         {"p90_seconds", result.p90_seconds},
         {"p99_seconds", result.p99_seconds},
@@ -230,12 +231,13 @@ void Print(const RunOptions& options, const RunResult& result) {
   }
   std::cout << absl::StrFormat(
       "wire_ceiling %s, %d channels, %d streams x %d in flight, %s: %d batches in %.2f s, "
-      "%.0f tokens/s, %.3f GB/s up (%d B/batch), %.3f GB/s down (%d B/batch), round trip p50 "
+      "%.0f tokens/s, %.3f GB/s up (%d B/batch), %.3f GB/s down (%d B/batch), %.3f GB/s both "
+      "ways, round trip p50 "
       "%.4f s p99 %.4f s, server %.3f CPU s/GB, client %.3f CPU s/GB, errors %d%s\n",
       transport, options.channels, options.streams, options.in_flight, options.shape.Describe(),
       result.batches, result.seconds, result.tokens / seconds, result.request_bytes / 1e9 / seconds,
       result.request_bytes_per_batch, result.response_bytes / 1e9 / seconds,
-      result.response_bytes_per_batch, result.p50_seconds, result.p99_seconds,
+      result.response_bytes_per_batch, moved_gb / seconds, result.p50_seconds, result.p99_seconds,
       result.server.cpu_seconds / std::max(moved_gb, 1e-12),
       result.client_cpu_seconds / std::max(moved_gb, 1e-12), result.errors,
       result.first_error.empty() ? "" : absl::StrCat(" (first: ", result.first_error, ")"));
