@@ -1,7 +1,5 @@
 #include "ceiling_client.h"
 
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
@@ -19,13 +17,6 @@
 
 namespace attngrad::wire_ceiling {
 namespace {
-
-double ProcessCpuSeconds() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
-  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
-}
 
 // The value at percentile p (0..100) of `values`, nearest rank (as attngrad-cli bench).
 double Percentile(std::vector<double> values, double p) {
@@ -420,13 +411,7 @@ absl::StatusOr<RunResult> RunClient(const RunOptions& options) {
 
   std::vector<std::unique_ptr<StreamBase>> streams;
   grpc::Slice request_body;
-  if (options.transport == Transport::kByteBuffer) {
-    auto body = std::make_unique<std::string>(request.SerializeAsString());
-    const size_t size = body->size();
-    std::string* raw = body.release();
-    request_body = grpc::Slice(
-        raw->data(), size, [](void* owned) { delete static_cast<std::string*>(owned); }, raw);
-  }
+  if (options.transport == Transport::kByteBuffer) request_body = SerializedSlice(request);
   for (int s = 0; s < options.streams; ++s) {
     const auto& channel = channels[s % options.channels];
     const uint64_t first_batch_id = kFirstBatchId + (static_cast<uint64_t>(s) << 40);

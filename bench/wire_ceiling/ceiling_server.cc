@@ -20,13 +20,6 @@
 namespace attngrad::wire_ceiling {
 namespace {
 
-double ProcessCpuSeconds() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
-  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
-}
-
 absl::StatusOr<WireShape> ShapeOfStream(const grpc::CallbackServerContext& context) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kShapeMetadataKey);
@@ -95,13 +88,9 @@ class ByteBufferCodec {
 
   explicit ByteBufferCodec(const WireShape& shape) : shape_(shape) {
     const v1::BackwardResponse response = MakeResponse(shape);
-    auto body = std::make_unique<std::string>(response.SerializeAsString());
+    body_ = SerializedSlice(response);
     response_bytes_ = SizeWithBatchId(response);
     request_bytes_ = SizeWithBatchId(MakeRequest(shape));
-    const size_t size = body->size();
-    std::string* raw = body.release();
-    body_ = grpc::Slice(
-        raw->data(), size, [](void* owned) { delete static_cast<std::string*>(owned); }, raw);
   }
 
   absl::StatusOr<uint64_t> Take(Request* request, int64_t* bytes) {
@@ -270,6 +259,13 @@ class UnknownMethodReactor : public grpc::ServerGenericBidiReactor {
 };
 
 }  // namespace
+
+double ProcessCpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
 
 std::string ServerStats::ToText() const {
   return absl::StrFormat("%.6f %d %d %d", cpu_seconds, received_bytes, sent_bytes, batches);

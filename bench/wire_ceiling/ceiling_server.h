@@ -36,6 +36,9 @@ struct ServerStats {
   static absl::StatusOr<ServerStats> FromText(absl::string_view text);
 };
 
+// User + system CPU seconds of this process so far (getrusage).
+double ProcessCpuSeconds();
+
 // Counters the streams add to.
 struct ServerCounters {
   std::atomic<int64_t> received_bytes{0};

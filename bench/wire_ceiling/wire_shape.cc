@@ -1,5 +1,6 @@
 #include "wire_shape.h"
 
+#include <memory>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -171,6 +172,14 @@ bool ReadBatchIdField(grpc::ByteBuffer* message, uint64_t* batch_id) {
   grpc::ProtoBufferReader reader(message);
   google::protobuf::io::CodedInputStream input(&reader);
   return input.ReadTag() == (1 << 3) && input.ReadVarint64(batch_id);
+}
+
+grpc::Slice SerializedSlice(const google::protobuf::MessageLite& message) {
+  auto bytes = std::make_unique<std::string>(message.SerializeAsString());
+  const size_t size = bytes->size();
+  std::string* owned = bytes.release();
+  return grpc::Slice(
+      owned->data(), size, [](void* owner) { delete static_cast<std::string*>(owner); }, owned);
 }
 
 int64_t SizeWithBatchId(const google::protobuf::MessageLite& message) {

@@ -14,6 +14,7 @@
 #include "attngrad/layer_config.h"
 #include "attngrad/v1/attngrad.pb.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
 
 namespace attngrad::wire_ceiling {
 
@@ -62,6 +63,10 @@ std::string EncodeBatchIdField(uint64_t batch_id);
 // Reads field 1 (batch_id) at the start of a serialized request or response without copying the
 // message; false when the message does not start with it.
 bool ReadBatchIdField(grpc::ByteBuffer* message, uint64_t* batch_id);
+
+// `message` serialized into one reference-counted slice that owns its bytes (copies of the slice
+// share them; the bytes go with the last copy).
+grpc::Slice SerializedSlice(const google::protobuf::MessageLite& message);
 
 // The serialized size of `message` (a request or response with batch_id 0) once its batch_id is
 // set to any id the bench uses (all encode in the same 9 bytes).
