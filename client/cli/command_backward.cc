@@ -73,6 +73,8 @@ int RunBackward() {
   if (!precision.ok()) return Fail(command, precision.status());
   auto response_dtype = ParseDType(absl::GetFlag(FLAGS_response_dtype));
   if (!response_dtype.ok()) return Fail(command, response_dtype.status());
+  auto input_dtype = ParseDType(absl::GetFlag(FLAGS_input_dtype));
+  if (!input_dtype.ok()) return Fail(command, input_dtype.status());
   const std::string rotary = absl::GetFlag(FLAGS_rotary);
   if (rotary != "tables" && rotary != "positions") {
     return Fail(command, absl::InvalidArgumentError("--rotary must be tables or positions"));
@@ -208,7 +210,11 @@ int RunBackward() {
 
   for (int64_t i = 0; i < count; ++i) {
     BatchInputs inputs = from_files ? *file_inputs : RandomBatchInputs(config, B, S, seed + i);
+    // What the server receives is the rounded input: --check compares with its reference.
+    RoundToWireDType(*input_dtype, &inputs.hidden_states);
+    RoundToWireDType(*input_dtype, &inputs.grad_output);
     BackwardBatch batch = inputs.View();
+    batch.input_dtype = *input_dtype;
     if (rotary == "positions" && absl::GetFlag(FLAGS_cos).empty()) {
       batch.cos = {};
       batch.sin = {};  // the server builds the tables of positions 0..S-1 (theta 10000)
