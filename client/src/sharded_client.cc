@@ -72,8 +72,8 @@ absl::StatusOr<std::vector<LayerRange>> ParseLayerMap(absl::string_view text) {
             [](const LayerRange& a, const LayerRange& b) { return a.first < b.first; });
   for (size_t i = 1; i < map.size(); ++i) {
     if (map[i].first <= map[i - 1].last) {
-      return absl::InvalidArgumentError(absl::StrCat("layer map \"", whole, "\": ",
-                                                     map[i - 1].ToString(), " and ",
+      return absl::InvalidArgumentError(absl::StrCat("layer map \"", whole,
+                                                     "\": ", map[i - 1].ToString(), " and ",
                                                      map[i].ToString(), " overlap"));
     }
   }
@@ -110,8 +110,8 @@ std::string HeldLayers(const v1::GetModelInfoResponse& info) {
 absl::StatusOr<v1::GetModelInfoResponse> MergeModelInfo(
     const std::vector<LayerRange>& map, const std::vector<v1::GetModelInfoResponse>& infos) {
   if (map.empty() || map.size() != infos.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("MergeModelInfo: ", map.size(), " ranges and ",
-                                                   infos.size(), " answers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("MergeModelInfo: ", map.size(), " ranges and ", infos.size(), " answers"));
   }
   v1::GetModelInfoResponse merged = infos.front();
   merged.clear_layers();
@@ -121,9 +121,9 @@ absl::StatusOr<v1::GetModelInfoResponse> MergeModelInfo(
     const v1::GetModelInfoResponse& info = infos[i];
     const LayerRange& range = map[i];
     auto disagree = [&](absl::string_view what, const std::string& first, const std::string& here) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the layer map's servers serve different models: ", map.front().target, " has ", what,
-          " ", first, ", ", range.target, " has ", here));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the layer map's servers serve different models: ", map.front().target,
+                       " has ", what, " ", first, ", ", range.target, " has ", here));
     };
     if (info.model_name() != merged.model_name()) {
       return disagree("model", absl::StrCat("\"", merged.model_name(), "\""),
@@ -179,8 +179,8 @@ ShardedClient::ShardedClient(std::vector<LayerRange> map,
 
 ShardedClient::~ShardedClient() = default;
 
-absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(absl::string_view map,
-                                                                      const ClientOptions& options) {
+absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
+    absl::string_view map, const ClientOptions& options) {
   ATTNGRAD_ASSIGN_OR_RETURN(std::vector<LayerRange> ranges, ParseLayerMap(map));
   return Connect(std::move(ranges), options);
 }
@@ -200,8 +200,8 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
   for (const LayerRange& range : map) {
     absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(range.target, options);
     if (!client.ok()) {
-      return absl::Status(client.status().code(),
-                          absl::StrCat("layers ", range.ToString(), ": ", client.status().message()));
+      return absl::Status(client.status().code(), absl::StrCat("layers ", range.ToString(), ": ",
+                                                               client.status().message()));
     }
     servers.push_back(*std::move(client));
   }
@@ -247,8 +247,8 @@ absl::StatusOr<HealthStatus> ShardedClient::Health(const std::string& service) {
 absl::StatusOr<int> ShardedClient::ServerOf(std::optional<int> layer) const {
   if (!layer.has_value()) {
     if (servers_.size() == 1) return 0;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the layer map ", LayerMapString(map_), " has several servers: name the layer"));
+    return absl::InvalidArgumentError(absl::StrCat("the layer map ", LayerMapString(map_),
+                                                   " has several servers: name the layer"));
   }
   for (size_t i = 0; i < map_.size(); ++i) {
     if (map_[i].Contains(*layer)) return static_cast<int>(i);
@@ -289,8 +289,8 @@ absl::StatusOr<std::vector<FetchedGradients>> ShardedClient::FetchLayers(
     absl::StatusOr<std::vector<FetchedGradients>> answer =
         servers_[index]->FetchLayers(server_layers, zero_after);
     if (!answer.ok()) {
-      return absl::Status(answer.status().code(), absl::StrCat(map_[index].target, ": ",
-                                                               answer.status().message()));
+      return absl::Status(answer.status().code(),
+                          absl::StrCat(map_[index].target, ": ", answer.status().message()));
     }
     fetched[index] = *std::move(answer);
   }
@@ -332,20 +332,19 @@ class ShardedStream::Impl {
   absl::StatusOr<uint64_t> Submit(const BackwardBatch& batch) {
     absl::StatusOr<Client*> server = owner_->ForLayer(batch.layer);
     if (!server.ok()) return server.status();
-    const size_t index = static_cast<size_t>(
-        std::find(servers_.begin(), servers_.end(), *server) - servers_.begin());
+    const size_t index = static_cast<size_t>(std::find(servers_.begin(), servers_.end(), *server) -
+                                             servers_.begin());
     BackwardStream* stream = nullptr;
     {
       absl::MutexLock lock(&mu_);
       if (finished_) return absl::FailedPreconditionError("ShardedStream: Submit after Finish");
       if (streams_[index] == nullptr) {
         // The server's own stream, which tells this one when a batch completes.
-        absl::StatusOr<std::unique_ptr<BackwardStream>> opened = (*server)->StartStream(
-            [this]() {
-              absl::MutexLock notify_lock(&mu_);
-              ++completions_;
-              changed_.SignalAll();
-            });
+        absl::StatusOr<std::unique_ptr<BackwardStream>> opened = (*server)->StartStream([this]() {
+          absl::MutexLock notify_lock(&mu_);
+          ++completions_;
+          changed_.SignalAll();
+        });
         if (!opened.ok()) return opened.status();
         streams_[index] = *std::move(opened);
       }
@@ -448,7 +447,7 @@ class ShardedStream::Impl {
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
   std::vector<std::unique_ptr<BackwardStream>> streams_ ABSL_GUARDED_BY(mu_);  // opened on demand
-  std::unordered_map<uint64_t, size_t> stream_of_ ABSL_GUARDED_BY(mu_);  // batch id -> server
+  std::unordered_map<uint64_t, size_t> stream_of_ ABSL_GUARDED_BY(mu_);        // batch id -> server
   uint64_t completions_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };

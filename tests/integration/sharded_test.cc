@@ -115,8 +115,7 @@ TEST_F(ShardedTest, InfoMergesTheServersLayers) {
   EXPECT_EQ(info.layers(1).index(), 5);
   EXPECT_EQ(info.model_name(), "gemma-3-270m");
   EXPECT_EQ(info.devices_size(), 2);
-  EXPECT_EQ(info.server_instance_id(), absl::StrCat((*sharded)->server(0).server_instance_id(),
-                                                    ",",
+  EXPECT_EQ(info.server_instance_id(), absl::StrCat((*sharded)->server(0).server_instance_id(), ",",
                                                     (*sharded)->server(1).server_instance_id()));
   auto health = (*sharded)->Health();
   ASSERT_TRUE(health.ok()) << health.status();
@@ -195,7 +194,8 @@ TEST_F(ShardedTest, RefusesWhatTheMapCannotServe) {
   ASSERT_TRUE(sharded.ok()) << sharded.status();
   auto outside = (*sharded)->Backward(Batch(6, 2, v1::GRADIENT_MODE_RETURN));
   EXPECT_EQ(outside.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(std::string(outside.status().message()), HasSubstr("layer 6 is not in the layer map"));
+  EXPECT_THAT(std::string(outside.status().message()),
+              HasSubstr("layer 6 is not in the layer map"));
   BackwardBatch unnamed = Batch(4, 2, v1::GRADIENT_MODE_RETURN);
   unnamed.layer.reset();
   EXPECT_EQ((*sharded)->Backward(unnamed).status().code(), absl::StatusCode::kInvalidArgument);
@@ -209,8 +209,8 @@ TEST_F(ShardedTest, RefusesWhatTheMapCannotServe) {
   // Servers of different models.
   auto other = TestServer::Start({"--model=gemma-3-1b", "--layers=5-5"});
   ASSERT_TRUE(other.ok()) << other.status();
-  auto mixed = ShardedClient::Connect(absl::StrCat("4=", server_a_->target(), ",5=",
-                                                   (*other)->target()));
+  auto mixed =
+      ShardedClient::Connect(absl::StrCat("4=", server_a_->target(), ",5=", (*other)->target()));
   ASSERT_FALSE(mixed.ok());
   EXPECT_EQ(mixed.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(mixed.status().message()), HasSubstr("different models"));
@@ -290,9 +290,9 @@ TEST_F(ShardedTest, Bfloat16InputsAreTheRoundedInputs) {
 TEST_F(ShardedTest, CliBenchWithChannelsAndInputDType) {
   std::string out;
   ASSERT_EQ(RunCommand({CliBinary(), "bench", "--target=" + server_a_->target(), "--layer=4",
-                        "--streams=2", "--channels=2", "--in_flight=1", "--count=2",
-                        "--batch=1", "--seq_len=4", "--input_dtype=bfloat16",
-                        "--response_dtype=float16", "--progress=false"},
+                        "--streams=2", "--channels=2", "--in_flight=1", "--count=2", "--batch=1",
+                        "--seq_len=4", "--input_dtype=bfloat16", "--response_dtype=float16",
+                        "--progress=false"},
                        &out),
             0)
       << out;
