@@ -82,7 +82,7 @@ def build_model(args, device):
         fields["num_hidden_layers"] = args.num_layers
     fields["layer_types"] = layer_types(fields["num_hidden_layers"])
     config = transformers.Gemma3TextConfig(**fields, attn_implementation=args.attention,
-                                           use_cache=False, torch_dtype="float32")
+                                           use_cache=False)
     torch.manual_seed(args.seed)
     model = transformers.Gemma3ForCausalLM(config)
     with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): move them so their grads matter
