@@ -238,6 +238,21 @@ TEST_F(ShardedTest, CliTakesALayerMap) {
   EXPECT_THAT(out, HasSubstr("overlap"));
 }
 
+// --check uploads its weights to the layer it checks (and pins that layer's version), whichever
+// server of the map holds it; a bf16 input is checked against the reference of the rounded input.
+TEST_F(ShardedTest, CliCheckUploadsToTheCheckedLayer) {
+  std::string out;
+  for (const char* input_dtype : {"float32", "bfloat16"}) {
+    ASSERT_EQ(RunCommand({CliBinary(), "backward", "--target=" + Map(), "--layer=5", "--batch=2",
+                          "--seq_len=6", "--check", std::string("--input_dtype=") + input_dtype},
+                         &out),
+              0)
+        << out;
+    EXPECT_THAT(out, HasSubstr("SPEC section 4, atol 0.0067): PASS"));
+    EXPECT_THAT(out, HasSubstr("1 ok, 0 failed"));
+  }
+}
+
 TEST_F(ShardedTest, StreamsTakeTheirOwnConnections) {
   for (int channels : {1, 3}) {
     const int before = EstablishedConnectionsTo(server_a_->grpc_port());
