@@ -64,6 +64,22 @@ class LayerMapParsing(unittest.TestCase):
         as_dict = attngrad.parse_layer_map({(0, 3): "a:1", "4-7": "b:2", 8: "c:3"})
         self.assertEqual([(r.first, r.last) for r in as_dict], [(0, 3), (4, 7), (8, 8)])
 
+    def test_connect_picks_client_or_sharded_client(self):
+        plain = attngrad.connect("127.0.0.1:1", channels=2)  # channels connect on first use
+        try:
+            self.assertIsInstance(plain, attngrad.Client)
+            self.assertEqual(plain.channels, 2)
+            self.assertIs(attngrad.connect(plain), plain)
+            sharded = attngrad.connect({(0, 3): plain, (4, 7): "127.0.0.1:2"})
+            self.assertIsInstance(sharded, attngrad.ShardedClient)
+            self.assertIs(sharded.client_for(2), plain)
+            self.assertEqual(sharded.client_for(7).target, "127.0.0.1:2")
+            with self.assertRaises(attngrad.InvalidArgumentError):
+                sharded.client_for(8)
+            sharded.close()  # closes the client it created, not the one it was given
+        finally:
+            plain.close()
+
     def test_malformed_maps_are_refused_naming_the_piece(self):
         for text, fragment in (("0-12=a:1,12-20=b:2", "overlap"), ("0-x=a:1", "'0-x'"),
                                ("5-2=a:1", "FIRST <= LAST"), ("0-3=", "no address"),
