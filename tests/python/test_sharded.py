@@ -240,6 +240,31 @@ class ChannelsAndInputDType(unittest.TestCase):
         self.assertEqual(self.connections_after(channels=3, streams=3), 3)
         self.assertEqual(self.connections_after(channels=3, streams=6), 3)  # in turn, reused
 
+    def test_backward_many_spreads_over_streams_in_input_order(self):
+        batches = []
+        for seq_len in (3, 4, 5, 6, 3, 4, 5):
+            hidden, grad, positions = self.batch(seq_len)
+            batches.append(dict(hidden_states=hidden, grad_output=grad, position_ids=positions))
+        before = established_connections(self.server.port)
+        with attngrad.Client(self.server.target, channels=3, timeout=60) as client:
+            spread = list(client.backward_many(batches, streams=3))
+            connections = established_connections(self.server.port) - before
+            one = list(client.backward_many(batches))
+        self.assertEqual(connections, 3)
+        self.assertEqual([r.grad_hidden_states.shape[1] for r in spread], [3, 4, 5, 6, 3, 4, 5])
+        for a, b in zip(spread, one):
+            np.testing.assert_array_equal(a.grad_hidden_states, b.grad_hidden_states)
+            np.testing.assert_array_equal(a.weight_gradients["o_proj"], b.weight_gradients["o_proj"])
+        with self.assertRaises(ValueError):
+            list(self.client.backward_many(batches, streams=0))
+
+    def test_a_failing_stream_raises_in_the_caller(self):
+        hidden, grad, positions = self.batch()
+        bad = dict(hidden_states=hidden, grad_output=grad, position_ids=positions, layer=9)
+        good = dict(hidden_states=hidden, grad_output=grad, position_ids=positions)
+        with self.assertRaises(attngrad.InvalidArgumentError):
+            list(self.client.backward_many([good, bad, good, good], streams=2))
+
     def test_one_channel_shares_one_connection(self):
         self.assertEqual(self.connections_after(channels=1, streams=4), 1)
 

@@ -22,6 +22,7 @@ import itertools
 import math
 import queue
 import random
+import threading
 import time
 import warnings
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -594,6 +595,77 @@ def _read_varint(data: bytes, position: int) -> Tuple[int, int]:
 
 
 _END = object()
+
+
+def ordered_fan_out(items: Iterable[Any], lane_of, run_lane, *, limit: int) -> Iterator[Any]:
+    """Yields, in input order, one result per item of ITEMS, computed on lanes: item i goes to lane
+    lane_of(i, item); each lane runs run_lane(lane, its items) (an iterator yielding one result per
+    item, in order) in a thread of its own, fed as the items come. At most LIMIT items are
+    outstanding. A lane's exception is raised in the caller's thread; leaving early ends the
+    lanes' inputs."""
+    inboxes: Dict[Any, "queue.Queue"] = {}
+    results: Dict[int, Any] = {}
+    failures: List[BaseException] = []
+    changed = threading.Condition()
+    end = object()
+
+    def work(lane, inbox: "queue.Queue"):
+        order: "collections.deque" = collections.deque()
+
+        def feed():
+            while True:
+                item = inbox.get()
+                if item is end:
+                    return
+                order.append(item[0])
+                yield item[1]
+
+        try:
+            for result in run_lane(lane, feed()):
+                with changed:
+                    results[order.popleft()] = result
+                    changed.notify_all()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            with changed:
+                failures.append(error)
+                changed.notify_all()
+
+    def take(index: int, block: bool):
+        """(True, result of item INDEX) once it is there; (False, None) when not blocking and it is
+        not. Raises a lane's failure."""
+        with changed:
+            while block and index not in results and not failures:
+                changed.wait()
+            if failures:
+                raise failures[0]
+            if index in results:
+                return True, results.pop(index)
+            return False, None
+
+    sent = yielded = 0
+    try:
+        for item in items:
+            lane = lane_of(sent, item)
+            if lane not in inboxes:
+                inboxes[lane] = queue.Queue()
+                threading.Thread(target=work, args=(lane, inboxes[lane]), daemon=True).start()
+            inboxes[lane].put((sent, item))
+            sent += 1
+            while yielded < sent:
+                ready, result = take(yielded, block=sent - yielded >= limit)
+                if not ready:
+                    break
+                yielded += 1
+                yield result
+        for inbox in inboxes.values():
+            inbox.put(end)
+        while yielded < sent:
+            _, result = take(yielded, block=True)
+            yielded += 1
+            yield result
+    finally:
+        for inbox in inboxes.values():
+            inbox.put(end)
 _SERVICE = pb.DESCRIPTOR.services_by_name["AttentionGradient"].full_name
 
 
@@ -876,12 +948,22 @@ class Client:
         return results[0]
 
     def backward_many(self, batches: Iterable[Mapping[str, Any]], *,
-                      timeout: Optional[float] = None) -> Iterator[BackwardResult]:
+                      timeout: Optional[float] = None, streams: int = 1) -> Iterator[BackwardResult]:
         """Streams many batches over one Backward stream, pipelined (max_in_flight requests
         outstanding). Each item is a dict of backward()'s arguments; results come in input order.
-        TIMEOUT bounds the whole stream (float("inf") for none)."""
+        TIMEOUT bounds the whole stream (float("inf") for none). STREAMS > 1 deals the batches in
+        turn to that many streams, each fed and read by a thread of its own and each on the next
+        channel (so on a connection of its own while streams <= channels): bulk work limited by
+        one connection's throughput."""
+        if int(streams) < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         prepared = (self._prepare(**dict(kwargs)) for kwargs in batches)
-        return self._run(prepared, timeout=timeout)
+        if int(streams) == 1:
+            return self._run(prepared, timeout=timeout)
+        count = int(streams)
+        return ordered_fan_out(prepared, lambda index, _: index % count,
+                               lambda _, lane_batches: self._run(lane_batches, timeout=timeout),
+                               limit=count * self.max_in_flight)
 
     def _prepare(self, hidden_states, grad_output, cos=None, sin=None, *, position_ids=None,
                  rope_theta: Optional[float] = None, mode="return", precision="auto",

@@ -15,8 +15,6 @@ servers need no coordination (each layer's weights, versions and windows live on
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -258,83 +256,14 @@ class ShardedClient:
         return self._backward_many(batches, timeout)
 
     def _backward_many(self, batches, timeout):
-        inboxes: Dict[int, "queue.Queue"] = {}
-        results: Dict[int, Any] = {}
-        done = threading.Condition()
-        workers: List[threading.Thread] = []
-        end = object()
-        limit = max(c.max_in_flight for c in self.clients) * len(self.clients)
+        servers = self.clients
 
-        def work(index: int, inbox: "queue.Queue"):
-            order: "queue.Queue" = queue.Queue()
+        def run_server(index, server_batches):
+            return servers[index].backward_many(server_batches, timeout=timeout)
 
-            def feed():
-                while True:
-                    item = inbox.get()
-                    if item is end:
-                        return
-                    sequence, kwargs = item
-                    order.put(sequence)
-                    yield kwargs
-
-            try:
-                for result in self.clients[index].backward_many(feed(), timeout=timeout):
-                    with done:
-                        results[order.get()] = result
-                        done.notify_all()
-            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
-                with done:
-                    results[-1 - index] = error
-                    done.notify_all()
-
-        def failure():
-            for key, value in results.items():
-                if key < 0:
-                    return value
-            return None
-
-        sent = 0
-        next_out = 0
-        try:
-            for kwargs in batches:
-                kwargs = dict(kwargs)
-                index = self._index(kwargs.get("layer"))
-                if index not in inboxes:
-                    inboxes[index] = queue.Queue()
-                    worker = threading.Thread(target=work, args=(index, inboxes[index]),
-                                              daemon=True)
-                    worker.start()
-                    workers.append(worker)
-                inboxes[index].put((sent, kwargs))
-                sent += 1
-                while True:
-                    with done:
-                        while next_out not in results and sent - next_out >= limit \
-                                and failure() is None:
-                            done.wait()
-                        error = failure()
-                        if error is not None:
-                            raise error
-                        if next_out not in results:
-                            break
-                        result = results.pop(next_out)
-                    next_out += 1
-                    yield result
-            for inbox in inboxes.values():
-                inbox.put(end)
-            while next_out < sent:
-                with done:
-                    while next_out not in results and failure() is None:
-                        done.wait()
-                    error = failure()
-                    if error is not None:
-                        raise error
-                    result = results.pop(next_out)
-                next_out += 1
-                yield result
-        finally:
-            for inbox in inboxes.values():
-                inbox.put(end)
+        return client_module.ordered_fan_out(
+            (dict(kwargs) for kwargs in batches), lambda _, kwargs: self._index(kwargs.get("layer")),
+            run_server, limit=max(c.max_in_flight for c in servers) * len(servers))
 
     def fetch_gradients(self, *, layer: Optional[int] = None, **kwargs) -> client_module.Gradients:
         return self.client_for(layer).fetch_gradients(layer=layer, **kwargs)
