@@ -12,10 +12,12 @@
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/safetensors.h"
 #include "attngrad/wire/status_macros.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "gRPC address of the attngrad server");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "gRPC address of the attngrad server, or a layer map of a model spread over several "
+          "servers: \"0-12=host-a:50051,13-25=host-b:50051\" (each layer-addressed call goes to "
+          "the server of its layer)");
 ABSL_FLAG(std::string, tls_ca, "",
           "TLS: PEM CA bundle the server's certificate is checked against (empty with "
           "--tls=true: the system's roots)");
@@ -39,6 +41,9 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
           "client-side gRPC message limit; batches are split along B to fit it and the server's");
 ABSL_FLAG(int64_t, chunk_bytes, int64_t{4} << 20,
           "chunk size of weight uploads / gradient fetches");
+ABSL_FLAG(int, channels, 8,
+          "connections per server; streams take them in turn (bench: --streams <= --channels gives "
+          "every stream a connection of its own)");
 
 ABSL_FLAG(int64_t, batch, 1, "B: sequences per batch");
 ABSL_FLAG(int64_t, seq_len, 16, "S: tokens per sequence");
@@ -50,6 +55,9 @@ ABSL_FLAG(std::string, mode, "",
 ABSL_FLAG(std::string, precision, "auto", "auto | fp32 | tf32 | fp16");
 ABSL_FLAG(std::string, response_dtype, "float32",
           "wire dtype of answers: float32 | float16 | bfloat16");
+ABSL_FLAG(std::string, input_dtype, "float32",
+          "wire dtype of hidden_states and grad_output: float32 | float16 | bfloat16 (--check "
+          "compares with the reference of the rounded inputs)");
 ABSL_FLAG(
     std::string, rotary, "tables",
     "tables: send cos/sin [B,S,128]; positions: send position ids 0..S-1 (server builds them)");
@@ -99,7 +107,7 @@ ABSL_FLAG(std::string, service, "", "health: service name (\"\" = the whole serv
 
 namespace attngrad::cli {
 
-absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags(bool read_info) {
+absl::StatusOr<std::unique_ptr<ShardedClient>> ConnectFromFlags(bool read_info) {
   ClientOptions options;
   options.read_info_on_connect = read_info;
   options.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_seconds));
@@ -108,6 +116,7 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags(bool read_info) {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.max_in_flight = absl::GetFlag(FLAGS_in_flight);
+  options.channels = absl::GetFlag(FLAGS_channels);
   const std::string ca = absl::GetFlag(FLAGS_tls_ca);
   const std::string certificate = absl::GetFlag(FLAGS_tls_cert);
   const std::string key = absl::GetFlag(FLAGS_tls_key);
@@ -120,7 +129,7 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags(bool read_info) {
   }
   options.client_id = absl::GetFlag(FLAGS_client_id);
   options.for_client = absl::GetFlag(FLAGS_for_client);
-  return Client::Connect(absl::GetFlag(FLAGS_target), options);
+  return ShardedClient::Connect(absl::GetFlag(FLAGS_target), options);
 }
 
 absl::StatusOr<v1::GradientMode> ParseMode(const std::string& text) {

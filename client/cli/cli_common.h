@@ -10,6 +10,7 @@
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "attngrad/client.h"
+#include "attngrad/sharded_client.h"
 #include "attngrad/wire/safetensors.h"
 #include "random_tensors.h"
 
@@ -28,6 +29,7 @@ ABSL_DECLARE_FLAG(double, connect_timeout_seconds);
 ABSL_DECLARE_FLAG(int, retries);
 ABSL_DECLARE_FLAG(int64_t, max_message_bytes);
 ABSL_DECLARE_FLAG(int64_t, chunk_bytes);
+ABSL_DECLARE_FLAG(int, channels);
 // Batches (backward, bench).
 ABSL_DECLARE_FLAG(int64_t, batch);
 ABSL_DECLARE_FLAG(int64_t, seq_len);
@@ -36,6 +38,7 @@ ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, mode);
 ABSL_DECLARE_FLAG(std::string, precision);
 ABSL_DECLARE_FLAG(std::string, response_dtype);
+ABSL_DECLARE_FLAG(std::string, input_dtype);
 ABSL_DECLARE_FLAG(std::string, rotary);
 ABSL_DECLARE_FLAG(int, in_flight);
 ABSL_DECLARE_FLAG(uint64_t, batch_id);
@@ -66,9 +69,9 @@ ABSL_DECLARE_FLAG(std::string, service);
 
 namespace attngrad::cli {
 
-// Connects to --target with the connection flags.
-// read_info: see ClientOptions::read_info_on_connect (health passes false).
-absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags(bool read_info = true);
+// Connects to --target (one server, or a layer map "0-12=host-a:50051,13-25=host-b:50051") with
+// the connection flags. read_info: see ClientOptions::read_info_on_connect (health passes false).
+absl::StatusOr<std::unique_ptr<ShardedClient>> ConnectFromFlags(bool read_info = true);
 
 absl::StatusOr<v1::GradientMode> ParseMode(const std::string& text);
 absl::StatusOr<v1::Precision> ParsePrecision(const std::string& text);

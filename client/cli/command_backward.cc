@@ -73,6 +73,8 @@ int RunBackward() {
   if (!precision.ok()) return Fail(command, precision.status());
   auto response_dtype = ParseDType(absl::GetFlag(FLAGS_response_dtype));
   if (!response_dtype.ok()) return Fail(command, response_dtype.status());
+  auto input_dtype = ParseDType(absl::GetFlag(FLAGS_input_dtype));
+  if (!input_dtype.ok()) return Fail(command, input_dtype.status());
   const std::string rotary = absl::GetFlag(FLAGS_rotary);
   if (rotary != "tables" && rotary != "positions") {
     return Fail(command, absl::InvalidArgumentError("--rotary must be tables or positions"));
@@ -97,7 +99,12 @@ int RunBackward() {
   const bool check = absl::GetFlag(FLAGS_check);
   const std::string output = absl::GetFlag(FLAGS_output);
 
-  // --check: the weights the answers are checked against, and the server version that holds them.
+  // --layer: the decoder layer every batch addresses (-1: the server's first).
+  const int layer = absl::GetFlag(FLAGS_layer);
+  const std::optional<int> addressed = layer >= 0 ? std::optional<int>(layer) : std::nullopt;
+
+  // --check: the weights the answers are checked against, and the version of the addressed layer
+  // that holds them.
   uint64_t pinned_version = absl::GetFlag(FLAGS_expected_weights_version);
   std::optional<WeightSet> weights;
   if (check) {
@@ -106,7 +113,7 @@ int RunBackward() {
     weights = *std::move(local);
     const std::string how = absl::GetFlag(FLAGS_check_weights);
     if (how == "upload") {
-      auto version = (*client)->LoadWeights(*weights, pinned_version);
+      auto version = (*client)->LoadWeights(*weights, pinned_version, addressed);
       if (!version.ok()) return Fail(command, version.status());
       pinned_version = *version;
       std::cout << "uploaded " << LocalWeightsSource() << " as weights version " << *version
@@ -120,7 +127,14 @@ int RunBackward() {
                         "'; start the server with the same --weights/--weights_seed, or "
                         "use --check_weights=upload")));
       }
-      if (pinned_version == 0) pinned_version = info.weights_version();
+      if (pinned_version == 0) {
+        pinned_version = info.weights_version();
+        for (const v1::LayerInfo& layer_info : info.layers()) {
+          if (addressed.has_value() && layer_info.index() == *addressed) {
+            pinned_version = layer_info.weights_version();
+          }
+        }
+      }
       std::cout << "checking against the server's " << info.weights_source() << " (version "
                 << pinned_version << ")\n";
     } else {
@@ -132,7 +146,6 @@ int RunBackward() {
   if (info.default_softcap() > 0) scalars.softcap = info.default_softcap();
   if (info.default_eps() > 0) scalars.eps = info.default_eps();
   // --layer: that layer's defaults (a server of a whole model lists them; softcap <= 0 = none).
-  const int layer = absl::GetFlag(FLAGS_layer);
   for (const v1::LayerInfo& layer_info : info.layers()) {
     if (layer >= 0 && layer_info.index() == layer) {
       scalars.scaling = layer_info.scaling();
@@ -208,7 +221,11 @@ int RunBackward() {
 
   for (int64_t i = 0; i < count; ++i) {
     BatchInputs inputs = from_files ? *file_inputs : RandomBatchInputs(config, B, S, seed + i);
+    // What the server receives is the rounded input: --check compares with its reference.
+    RoundToWireDType(*input_dtype, &inputs.hidden_states);
+    RoundToWireDType(*input_dtype, &inputs.grad_output);
     BackwardBatch batch = inputs.View();
+    batch.input_dtype = *input_dtype;
     if (rotary == "positions" && absl::GetFlag(FLAGS_cos).empty()) {
       batch.cos = {};
       batch.sin = {};  // the server builds the tables of positions 0..S-1 (theta 10000)

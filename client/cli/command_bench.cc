@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_format.h"
@@ -50,6 +51,8 @@ int RunBench() {
   if (!precision.ok()) return Fail(command, precision.status());
   auto response_dtype = ParseDType(absl::GetFlag(FLAGS_response_dtype));
   if (!response_dtype.ok()) return Fail(command, response_dtype.status());
+  auto input_dtype = ParseDType(absl::GetFlag(FLAGS_input_dtype));
+  if (!input_dtype.ok()) return Fail(command, input_dtype.status());
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(command, client.status());
   const LayerConfig config = wire::LayerConfigFromWire((*client)->cached_info().config());
@@ -59,18 +62,23 @@ int RunBench() {
   const int in_flight = std::max(1, absl::GetFlag(FLAGS_in_flight));
   const int warmup = std::max(0, absl::GetFlag(FLAGS_warmup));
   const absl::Duration duration = absl::Seconds(absl::GetFlag(FLAGS_duration_seconds));
-  // One batch of inputs shared by every stream (each submission gets a fresh batch id).
+  // One batch of inputs, drawn once and shared by every stream and submission (each submission
+  // gets a fresh batch id), so the bench measures the service and not the random generator.
   const BatchInputs inputs = RandomBatchInputs(config, B, S, absl::GetFlag(FLAGS_seed));
   BackwardBatch batch = inputs.View();
   if (absl::GetFlag(FLAGS_rotary) == "positions") batch.cos = batch.sin = {};
   batch.mode = *mode;
   batch.precision = *precision;
   batch.response_dtype = *response_dtype;
+  batch.input_dtype = *input_dtype;
+  if (absl::GetFlag(FLAGS_layer) >= 0) batch.layer = absl::GetFlag(FLAGS_layer);
   batch.expected_weights_version = absl::GetFlag(FLAGS_expected_weights_version);
 
   std::cerr << absl::StrFormat(
-      "bench: %s, %d streams x %d in flight, batches [%d,%d] (%d tokens), mode %s, %s\n",
-      (*client)->target(), streams, in_flight, B, S, B * S, ModeName(*mode),
+      "bench: %s, %d streams x %d in flight over %d channels, batches [%d,%d] (%d tokens), mode "
+      "%s, input %s, response %s, %s\n",
+      (*client)->target(), streams, in_flight, absl::GetFlag(FLAGS_channels), B, S, B * S,
+      ModeName(*mode), wire::DTypeName(*input_dtype), wire::DTypeName(*response_dtype),
       count > 0 ? absl::StrFormat("%d batches per stream", count)
                 : absl::StrFormat("%.0f s", absl::ToDoubleSeconds(duration)));
 
@@ -172,13 +180,15 @@ int RunBench() {
   absl::MutexLock lock(&totals.mu);
   const double n = std::max<double>(1, static_cast<double>(totals.batches));
   std::cout << absl::StrFormat(
-      "bench: %d batches [%d,%d] (%d tokens) in %.2f s on %s, %d streams x %d in flight, mode %s\n"
+      "bench: %d batches [%d,%d] (%d tokens) in %.2f s on %s, %d streams x %d in flight, %d "
+      "channels, mode %s, input %s, response %s\n"
       "  throughput  %.1f tokens/s, %.2f batches/s, %.3f GB/s on the wire\n"
       "  latency     p50 %.4f s  p90 %.4f s  p99 %.4f s  max %.4f s (round trip per batch)\n"
       "  server      mean total %.4f s: queue %.4f, copy_in %.4f, compute %.4f, copy_out %.4f\n"
       "  errors      %d%s\n",
       totals.batches, B, S, totals.tokens, elapsed, totals.device, streams, in_flight,
-      ModeName(*mode), totals.tokens / elapsed, totals.batches / elapsed,
+      absl::GetFlag(FLAGS_channels), ModeName(*mode), wire::DTypeName(*input_dtype),
+      wire::DTypeName(*response_dtype), totals.tokens / elapsed, totals.batches / elapsed,
       totals.bytes / 1e9 / elapsed, Percentile(totals.latencies, 50),
       Percentile(totals.latencies, 90), Percentile(totals.latencies, 99),
       Percentile(totals.latencies, 100), totals.stages.total_seconds() / n,

@@ -14,6 +14,11 @@ int RunInfo() {
   auto info = (*client)->Info();
   if (!info.ok()) return Fail("info", info.status());
   const v1::LayerConfig& c = info->config();
+  for (int i = 0; (*client)->server_count() > 1 && i < (*client)->server_count(); ++i) {
+    const Client& server = (*client)->server(i);
+    std::cout << "server               " << (*client)->map()[i].ToString() << "  instance "
+              << server.server_instance_id() << "\n";
+  }
   std::cout << "target               " << (*client)->target() << "\n"
             << "server_version       " << info->server_version() << "\n"
             << "server_instance_id   " << info->server_instance_id() << "\n"

@@ -63,9 +63,11 @@ absl::Status ReadAnswerTensor(const v1::Tensor& tensor, const std::vector<int64_
 
 class BackwardStream::Impl {
  public:
-  Impl(std::shared_ptr<Client::Impl> client, absl::Duration deadline)
+  Impl(std::shared_ptr<Client::Impl> client, absl::Duration deadline,
+       std::function<void()> on_result)
       : client_(std::move(client)),
-        layer_config_(wire::LayerConfigFromWire(client_->cached_info().config())) {
+        layer_config_(wire::LayerConfigFromWire(client_->cached_info().config())),
+        on_result_(std::move(on_result)) {
     PrepareContext(&context_, client_->options(), deadline);
   }
 
@@ -77,9 +79,10 @@ class BackwardStream::Impl {
   }
 
   static absl::StatusOr<std::unique_ptr<BackwardStream>> Open(std::shared_ptr<Client::Impl> client,
-                                                              absl::Duration deadline) {
-    auto impl = std::make_unique<Impl>(std::move(client), deadline);
-    impl->stream_ = impl->client_->stub().Backward(&impl->context_);
+                                                              absl::Duration deadline,
+                                                              std::function<void()> on_result) {
+    auto impl = std::make_unique<Impl>(std::move(client), deadline, std::move(on_result));
+    impl->stream_ = impl->client_->NextStreamStub().Backward(&impl->context_);
     if (impl->stream_ == nullptr) return absl::InternalError("Backward: could not open the stream");
     impl->reader_ = std::thread([raw = impl.get()]() { raw->ReadLoop(); });
     return std::unique_ptr<BackwardStream>(new BackwardStream(std::move(impl)));
@@ -118,7 +121,8 @@ class BackwardStream::Impl {
   absl::Status BrokenStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::shared_ptr<Client::Impl> client_;
-  const LayerConfig layer_config_;  // from the model info when the stream opened
+  const LayerConfig layer_config_;         // from the model info when the stream opened
+  const std::function<void()> on_result_;  // may be empty
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>> stream_;
   std::thread reader_;
@@ -171,8 +175,17 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
       batch.response_dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : batch.response_dtype);
   MessageSizes sizes;
   sizes.request_fixed = 4096 + (tables || per_sequence_positions ? 0 : 10 * S);
-  sizes.request_per_sequence =
-      S * H * 4 * 2 + (tables ? S * D * 4 * 2 : (per_sequence_positions ? 10 * S : 0)) + 64;
+  const v1::DType input_dtype =
+      batch.input_dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : batch.input_dtype;
+  const int64_t input_element = wire::DTypeSize(input_dtype);
+  if (input_element == 0 || !wire::IsSupportedDType(input_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("input_dtype: unknown dtype ",
+                                                   static_cast<int>(batch.input_dtype),
+                                                   " (float32, float16 or bfloat16)"));
+  }
+  sizes.request_per_sequence = S * H * input_element * 2 +
+                               (tables ? S * D * 4 * 2 : (per_sequence_positions ? 10 * S : 0)) +
+                               64;
   sizes.response_fixed = 4096;
   if (batch.mode != v1::GRADIENT_MODE_ACCUMULATE) {
     sizes.response_fixed +=
@@ -261,9 +274,9 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     auto slice = [&](absl::Span<const float> span, int64_t width) {
       return parts == 1 ? span : span.subspan(first * S * width, count * S * width);
     };
-    wire::EncodeTensor(slice(batch.hidden_states, H), {count, S, H}, v1::DTYPE_FLOAT32,
+    wire::EncodeTensor(slice(batch.hidden_states, H), {count, S, H}, input_dtype,
                        request.mutable_hidden_states());
-    wire::EncodeTensor(slice(batch.grad_output, H), {count, S, H}, v1::DTYPE_FLOAT32,
+    wire::EncodeTensor(slice(batch.grad_output, H), {count, S, H}, input_dtype,
                        request.mutable_grad_output());
     if (tables) {
       wire::EncodeTensor(slice(batch.cos, D), {count, S, D}, v1::DTYPE_FLOAT32,
@@ -305,7 +318,7 @@ void BackwardStream::Impl::ReadLoop() {
   v1::BackwardResponse response;
   while (stream_->Read(&response)) HandleResponse(response);
   const grpc::Status finished = stream_->Finish();
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   stream_done_ = true;
   stream_status_ = FromGrpc(finished, "Backward stream");
   if (stream_status_.ok() && !pending_.empty()) {
@@ -321,6 +334,8 @@ void BackwardStream::Impl::ReadLoop() {
   pending_.clear();
   parts_.clear();
   changed_.SignalAll();
+  lock.Release();
+  if (on_result_) on_result_();
 }
 
 void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) {
@@ -345,7 +360,7 @@ void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) 
     }
     pending->result.status = status;
   }
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   pending->result.response_bytes += static_cast<int64_t>(response.ByteSizeLong());
   if (--pending->parts_left > 0) return;
   BackwardResult& result = pending->result;
@@ -358,6 +373,8 @@ void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) 
   completed_.push_back(std::move(result));
   pending_.erase(part.batch_id);
   changed_.SignalAll();
+  lock.Release();
+  if (on_result_) on_result_();
 }
 
 absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& response, const Part& part,
@@ -484,9 +501,10 @@ absl::Status BackwardStream::Impl::Finish() {
 }
 
 absl::StatusOr<std::unique_ptr<BackwardStream>> OpenBackwardStream(
-    std::shared_ptr<Client::Impl> client, absl::Duration deadline) {
+    std::shared_ptr<Client::Impl> client, absl::Duration deadline,
+    std::function<void()> on_result) {
   if (absl::Status restart = client->RestartStatus(); !restart.ok()) return restart;
-  return BackwardStream::Impl::Open(std::move(client), deadline);
+  return BackwardStream::Impl::Open(std::move(client), deadline, std::move(on_result));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -145,16 +145,22 @@ absl::StatusOr<SplitPlan> PlanSplit(int64_t batch, int64_t seq_len, const Messag
 // Client::Impl
 
 Client::Impl::Impl(std::string target, ClientOptions options,
-                   std::shared_ptr<grpc::Channel> channel)
+                   std::vector<std::shared_ptr<grpc::Channel>> channels)
     : target_(std::move(target)),
       options_(std::move(options)),
-      channel_(std::move(channel)),
-      stub_(v1::AttentionGradient::NewStub(channel_)),
-      generic_stub_(std::make_unique<grpc::GenericStub>(channel_)) {
+      channels_(std::move(channels)),
+      generic_stub_(std::make_unique<grpc::GenericStub>(channels_.front())) {
+  for (const std::shared_ptr<grpc::Channel>& channel : channels_) {
+    stubs_.push_back(v1::AttentionGradient::NewStub(channel));
+  }
   std::random_device device;
   const uint64_t seed = (static_cast<uint64_t>(device()) << 32) ^ device();
   // Start somewhere random in [1, 2^62) so that two clients' ids do not collide in one window.
   next_batch_id_ = (seed % ((uint64_t{1} << 62) - 1)) + 1;
+}
+
+v1::AttentionGradient::Stub& Client::Impl::NextStreamStub() {
+  return *stubs_[next_stream_channel_.fetch_add(1) % stubs_.size()];
 }
 
 uint64_t Client::Impl::NewBatchId() {
@@ -187,7 +193,7 @@ absl::StatusOr<v1::GetModelInfoResponse> Client::Impl::FetchInfo() {
   absl::Status status = Retry([&]() {
     grpc::ClientContext context;
     PrepareContext(&context, options_, options_.deadline);
-    return FromGrpc(stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &response),
+    return FromGrpc(stub().GetModelInfo(&context, v1::GetModelInfoRequest(), &response),
                     "GetModelInfo");
   });
   if (!status.ok()) return status;
@@ -253,26 +259,41 @@ Client::~Client() = default;
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
                                                         const ClientOptions& options) {
   if (target.empty()) return absl::InvalidArgumentError("Connect: empty target");
-  grpc::ChannelArguments arguments;
-  const int limit = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
-  arguments.SetMaxReceiveMessageSize(limit);
-  arguments.SetMaxSendMessageSize(limit);
-  // Connection errors are surfaced promptly; retries are ours.
-  arguments.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
-  // Reconnect quickly after an outage (gRPC's default first backoff is 1 s, growing to 120 s), so
-  // that our retries find the server soon after it is back.
-  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  if (options.channels < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions::channels must be >= 1, got ", options.channels));
+  }
   auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
-  if (!options.tls_server_name.empty()) arguments.SetSslTargetNameOverride(options.tls_server_name);
-  auto channel = grpc::CreateCustomChannel(target, credentials, arguments);
-  if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int index = 0; index < options.channels; ++index) {
+    grpc::ChannelArguments arguments;
+    const int limit = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
+    arguments.SetMaxReceiveMessageSize(limit);
+    arguments.SetMaxSendMessageSize(limit);
+    // Connection errors are surfaced promptly; retries are ours.
+    arguments.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+    // Reconnect quickly after an outage (gRPC's default first backoff is 1 s, growing to 120 s), so
+    // that our retries find the server soon after it is back.
+    arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+    // A connection of its own: gRPC shares a subchannel (one TCP connection) between channels whose
+    // arguments are equal, so each channel's arguments differ by this index, and its subchannels
+    // come from a pool of its own.
+    arguments.SetInt("grpc.attngrad_channel_index", index);
+    arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    if (!options.tls_server_name.empty()) {
+      arguments.SetSslTargetNameOverride(options.tls_server_name);
+    }
+    channels.push_back(grpc::CreateCustomChannel(target, credentials, arguments));
+  }
+  if (!channels.front()->WaitForConnected(
+          absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot connect to the attngrad server at ", target,
                                                " within ",
                                                absl::FormatDuration(options.connect_timeout)));
   }
-  auto impl = std::make_shared<Impl>(target, options, std::move(channel));
+  auto impl = std::make_shared<Impl>(target, options, std::move(channels));
   if (options.read_info_on_connect) {
     auto info = impl->FetchInfo();
     if (!info.ok()) return info.status();
@@ -293,6 +314,7 @@ absl::Status Client::AcceptServerRestart() {
 std::string Client::server_instance_id() const { return impl_->instance_id(); }
 const std::string& Client::target() const { return impl_->target(); }
 const ClientOptions& Client::options() const { return impl_->options(); }
+int Client::channel_count() const { return impl_->channel_count(); }
 
 absl::StatusOr<HealthStatus> Client::Health(const std::string& service) {
   // grpc.health.v1.HealthCheckRequest { string service = 1; } encoded by hand (the generic stub
@@ -348,13 +370,14 @@ absl::StatusOr<HealthStatus> Client::Health(const std::string& service) {
   return result;
 }
 
-absl::StatusOr<std::unique_ptr<BackwardStream>> Client::StartStream() {
+absl::StatusOr<std::unique_ptr<BackwardStream>> Client::StartStream(
+    std::function<void()> on_result) {
   if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
   // A fresh look at the server: its current limits, and a restart is caught before any batch.
   auto info = impl_->FetchInfo();
   if (!info.ok()) return info.status();
   if (absl::Status restart = impl_->RestartStatus(); !restart.ok()) return restart;
-  return OpenBackwardStream(impl_, impl_->options().stream_deadline);
+  return OpenBackwardStream(impl_, impl_->options().stream_deadline, std::move(on_result));
 }
 
 absl::StatusOr<BackwardResult> Client::Backward(const BackwardBatch& batch) {

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -54,12 +55,17 @@ absl::StatusOr<SplitPlan> PlanSplit(int64_t batch, int64_t seq_len, const Messag
 
 class Client::Impl {
  public:
-  Impl(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  // channels[0] carries the unary calls; Backward streams take the channels in turn.
+  Impl(std::string target, ClientOptions options,
+       std::vector<std::shared_ptr<grpc::Channel>> channels);
 
   const std::string& target() const { return target_; }
   const ClientOptions& options() const { return options_; }
-  v1::AttentionGradient::Stub& stub() { return *stub_; }
+  v1::AttentionGradient::Stub& stub() { return *stubs_.front(); }
   grpc::GenericStub& generic_stub() { return *generic_stub_; }
+  // The stub of the next channel in turn (for a new Backward stream).
+  v1::AttentionGradient::Stub& NextStreamStub();
+  int channel_count() const { return static_cast<int>(stubs_.size()); }
 
   // Runs `attempt` up to options.max_attempts times while it fails with a retryable code
   // (UNAVAILABLE, DEADLINE_EXCEEDED), sleeping with exponential backoff and jitter in between.
@@ -86,10 +92,11 @@ class Client::Impl {
 
   const std::string target_;
   const ClientOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::AttentionGradient::Stub> stub_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<v1::AttentionGradient::Stub>> stubs_;  // one per channel
   std::unique_ptr<grpc::GenericStub> generic_stub_;
   std::atomic<uint64_t> next_batch_id_;
+  std::atomic<uint64_t> next_stream_channel_{0};
 
   mutable absl::Mutex mu_;
   v1::GetModelInfoResponse info_ ABSL_GUARDED_BY(mu_);
@@ -97,9 +104,12 @@ class Client::Impl {
   std::string restarted_to_ ABSL_GUARDED_BY(mu_);  // a different id seen since; "" = none
 };
 
-// Creates a BackwardStream on `client` with `deadline` for the whole stream.
+// Creates a BackwardStream on `client` (on its next channel) with `deadline` for the whole stream.
+// `on_result`, when set, is called (with no lock held) each time a batch completes, for a caller
+// that waits on several streams at once.
 absl::StatusOr<std::unique_ptr<BackwardStream>> OpenBackwardStream(
-    std::shared_ptr<Client::Impl> client, absl::Duration deadline);
+    std::shared_ptr<Client::Impl> client, absl::Duration deadline,
+    std::function<void()> on_result = nullptr);
 
 }  // namespace attngrad
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "attngrad/spec_random.h"
+#include "attngrad/wire/tensor.h"
 
 namespace attngrad {
 
@@ -65,6 +66,14 @@ BatchInputs RandomBatchInputs(const LayerConfig& config, int64_t batch, int64_t 
   normal.Fill(inputs.grad_output.data(), activations, 1.0);
   RotaryTables(batch, seq_len, config.head_dim, 10000.0, &inputs.cos, &inputs.sin);
   return inputs;
+}
+
+void RoundToWireDType(v1::DType dtype, std::vector<float>* values) {
+  if (dtype == v1::DTYPE_FLOAT32 || dtype == v1::DTYPE_UNSPECIFIED) return;
+  std::string raw;
+  wire::EncodeFromFloat(*values, dtype, &raw);
+  // Decoding what was just encoded in a supported dtype cannot fail.
+  wire::DecodeToFloat(raw, dtype, "rounded input", absl::MakeSpan(*values)).IgnoreError();
 }
 
 }  // namespace attngrad

@@ -40,6 +40,11 @@ struct BatchInputs {
 BatchInputs RandomBatchInputs(const LayerConfig& config, int64_t batch, int64_t seq_len,
                               uint64_t seed);
 
+// Rounds `values` in place to what they become on the wire in `dtype` (float16 / bfloat16: the
+// nearest representable value; float32: unchanged), through the wire library's own conversion, so
+// that a reference computed from them is the reference of what the server receives.
+void RoundToWireDType(v1::DType dtype, std::vector<float>* values);
+
 }  // namespace attngrad
 
 #endif  // ATTNGRAD_CLIENT_SRC_RANDOM_TENSORS_H_

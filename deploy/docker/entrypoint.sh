@@ -8,6 +8,11 @@
 # Order on the command line (the last occurrence of an Abseil flag wins):
 #   mapped variables, then ATTNGRAD_EXTRA_ARGS (split on whitespace), then the container's arguments
 #   (`docker run IMAGE --queue_depth=8`, or `args:` in Kubernetes).
+# ATTNGRAD_LAYER_RANGES ("0-12,13-25": one range of decoder layers per StatefulSet replica) gives
+# replica N the N-th range as --layers (after the mapped variables, before the extra and container
+# arguments); N is ATTNGRAD_REPLICA_INDEX, else the ordinal ending the pod's hostname
+# (attngrad-shard-1 -> 1). An ordinal without a range is an error (exit 64), not a server of the
+# wrong layers.
 # ATTNGRAD_SERVER_BINARY overrides the server's path; ATTNGRAD_ENTRYPOINT_DRY_RUN=1 prints the command
 # line, one argument per line, instead of running it (both used by tests/deploy).
 set -euo pipefail
@@ -21,6 +26,8 @@ declare -A flag_of=(
   [ATTNGRAD_WEIGHTS]=weights
   [ATTNGRAD_WEIGHTS_SEED]=weights_seed
   [ATTNGRAD_WEIGHTS_LAYER]=weights_layer
+  [ATTNGRAD_MODEL]=model
+  [ATTNGRAD_LAYERS]=layers
   [ATTNGRAD_MAX_BATCH_TOKENS]=max_batch_tokens
   [ATTNGRAD_MAX_MESSAGE_BYTES]=max_message_bytes
   [ATTNGRAD_MAX_CONCURRENT_STREAMS]=max_concurrent_streams
@@ -51,6 +58,17 @@ for variable in $(printf '%s\n' "${!flag_of[@]}" | LC_ALL=C sort); do
     arguments+=("--${flag_of[$variable]}=${value}")
   fi
 done
+if [[ -n "${ATTNGRAD_LAYER_RANGES:-}" ]]; then
+  replica="${ATTNGRAD_REPLICA_INDEX:-${HOSTNAME##*-}}"
+  IFS=',' read -r -a layer_ranges <<<"$ATTNGRAD_LAYER_RANGES"
+  if ! [[ "$replica" =~ ^[0-9]+$ ]] || ((10#$replica >= ${#layer_ranges[@]})); then
+    echo "attngrad-entrypoint: replica '$replica' (ATTNGRAD_REPLICA_INDEX, or the ordinal ending" \
+      "the hostname '${HOSTNAME:-}') has no range in ATTNGRAD_LAYER_RANGES=$ATTNGRAD_LAYER_RANGES" \
+      "(${#layer_ranges[@]} ranges)" >&2
+    exit 64
+  fi
+  arguments+=("--layers=${layer_ranges[10#$replica]// /}")
+fi
 if [[ -n "${ATTNGRAD_EXTRA_ARGS:-}" ]]; then
   read -r -a extra <<<"$ATTNGRAD_EXTRA_ARGS"
   arguments+=("${extra[@]}")

@@ -27,6 +27,15 @@ Subcommands (each one ctest test; see tests/deploy/CMakeLists.txt):
                plaintext); attngrad-cli with a token file works, without one is UNAUTHENTICATED.
   packages     deploy/docker/runtime-packages.sh names installed packages for the built binaries,
                among them the gRPC and protobuf runtime libraries.
+  sharded      deploy/k8s/sharded (one model over several GPU nodes): a StatefulSet whose governing
+               Service is headless (a stable address per replica), one GPU per pod and never two
+               pods on a node, replicas = the ranges of ATTNGRAD_LAYER_RANGES, which cover the
+               model's layers without gaps or overlaps; the entrypoint gives replica N the N-th range
+               (--layers) from its hostname; the layer map documented in the kustomization and in
+               deploy/README.md is the one these names give. Then one server per replica, started
+               through the entrypoint as that replica (HOSTNAME attngrad-shard-N) on loopback, and
+               `attngrad-cli info` with the documented map (hosts replaced by 127.0.0.1 ports) lists
+               every layer of the model, merged from both.
 
 Needs only the Python standard library and PyYAML (Debian: python3-yaml).
 """
@@ -336,7 +345,8 @@ def load_kustomization_by_hand(folder, seen=None):
 
 def check_flag_variables(where, variables, table, flags):
     for variable in variables:
-        if variable in ("ATTNGRAD_EXTRA_ARGS", "ATTNGRAD_IMAGE", "ATTNGRAD_WEIGHTS_DIR"):
+        if variable in ("ATTNGRAD_EXTRA_ARGS", "ATTNGRAD_IMAGE", "ATTNGRAD_WEIGHTS_DIR",
+                        "ATTNGRAD_LAYER_RANGES", "ATTNGRAD_REPLICA_INDEX"):
             continue
         check(variable in table, f"{where}: {variable} is not mapped to a flag by the entrypoint")
         if variable in table:
@@ -847,6 +857,155 @@ def command_entrypoint(arguments):
     return finish("entrypoint")
 
 
+MODELS = ROOT / "proto" / "models" / "gemma3.json"
+
+
+def parse_ranges(text, where):
+    """[(first, last)] of "0-12,13-25" (a failed check naming WHERE, and [], otherwise)."""
+    ranges = []
+    try:
+        for piece in text.split(","):
+            first, _, last = piece.strip().partition("-")
+            ranges.append((int(first), int(last or first)))
+    except ValueError:
+        check(False, f"{where}: ATTNGRAD_LAYER_RANGES={text!r} is not a list of ranges A-B,C-D")
+        return []
+    return ranges
+
+
+def sharded_layout():
+    """(StatefulSet, its governing Service, the flags ConfigMap data, namespace) of
+    deploy/k8s/sharded, rendered with kubectl kustomize (by hand without kubectl)."""
+    folder = DEPLOY / "k8s" / "sharded"
+    documents = render_kustomization(folder)
+    if documents is None:
+        print(f"kubectl not found: checking {folder} by hand")
+        documents = load_kustomization_by_hand(folder)
+    kinds = {}
+    for document in documents:
+        kinds.setdefault(document["kind"], []).append(document)
+    return kinds
+
+
+def command_sharded(arguments):
+    flags = server_flags(arguments.server)
+    table = entrypoint_table()
+    kinds = sharded_layout()
+    where = "k8s sharded"
+    check(not kinds.get("Deployment"), f"{where}: a Deployment next to the StatefulSet")
+    statefulsets = kinds.get("StatefulSet", [])
+    check(len(statefulsets) == 1, f"{where}: {len(statefulsets)} StatefulSets")
+    if len(statefulsets) != 1:
+        return finish("sharded")
+    statefulset = statefulsets[0]
+    name = statefulset["metadata"]["name"]
+    namespace = statefulset["metadata"].get("namespace", "default")
+    spec = statefulset["spec"]
+    pod = spec["template"]
+    labels = pod["metadata"]["labels"]
+    check(all(labels.get(k) == v for k, v in spec["selector"]["matchLabels"].items()),
+          f"{where}: the selector does not match the pod labels")
+    services = {service["metadata"]["name"]: service for service in kinds.get("Service", [])}
+    governing = services.get(spec.get("serviceName"))
+    check(governing is not None, f"{where}: serviceName {spec.get('serviceName')!r} is not a Service here")
+    if governing:
+        check(governing["spec"].get("clusterIP") == "None",
+              f"{where}: the governing Service {governing['metadata']['name']} is not headless (no per-replica address)")
+        check(all(labels.get(k) == v for k, v in governing["spec"]["selector"].items()),
+              f"{where}: the governing Service does not select the StatefulSet's pods")
+        check(any(port["port"] == GRPC_PORT for port in governing["spec"]["ports"]),
+              f"{where}: the governing Service has no gRPC port {GRPC_PORT}")
+    container = pod["spec"]["containers"][0]
+    check(container["image"].split(":")[0].split("/")[-1] == "attngrad", f"{where}: image {container['image']}")
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    check(ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}, f"{where}: container ports {ports}")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        check(container.get(probe, {}).get("grpc", {}).get("port") == GRPC_PORT, f"{where}: {probe}")
+    gpu = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+    check(str(gpu) == "1", f"{where}: nvidia.com/gpu limit {gpu}, expected one GPU per server")
+    anti = pod["spec"].get("affinity", {}).get("podAntiAffinity", {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution", [])
+    check(any(term.get("topologyKey") == "kubernetes.io/hostname" and all(
+              labels.get(k) == v for k, v in term["labelSelector"]["matchLabels"].items()) for term in anti),
+          f"{where}: no required pod anti-affinity on kubernetes.io/hostname (one server per GPU node)")
+    check(pod["spec"]["securityContext"].get("runAsNonRoot") is True, f"{where}: not runAsNonRoot")
+    config_maps = {document["metadata"]["name"]: document for document in kinds.get("ConfigMap", [])}
+    reference = container["envFrom"][0]["configMapRef"]["name"]
+    data = config_maps.get(reference, {}).get("data", {})
+    check(data, f"{where}: the container reads ConfigMap {reference}, which is not there")
+    check_flag_variables(f"{where} ConfigMap", data, table, flags)
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    check(grace > int(data.get("ATTNGRAD_SHUTDOWN_GRACE_SECONDS", "30")) + 5,
+          f"{where}: terminationGracePeriodSeconds {grace} leaves no room for the drain")
+
+    # The ranges: one per replica, covering the model's layers in order.
+    ranges = parse_ranges(data.get("ATTNGRAD_LAYER_RANGES", ""), where)
+    check(len(ranges) == spec["replicas"], f"{where}: {spec['replicas']} replicas but {len(ranges)} layer ranges")
+    expected_first = 0
+    for first, last in ranges:
+        check(first == expected_first and last >= first,
+              f"{where}: ATTNGRAD_LAYER_RANGES {data.get('ATTNGRAD_LAYER_RANGES')} has a gap or an overlap at {first}-{last}")
+        expected_first = last + 1
+    model = data.get("ATTNGRAD_MODEL")
+    if data.get("ATTNGRAD_WEIGHTS") == "random":
+        models = json.loads(MODELS.read_text())["models"]
+        check(model in models, f"{where}: ATTNGRAD_MODEL={model!r} is not one of {sorted(models)}")
+        if model in models:
+            layers = models[model]["num_hidden_layers"]
+            check(expected_first == layers, f"{where}: the ranges end at layer {expected_first - 1}, "
+                  f"{model} has {layers} layers (0-{layers - 1})")
+
+    # The entrypoint gives each replica its range, from the hostname Kubernetes gives it.
+    for index, (first, last) in enumerate(ranges):
+        dry = dict(os.environ, ATTNGRAD_ENTRYPOINT_DRY_RUN="1", HOSTNAME=f"{name}-{index}",
+                   ATTNGRAD_SERVER_BINARY=str(arguments.server), **data)
+        dry.pop("ATTNGRAD_REPLICA_INDEX", None)
+        lines = run(["bash", ENTRYPOINT], env=dry).stdout.splitlines()
+        check(f"--layers={first}-{last}" in lines, f"{where}: replica {index} does not get --layers={first}-{last}: {lines}")
+    beyond = dict(os.environ, ATTNGRAD_ENTRYPOINT_DRY_RUN="1", HOSTNAME=f"{name}-{len(ranges)}", **data)
+    check(run(["bash", ENTRYPOINT], env=beyond).returncode != 0,
+          f"{where}: a replica beyond the ranges ({name}-{len(ranges)}) was started anyway")
+
+    # The map the trainer uses, as documented.
+    service = spec.get("serviceName")
+    documented = ",".join(f"{first}-{last}={name}-{index}.{service}.{namespace}.svc.cluster.local:{GRPC_PORT}"
+                          for index, (first, last) in enumerate(ranges))
+    for document in (DEPLOY / "k8s" / "sharded" / "kustomization.yaml", DEPLOY / "README.md"):
+        check(documented in document.read_text(),
+              f"{document.relative_to(ROOT)} does not give the trainer's layer map {documented}")
+
+    # One server per replica on loopback, started through the entrypoint as that replica, and the
+    # documented map (hosts replaced by the loopback ports) seen by attngrad-cli as one model.
+    servers, loopback_map = [], []
+    with contextlib.ExitStack() as stack:
+        try:
+            for index, (first, last) in enumerate(ranges):
+                grpc_port, metrics_port = free_port(), free_port()
+                environment = server_environment()
+                environment.update(data)
+                environment.update({"ATTNGRAD_SERVER_BINARY": str(arguments.server), "HOSTNAME": f"{name}-{index}",
+                                    "ATTNGRAD_LISTEN": f"127.0.0.1:{grpc_port}",
+                                    "ATTNGRAD_METRICS_LISTEN": f"127.0.0.1:{metrics_port}",
+                                    "ATTNGRAD_DEVICES": "cpu", "ATTNGRAD_CPU_THREADS": "1"})
+                log = stack.enter_context(tempfile.TemporaryFile("w+"))
+                servers.append(stack.enter_context(RunningServer(["bash", ENTRYPOINT], environment, metrics_port,
+                                                                 arguments.cli, grpc_port, log)))
+                loopback_map.append(f"{first}-{last}=127.0.0.1:{grpc_port}")
+            result = run([arguments.cli, "info", "--target=" + ",".join(loopback_map)], timeout=120)
+            print(result.stdout + result.stderr)
+            check(result.returncode == 0, f"attngrad-cli info with the layer map exited {result.returncode}")
+            held = sorted(int(index) for index in re.findall(r"^layer (\d+) ", result.stdout, re.M))
+            check(held == list(range(expected_first)),
+                  f"attngrad-cli info over the map lists layers {held}, expected 0-{expected_first - 1}")
+            check(len(re.findall(r"^server ", result.stdout, re.M)) == len(ranges),
+                  f"attngrad-cli info does not list the {len(ranges)} servers")
+        except Exception as error:
+            check(False, f"running the replicas through the entrypoint failed: {error}")
+    for index, server in enumerate(servers):
+        check(server.exit_code == 0, f"replica {index}: exit code after SIGTERM {server.exit_code}")
+    return finish("sharded")
+
+
 def substitute_variables(expression):
     """A dashboard query as Grafana would send it with job=attngrad and every instance and device."""
     expression = expression.replace('"$job"', '"attngrad"').replace('"$instance"', '".*"')
@@ -1082,16 +1241,17 @@ def command_tls(arguments):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["promtool", "dashboard", "manifests", "metrics", "prometheus",
-                                            "entrypoint", "tls", "packages"])
+                                            "entrypoint", "tls", "packages", "sharded"])
     parser.add_argument("--promtool", default=shutil.which("promtool") or "promtool")
     parser.add_argument("--prometheus", default=shutil.which("prometheus") or "prometheus")
     parser.add_argument("--server", help="path of attngrad-server")
     parser.add_argument("--devices", default="cpu", help="--devices of the server in `metrics` (cpu in CI)")
     parser.add_argument("--cli", help="path of attngrad-cli")
     arguments = parser.parse_args()
-    if arguments.command in ("manifests", "metrics", "prometheus", "entrypoint", "tls", "packages") and not arguments.server:
+    if arguments.command in ("manifests", "metrics", "prometheus", "entrypoint", "tls", "packages",
+                             "sharded") and not arguments.server:
         parser.error("--server is required")
-    if arguments.command in ("metrics", "prometheus", "entrypoint", "tls", "packages") and not arguments.cli:
+    if arguments.command in ("metrics", "prometheus", "entrypoint", "tls", "packages", "sharded") and not arguments.cli:
         parser.error("--cli is required")
     return globals()[f"command_{arguments.command}"](arguments)
 

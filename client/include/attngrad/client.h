@@ -11,6 +11,7 @@
 #define ATTNGRAD_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,6 +51,14 @@ struct ClientOptions {
   int64_t chunk_bytes = int64_t{4} << 20;
   // Batches a BackwardStream keeps in flight before Submit blocks.
   int max_in_flight = 8;
+  // Connections (gRPC channels with distinct arguments, so that gRPC does not share one TCP
+  // connection between them). Each BackwardStream (and each one-batch Backward) takes the next
+  // channel in turn; the unary calls use the first. A channel connects on its first call, so unused
+  // ones cost nothing. The default, 8, gives each of up to 8 concurrent streams a connection of its
+  // own: one HTTP/2 connection carries one TCP window and is served by one thread on each side, and
+  // on one H200 host a bare gRPC stream of attngrad's bytes moved 62.7k tokens/s over 1 connection
+  // and 255k over 8 (issue 13). 1 = everything on one connection.
+  int channels = 8;
   // Null: insecure (plaintext) channel. TlsCredentialsFromFiles (below) makes TLS / mutual-TLS
   // credentials from a CA bundle and a client certificate and key.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
@@ -122,6 +131,10 @@ struct BackwardBatch {
   uint64_t expected_weights_version = 0;             // 0 = any
   uint64_t accumulation_window_id = 0;               // ACCUMULATE: 0 = the current window
   v1::DType response_dtype = v1::DTYPE_UNSPECIFIED;  // wire dtype of the answer; results are fp32
+  // Wire dtype of hidden_states and grad_output (float32 when unspecified; float16 / bfloat16 halve
+  // the bytes, and the server computes from the rounded values: a different input, so compare with
+  // the reference of the rounded input). cos/sin always travel as float32.
+  v1::DType input_dtype = v1::DTYPE_UNSPECIFIED;
 };
 
 // The answer to one batch (all parts of a split batch, reassembled).
@@ -229,8 +242,11 @@ class Client {
   // batch id, so an ACCUMULATE batch is never counted twice).
   absl::StatusOr<BackwardResult> Backward(const BackwardBatch& batch);
 
-  // A session for many batches in flight.
-  absl::StatusOr<std::unique_ptr<BackwardStream>> StartStream();
+  // A session for many batches in flight. `on_result`, when set, is called on the stream's reader
+  // thread (with no lock held) each time a batch completes, for a caller that waits on several
+  // streams at once (ShardedStream).
+  absl::StatusOr<std::unique_ptr<BackwardStream>> StartStream(
+      std::function<void()> on_result = nullptr);
 
   // The accumulated gradients, assembled from the chunks. zero_after: atomically start a new window
   // (not retried: not idempotent). expected_window_id != 0: FAILED_PRECONDITION if the server's
@@ -264,6 +280,8 @@ class Client {
   std::string server_instance_id() const;
   const std::string& target() const;
   const ClientOptions& options() const;
+  // How many channels (connections) the client spreads its streams over (ClientOptions::channels).
+  int channel_count() const;
 
   class Impl;
 

@@ -22,6 +22,7 @@ import itertools
 import math
 import queue
 import random
+import threading
 import time
 import warnings
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -247,7 +248,7 @@ class _Batch:
                  rope_theta, mode: int, precision: int, scaling, softcap, eps,
                  expected_weights_version: int, accumulation_window_id: int, wire_dtype: str,
                  response_dtype: str, sequences_per_part: int, like, layer=None,
-                 sliding_window=None):
+                 sliding_window=None, input_dtype: Optional[str] = None):
         self.batch_id = batch_id
         self.hidden_states = hidden_states
         self.grad_output = grad_output
@@ -261,6 +262,7 @@ class _Batch:
         self.expected_weights_version = expected_weights_version
         self.accumulation_window_id = accumulation_window_id
         self.wire_dtype = wire_dtype
+        self.input_dtype = input_dtype or wire_dtype
         self.response_dtype = response_dtype
         self.like = like
         batch, seq_len = hidden_states.shape[:2]
@@ -280,8 +282,8 @@ class _Batch:
             expected_weights_version=self.expected_weights_version,
             accumulation_window_id=self.accumulation_window_id,
             response_dtype=_DTYPE_ENUM[self.response_dtype])
-        wire.add(message.hidden_states, (5,), self.hidden_states[b0:b1], self.wire_dtype)
-        wire.add(message.grad_output, (6,), self.grad_output[b0:b1], self.wire_dtype)
+        wire.add(message.hidden_states, (5,), self.hidden_states[b0:b1], self.input_dtype)
+        wire.add(message.grad_output, (6,), self.grad_output[b0:b1], self.input_dtype)
         if self.cos is not None:
             wire.add(message.rotary_tables.cos, (7, 1), self.cos[b0:b1], self.wire_dtype)
             wire.add(message.rotary_tables.sin, (7, 2), self.sin[b0:b1], self.wire_dtype)
@@ -595,6 +597,78 @@ def _read_varint(data: bytes, position: int) -> Tuple[int, int]:
 _END = object()
 
 
+def ordered_fan_out(items: Iterable[Any], lane_of, run_lane, *, limit: int) -> Iterator[Any]:
+    """Yields, in input order, one result per item of ITEMS, computed on lanes: item i goes to lane
+    lane_of(i, item); each lane runs run_lane(lane, its items) (an iterator yielding one result per
+    item, in order) in a thread of its own, fed as the items come. At most LIMIT items are
+    outstanding. A lane's exception is raised in the caller's thread; leaving early ends the
+    lanes' inputs."""
+    inboxes: Dict[Any, "queue.Queue"] = {}
+    results: Dict[int, Any] = {}
+    failures: List[BaseException] = []
+    changed = threading.Condition()
+    end = object()
+
+    def work(lane, inbox: "queue.Queue"):
+        order: "collections.deque" = collections.deque()
+
+        def feed():
+            while True:
+                item = inbox.get()
+                if item is end:
+                    return
+                order.append(item[0])
+                yield item[1]
+
+        try:
+            for result in run_lane(lane, feed()):
+                with changed:
+                    results[order.popleft()] = result
+                    changed.notify_all()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            with changed:
+                failures.append(error)
+                changed.notify_all()
+
+    def take(index: int, block: bool):
+        """(True, result of item INDEX) once it is there; (False, None) when not blocking and it is
+        not. Raises a lane's failure."""
+        with changed:
+            while block and index not in results and not failures:
+                changed.wait()
+            if failures:
+                raise failures[0]
+            if index in results:
+                return True, results.pop(index)
+            return False, None
+
+    sent = yielded = 0
+    try:
+        for item in items:
+            lane = lane_of(sent, item)
+            if lane not in inboxes:
+                inboxes[lane] = queue.Queue()
+                threading.Thread(target=work, args=(lane, inboxes[lane]), daemon=True).start()
+            inboxes[lane].put((sent, item))
+            sent += 1
+            while yielded < sent:
+                ready, result = take(yielded, block=sent - yielded >= limit)
+                if not ready:
+                    break
+                yielded += 1
+                yield result
+        for inbox in inboxes.values():
+            inbox.put(end)
+        while yielded < sent:
+            _, result = take(yielded, block=True)
+            yielded += 1
+            yield result
+    finally:
+        for inbox in inboxes.values():
+            inbox.put(end)
+_SERVICE = pb.DESCRIPTOR.services_by_name["AttentionGradient"].full_name
+
+
 def _weight_gradient_bytes(hidden_size: int, info: "ModelInfo", dtype_name: str) -> int:
     """Bytes of the six weight gradients of a RETURN answer."""
     q_out = info.num_heads * info.head_dim
@@ -702,6 +776,12 @@ class Client:
       timeout: the deadline of every call in seconds (per call; overridable per method; None, 0 or
         inf: no deadline).
       max_in_flight: requests one backward stream keeps outstanding (pipelining split batches).
+      channels: connections to the server (gRPC channels with distinct arguments, so that gRPC
+        does not share one TCP connection between them). Each backward stream (one backward() or
+        backward_many() call) takes the next channel in turn; the other calls use the first. A
+        channel is opened on first use, so unused ones cost nothing. Default 8: up to 8 threads
+        streaming at once each get a connection of their own (on one H200 host a bare gRPC stream
+        moved 4x more over 8 connections than over one: issue 13); 1 = one connection.
       options: extra grpc channel options.
     """
 
@@ -709,15 +789,13 @@ class Client:
                  timeout: Optional[float] = DEFAULT_TIMEOUT_SECONDS, max_in_flight: int = 4,
                  options: Sequence[Tuple[str, Any]] = (), token: Optional[str] = None,
                  client_id: Optional[str] = None, for_client: Optional[str] = None,
-                 tls_server_name: Optional[str] = None):
+                 tls_server_name: Optional[str] = None, channels: int = 8):
+        if int(channels) < 1:
+            raise ValueError(f"channels must be >= 1, got {channels}")
         channel_options = [("grpc.max_send_message_length", -1),
                            ("grpc.max_receive_message_length", -1)] + list(options)
         if tls_server_name:
             channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
-        if credentials is not None:
-            self._raw_channel = grpc.secure_channel(target, credentials, options=channel_options)
-        else:
-            self._raw_channel = grpc.insecure_channel(target, options=channel_options)
         metadata = []
         if token:
             metadata.append(("authorization", f"Bearer {token}"))
@@ -725,18 +803,19 @@ class Client:
             metadata.append(("attngrad-client-id", client_id))
         if for_client:
             metadata.append(("attngrad-for-client", for_client))
-        self._channel = (grpc.intercept_channel(self._raw_channel, _MetadataInterceptor(metadata))
-                         if metadata else self._raw_channel)
+        self._credentials = credentials
+        self._channel_options = channel_options
+        self._metadata = metadata
+        self._raw_channels: List[Optional[grpc.Channel]] = [None] * int(channels)
+        self._backward_calls: List[Any] = [None] * int(channels)
+        self._next_channel = itertools.count()
         self.target = target
+        self._channel = self._open_channel(0)
         self.timeout = timeout
         self.max_in_flight = max(1, int(max_in_flight))
         self._stub = pb_grpc.AttentionGradientStub(self._channel)
-        service = pb.DESCRIPTOR.services_by_name["AttentionGradient"].full_name
-        self._backward = self._channel.stream_stream(  # one-copy request serialisation
-            f"/{service}/Backward", request_serializer=_WireRequest.serialize,
-            response_deserializer=_parse_backward_response)
         self._load_weights = self._channel.stream_unary(
-            f"/{service}/LoadWeights", request_serializer=_WireChunk.serialize,
+            f"/{_SERVICE}/LoadWeights", request_serializer=_WireChunk.serialize,
             response_deserializer=pb.LoadWeightsResponse.FromString)
         self._health = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
@@ -744,10 +823,44 @@ class Client:
         self._limits: Optional[ModelInfo] = None
         self._batch_ids = itertools.count(random.SystemRandom().getrandbits(62) + 1)
 
+    @property
+    def channels(self) -> int:
+        """How many connections the client spreads its backward streams over."""
+        return len(self._raw_channels)
+
+    def _open_channel(self, index: int):
+        """Channel INDEX (opened now if it was not), with the token/id interceptor. Its arguments
+        differ from the others' by grpc.attngrad_channel_index, so it has a connection of its own."""
+        raw = self._raw_channels[index]
+        if raw is None:
+            options = self._channel_options + [("grpc.attngrad_channel_index", index),
+                                               ("grpc.use_local_subchannel_pool", 1)]
+            if self._credentials is not None:
+                raw = grpc.secure_channel(self.target, self._credentials, options=options)
+            else:
+                raw = grpc.insecure_channel(self.target, options=options)
+            self._raw_channels[index] = raw
+        return (grpc.intercept_channel(raw, _MetadataInterceptor(self._metadata))
+                if self._metadata else raw)
+
+    def _next_backward(self):
+        """The Backward call of the next channel in turn (one-copy request serialisation)."""
+        index = next(self._next_channel) % len(self._raw_channels)
+        call = self._backward_calls[index]
+        if call is None:
+            channel = self._channel if index == 0 else self._open_channel(index)
+            call = channel.stream_stream(
+                f"/{_SERVICE}/Backward", request_serializer=_WireRequest.serialize,
+                response_deserializer=_parse_backward_response)
+            self._backward_calls[index] = call
+        return call
+
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._raw_channel.close()
+        for raw in self._raw_channels:
+            if raw is not None:
+                raw.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -822,7 +935,11 @@ class Client:
           accumulation_window_id: ACCUMULATE: 0 = the current window; else that window or refused.
           batch_id: the dedup key of ACCUMULATE (a retry with the same id is not added twice); a new
             one is drawn when None. Split parts get ids derived from it.
-          wire_dtype, response_dtype: "float32" (default), "float16" or "bfloat16".
+          input_dtype: the wire dtype of hidden_states and grad_output: "float32", "float16" or
+            "bfloat16" (half the bytes; the server computes from the rounded values, a different
+            input: compare with the reference of the rounded input). None: wire_dtype.
+          wire_dtype: the wire dtype of every input tensor (cos/sin too) unless input_dtype says
+            otherwise; response_dtype: the answer's. "float32" (default), "float16" or "bfloat16".
           timeout: the deadline of the stream in seconds.
         """
         timeout = kwargs.pop("timeout", None)
@@ -831,12 +948,22 @@ class Client:
         return results[0]
 
     def backward_many(self, batches: Iterable[Mapping[str, Any]], *,
-                      timeout: Optional[float] = None) -> Iterator[BackwardResult]:
+                      timeout: Optional[float] = None, streams: int = 1) -> Iterator[BackwardResult]:
         """Streams many batches over one Backward stream, pipelined (max_in_flight requests
         outstanding). Each item is a dict of backward()'s arguments; results come in input order.
-        TIMEOUT bounds the whole stream (float("inf") for none)."""
+        TIMEOUT bounds the whole stream (float("inf") for none). STREAMS > 1 deals the batches in
+        turn to that many streams, each fed and read by a thread of its own and each on the next
+        channel (so on a connection of its own while streams <= channels): bulk work limited by
+        one connection's throughput."""
+        if int(streams) < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         prepared = (self._prepare(**dict(kwargs)) for kwargs in batches)
-        return self._run(prepared, timeout=timeout)
+        if int(streams) == 1:
+            return self._run(prepared, timeout=timeout)
+        count = int(streams)
+        return ordered_fan_out(prepared, lambda index, _: index % count,
+                               lambda _, lane_batches: self._run(lane_batches, timeout=timeout),
+                               limit=count * self.max_in_flight)
 
     def _prepare(self, hidden_states, grad_output, cos=None, sin=None, *, position_ids=None,
                  rope_theta: Optional[float] = None, mode="return", precision="auto",
@@ -844,7 +971,7 @@ class Client:
                  eps: Optional[float] = None, expected_weights_version: int = 0,
                  accumulation_window_id: int = 0, batch_id: Optional[int] = None,
                  wire_dtype="float32", response_dtype="float32", layer: Optional[int] = None,
-                 sliding_window: Optional[int] = None) -> _Batch:
+                 sliding_window: Optional[int] = None, input_dtype=None) -> _Batch:
         like = hidden_states if tensors.is_torch_tensor(hidden_states) else None
         hidden = tensors.to_numpy(hidden_states)
         grad = tensors.to_numpy(grad_output)
@@ -857,8 +984,9 @@ class Client:
         if batch < 1 or seq_len < 1:
             raise ValueError(f"hidden_states must have B >= 1 and S >= 1, got {list(hidden.shape)}")
         wire = tensors.wire_dtype_name(wire_dtype)
+        inputs_wire = wire if input_dtype is None else tensors.wire_dtype_name(input_dtype)
         answer = tensors.wire_dtype_name(response_dtype)
-        per_sequence_bytes = 2 * seq_len * hidden.shape[2] * tensors.itemsize(wire)
+        per_sequence_bytes = 2 * seq_len * hidden.shape[2] * tensors.itemsize(inputs_wire)
         response_per_sequence = seq_len * hidden.shape[2] * tensors.itemsize(answer)
         if (cos is None) != (sin is None):
             raise ValueError("pass both cos and sin, or neither (and position_ids)")
@@ -897,6 +1025,7 @@ class Client:
             precision=_enum(_PRECISION_ENUM, precision, "precision"), scaling=scaling,
             softcap=softcap, eps=eps, expected_weights_version=int(expected_weights_version),
             accumulation_window_id=int(accumulation_window_id), wire_dtype=wire,
+            input_dtype=inputs_wire,
             response_dtype=answer,
             sequences_per_part=sequences_per_part(
                 self._limits or self.info(), batch, seq_len, per_sequence_bytes,
@@ -915,7 +1044,7 @@ class Client:
                     return
                 yield item
 
-        call = self._backward(requests(), timeout=self._timeout(timeout))
+        call = self._next_backward()(requests(), timeout=self._timeout(timeout))
         finished = False
         try:
             source = iter(batches)

@@ -36,19 +36,23 @@ server would overwrite each other's weights (give each rank its own server, or l
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
 import grpc
 
 from . import client as client_module
+from . import sharded as sharded_module
 from .errors import AttngradError, FailedPreconditionError
 
 __all__ = ["RemoteAttentionBackward", "RemoteGemma3Attention", "gemma3_attention",
-           "rotary_tables", "fetch_all_gradients"]
+           "rotary_tables", "fetch_all_gradients", "offload", "OffloadHandle",
+           "attention_modules"]
 
 
 def rotary_tables(position_ids: torch.Tensor, head_dim: int = 128, theta: float = 10000.0,
@@ -113,21 +117,68 @@ def gemma3_attention(hidden_states, cos, sin, q_weight, k_weight, v_weight, o_we
 
 
 class _Binding:
-    """What the backward needs besides tensors: the client, the scalars, the mode, and (ACCUMULATE)
-    the tokens sent since the last fetch, to detect a lost accumulation window."""
+    """What the backward needs besides tensors: the client, the scalars, the mode, the layer and
+    (ACCUMULATE) the tokens sent since the last fetch, to detect a lost accumulation window."""
 
     def __init__(self, client, *, config, mode: str, precision: str, scaling: float, softcap: float,
-                 eps: float, wire_dtype: str):
+                 eps: float, wire_dtype: str, layer: Optional[int] = None,
+                 sliding_window: Optional[int] = None, input_dtype: Optional[str] = None):
         self.client = client
         self.config = config
         self.mode = mode
         self.precision = precision
         self.scaling, self.softcap, self.eps = scaling, softcap, eps
         self.wire_dtype = wire_dtype
+        self.input_dtype = input_dtype
+        self.layer = layer
+        self.sliding_window = sliding_window
         self.server_instance_id: Optional[str] = None
         self.pending_tokens = 0
         self.pending_batches = 0
         self.last_result: Optional[client_module.BackwardResult] = None
+
+
+def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, weights_version: int,
+                     weight_meta, needs_weight_grads):
+    """The backward of one attention call on the server: (grad of hidden_states in its dtype, the
+    six weight gradients (RETURN mode, those in NEEDS_WEIGHT_GRADS; else None) in the weights'
+    dtypes and devices). Shared by every autograd Function of this module."""
+    batch, seq_len = hidden_states.shape[:2]
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    if cos.shape[0] != batch:
+        cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+    extra = {}
+    if binding.layer is not None:
+        extra["layer"] = binding.layer
+    if binding.sliding_window is not None:
+        extra["sliding_window"] = binding.sliding_window
+    if binding.input_dtype is not None:
+        extra["input_dtype"] = binding.input_dtype
+    result = binding.client.backward(
+        hidden_states, grad_output, cos, sin, mode=binding.mode, precision=binding.precision,
+        scaling=binding.scaling, softcap=binding.softcap, eps=binding.eps,
+        expected_weights_version=weights_version, wire_dtype=binding.wire_dtype, **extra)
+    binding.last_result = result
+    if binding.server_instance_id is None:
+        binding.server_instance_id = result.server_instance_id
+    elif binding.server_instance_id != result.server_instance_id:
+        raise AttngradError(
+            grpc.StatusCode.ABORTED,
+            f"the server restarted (instance {binding.server_instance_id} -> "
+            f"{result.server_instance_id}): its weights and accumulated gradients are gone; "
+            "re-upload the weights (sync_weights(force=True)) and redo the step")
+    grad_hidden = result.grad_hidden_states.to(hidden_states.dtype)
+    weight_grads = [None] * 6
+    if binding.mode == "accumulate":
+        binding.pending_tokens += batch * seq_len
+        binding.pending_batches += 1
+    else:
+        for i, name in enumerate(client_module.WEIGHT_NAMES):
+            if needs_weight_grads[i]:
+                dtype, device = weight_meta[i]
+                weight_grads[i] = result.weight_gradients[name].to(device=device, dtype=dtype)
+    return grad_hidden, weight_grads
 
 
 class RemoteAttentionBackward(torch.autograd.Function):
@@ -155,35 +206,9 @@ class RemoteAttentionBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         hidden_states, cos, sin = ctx.saved_tensors
-        binding: _Binding = ctx.binding
-        batch, seq_len = hidden_states.shape[:2]
-        if cos.dim() == 2:
-            cos, sin = cos[None], sin[None]
-        if cos.shape[0] != batch:
-            cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
-        result = binding.client.backward(
-            hidden_states, grad_output, cos, sin, mode=binding.mode, precision=binding.precision,
-            scaling=binding.scaling, softcap=binding.softcap, eps=binding.eps,
-            expected_weights_version=ctx.weights_version, wire_dtype=binding.wire_dtype)
-        binding.last_result = result
-        if binding.server_instance_id is None:
-            binding.server_instance_id = result.server_instance_id
-        elif binding.server_instance_id != result.server_instance_id:
-            raise AttngradError(
-                grpc.StatusCode.ABORTED,
-                f"the server restarted (instance {binding.server_instance_id} -> "
-                f"{result.server_instance_id}): its weights and accumulated gradients are gone; "
-                "re-upload the weights (module.sync_weights(force=True)) and redo the step")
-        grad_hidden = result.grad_hidden_states.to(hidden_states.dtype)
-        weight_grads = [None] * 6
-        if binding.mode == "accumulate":
-            binding.pending_tokens += batch * seq_len
-            binding.pending_batches += 1
-        else:
-            for i, name in enumerate(client_module.WEIGHT_NAMES):
-                if ctx.needs_input_grad[3 + i]:
-                    dtype, device = ctx.weight_meta[i]
-                    weight_grads[i] = result.weight_gradients[name].to(device=device, dtype=dtype)
+        grad_hidden, weight_grads = _remote_backward(
+            ctx.binding, hidden_states, cos, sin, grad_output, ctx.weights_version,
+            ctx.weight_meta, ctx.needs_input_grad[3:9])
         grad_hidden = grad_hidden if ctx.needs_input_grad[0] else None
         return (grad_hidden, None, None, *weight_grads, None, None)
 
@@ -352,3 +377,344 @@ def fetch_all_gradients(model: nn.Module):
     """Calls fetch_gradients() on every ACCUMULATE-mode RemoteGemma3Attention inside MODEL."""
     return [m.fetch_gradients() for m in model.modules()
             if isinstance(m, RemoteGemma3Attention) and m.mode == "accumulate"]
+
+
+# ------------------------------------------------------------------------------------------------
+# One call for a whole transformers Gemma-3 model
+
+
+_WEIGHT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return all(hasattr(module, name) for name in _WEIGHT_MODULES) and hasattr(module, "layer_idx")
+
+
+def attention_modules(model: nn.Module) -> Dict[int, nn.Module]:
+    """{layer_idx: attention module} of every Gemma-3 attention in MODEL (a module with q_proj,
+    k_proj, v_proj, o_proj, q_norm, k_norm and layer_idx: transformers' Gemma3Attention, found
+    under Gemma3ForCausalLM.model.layers[i].self_attn, Gemma3TextModel.layers[i].self_attn, ...)."""
+    found: Dict[int, nn.Module] = {}
+    for name, module in model.named_modules():
+        if not _is_attention(module):
+            continue
+        index = int(module.layer_idx)
+        if index in found:
+            raise ValueError(f"two attention modules claim layer_idx {index} ({name})")
+        found[index] = module
+    if not found:
+        raise ValueError("no Gemma-3 attention modules (q_proj ... k_norm and layer_idx) in the model")
+    return dict(sorted(found.items()))
+
+
+def _layer_scalars(module: nn.Module, index: int) -> Tuple[float, float, float, int]:
+    """(scaling, softcap (0 = none), eps, sliding window (0 = full causal)) of the module's
+    forward, from the module and its config as transformers' Gemma3Attention defines them."""
+    config = getattr(module, "config", None)
+    scaling = getattr(module, "scaling", None)
+    if scaling is None:
+        scaling = float(getattr(config, "query_pre_attn_scalar", module.head_dim)) ** -0.5
+    softcap = getattr(module, "attn_logit_softcapping", getattr(config, "attn_logit_softcapping",
+                                                                None))
+    norm = module.q_norm
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", getattr(config, "rms_norm_eps",
+                                                                         1e-6)))
+    sliding = getattr(module, "is_sliding", None)
+    if sliding is None:
+        layer_types = getattr(config, "layer_types", None)
+        sliding = bool(layer_types) and layer_types[index] == "sliding_attention"
+    window = 0
+    if sliding:
+        window = int(getattr(module, "sliding_window", None) or getattr(config, "sliding_window", 0)
+                     or 0)
+    return float(scaling), float(softcap or 0.0), float(eps), window
+
+
+class _OffloadedLayer:
+    """One attention module whose backward runs on the server: its binding, the weights version
+    uploaded last, and its original forward (restored by remove())."""
+
+    def __init__(self, module: nn.Module, index: int, binding: _Binding, upload_weights: bool):
+        self.module = module
+        self.index = index
+        self.binding = binding
+        self.upload_weights = upload_weights
+        self.weights_version: Optional[int] = None
+        self._uploaded: Optional[Tuple] = None
+        self.original_forward = module.forward
+        self.had_instance_forward = "forward" in module.__dict__
+        self.signature = inspect.signature(self.original_forward)
+        self.hidden_name = next(iter(self.signature.parameters))  # hidden_states
+
+    def weights(self) -> Dict[str, torch.Tensor]:
+        return {name: getattr(self.module, name).weight for name in _WEIGHT_MODULES}
+
+    def sync_weights(self, force: bool = False) -> int:
+        """Uploads the layer's weights when they changed since the last upload (the tensors'
+        in-place version counters move with every optimizer step); returns the server's version.
+        upload_weights=False: the server's current version (it must already hold these weights)."""
+        if not self.upload_weights:
+            if self.weights_version is None:
+                self.weights_version = self._server_version()
+            return self.weights_version
+        weights = self.weights()
+        fingerprint = tuple((w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+                            for w in weights.values())
+        if force or fingerprint != self._uploaded or self.weights_version is None:
+            with torch.no_grad():
+                host = {name: w.detach().float().cpu() for name, w in weights.items()}
+            self.weights_version = self.binding.client.load_weights(host, layer=self.index)
+            self._uploaded = fingerprint
+        return self.weights_version
+
+    def _server_version(self) -> int:
+        for layer in self.binding.client.info().layers:
+            if layer.index == self.index:
+                return layer.weights_version
+        return 0
+
+    def forward(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        hidden_states = arguments[self.hidden_name]
+        position_embeddings = arguments.get("position_embeddings")
+        if position_embeddings is None:
+            position_embeddings = arguments.get("kwargs", {}).get("position_embeddings")
+        weights = self.weights()
+        wants_grad = torch.is_grad_enabled() and (
+            hidden_states.requires_grad or any(w.requires_grad for w in weights.values()))
+        if not wants_grad:
+            return self.original_forward(*args, **kwargs)
+        if position_embeddings is None:
+            raise ValueError(f"layer {self.index}: the offloaded attention needs position_embeddings "
+                             "(cos, sin), as transformers' Gemma-3 decoder layers pass them")
+        for name in ("past_key_values", "past_key_value"):
+            cache = arguments.get(name, arguments.get("kwargs", {}).get(name))
+            length = cache.get_seq_length(self.index) if hasattr(cache, "get_seq_length") else 0
+            if length:
+                raise ValueError(f"layer {self.index}: a KV cache holding {length} earlier tokens; "
+                                 "the offloaded backward covers the tokens of this call only "
+                                 "(train with use_cache=False)")
+        cos, sin = position_embeddings
+        version = self.sync_weights()
+        call = _Call(self, bound)
+        output = _OffloadedAttention.apply(
+            hidden_states, cos, sin, weights["q_proj"], weights["k_proj"], weights["v_proj"],
+            weights["o_proj"], weights["q_norm"], weights["k_norm"], call, version)
+        if call.rest is None:
+            return output
+        return (output,) + call.rest
+
+
+class _Call:
+    """One forward call of an offloaded layer: the bound arguments, and what the original forward
+    returned besides the attention output (attention weights, ...)."""
+
+    def __init__(self, layer: _OffloadedLayer, bound):
+        self.layer = layer
+        self.bound = bound
+        self.rest: Optional[Tuple] = None
+
+    def run(self, hidden_states):
+        bound = inspect.BoundArguments(self.layer.signature, dict(self.bound.arguments))
+        bound.arguments[self.layer.hidden_name] = hidden_states
+        result = self.layer.original_forward(*bound.args, **bound.kwargs)
+        if isinstance(result, tuple):
+            self.rest = tuple(result[1:])
+            return result[0]
+        return result
+
+
+class _OffloadedAttention(torch.autograd.Function):
+    """apply(hidden_states, cos, sin, q_w, k_w, v_w, o_w, q_norm_w, k_norm_w, call, version):
+    forward = the module's own forward, unchanged (run without recording a graph, so none of its
+    activations are kept); backward = the service (_remote_backward)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
+                k_norm_weight, call: _Call, weights_version: int):
+        ctx.binding = call.layer.binding
+        ctx.weights_version = weights_version
+        ctx.weight_meta = [(w.dtype, w.device) for w in (q_weight, k_weight, v_weight, o_weight,
+                                                         q_norm_weight, k_norm_weight)]
+        ctx.save_for_backward(hidden_states, cos, sin)
+        return call.run(hidden_states)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden_states, cos, sin = ctx.saved_tensors
+        grad_hidden, weight_grads = _remote_backward(
+            ctx.binding, hidden_states, cos, sin, grad_output, ctx.weights_version,
+            ctx.weight_meta, ctx.needs_input_grad[3:9])
+        grad_hidden = grad_hidden if ctx.needs_input_grad[0] else None
+        return (grad_hidden, None, None, *weight_grads, None, None)
+
+
+class OffloadHandle:
+    """What offload() returns: the offloaded layers ({layer index: _OffloadedLayer}), the client,
+    fetch_gradients() / attach(optimizer) for ACCUMULATE mode, and remove() (also on leaving a
+    `with` block) to give every module its own backward back."""
+
+    def __init__(self, client, layers: Dict[int, _OffloadedLayer], mode: str, owns_client: bool):
+        self.client = client
+        self.layers = layers
+        self.mode = mode
+        self._owns_client = owns_client
+        self._removed = False
+
+    @property
+    def last_results(self) -> Dict[int, Optional[client_module.BackwardResult]]:
+        """{layer: its latest BackwardResult} (server timings, device, weights version)."""
+        return {index: layer.binding.last_result for index, layer in self.layers.items()}
+
+    def sync_weights(self, force: bool = False) -> Dict[int, int]:
+        """Uploads every layer's changed weights now (the forward does it otherwise)."""
+        return {index: layer.sync_weights(force) for index, layer in self.layers.items()}
+
+    def fetch_gradients(self, *, strict: bool = True) -> Dict[int, client_module.AccumulationState]:
+        """ACCUMULATE mode: fetches-and-zeroes every layer's accumulated gradients (one call per
+        server) and adds them into the parameters' .grad. strict: each layer's window must cover
+        exactly the tokens its module sent since the last fetch, against the weights it uploaded
+        (else FailedPreconditionError naming the layers, and .grad is left untouched)."""
+        if self.mode != "accumulate":
+            raise RuntimeError("fetch_gradients is for mode='accumulate'; in 'return' mode the "
+                               "gradients are already in .grad after backward()")
+        fetched = self.client.fetch_layers(list(self.layers), zero_after_fetch=True)
+        problems = []
+        for index, layer in self.layers.items():
+            binding, state = layer.binding, fetched[index].state
+            sent, batches = binding.pending_tokens, binding.pending_batches
+            binding.pending_tokens = binding.pending_batches = 0
+            if not strict:
+                continue
+            if state.tokens != sent:
+                problems.append(f"layer {index}: the window covers {state.tokens} tokens, the "
+                                f"model sent {sent} in {batches} backward calls")
+            elif sent and layer.weights_version is not None and \
+                    state.weights_version != layer.weights_version:
+                problems.append(f"layer {index}: computed against weights version "
+                                f"{state.weights_version}, uploaded {layer.weights_version}")
+        if problems:
+            raise FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the accumulation windows do not match the model's backward calls: "
+                + "; ".join(problems) + ". Redo the step (the windows were zeroed).",
+                method="FetchGradients")
+        with torch.no_grad():
+            for index, layer in self.layers.items():
+                for name, parameter in layer.weights().items():
+                    value = torch.from_numpy(np.array(fetched[index][name])).to(
+                        device=parameter.device, dtype=parameter.dtype)
+                    if parameter.grad is None:
+                        parameter.grad = value
+                    else:
+                        parameter.grad.add_(value)
+        return {index: fetched[index].state for index in self.layers}
+
+    def attach(self, optimizer: torch.optim.Optimizer):
+        """ACCUMULATE mode: fetch_gradients() right before every optimizer.step() (a step
+        pre-hook; PyTorch >= 2.0). Returns the hook's handle."""
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            raise RuntimeError("optimizer step hooks need PyTorch >= 2.0: call "
+                               "handle.fetch_gradients() before optimizer.step() instead")
+        return optimizer.register_step_pre_hook(lambda *_: self.fetch_gradients())
+
+    def remove(self) -> None:
+        """Gives every module its own forward (and local backward) back; closes a client that
+        offload() created."""
+        if self._removed:
+            return
+        for layer in self.layers.values():
+            if layer.had_instance_forward:
+                layer.module.forward = layer.original_forward
+            else:
+                layer.module.__dict__.pop("forward", None)
+            layer.module.__dict__.pop("_attngrad_offload", None)
+        self._removed = True
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> "OffloadHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision: str = "auto",
+            wire_dtype: str = "float32", input_dtype: Optional[str] = None,
+            upload_weights: bool = True, layers=None, **client_kwargs) -> OffloadHandle:
+    """Moves the attention backward of every layer of a transformers Gemma-3 model
+    (Gemma3ForCausalLM, Gemma3TextModel, or anything whose attention modules carry q_proj ... k_norm
+    and layer_idx) to the attngrad server(s), in one call.
+
+    The forward is the module's own, unchanged (same outputs; run without recording a graph, so
+    none of the attention's activations are kept); the backward of each attention call is computed
+    by the server of its layer (layer = the module's layer_idx) and gives the grad of
+    hidden_states and, in mode="return", the gradients of q/k/v/o_proj.weight and
+    q_norm/k_norm.weight, added into their .grad by autograd like any layer's. mode="accumulate"
+    keeps the weight gradients summed on the servers until handle.fetch_gradients() (or
+    handle.attach(optimizer)). Each backward sends the forward's cos/sin tables (so any RoPE variant
+    is honoured) and the module's scaling, soft-cap, eps and sliding window (from the module and
+    its config); the servers must hold layers of the same shape (checked against their model info).
+    Batches must be unpadded causal sequences (the server applies the causal / sliding-window mask,
+    not the forward's attention_mask), and the training forward must not extend a KV cache.
+
+    Args:
+      client_or_map: an attngrad.Client or ShardedClient, a "host:port", or a layer map
+        "0-12=host-a:50051,13-25=host-b:50051" (a dict works too; see attngrad.ShardedClient).
+      mode: "return" or "accumulate". precision: the server's ("auto", "fp32", "tf32", "fp16").
+      wire_dtype / input_dtype: the wire dtype of the tensors sent (see Client.backward).
+      upload_weights: upload each layer's weights before the first forward and after every change
+        (optimizer steps) and pin that version in each backward (default). False: the servers
+        already hold exactly these weights (e.g. started with --weights=DIR of this checkpoint)
+        and nothing changes them (no training of the attention weights).
+      layers: the layer indices to offload (default: all).
+      **client_kwargs: attngrad.Client's arguments when client_or_map is an address or map.
+    Returns an OffloadHandle (remove() undoes it)."""
+    if mode not in ("return", "accumulate"):
+        raise ValueError(f"mode must be 'return' or 'accumulate', got {mode!r}")
+    modules = attention_modules(model)
+    if layers is not None:
+        wanted = {int(i) for i in layers}
+        unknown = sorted(wanted - set(modules))
+        if unknown:
+            raise ValueError(f"layers {unknown} are not in the model (it has {sorted(modules)})")
+        modules = {i: m for i, m in modules.items() if i in wanted}
+    for index, module in modules.items():
+        if "_attngrad_offload" in module.__dict__:
+            raise ValueError(f"layer {index} is already offloaded (remove() the first handle)")
+    client = sharded_module.connect(client_or_map, **client_kwargs)
+    owns_client = client is not client_or_map
+    try:
+        info = client.info()
+        served = {layer.index: layer for layer in info.layers}
+        offloaded: Dict[int, _OffloadedLayer] = {}
+        for index, module in modules.items():
+            layer_info = served.get(index)
+            if layer_info is None:
+                raise ValueError(f"layer {index} is not served (the server(s) hold layers "
+                                 f"{sorted(served)}); start them with --layers covering it")
+            local = (module.q_proj.in_features, module.q_proj.out_features // module.head_dim,
+                     module.k_proj.out_features // module.head_dim, module.head_dim)
+            remote = (layer_info.hidden_size, layer_info.num_heads, layer_info.num_kv_heads,
+                      layer_info.head_dim)
+            if local != remote:
+                raise ValueError(f"layer {index}: the model's attention is (hidden, heads, kv heads, "
+                                 f"head_dim) = {local}, the server's {remote}")
+            scaling, softcap, eps, window = _layer_scalars(module, index)
+            binding = _Binding(client, config=layer_info, mode=mode, precision=precision,
+                               scaling=scaling, softcap=softcap, eps=eps, wire_dtype=wire_dtype,
+                               layer=index, sliding_window=window, input_dtype=input_dtype)
+            offloaded[index] = _OffloadedLayer(module, index, binding, upload_weights)
+        if mode == "accumulate":
+            for index in offloaded:
+                client.zero_gradients(layer=index)
+    except BaseException:
+        if owns_client:
+            client.close()
+        raise
+    for index, layer in offloaded.items():
+        layer.module.forward = layer.forward
+        layer.module.__dict__["_attngrad_offload"] = layer
+    return OffloadHandle(client, offloaded, mode, owns_client)
