@@ -228,8 +228,7 @@ std::string VmmExporter(int socket) {
   const std::string importer = ReceiveText(socket);
   if (importer.rfind("FAILED", 0) == 0) return importer;
   std::vector<unsigned char> host(kBytes);
-  error =
-      cudaMemcpy(host.data(), reinterpret_cast<void*>(address), kBytes, cudaMemcpyDeviceToHost);
+  error = cudaMemcpy(host.data(), reinterpret_cast<void*>(address), kBytes, cudaMemcpyDeviceToHost);
   if (error != cudaSuccess) return RuntimeFailure("cudaMemcpy back", error);
   if (!AllBytesEqual(host, kImporterValue)) return "FAILED the importer's write is not visible";
   close(descriptor);
