@@ -388,11 +388,12 @@ def main():
         print("\n| model | B | S | attngrad local µs | attngrad global µs | local / global |"
               " local TFLOP/s | global TFLOP/s | eager TF32 local µs | eager TF32 global µs |"
               " compile TF32 local µs | compile TF32 global µs |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| --- | ---: | ---: |" + " ---: |" * 9)
         for (name, batch, seq_len, local_us, local_torch, local_compiled, global_us, global_torch,
              global_compiled) in rows:
             model = models[name]
-            local_tflops = layer_flops(model, batch, seq_len, model["sliding_window"]) / local_us / 1e6
+            local_flops = layer_flops(model, batch, seq_len, model["sliding_window"])
+            local_tflops = local_flops / local_us / 1e6
             global_tflops = layer_flops(model, batch, seq_len, 0) / global_us / 1e6
             print("| %s | %d | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |"
                   % (name, batch, seq_len, local_us, global_us, local_us / global_us, local_tflops,
