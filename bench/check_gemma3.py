@@ -16,11 +16,14 @@
 2. Timing (--time): attngrad (AUTO) on one local and one global layer of each computed model at
    B x S of --time-shapes: L2 flushed (2x L2 written) before every iteration, warm-up then timed
    iterations, CUDA events, median; the local layer's saving over the global one; and PyTorch eager
-   TF32 (the same Gemma3Attention in fp32, forward + backward) where --torch is given.
+   TF32 (the same Gemma3Attention in fp32, forward + backward) where --torch is given, and the same
+   module through torch.compile (TF32, dynamic shapes: one compilation per model, reused by its
+   shapes and both layer types, whose difference is the mask and the RoPE tables passed in) where
+   --compile is given.
 
 Usage: python3 bench/check_gemma3.py --lib build-h200/kernels/libattngrad.so
           [--shapes 1:1,2:7,1:1000,2:2500] [--modes AUTO,FP32,TF32,FP16] [--models gemma-3-27b]
-          [--time] [--time-shapes 1:4096,4:1024] [--torch]
+          [--time] [--time-shapes 1:4096,4:1024] [--torch] [--compile]
 """
 import argparse
 import ctypes
@@ -189,6 +192,19 @@ def parse_shapes(text):
     return [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item]
 
 
+def layer_flops(model, batch, seq_len, window):
+    """Useful FLOPs of one layer's backward (with its forward recomputation): the projection GEMMs
+    (qkv, dA, dWo, dX, dWqkv: 2 T hidden (3 qkv_width + 2 q_width)) and the attention's 7 products
+    (forward S and O, backward S, dP, dV, dK, dQ) over the visible (query, key) pairs only."""
+    h, nq, nkv, d = (model["hidden_size"], model["num_attention_heads"],
+                     model["num_key_value_heads"], model["head_dim"])
+    tokens = batch * seq_len
+    gemm = 2.0 * tokens * h * (3 * (nq + 2 * nkv) * d + 2 * nq * d)
+    w = window if window else seq_len
+    pairs = sum(min(i + 1, w) for i in range(seq_len))
+    return gemm + 7 * 2.0 * batch * nq * pairs * d
+
+
 def median_us(fn, flush, warmup, iters):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -240,6 +256,8 @@ def main():
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--time-shapes", default="1:4096,4:1024")
     parser.add_argument("--torch", action="store_true", help="also time PyTorch eager TF32")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time torch.compile (TF32) of the same layer")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--profile", action="store_true",
@@ -298,6 +316,7 @@ def main():
     if args.time:
         flush = torch.empty(2 * 60 * 1024 * 1024 // 4 * 2, dtype=torch.float32, device="cuda")
         rows = []
+        torch_modules = {}  # per model: (eager module, compiled module or None)
         for name, model in models.items():
             for batch, seq_len in parse_shapes(args.time_shapes):
                 row = [name, batch, seq_len]
@@ -323,10 +342,14 @@ def main():
                                   flush=True)
                         except Exception as error:  # the profiler may be unavailable there
                             print("profile failed:", error, flush=True)
-                    if args.torch:
+                    if args.torch or args.compile:
                         torch.backends.cuda.matmul.allow_tf32 = True
                         torch.backends.cudnn.allow_tf32 = True
-                        attention = hf_attention(model, layer_type, case.window, torch.float32)
+                        if name not in torch_modules:
+                            module = hf_attention(model, layer_type, case.window, torch.float32)
+                            torch_modules[name] = (module, torch.compile(module, dynamic=True)
+                                                   if args.compile else None)
+                        attention, compiled = torch_modules[name]
                         with torch.no_grad():
                             for parameter, value in zip(
                                     (attention.q_proj.weight, attention.k_proj.weight,
@@ -337,19 +360,24 @@ def main():
                         mask = window_mask(batch, seq_len, case.window, torch.float32, "cuda")
                         x = case.hidden_states.clone().requires_grad_(True)
 
-                        def step():
+                        def step(layer):
                             attention.zero_grad(set_to_none=True)
                             x.grad = None
-                            out = attention(hidden_states=x, position_embeddings=(case.cos,
-                                                                                  case.sin),
-                                            attention_mask=mask)
+                            out = layer(hidden_states=x, position_embeddings=(case.cos, case.sin),
+                                        attention_mask=mask)
                             (out[0] if isinstance(out, tuple) else out).backward(case.grad_output)
 
-                        row.append(median_us(step, flush, 3, 10))
+                        row.append(median_us(lambda: step(attention), flush, 3, 10)
+                                   if args.torch else float("nan"))
+                        if compiled is not None:
+                            step(compiled)  # compiles (first use) or recompiles for new shapes
+                            row.append(median_us(lambda: step(compiled), flush, 3, 10))
+                        else:
+                            row.append(float("nan"))
                         torch.backends.cuda.matmul.allow_tf32 = False
-                        del attention, mask, x
+                        del attention, compiled, mask, x
                     else:
-                        row.append(float("nan"))
+                        row += [float("nan"), float("nan")]
                     del case, outputs, workspace
                     torch.cuda.empty_cache()
                 if row is None:
@@ -358,12 +386,18 @@ def main():
                 rows.append(row)
                 print("timed", row, flush=True)
         print("\n| model | B | S | attngrad local µs | attngrad global µs | local / global |"
-              " eager TF32 local µs | eager TF32 global µs |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for name, batch, seq_len, local_us, local_torch, global_us, global_torch in rows:
-            print("| %s | %d | %d | %.1f | %.1f | %.2f | %.1f | %.1f |" % (
-                name, batch, seq_len, local_us, global_us, local_us / global_us, local_torch,
-                global_torch))
+              " local TFLOP/s | global TFLOP/s | eager TF32 local µs | eager TF32 global µs |"
+              " compile TF32 local µs | compile TF32 global µs |")
+        print("| --- | ---: | ---: |" + " ---: |" * 9)
+        for (name, batch, seq_len, local_us, local_torch, local_compiled, global_us, global_torch,
+             global_compiled) in rows:
+            model = models[name]
+            local_flops = layer_flops(model, batch, seq_len, model["sliding_window"])
+            local_tflops = local_flops / local_us / 1e6
+            global_tflops = layer_flops(model, batch, seq_len, 0) / global_us / 1e6
+            print("| %s | %d | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |"
+                  % (name, batch, seq_len, local_us, global_us, local_us / global_us, local_tflops,
+                     global_tflops, local_torch, global_torch, local_compiled, global_compiled))
     return 0 if all_passed else 1
 
 

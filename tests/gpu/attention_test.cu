@@ -29,6 +29,18 @@ constexpr int kOutWidth = kHeads * kDim;
 constexpr int kKvWidth = kKvHeads * kDim;
 constexpr double kScaling = 0.08838834764831845;  // 1/sqrt(128)
 
+// The attention's shape and scalars: the SPEC layer, or a Gemma-3 one (head_dim 256, no soft-cap).
+struct Layer {
+  int heads = kHeads, kv_heads = kKvHeads, dim = kDim;
+  double scaling = kScaling;
+  double cap = 50.0;  // <= 0: no soft-cap
+  int qkv_width() const { return (heads + 2 * kv_heads) * dim; }
+  int out_width() const { return heads * dim; }
+  int kv_width() const { return kv_heads * dim; }
+  int k_offset() const { return heads * dim; }  // where k and v start in a qkv row
+  int v_offset() const { return (heads + kv_heads) * dim; }
+};
+
 bool HaveDevice() {
   int count = 0;
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
@@ -42,8 +54,12 @@ struct Reference {
 };
 
 // window > 0: query i sees keys j with i - window < j <= i (sliding window); 0: full causal.
-Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qkv,
+Reference Evaluate(int batch, int seq, const Layer& layer, const std::vector<double>& qkv,
                    const std::vector<double>& dout, int window = 0) {
+  const int kHeads = layer.heads, kKvHeads = layer.kv_heads, kDim = layer.dim;
+  const int kQkvWidth = layer.qkv_width(), kOutWidth = layer.out_width();
+  const int kKvWidth = layer.kv_width();
+  const double kScaling = layer.scaling, cap = layer.cap;
   Reference r;
   const size_t tokens = static_cast<size_t>(batch) * seq;
   r.out.assign(tokens * kOutWidth, 0);
@@ -61,11 +77,12 @@ Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qk
         const int j0 = window > 0 ? std::max(0, i - window + 1) : 0;
         double row_max = -1e300;
         for (int j = j0; j <= i; ++j) {
-          const double* k = &qkv[(static_cast<size_t>(b) * seq + j) * kQkvWidth + 3072 + g * kDim];
+          const double* k =
+              &qkv[(static_cast<size_t>(b) * seq + j) * kQkvWidth + layer.k_offset() + g * kDim];
           double s = 0;
           for (int d = 0; d < kDim; ++d) s += q[d] * k[d];
-          t[j] = std::tanh(s * kScaling / cap);
-          p[j] = cap * t[j];
+          t[j] = cap > 0 ? std::tanh(s * kScaling / cap) : 0.0;
+          p[j] = cap > 0 ? cap * t[j] : s * kScaling;
           row_max = std::max(row_max, p[j]);
         }
         double sum = 0;
@@ -75,7 +92,8 @@ Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qk
         double* o = &r.out[(static_cast<size_t>(b) * seq + i) * kOutWidth + h * kDim];
         for (int j = j0; j <= i; ++j) {
           p[j] = std::exp(p[j] - lse);
-          const double* v = &qkv[(static_cast<size_t>(b) * seq + j) * kQkvWidth + 4096 + g * kDim];
+          const double* v =
+              &qkv[(static_cast<size_t>(b) * seq + j) * kQkvWidth + layer.v_offset() + g * kDim];
           double dot = 0;
           for (int d = 0; d < kDim; ++d) {
             o[d] += p[j] * v[d];
@@ -89,7 +107,7 @@ Reference Evaluate(int batch, int seq, double cap, const std::vector<double>& qk
         for (int j = j0; j <= i; ++j) {
           const double ds = p[j] * (dp[j] - delta) * (1 - t[j] * t[j]) * kScaling;
           const size_t key_row = static_cast<size_t>(b) * seq + j;
-          const double* k = &qkv[key_row * kQkvWidth + 3072 + g * kDim];
+          const double* k = &qkv[key_row * kQkvWidth + layer.k_offset() + g * kDim];
           double* dk = &r.dk[key_row * kKvWidth + g * kDim];
           double* dv = &r.dv[key_row * kKvWidth + g * kDim];
           for (int d = 0; d < kDim; ++d) {
@@ -159,6 +177,7 @@ struct Case {
   AttentionOperand operand;
   AttentionTiles tiles;
   int window = 0;  // sliding window; 0: full causal
+  Layer layer = Layer();
 };
 
 class AttentionKernelTest : public ::testing::TestWithParam<Case> {};
@@ -169,7 +188,10 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   const bool half = c.operand == AttentionOperand::kFp16;
   const size_t elem = half ? 2 : 4;
   const size_t tokens = static_cast<size_t>(c.batch) * c.seq;
-  const double cap = 50.0;
+  const Layer& layer = c.layer;
+  const int kHeads = layer.heads, kKvHeads = layer.kv_heads;
+  const int kQkvWidth = layer.qkv_width(), kOutWidth = layer.out_width();
+  const int kKvWidth = layer.kv_width();
 
   // Operands with the benchmark's magnitudes: q', k' ~ N(0,1), v ~ N(0,0.03^2), dO ~ N(0,1.4^2);
   // fresh draws per case.
@@ -180,7 +202,7 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   std::vector<double> qkv(tokens * kQkvWidth), dout(tokens * kOutWidth);
   for (size_t r = 0; r < tokens; ++r) {
     for (int col = 0; col < kQkvWidth; ++col) {
-      qkv[r * kQkvWidth + col] = normal(rng) * (col < 4096 ? 1.0 : 0.03);
+      qkv[r * kQkvWidth + col] = normal(rng) * (col < layer.v_offset() ? 1.0 : 0.03);
     }
   }
   for (double& x : dout) x = normal(rng) * 1.4;
@@ -200,15 +222,16 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   };
   encode(qkv, qkv_bytes);
   encode(dout, dout_bytes);
-  const Reference ref = Evaluate(c.batch, c.seq, cap, qkv, dout, c.window);
+  const Reference ref = Evaluate(c.batch, c.seq, layer, qkv, dout, c.window);
 
   AttentionProblem problem;
   problem.batch = c.batch;
   problem.seq_len = c.seq;
   problem.num_heads = kHeads;
   problem.num_kv_heads = kKvHeads;
-  problem.scaling = static_cast<float>(kScaling);
-  problem.softcap = static_cast<float>(cap);
+  problem.head_dim = layer.dim;
+  problem.scaling = static_cast<float>(layer.scaling);
+  problem.softcap = static_cast<float>(std::max(layer.cap, 0.0));
   problem.operand = c.operand;
   problem.tiles = c.tiles;
   problem.sliding_window = c.window;
@@ -229,8 +252,8 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   ASSERT_CUDA(
       cudaMemcpy(dout_d.get(), dout_bytes.data(), dout_bytes.size(), cudaMemcpyHostToDevice));
   const unsigned char* q = qkv_d.get();
-  const unsigned char* k = qkv_d.get() + 3072 * elem;
-  const unsigned char* v = qkv_d.get() + 4096 * elem;
+  const unsigned char* k = qkv_d.get() + layer.k_offset() * elem;
+  const unsigned char* v = qkv_d.get() + layer.v_offset() * elem;
 
   Poison(out);
   Poison(lse);
@@ -348,6 +371,32 @@ std::vector<Case> Cases() {
     cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShort, w});
     cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShortSplit, w});
   }
+  // head_dim 256 (Gemma-3 270M/1B: 4/1 heads; 4B: 8/4; 12B: 16/8), scaling 1/16, no soft-cap
+  // (one case with it): global and local layers (window 512, 64, 100), S = 1 to 2500, every
+  // operand mode and tile choice (the short-sequence ones fall back to the tiled kernels).
+  Layer l1b, l4b, l12b;
+  l1b.heads = 4, l1b.kv_heads = 1, l1b.dim = 256, l1b.scaling = 0.0625, l1b.cap = 0.0;
+  l4b = l1b, l4b.heads = 8, l4b.kv_heads = 4;
+  l12b = l1b, l12b.heads = 16, l12b.kv_heads = 8;
+  Layer l1b_capped = l1b;
+  l1b_capped.cap = 50.0;
+  for (AttentionOperand op :
+       {AttentionOperand::kFp32, AttentionOperand::kTf32, AttentionOperand::kFp16}) {
+    const AttentionTiles kAuto = AttentionTiles::kAuto;
+    cases.push_back({1, 1, op, kAuto, 0, l1b});
+    cases.push_back({2, 7, op, kAuto, 512, l1b});
+    cases.push_back({3, 70, op, kAuto, 0, l4b});
+    cases.push_back({1, 130, op, AttentionTiles::kSmall, 0, l12b});
+    cases.push_back({1, 130, op, AttentionTiles::kSmallSplit, 64, l4b});
+    cases.push_back({2, 200, op, AttentionTiles::kShort, 0, l1b});
+    cases.push_back({2, 300, op, kAuto, 100, l1b_capped});
+    cases.push_back({2, 1000, op, kAuto, 512, l1b});
+    cases.push_back({1, 300, op, kAuto, 0, l12b});
+    cases.push_back({1, 1000, op, kAuto, 0, l4b});
+    cases.push_back({1, 2500, op, kAuto, 512, l1b});
+  }
+  // (the float64 evaluation of a global S = 2500 layer takes seconds: one mode)
+  cases.push_back({1, 2500, AttentionOperand::kFp16, AttentionTiles::kAuto, 0, l1b});
   return cases;
 }
 
@@ -362,7 +411,11 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
                       : c.tiles == AttentionTiles::kShort      ? "short"
                                                                : "shortsplit";
   return std::string(op) + "_" + tiles + "_B" + std::to_string(c.batch) + "_S" +
-         std::to_string(c.seq) + (c.window > 0 ? "_W" + std::to_string(c.window) : "");
+         std::to_string(c.seq) + (c.window > 0 ? "_W" + std::to_string(c.window) : "") +
+         (c.layer.dim != kDim
+              ? "_D" + std::to_string(c.layer.dim) + "_H" + std::to_string(c.layer.heads) + "x" +
+                    std::to_string(c.layer.kv_heads) + (c.layer.cap > 0 ? "_cap" : "")
+              : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionKernelTest, ::testing::ValuesIn(Cases()), CaseName);

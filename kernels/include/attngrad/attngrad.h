@@ -83,8 +83,8 @@ ATTNGRAD_API int attngrad_backward_host(
  * The entry points above compute SPEC.md's layer (hidden 3072, 24/8 heads, head_dim 128, soft-cap
  * > 0, full causal attention). These take the layer as a struct, so every attention layer of the
  * published Gemma-3 models can be computed: any head counts and head_dim (the CPU any; the GPU
- * kernels the ones attngrad_workspace_size_ex does not answer 0 for: today head_dim 128, any
- * sliding window, every precision mode), no soft-capping
+ * kernels the ones attngrad_workspace_size_ex does not answer 0 for: head_dim 128 and 256, any
+ * head counts, any sliding window, every precision mode), no soft-capping
  * (softcap <= 0: the score is s itself, as Gemma-3's attn_logit_softcapping null), and a sliding
  * window (a query at position i of its sequence sees the keys j with i - sliding_window < j <= i;
  * 0 = full causal attention, Gemma-3's global layers). The tensors' shapes follow the layer: hidden

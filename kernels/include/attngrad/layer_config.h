@@ -9,7 +9,8 @@ namespace attngrad {
 
 // Shape of one attention layer. Gemma3_4B() is the configuration of SPEC.md; the published Gemma-3
 // models differ in these four numbers (proto/models/gemma3.json). The CPU backend serves any
-// configuration; the GPU kernels support head_dim == 128 and return ATTNGRAD_UNSUPPORTED otherwise.
+// configuration; the GPU kernels support head_dim 128 and 256 (every published Gemma-3 model) and
+// return ATTNGRAD_UNSUPPORTED otherwise.
 struct ATTNGRAD_API LayerConfig {
   int hidden_size = 3072;
   int num_heads = 24;

@@ -2,8 +2,9 @@
 // SPEC section 2 steps 4 and 6 (attention_forward.cu, attention_backward.cu). Internal to kernels/.
 //
 // Layout: every tensor here is token-major, as the projection GEMMs produce it. Element
-// (b, s, head, d) of a tensor with row stride `ld` (in elements) is at ptr[(b*S + s)*ld + head*128
-// + d]. head_dim is 128. Query head h reads key-value head h / (num_heads / num_kv_heads).
+// (b, s, head, d) of a tensor with row stride `ld` (in elements) is at ptr[(b*S + s)*ld + head*D
+// + d], D = head_dim (128 or 256). Query head h reads key-value head h / (num_heads /
+// num_kv_heads).
 #ifndef ATTNGRAD_KERNELS_CUDA_ATTENTION_H_
 #define ATTNGRAD_KERNELS_CUDA_ATTENTION_H_
 
@@ -42,6 +43,9 @@ struct AttentionProblem {
   int seq_len = 0;
   int num_heads = 0;
   int num_kv_heads = 0;
+  // 128 (the SPEC layer, Gemma-3 27B) or 256 (Gemma-3 270M to 12B); other values are
+  // ATTNGRAD_UNSUPPORTED. At 256 the short-sequence kernel does not apply (kShort* fall back).
+  int head_dim = 128;
   float scaling = 0.f;  // s = (q' k'^T) * scaling
   float softcap = 0.f;  // c = softcap * tanh(s / softcap); 0 = no soft-cap (c = s); < 0 is invalid
   // Sliding window: query i sees keys j with i - sliding_window < j <= i; 0 = full causal; < 0 is
@@ -52,20 +56,20 @@ struct AttentionProblem {
 };
 
 // Common requirements (else ATTNGRAD_INVALID_ARGUMENT, before any launch): batch, seq_len >= 1;
-// num_heads a multiple of num_kv_heads; head_dim 128; every pointer 16-byte aligned; row strides at
-// least the heads' width and a multiple of 16 bytes (ld % 8 == 0 for __half, % 4 for float).
-// All work is on `stream`: no allocation, no host synchronisation (CUDA-graph capturable; checked
-// with cudaStreamCaptureModeGlobal). A failed launch returns ATTNGRAD_CUDA_ERROR.
-// kTf32 rounds q, k, v, dO, P, dS to TF32 (round to nearest) inside the kernels: callers may pass
-// plain fp32. kFp16 callers pass fp16 operands.
+// num_heads a multiple of num_kv_heads; head_dim 128 or 256; every pointer 16-byte aligned; row
+// strides at least the heads' width and a multiple of 16 bytes (ld % 8 == 0 for __half, % 4 for
+// float). All work is on `stream`: no allocation, no host synchronisation (CUDA-graph capturable;
+// checked with cudaStreamCaptureModeGlobal). A failed launch returns ATTNGRAD_CUDA_ERROR. kTf32
+// rounds q, k, v, dO, P, dS to TF32 (round to nearest) inside the kernels: callers may pass plain
+// fp32. kFp16 callers pass fp16 operands.
 
 // Forward: O = softmax(mask(c)) v per query head (causal, and within the sliding window when
 // there is one), and the log-sum-exp of each row of c.
 //   q [B*S, ldq], k and v [B*S, ldkv]: float* or __half* by `operand` (a const void* here).
-//   out  fp32 [B*S, num_heads*128] (row stride num_heads*128): A of SPEC step 4, overwritten; may
+//   out  fp32 [B*S, num_heads*D] (row stride num_heads*D): A of SPEC step 4, overwritten; may
 //        be nullptr when out_half is given (the FP16 pipeline, whose backward takes Delta from the
 //        forward, needs only the fp16 copy).
-//   out_half: nullptr, or __half [B*S, num_heads*128] receiving the same values rounded to fp16
+//   out_half: nullptr, or __half [B*S, num_heads*D] receiving the same values rounded to fp16
 //             (the FP16 pipeline's operand of dWo = dY^T A).
 //   lse  fp32 [B, num_heads, S]: log(sum_j exp(c_ij)) over unmasked j, overwritten.
 //   fused_delta: nullptr, or where the forward also computes Delta = rowsum(dO * O) for the
@@ -85,7 +89,7 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
 // Bytes of scratch AttentionBackward needs (0 for an invalid shape): Delta = rowsum(dO * O), fp32
 // [B, num_heads, S] (rounded up to 256 bytes), plus, when the dK/dV work is split over query heads
 // (kSmallSplit; kAuto picks it for B * ceil(S/64) * num_kv_heads < 400 blocks, i.e. small
-// problems), fp32 partials [group][2][B*S][num_kv_heads*128] (24 KiB per token for Gemma-3 4B; at
+// problems), fp32 partials [group][2][B*S][num_kv_heads*D] (24 KiB per token for Gemma-3 4B; at
 // most ~80 MB).
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 
@@ -97,9 +101,9 @@ enum class AttentionBackwardPart { kAll, kKeyValue, kQuery };
 
 // Backward: SPEC step 6. Deterministic (no atomics: bitwise-identical results call after call).
 // ATTNGRAD_WORKSPACE_TOO_SMALL when workspace_size < AttentionBackwardWorkspaceSize(problem).
-//   q, k, v as in the forward; out fp32 [B*S, num_heads*128] is the forward's O; lse from the
+//   q, k, v as in the forward; out fp32 [B*S, num_heads*D] is the forward's O; lse from the
 //   forward. grad_out: dO, same element type as q (float or __half), [B*S, ldo]. grad_q fp32 [B*S,
-//   num_heads*128], grad_k and grad_v fp32 [B*S, num_kv_heads*128]: dq', dk', dv (dk and dv summed
+//   num_heads*D], grad_k and grad_v fp32 [B*S, num_kv_heads*D]: dq', dk', dv (dk and dv summed
 //   over the query heads of each key-value head), overwritten (ld = their widths). delta_ready: the
 //   forward already wrote Delta into this workspace (FusedDelta, same problem, same dO); `out` is
 //   then not read. Required for AttentionBackwardPart::kQuery.

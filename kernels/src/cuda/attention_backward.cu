@@ -8,6 +8,11 @@
 //      in one fixed order.
 //   3. QueryGradientKernel: one block per (64-query tile, query head, batch) loops over the visible
 //      key tiles (causal, and within the sliding window): dQ += dS K.
+// At head_dim 256 a warp's dK and dV (16 keys x 256 each) would take 256 registers per thread, so
+// the dK/dV kernel runs as two passes over the same query tiles: dV += P^T dO (from S alone) and
+// dK += dS^T Q (from S and dP), each with one 128-register accumulator; both kernels take 32-key
+// (dQ) / 32-query (dK/dV) steps, and in the fp32 modes 2-warp blocks, so that the 256-wide fp32
+// tiles fit in shared memory (tile sizes: BackwardTiling).
 // P = exp(c - lse), dS = P (dP - Delta) (1 - t^2) scaling with t = tanh(s / cap) from the unmasked
 // score (masked entries get P = 0, so dS = 0 and nothing is NaN). In the FP16 mode dS is multiplied
 // by a power of two (2^ceil(log2 S), sigma) before it is rounded to fp16, and dK, dQ are divided by
@@ -28,9 +33,22 @@ namespace {
 // Key-value kernel: kWarps warps of 16 keys, 32 query rows per step. Query kernel: kWarps warps of
 // 16 query rows, 64 keys per step. 4 warps: 8 warps (one block per SM at ~245 registers) measured
 // 10-15% slower on the H200.
+// head_dim 256: the tile sizes of the header comment.
 constexpr int kBackwardWarps = 4;
 constexpr int kKvBlockM = 32;
 constexpr int kQBlockN = 64;
+
+template <class Op>
+struct BackwardTiling {
+  static constexpr bool kWide = Op::kHeadDim > 128;
+  static constexpr int kKeyValueWarps = kWide && !Op::kIsFp16 ? 2 : kBackwardWarps;
+  static constexpr int kKeyValueQueries = kKvBlockM;
+  static constexpr int kQueryWarps = kWide && !Op::kIsFp16 ? 2 : kBackwardWarps;
+  static constexpr int kQueryKeys = kWide ? 32 : kQBlockN;
+};
+
+// Which gradients a dK/dV kernel computes: both (head_dim 128), or one of the two passes (256).
+enum class KeyValuePass { kBoth, kValue, kKey };
 
 std::size_t RoundUp256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -43,18 +61,18 @@ std::size_t PartialBytes(const AttentionProblem& problem) {
   if (!IsSplit(ChooseKeyValueTiling(problem))) return 0;
   const int group = problem.num_heads / problem.num_kv_heads;
   return RoundUp256(static_cast<std::size_t>(group) * 2 * problem.batch * problem.seq_len *
-                    problem.num_kv_heads * kHeadDim * sizeof(float));
+                    problem.num_kv_heads * problem.head_dim * sizeof(float));
 }
 
 // The tiles of KeyValueGradientKernel in shared memory: the block's keys and values (16 rows per
-// warp, held for the whole block), and per step kKvBlockM query rows of q and dO with their lse and
-// Delta, double-buffered.
-template <class Op, int kWarps>
+// warp, held for the whole block), and per step kQueryRows query rows of q and dO with their lse
+// and Delta, double-buffered.
+template <class Op, int kWarps, int kQueryRows>
 struct KeyValueTile {
   using Elem = typename Op::Elem;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeys = 16 * kWarps;
-  static constexpr int kQueries = kKvBlockM;
+  static constexpr int kQueries = kQueryRows;
   static constexpr int kScoreTiles = kQueries / 8;  // n-tiles (queries) of S^T per warp
   static constexpr std::size_t kSharedBytes =
       static_cast<std::size_t>(2 * kKeys + 4 * kQueries) * Op::kPitch * sizeof(Elem) +
@@ -76,13 +94,13 @@ struct KeyValueTile {
 };
 
 // The tiles of QueryGradientKernel in shared memory: the block's query rows of q and dO (16 per
-// warp), and kQBlockN keys and values per step, double-buffered.
-template <class Op, int kWarps>
+// warp), and kKeyRows keys and values per step, double-buffered.
+template <class Op, int kWarps, int kKeyRows>
 struct QueryTile {
   using Elem = typename Op::Elem;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kQueries = 16 * kWarps;
-  static constexpr int kKeys = kQBlockN;
+  static constexpr int kKeys = kKeyRows;
   static constexpr int kScoreTiles = kKeys / 8;  // n-tiles (keys) of S per warp
   static constexpr std::size_t kSharedBytes =
       static_cast<std::size_t>(2 * kQueries + 4 * kKeys) * Op::kPitch * sizeof(Elem);
@@ -101,7 +119,7 @@ struct QueryTile {
 // Split mode: dK, dV = the sum over the query heads of each group of the partials, in head order.
 __global__ void __launch_bounds__(256) SumPartialsKernel(const AttentionParams p) {
   const long long per_output =
-      static_cast<long long>(p.batch) * p.seq_len * p.num_kv_heads * kHeadDim / 4;  // float4s
+      static_cast<long long>(p.batch) * p.seq_len * p.num_kv_heads * p.head_dim / 4;  // float4s
   const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= 2 * per_output) return;
   const int which = static_cast<int>(index / per_output);  // 0: dK, 1: dV
@@ -118,10 +136,11 @@ __global__ void __launch_bounds__(256) SumPartialsKernel(const AttentionParams p
   reinterpret_cast<float4*>(which == 0 ? p.grad_k : p.grad_v)[element] = sum;
 }
 
-// One warp per (token, query head).
+// One warp per (token, query head); lane l holds elements 4l..4l+3 of each 128 columns.
 template <class Op>
 __global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
+  constexpr int kD = Op::kHeadDim;
   const long long warp_index = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const long long total = static_cast<long long>(p.batch) * p.seq_len * p.num_heads;
   if (warp_index >= total) return;
@@ -129,12 +148,18 @@ __global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
   const long long token = warp_index / p.num_heads;
   const int head = static_cast<int>(warp_index % p.num_heads);
   const Elem* grad_out =
-      static_cast<const Elem*>(p.grad_out) + token * p.ldo + head * kHeadDim + lane * 4;
-  const float4 o = *reinterpret_cast<const float4*>(p.out_in + token * (p.num_heads * kHeadDim) +
-                                                    head * kHeadDim + lane * 4);
-  const float2 low = LoadGradOutPair<Op>(grad_out), high = LoadGradOutPair<Op>(grad_out + 2);
-  const float d0 = low.x, d1 = low.y, d2 = high.x, d3 = high.y;
-  float sum = fmaf(d0, o.x, fmaf(d1, o.y, fmaf(d2, o.z, d3 * o.w)));
+      static_cast<const Elem*>(p.grad_out) + token * p.ldo + head * kD + lane * 4;
+  const float* out = p.out_in + token * (p.num_heads * kD) + head * kD + lane * 4;
+  float sum = 0.f;
+#pragma unroll
+  for (int chunk = 0; chunk < kD / 128; ++chunk) {
+    const float4 o = *reinterpret_cast<const float4*>(out + chunk * 128);
+    const float2 low = LoadGradOutPair<Op>(grad_out + chunk * 128);
+    const float2 high = LoadGradOutPair<Op>(grad_out + chunk * 128 + 2);
+    const float d0 = low.x, d1 = low.y, d2 = high.x, d3 = high.y;
+    const float part = fmaf(d0, o.x, fmaf(d1, o.y, fmaf(d2, o.z, d3 * o.w)));
+    sum = chunk == 0 ? part : sum + part;
+  }
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) {
@@ -143,13 +168,18 @@ __global__ void __launch_bounds__(256) DeltaKernel(const AttentionParams p) {
   }
 }
 
-template <class Op, int kWarps>
+template <class Op, int kWarps, int kQueryRows, KeyValuePass kPass>
 __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
-  using Tile = KeyValueTile<Op, kWarps>;
+  using Tile = KeyValueTile<Op, kWarps, kQueryRows>;
   constexpr int kThreads = Tile::kThreads;
   constexpr int kBN = Tile::kKeys, kBM = Tile::kQueries, kP = Op::kPitch;
   constexpr int kNT = Tile::kScoreTiles;
+  constexpr int kD = Op::kHeadDim;
+  constexpr bool kWantKey = kPass != KeyValuePass::kValue;  // dK (needs dP: V and dO)
+  constexpr bool kWantValue = kPass != KeyValuePass::kKey;  // dV
+  constexpr int kKeyTiles = kWantKey ? kD / 8 : 1;          // accumulator tiles (1: unused)
+  constexpr int kValueTiles = kWantValue ? kD / 8 : 1;
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const Tile tile(shared_raw);
@@ -171,8 +201,8 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
   const int num_block_heads = p.kv_split ? 1 : p.group;
   const long long token0 = static_cast<long long>(item.batch) * seq_len;
 
-  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
-  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kD;
+  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kD;
   const Elem* q_base0 = static_cast<const Elem*>(p.q) + token0 * p.ldq;
   const Elem* do_base0 = static_cast<const Elem*>(p.grad_out) + token0 * p.ldo;
 
@@ -186,10 +216,10 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
   auto load_step = [&](int step, int stage) {
     const int head = first_head + step / q_tiles_per_head;
     const int q0 = (first_q_tile + step % q_tiles_per_head) * kBM;
-    LoadTileAsync<Op, kBM, kThreads>(q_tiles + stage * kBM * kP, q_base0 + head * kHeadDim, p.ldq,
-                                     q0, seq_len);
-    LoadTileAsync<Op, kBM, kThreads>(do_tiles + stage * kBM * kP, do_base0 + head * kHeadDim, p.ldo,
-                                     q0, seq_len);
+    LoadTileAsync<Op, kBM, kThreads>(q_tiles + stage * kBM * kP, q_base0 + head * kD, p.ldq, q0,
+                                     seq_len);
+    LoadTileAsync<Op, kBM, kThreads>(do_tiles + stage * kBM * kP, do_base0 + head * kD, p.ldo, q0,
+                                     seq_len);
     if (threadIdx.x < kBM) {
       const int row = q0 + threadIdx.x;
       const long long stat =
@@ -200,7 +230,7 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
   };
 
   LoadTileAsync<Op, kBN, kThreads>(k_tile, k_base, p.ldkv, key0, seq_len);
-  LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, key0, seq_len);
+  if constexpr (kWantKey) LoadTileAsync<Op, kBN, kThreads>(v_tile, v_base, p.ldkv, key0, seq_len);
   load_step(0, 0);
   CpAsyncCommit();
 
@@ -209,7 +239,7 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
   const int key_a = key0 + warp * 16 + g, key_b = key_a + 8;
   const float ds_factor = p.scaling * p.ds_scale;
 
-  float acc_dk[16][4], acc_dv[16][4];
+  float acc_dk[kKeyTiles][4], acc_dv[kValueTiles][4];
   ClearAccumulators(acc_dk);
   ClearAccumulators(acc_dv);
 
@@ -222,7 +252,7 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
     Elem* do_tile = do_tiles + stage * kBM * kP;
     if (step == 0) {
       RoundTileTf32<Op, kBN, kThreads>(k_tile);
-      RoundTileTf32<Op, kBN, kThreads>(v_tile);
+      if constexpr (kWantKey) RoundTileTf32<Op, kBN, kThreads>(v_tile);
     }
     RoundTileTf32<Op, kBM, kThreads>(q_tile);
     RoundTileTf32<Op, kBM, kThreads>(do_tile);
@@ -236,7 +266,7 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
       ClearAccumulators(s);
       ClearAccumulators(dp);
       WarpProductNk<Op, kNT>(s, k_tile, warp * 16, q_tile);
-      WarpProductNk<Op, kNT>(dp, v_tile, warp * 16, do_tile);
+      if constexpr (kWantKey) WarpProductNk<Op, kNT>(dp, v_tile, warp * 16, do_tile);
       const float* lse_tile = lse_tiles + stage * kBM;
       const float* delta_tile = delta_tiles + stage * kBM;
 #pragma unroll
@@ -251,16 +281,26 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
           dp[n][e] = ds;
         }
       }
-      AccumulatorA<Op, kNT> prob_a, ds_a;
-      AccumulatorToA<Op, kNT>(s, 1.f, prob_a);
-      AccumulatorToA<Op, kNT>(dp, 1.f, ds_a);
-      WarpProductKn<Op, kNT>(acc_dv, prob_a, do_tile);
-      WarpProductKn<Op, kNT>(acc_dk, ds_a, q_tile);
+      if constexpr (kPass == KeyValuePass::kBoth) {
+        AccumulatorA<Op, kNT> prob_a, ds_a;
+        AccumulatorToA<Op, kNT>(s, 1.f, prob_a);
+        AccumulatorToA<Op, kNT>(dp, 1.f, ds_a);
+        WarpProductKn<Op, kNT>(acc_dv, prob_a, do_tile);
+        WarpProductKn<Op, kNT>(acc_dk, ds_a, q_tile);
+      } else if constexpr (kPass == KeyValuePass::kValue) {
+        AccumulatorA<Op, kNT> prob_a;
+        AccumulatorToA<Op, kNT>(s, 1.f, prob_a);
+        WarpProductKn<Op, kNT>(acc_dv, prob_a, do_tile);
+      } else {
+        AccumulatorA<Op, kNT> ds_a;
+        AccumulatorToA<Op, kNT>(dp, 1.f, ds_a);
+        WarpProductKn<Op, kNT>(acc_dk, ds_a, q_tile);
+      }
     }
     __syncthreads();
   }
 
-  const int out_ld = p.num_kv_heads * kHeadDim;
+  const int out_ld = p.num_kv_heads * kD;
   float* grad_k = p.grad_k;
   float* grad_v = p.grad_v;
   if (p.kv_split) {
@@ -268,17 +308,25 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
     grad_k = p.partials + (static_cast<long long>(item.head % p.group) * 2) * per_output;
     grad_v = grad_k + per_output;
   }
-  StoreAccumulatorRowPairs(acc_dk, grad_k, p.inv_ds_scale, acc_dv, grad_v, token0, out_ld,
-                           kv_head * kHeadDim, key_a, seq_len);
+  if constexpr (kPass == KeyValuePass::kBoth) {
+    StoreAccumulatorRowPairs(acc_dk, grad_k, p.inv_ds_scale, acc_dv, grad_v, token0, out_ld,
+                             kv_head * kD, key_a, seq_len);
+  } else if constexpr (kPass == KeyValuePass::kValue) {
+    StoreAccumulatorRows(acc_dv, grad_v, token0, out_ld, kv_head * kD, key_a, seq_len, 1.f);
+  } else {
+    StoreAccumulatorRows(acc_dk, grad_k, token0, out_ld, kv_head * kD, key_a, seq_len,
+                         p.inv_ds_scale);
+  }
 }
 
-template <class Op, int kWarps>
+template <class Op, int kWarps, int kKeyRows>
 __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const AttentionParams p) {
   using Elem = typename Op::Elem;
-  using Tile = QueryTile<Op, kWarps>;
+  using Tile = QueryTile<Op, kWarps, kKeyRows>;
   constexpr int kThreads = Tile::kThreads;
   constexpr int kBM = Tile::kQueries, kBN = Tile::kKeys, kP = Op::kPitch;
   constexpr int kNT = Tile::kScoreTiles;
+  constexpr int kD = Op::kHeadDim;
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const Tile tile(shared_raw);
@@ -294,11 +342,10 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
   const int kv_head = item.head / p.group;
   const long long token0 = static_cast<long long>(item.batch) * seq_len;
 
-  const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
-  const Elem* do_base =
-      static_cast<const Elem*>(p.grad_out) + token0 * p.ldo + item.head * kHeadDim;
-  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
-  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kD;
+  const Elem* do_base = static_cast<const Elem*>(p.grad_out) + token0 * p.ldo + item.head * kD;
+  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kD;
+  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kD;
 
   // Key tiles [first_kv_tile, end): keys (q0 - window, q0 + kBM) can be visible to this tile.
   const int last_key = min(seq_len, q0 + kBM);
@@ -318,7 +365,7 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
   const RowStatistics rows = LoadRowStatistics(p, stat0, row_a, row_b);
   const float ds_factor = p.scaling * p.ds_scale;
 
-  float acc_dq[16][4];
+  float acc_dq[kD / 8][4];
   ClearAccumulators(acc_dq);
 
   for (int j = 0; j < num_kv_tiles; ++j) {
@@ -369,8 +416,8 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
     __syncthreads();
   }
 
-  StoreAccumulatorRows(acc_dq, p.grad_q, token0, p.num_heads * kHeadDim, item.head * kHeadDim,
-                       row_a, seq_len, p.inv_ds_scale);
+  StoreAccumulatorRows(acc_dq, p.grad_q, token0, p.num_heads * kD, item.head * kD, row_a, seq_len,
+                       p.inv_ds_scale);
 }
 
 template <class Kernel>
@@ -381,33 +428,33 @@ attngrad_status SetSharedBytes(Kernel kernel, std::size_t bytes) {
              : ATTNGRAD_CUDA_ERROR;
 }
 
-template <class Op, int kWarps>
+template <class Op, int kWarps, int kQueryRows, KeyValuePass kPass>
 attngrad_status LaunchKeyValue(const AttentionParams& params, cudaStream_t stream) {
-  constexpr std::size_t kShared = KeyValueTile<Op, kWarps>::kSharedBytes;
-  if (SetSharedBytes(KeyValueGradientKernel<Op, kWarps>, kShared) != ATTNGRAD_OK) {
+  constexpr std::size_t kShared = KeyValueTile<Op, kWarps, kQueryRows>::kSharedBytes;
+  const auto kernel = KeyValueGradientKernel<Op, kWarps, kQueryRows, kPass>;
+  if (SetSharedBytes(kernel, kShared) != ATTNGRAD_OK) {
     return ATTNGRAD_CUDA_ERROR;
   }
   const long long blocks =
       static_cast<long long>((params.seq_len + 16 * kWarps - 1) / (16 * kWarps)) *
       (params.kv_split ? params.num_heads : params.num_kv_heads) * params.batch;
   if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
-  KeyValueGradientKernel<Op, kWarps>
-      <<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
+  kernel<<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
-template <class Op, int kWarps>
+template <class Op, int kWarps, int kKeyRows>
 attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) {
-  constexpr std::size_t kShared = QueryTile<Op, kWarps>::kSharedBytes;
-  if (SetSharedBytes(QueryGradientKernel<Op, kWarps>, kShared) != ATTNGRAD_OK) {
+  constexpr std::size_t kShared = QueryTile<Op, kWarps, kKeyRows>::kSharedBytes;
+  const auto kernel = QueryGradientKernel<Op, kWarps, kKeyRows>;
+  if (SetSharedBytes(kernel, kShared) != ATTNGRAD_OK) {
     return ATTNGRAD_CUDA_ERROR;
   }
   const long long blocks =
       static_cast<long long>((params.seq_len + 16 * kWarps - 1) / (16 * kWarps)) *
       params.num_heads * params.batch;
   if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
-  QueryGradientKernel<Op, kWarps>
-      <<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
+  kernel<<<static_cast<unsigned>(blocks), kWarps * 32, kShared, stream>>>(params);
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
@@ -416,18 +463,28 @@ attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequenc
                                AttentionBackwardPart part, cudaStream_t stream) {
   const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
   const long long delta_blocks = (rows * 32 + 255) / 256;
-  const long long sum_blocks =
-      (2 * static_cast<long long>(params.batch) * params.seq_len * params.num_kv_heads * 32 + 255) /
-      256;
+  const long long sum_float4s = 2 * static_cast<long long>(params.batch) * params.seq_len *
+                                params.num_kv_heads * (Op::kHeadDim / 4);
+  const long long sum_blocks = (sum_float4s + 255) / 256;
   if (delta_blocks > 0x7fffffffLL || sum_blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
   if (part != AttentionBackwardPart::kQuery) {
     if (!delta_ready) {
       DeltaKernel<Op><<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(params);
       if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
     }
-    const attngrad_status status = short_sequence
-                                       ? LaunchShortSequenceBackward(params, stream)
-                                       : LaunchKeyValue<Op, kBackwardWarps>(params, stream);
+    using Tiling = BackwardTiling<Op>;
+    constexpr int kWarps = Tiling::kKeyValueWarps, kRows = Tiling::kKeyValueQueries;
+    attngrad_status status = ATTNGRAD_OK;
+    if (short_sequence) {
+      status = LaunchShortSequenceBackward(params, stream);
+    } else if constexpr (Tiling::kWide) {
+      status = LaunchKeyValue<Op, kWarps, kRows, KeyValuePass::kValue>(params, stream);
+      if (status == ATTNGRAD_OK) {
+        status = LaunchKeyValue<Op, kWarps, kRows, KeyValuePass::kKey>(params, stream);
+      }
+    } else {
+      status = LaunchKeyValue<Op, kWarps, kRows, KeyValuePass::kBoth>(params, stream);
+    }
     if (status != ATTNGRAD_OK) return status;
     if (params.kv_split) {
       SumPartialsKernel<<<static_cast<unsigned>(sum_blocks), 256, 0, stream>>>(params);
@@ -436,7 +493,8 @@ attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequenc
   }
   // The short-sequence kernel wrote dQ too.
   if (short_sequence || part == AttentionBackwardPart::kKeyValue) return ATTNGRAD_OK;
-  return LaunchQuery<Op, kBackwardWarps>(params, stream);
+  return LaunchQuery<Op, BackwardTiling<Op>::kQueryWarps, BackwardTiling<Op>::kQueryKeys>(params,
+                                                                                          stream);
 }
 
 }  // namespace
@@ -445,6 +503,7 @@ attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequenc
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem) {
   if (problem.batch < 1 || problem.seq_len < 1 || problem.num_heads < 1) return 0;
   if (problem.num_kv_heads < 1 || problem.num_heads % problem.num_kv_heads != 0) return 0;
+  if (problem.head_dim != 128 && problem.head_dim != 256) return 0;
   return attention_detail::DeltaBytes(problem) + attention_detail::PartialBytes(problem);
 }
 
@@ -462,7 +521,7 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   if ((out == nullptr && !delta_ready) || lse == nullptr || grad_out == nullptr ||
       grad_q == nullptr || grad_k == nullptr || grad_v == nullptr || !Aligned16(out) ||
       !Aligned16(grad_out) || !Aligned16(grad_q) || !Aligned16(grad_k) || !Aligned16(grad_v) ||
-      ldo < problem.num_heads * kHeadDim || ldo % per_16_bytes != 0) {
+      ldo < problem.num_heads * problem.head_dim || ldo % per_16_bytes != 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
   if (workspace_size < DeltaBytes(problem) + PartialBytes(problem)) {
@@ -493,13 +552,17 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
     params.ds_scale = std::ldexp(1.f, exponent);
     params.inv_ds_scale = std::ldexp(1.f, -exponent);
   }
+  const bool wide = problem.head_dim == 256;  // the short-sequence kernel is 128-only
   switch (problem.operand) {
     case AttentionOperand::kFp16:
-      return LaunchBackward<OpFp16>(params, short_sequence, delta_ready, part, stream);
+      return wide ? LaunchBackward<Fp16Operand<256>>(params, false, delta_ready, part, stream)
+                  : LaunchBackward<OpFp16>(params, short_sequence, delta_ready, part, stream);
     case AttentionOperand::kTf32:
-      return LaunchBackward<OpTf32>(params, false, delta_ready, part, stream);
+      return wide ? LaunchBackward<Tf32Operand<256>>(params, false, delta_ready, part, stream)
+                  : LaunchBackward<OpTf32>(params, false, delta_ready, part, stream);
     case AttentionOperand::kFp32:
-      return LaunchBackward<OpFp32>(params, false, delta_ready, part, stream);
+      return wide ? LaunchBackward<Fp32Operand<256>>(params, false, delta_ready, part, stream)
+                  : LaunchBackward<OpFp32>(params, false, delta_ready, part, stream);
   }
   return ATTNGRAD_INVALID_ARGUMENT;
 }

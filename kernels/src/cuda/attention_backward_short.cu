@@ -35,6 +35,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 16 * kWarps;  // queries per chunk (phase 1: one warp per 16)
 constexpr int kKeyBlock = 128;       // keys per phase-1 product
 constexpr int kPitch = Op::kPitch;
+constexpr int kHeadDim = Op::kHeadDim;  // 128 only
 
 // The tiles of ShortSequenceBackwardKernel in shared memory: one chunk of queries of q and dO, and
 // every key and value of the sequence; after phase 1 of a chunk the key and value rows of each key

@@ -28,35 +28,49 @@
 
 namespace attngrad::cuda::attention_detail {
 
-inline constexpr int kHeadDim = 128;
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- Operand traits ---------------------------------------------------------------------------
-struct OpFp16 {
+// One per operand mode and head dimension D (128 or 256): tiles are D columns wide, their rows
+// padded so that fragment loads are free of bank conflicts (pitch D + 8 fp16 = an odd number of 16
+// bytes for ldmatrix; D + 4 floats = 4 banks apart for scalar fragment loads).
+template <int D>
+struct Fp16Operand {
   using Elem = __half;
-  static constexpr int kK = 16;       // k per mma
-  static constexpr int kPitch = 136;  // shared-memory row pitch in elements (272 bytes)
+  static constexpr int kHeadDim = D;
+  static constexpr int kK = 16;         // k per mma
+  static constexpr int kPitch = D + 8;  // shared-memory row pitch in elements (272 bytes at 128)
+  static constexpr bool kIsFp16 = true;
   static constexpr bool kRoundTf32 = false;
   static constexpr bool kEmulated = false;
   static constexpr bool kPreciseTanh = false;
 };
-struct OpTf32 {
+template <int D>
+struct Tf32Operand {
   using Elem = float;
+  static constexpr int kHeadDim = D;
   static constexpr int kK = 8;
-  static constexpr int kPitch = 132;  // 528 bytes: conflict-free scalar fragment loads
+  static constexpr int kPitch = D + 4;  // 528 bytes at 128: conflict-free scalar fragment loads
+  static constexpr bool kIsFp16 = false;
   static constexpr bool kRoundTf32 = true;
   static constexpr bool kEmulated = false;
   static constexpr bool kPreciseTanh = false;
 };
-struct OpFp32 {
+template <int D>
+struct Fp32Operand {
   using Elem = float;
+  static constexpr int kHeadDim = D;
   static constexpr int kK = 8;
-  static constexpr int kPitch = 132;
+  static constexpr int kPitch = D + 4;
+  static constexpr bool kIsFp16 = false;
   static constexpr bool kRoundTf32 = false;
   static constexpr bool kEmulated = true;
   static constexpr bool kPreciseTanh = true;
 };
+using OpFp16 = Fp16Operand<128>;
+using OpTf32 = Tf32Operand<128>;
+using OpFp32 = Fp32Operand<128>;
 
 // Everything the kernels need, by value.
 struct AttentionParams {
@@ -75,6 +89,7 @@ struct AttentionParams {
   float* grad_k = nullptr;
   float* grad_v = nullptr;
   int batch = 0, seq_len = 0, num_heads = 0, num_kv_heads = 0, group = 1;
+  int head_dim = 128;  // 128 or 256: the kernels' Op::kHeadDim
   // The effective sliding window, in [1, seq_len]: query i sees keys j with i - window < j <= i.
   // Full causal attention is window = seq_len (then no key of a valid row is cut off).
   int window = 0;
@@ -84,7 +99,7 @@ struct AttentionParams {
       0.f;                // s * score_scale is tanh's argument (scaling / cap), or c*log2e (no cap)
   float cap_log2e = 0.f;  // cap * log2(e)
   bool kv_split = false;  // dK/dV per query head into `partials`, summed by a reduce kernel
-  float* partials = nullptr;  // [group][2][B*S][num_kv_heads*128]
+  float* partials = nullptr;  // [group][2][B*S][num_kv_heads*head_dim]
   float ds_scale = 1.f;       // power of two applied to dS before it becomes an fp16 operand
   float inv_ds_scale = 1.f;
 };
@@ -110,7 +125,7 @@ __device__ __forceinline__ std::uint32_t RoundToTf32(float x) {
 // so that Delta = rowsum(dO * O) cancels against dP = dO v^T.
 template <class Op>
 __device__ __forceinline__ float2 LoadGradOutPair(const typename Op::Elem* pointer) {
-  if constexpr (std::is_same_v<Op, OpFp16>) {
+  if constexpr (Op::kIsFp16) {
     return __half22float2(*reinterpret_cast<const __half2*>(pointer));
   } else {
     float2 value = *reinterpret_cast<const float2*>(pointer);
@@ -177,7 +192,7 @@ __device__ __forceinline__ int FirstVisibleKey(const AttentionParams& p, int row
 template <class Op>
 __device__ __forceinline__ void Mma(float (&c)[4], const std::uint32_t (&a)[4],
                                     const std::uint32_t (&b)[2]) {
-  if constexpr (std::is_same_v<Op, OpFp16>) {
+  if constexpr (Op::kIsFp16) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -215,13 +230,13 @@ __device__ __forceinline__ void Mma(float (&c)[4], const std::uint32_t (&a)[4],
   }
 }
 
-// ---- Fragment loads from shared memory (tiles of 128 columns, row pitch Op::kPitch)
+// ---- Fragment loads from shared memory (tiles of Op::kHeadDim columns, row pitch Op::kPitch)
 // ---------------- A: rows [row0, row0 + 16), k-step at k0, stored [row][k].
 template <class Op>
 __device__ __forceinline__ void LoadA(std::uint32_t (&a)[4], const typename Op::Elem* tile,
                                       int row0, int k0) {
   const int lane = threadIdx.x & 31;
-  if constexpr (std::is_same_v<Op, OpFp16>) {
+  if constexpr (Op::kIsFp16) {
     const int mi = lane >> 3, r = lane & 7;
     const __half* address = tile + (row0 + (mi & 1) * 8 + r) * Op::kPitch + k0 + (mi >> 1) * 8;
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -242,7 +257,7 @@ template <class Op>
 __device__ __forceinline__ void LoadBnk2(std::uint32_t (&b)[2][2], const typename Op::Elem* tile,
                                          int n0, int k0) {
   const int lane = threadIdx.x & 31;
-  if constexpr (std::is_same_v<Op, OpFp16>) {
+  if constexpr (Op::kIsFp16) {
     const int mi = lane >> 3, r = lane & 7;
     const __half* address = tile + (n0 + (mi >> 1) * 8 + r) * Op::kPitch + k0 + (mi & 1) * 8;
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -264,7 +279,7 @@ template <class Op>
 __device__ __forceinline__ void LoadBkn2(std::uint32_t (&b)[2][2], const typename Op::Elem* tile,
                                          int k0, int n0) {
   const int lane = threadIdx.x & 31;
-  if constexpr (std::is_same_v<Op, OpFp16>) {
+  if constexpr (Op::kIsFp16) {
     const int mi = lane >> 3, r = lane & 7;
     const __half* address = tile + (k0 + (mi & 1) * 8 + r) * Op::kPitch + n0 + (mi >> 1) * 8;
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -290,7 +305,7 @@ struct AccumulatorA {
 template <class Op, int kNT>
 __device__ __forceinline__ void AccumulatorToA(const float (&c)[kNT][4], float scale,
                                                AccumulatorA<Op, kNT>& out) {
-  if constexpr (std::is_same_v<Op, OpFp16>) {
+  if constexpr (Op::kIsFp16) {
 #pragma unroll
     for (int kk = 0; kk < kNT / 2; ++kk) {
       out.a[kk][0] = PackHalf2(c[2 * kk][0] * scale, c[2 * kk][1] * scale);
@@ -337,10 +352,12 @@ __device__ __forceinline__ void ClearOperand(AccumulatorA<Op, kNT>& operand) {
   }
 }
 
-// A warp's 16 x 128 fp32 tile of one head, rows row_a and row_a + 8 for this thread (row_a = the
-// warp's first row + g), into out[(token0 + row) * ld + column0 + column] times `scale`, added to
-// what is there when `add`; rows at or past seq_len are skipped.
-__device__ __forceinline__ void StoreAccumulatorRows(const float (&acc)[16][4], float* out,
+// A warp's 16 x (8 * kTiles) fp32 tile of one head (the head's width: 16 tiles at head_dim 128),
+// rows row_a and row_a + 8 for this thread (row_a = the warp's first row + g), into out[(token0 +
+// row) * ld + column0 + column] times `scale`, added to what is there when `add`; rows at or past
+// seq_len are skipped.
+template <int kTiles>
+__device__ __forceinline__ void StoreAccumulatorRows(const float (&acc)[kTiles][4], float* out,
                                                      long long token0, int ld, int column0,
                                                      int row_a, int seq_len, float scale,
                                                      bool add = false) {
@@ -351,7 +368,7 @@ __device__ __forceinline__ void StoreAccumulatorRows(const float (&acc)[16][4], 
     if (row >= seq_len) continue;
     float* out_row = out + (token0 + row) * ld + column0 + 2 * t;
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
+    for (int n = 0; n < kTiles; ++n) {
       float2 value = make_float2(acc[n][2 * half_rows] * scale, acc[n][2 * half_rows + 1] * scale);
       if (add) {
         const float2 previous = *reinterpret_cast<const float2*>(out_row + n * 8);
@@ -365,9 +382,13 @@ __device__ __forceinline__ void StoreAccumulatorRows(const float (&acc)[16][4], 
 
 // Two tiles of the same rows in one pass, row by row (dK times `first_scale` and dV, unscaled, of
 // the dK/dV kernel): the first into `first_out`, the second into `second_out`, same layout.
-__device__ __forceinline__ void StoreAccumulatorRowPairs(
-    const float (&first)[16][4], float* first_out, float first_scale, const float (&second)[16][4],
-    float* second_out, long long token0, int ld, int column0, int row_a, int seq_len) {
+template <int kTiles>
+__device__ __forceinline__ void StoreAccumulatorRowPairs(const float (&first)[kTiles][4],
+                                                         float* first_out, float first_scale,
+                                                         const float (&second)[kTiles][4],
+                                                         float* second_out, long long token0,
+                                                         int ld, int column0, int row_a,
+                                                         int seq_len) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int half_rows = 0; half_rows < 2; ++half_rows) {
@@ -375,7 +396,7 @@ __device__ __forceinline__ void StoreAccumulatorRowPairs(
     if (row >= seq_len) continue;
     const long long offset = (token0 + row) * ld + column0 + 2 * t;
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
+    for (int n = 0; n < kTiles; ++n) {
       *reinterpret_cast<float2*>(first_out + offset + n * 8) = make_float2(
           first[n][2 * half_rows] * first_scale, first[n][2 * half_rows + 1] * first_scale);
       *reinterpret_cast<float2*>(second_out + offset + n * 8) =
@@ -409,7 +430,7 @@ __device__ __forceinline__ void WarpProductNk(float (&acc)[kNT][4], const typena
                                               int a_row0, const typename Op::Elem* b_tile,
                                               int n_limit = 8 * kNT) {
 #pragma unroll
-  for (int k0 = 0; k0 < kHeadDim; k0 += Op::kK) {
+  for (int k0 = 0; k0 < Op::kHeadDim; k0 += Op::kK) {
     std::uint32_t a[4];
     LoadA<Op>(a, a_tile, a_row0, k0);
 #pragma unroll
@@ -424,17 +445,19 @@ __device__ __forceinline__ void WarpProductNk(float (&acc)[kNT][4], const typena
   }
 }
 
-// acc[16 x 128] += A[16 x 8*kNT] B[8*kNT x 128]; A from AccumulatorToA, B stored [k][n] rows [0,
-// 8*kNT). Only the k-steps below k_limit (A's columns past it must be zero).
-template <class Op, int kNT>
-__device__ __forceinline__ void WarpProductKn(float (&acc)[16][4], const AccumulatorA<Op, kNT>& a,
+// acc[16 x 8*kOutTiles] += A[16 x 8*kNT] B[8*kNT x 8*kOutTiles]; A from AccumulatorToA, B stored
+// [k][n] rows [0, 8*kNT) (kOutTiles = D / 8: the whole head). Only the k-steps below k_limit (A's
+// columns past it must be zero).
+template <class Op, int kNT, int kOutTiles>
+__device__ __forceinline__ void WarpProductKn(float (&acc)[kOutTiles][4],
+                                              const AccumulatorA<Op, kNT>& a,
                                               const typename Op::Elem* b_tile,
                                               int k_limit = 8 * kNT) {
 #pragma unroll
   for (int ks = 0; ks < AccumulatorA<Op, kNT>::kSteps; ++ks) {
     if (ks * Op::kK < k_limit) {
 #pragma unroll
-      for (int n = 0; n < 16; n += 2) {
+      for (int n = 0; n < kOutTiles; n += 2) {
         std::uint32_t b[2][2];
         LoadBkn2<Op>(b, b_tile, ks * Op::kK, n * 8);
         Mma<Op>(acc[n], a.a[ks], b[0]);
@@ -459,7 +482,7 @@ __device__ __forceinline__ float SoftmaxGradient(const AttentionParams& p, float
   float prob = FastExp2(c - lse_log2);
   if (masked) prob = 0.f;
   ds = prob * (dp - delta) * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
-  if constexpr (std::is_same_v<Op, OpFp16>) ds = fminf(fmaxf(ds, -kHalfMax), kHalfMax);
+  if constexpr (Op::kIsFp16) ds = fminf(fmaxf(ds, -kHalfMax), kHalfMax);
   return prob;
 }
 
@@ -478,14 +501,15 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-// Rows [row0, row0 + kRows) of one head (128 columns at `head_base`, row stride ld) into `tile`.
+// Rows [row0, row0 + kRows) of one head (Op::kHeadDim columns at `head_base`, row stride ld) into
+// `tile`.
 template <class Op, int kRows, int kThreads>
 __device__ __forceinline__ void LoadTileAsync(typename Op::Elem* tile,
                                               const typename Op::Elem* head_base, int ld, int row0,
                                               int seq_len) {
   using Elem = typename Op::Elem;
   constexpr int kPerChunk = 16 / sizeof(Elem);
-  constexpr int kChunksPerRow = kHeadDim / kPerChunk;
+  constexpr int kChunksPerRow = Op::kHeadDim / kPerChunk;
 #pragma unroll
   for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
     const int r = c / kChunksPerRow, cc = c % kChunksPerRow;
@@ -500,7 +524,7 @@ __device__ __forceinline__ void LoadTileAsync(typename Op::Elem* tile,
 template <class Op, int kRows, int kThreads>
 __device__ __forceinline__ void RoundTileTf32(typename Op::Elem* tile) {
   if constexpr (Op::kRoundTf32) {
-    constexpr int kChunksPerRow = kHeadDim / 4;
+    constexpr int kChunksPerRow = Op::kHeadDim / 4;
 #pragma unroll
     for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
       const int r = c / kChunksPerRow, cc = c % kChunksPerRow;
@@ -517,7 +541,7 @@ __device__ __forceinline__ void RoundTileTf32(typename Op::Elem* tile) {
 
 template <class Op>
 __device__ __forceinline__ float ElemToFloat(typename Op::Elem x) {
-  if constexpr (std::is_same_v<Op, OpFp16>) {
+  if constexpr (Op::kIsFp16) {
     return __half2float(x);
   } else {
     return x;
@@ -562,14 +586,15 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
       problem.sliding_window < 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
+  if (problem.head_dim != 128 && problem.head_dim != 256) return ATTNGRAD_UNSUPPORTED;
   if (problem.operand != AttentionOperand::kFp16 && problem.operand != AttentionOperand::kTf32 &&
       problem.operand != AttentionOperand::kFp32) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
   const int per_16_bytes = 16 / ElementBytes(problem.operand);
   if (q == nullptr || k == nullptr || v == nullptr || !Aligned16(q) || !Aligned16(k) ||
-      !Aligned16(v) || ldq < problem.num_heads * kHeadDim ||
-      ldkv < problem.num_kv_heads * kHeadDim || ldq % per_16_bytes != 0 ||
+      !Aligned16(v) || ldq < problem.num_heads * problem.head_dim ||
+      ldkv < problem.num_kv_heads * problem.head_dim || ldq % per_16_bytes != 0 ||
       ldkv % per_16_bytes != 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
@@ -583,6 +608,7 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
   params->num_heads = problem.num_heads;
   params->num_kv_heads = problem.num_kv_heads;
   params->group = problem.num_heads / problem.num_kv_heads;
+  params->head_dim = problem.head_dim;
   params->window = problem.sliding_window > 0 && problem.sliding_window < problem.seq_len
                        ? problem.sliding_window
                        : problem.seq_len;
@@ -594,13 +620,14 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
   return ATTNGRAD_OK;
 }
 
-// The short-sequence backward (attention_backward_short.cu): fp16 operands, S <= this, and a
-// device that gives a block its 204 KB of shared memory (sm_90/sm_100; not sm_80/sm_86/sm_89).
+// The short-sequence backward (attention_backward_short.cu): fp16 operands, head_dim 128, S <=
+// this, and a device that gives a block its 204 KB of shared memory (sm_90/sm_100; not
+// sm_80/sm_86/sm_89).
 inline constexpr int kShortSequenceMaxLength = 256;
 bool ShortSequenceBackwardFitsDevice();
 inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
-  return problem.operand == AttentionOperand::kFp16 && problem.seq_len <= kShortSequenceMaxLength &&
-         ShortSequenceBackwardFitsDevice();
+  return problem.operand == AttentionOperand::kFp16 && problem.head_dim == 128 &&
+         problem.seq_len <= kShortSequenceMaxLength && ShortSequenceBackwardFitsDevice();
 }
 // Launches it (after DeltaKernel; SumPartialsKernel follows when params.kv_split).
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);

@@ -3,7 +3,9 @@
 // fp32 and optionally fp16) and the log-sum-exp of every row, never materialising S x S. One block
 // per (64-query tile, query head, batch); key/value tiles of 64 stream through shared memory with
 // cp.async (keys double-buffered, values single-buffered: the next value tile loads while the next
-// scores are computed, and the smaller footprint lets 3 fp16 blocks share an SM instead of 2),
+// scores are computed, and the smaller footprint lets 3 fp16 blocks share an SM instead of 2;
+// 64-key tiles at head_dim 128, 32-key tiles at 256, where a warp's 16 x 256 output takes 128
+// registers and the fp32 tiles 166 KB of shared memory),
 // fully masked tiles (after the diagonal, or before a sliding window) are never loaded; online
 // softmax in registers.
 #include <cuda_fp16.h>
@@ -19,19 +21,23 @@ namespace attngrad::cuda {
 namespace attention_detail {
 namespace {
 
-constexpr int kForwardBlockN = 64;  // keys per tile
+// Keys per tile: 64 at head_dim 128, 32 at 256.
+template <class Op>
+constexpr int ForwardBlockN() {
+  return Op::kHeadDim == 128 ? 64 : 32;
+}
 // Warps of 16 query rows per block. 8 (128-row tiles) measured ~10% slower on the H200 than 4: with
 // ~170 registers only one 8-warp block fits per SM and its barrier waits are not covered.
 constexpr int kForwardWarps = 4;
 
 // The tiles of AttentionForwardKernel in shared memory: the block's query rows (16 per warp), two
-// key tiles (double-buffered) and one value tile of kForwardBlockN keys.
+// key tiles (double-buffered) and one value tile of ForwardBlockN keys.
 template <class Op, int kWarps>
 struct ForwardTile {
   using Elem = typename Op::Elem;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kQueries = 16 * kWarps;
-  static constexpr int kKeys = kForwardBlockN;
+  static constexpr int kKeys = ForwardBlockN<Op>();
   static constexpr int kScoreTiles = kKeys / 8;  // score n-tiles per warp
   static constexpr std::size_t kSharedBytes =
       static_cast<std::size_t>(kQueries + 3 * kKeys) * Op::kPitch * sizeof(Elem);
@@ -45,10 +51,11 @@ struct ForwardTile {
         values(keys + 2 * kKeys * Op::kPitch) {}
 };
 
-// fp16: 69.6 KB of shared memory per block, so 3 blocks per SM when registers stay <= 168.
+// fp16 at head_dim 128: 69.6 KB of shared memory per block, so 3 blocks per SM when registers stay
+// <= 168.
 template <class Op>
 constexpr int ForwardMinBlocksPerSm() {
-  return std::is_same_v<Op, OpFp16> ? 3 : 1;
+  return Op::kIsFp16 && Op::kHeadDim == 128 ? 3 : 1;
 }
 
 template <class Op, int kWarps>
@@ -59,6 +66,8 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   constexpr int kThreads = Tile::kThreads;
   constexpr int kBM = Tile::kQueries, kBN = Tile::kKeys, kP = Op::kPitch;
   constexpr int kNT = Tile::kScoreTiles;
+  constexpr int kD = Op::kHeadDim;
+  constexpr int kOutTiles = kD / 8;  // of a warp's 16 output rows
 
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const Tile tile(shared_raw);
@@ -75,9 +84,9 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
 
   // Written out here (as in QueryGradientKernel): a shared helper for this prologue made ptxas
   // spill 8 bytes in the fp16 instance, which must fit 168 registers (3 blocks per SM).
-  const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
-  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
-  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+  const Elem* q_base = static_cast<const Elem*>(p.q) + token0 * p.ldq + item.head * kD;
+  const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kD;
+  const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kD;
 
   // Keys (q0 - window, q0 + kBM) can be visible to this tile's rows: key tiles [first_kv_tile,
   // end_kv_tile); the ones wholly before the window are never loaded.
@@ -98,7 +107,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   const int g = lane >> 2, t = lane & 3;
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
 
-  float acc_o[16][4];
+  float acc_o[kOutTiles][4];
   ClearAccumulators(acc_o);
   float max_a = -INFINITY, max_b = -INFINITY;  // running max of c*log2e
   float sum_a = 0.f, sum_b = 0.f;              // this thread's part of the row sums
@@ -171,7 +180,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
       sum_a = sum_a * alpha_a + part_a;
       sum_b = sum_b * alpha_b + part_b;
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
+      for (int n = 0; n < kOutTiles; ++n) {
         acc_o[n][0] *= alpha_a;
         acc_o[n][1] *= alpha_a;
         acc_o[n][2] *= alpha_b;
@@ -199,42 +208,49 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
   sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
   const float inv_a = 1.f / sum_a, inv_b = 1.f / sum_b;
-  const int out_ld = p.num_heads * kHeadDim;
+  const int out_ld = p.num_heads * kD;
   // With a fused Delta (p.delta set): Delta = rowsum(dO * O) from the fp32 O in registers, each
-  // thread's 32 columns in order, then across the 4 threads of the row (fixed order).
+  // thread's D / 4 columns in order, then across the 4 threads of the row (fixed order).
   const bool fuse_delta = p.delta != nullptr;
 #pragma unroll
   for (int half_rows = 0; half_rows < 2; ++half_rows) {
     const int row = half_rows == 0 ? row_a : row_b;
     const bool valid = row < seq_len;
     const float inv = half_rows == 0 ? inv_a : inv_b;
-    const long long offset = (token0 + row) * out_ld + item.head * kHeadDim + 2 * t;
-    float2 grad_out[16];
-    if (fuse_delta && valid) {  // loaded before the stores below (which may alias for the compiler)
-      const Elem* grad_row = static_cast<const Elem*>(p.grad_out) + (token0 + row) * p.ldo +
-                             item.head * kHeadDim + 2 * t;
-#pragma unroll
-      for (int n = 0; n < 16; ++n) grad_out[n] = LoadGradOutPair<Op>(grad_row + n * 8);
-    }
+    const long long offset = (token0 + row) * out_ld + item.head * kD + 2 * t;
     float delta = 0.f;
-    if (valid) {
+    // 128 columns at a time (16 tiles): dO loaded before the stores (which may alias for the
+    // compiler), in at most 32 registers.
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        const float o0 = acc_o[n][2 * half_rows] * inv, o1 = acc_o[n][2 * half_rows + 1] * inv;
-        if (p.out != nullptr) {
-          *reinterpret_cast<float2*>(p.out + offset + n * 8) = make_float2(o0, o1);
-        }
-        if (p.out_half != nullptr) {
-          *reinterpret_cast<__half2*>(p.out_half + offset + n * 8) = __floats2half2_rn(o0, o1);
-        }
-        if (fuse_delta) delta = fmaf(grad_out[n].x, o0, fmaf(grad_out[n].y, o1, delta));
+    for (int n0 = 0; n0 < kOutTiles; n0 += 16) {
+      float2 grad_out[16];
+      if (fuse_delta && valid) {
+        const Elem* grad_row =
+            static_cast<const Elem*>(p.grad_out) + (token0 + row) * p.ldo + item.head * kD + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) grad_out[n] = LoadGradOutPair<Op>(grad_row + (n0 + n) * 8);
       }
-      if (t == 0) {
-        const float row_max = half_rows == 0 ? max_a : max_b;
-        const float row_sum = half_rows == 0 ? sum_a : sum_b;
-        p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
-            (row_max + log2f(row_sum)) * kLn2;
+      if (valid) {
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          const float o0 = acc_o[n0 + n][2 * half_rows] * inv;
+          const float o1 = acc_o[n0 + n][2 * half_rows + 1] * inv;
+          if (p.out != nullptr) {
+            *reinterpret_cast<float2*>(p.out + offset + (n0 + n) * 8) = make_float2(o0, o1);
+          }
+          if (p.out_half != nullptr) {
+            *reinterpret_cast<__half2*>(p.out_half + offset + (n0 + n) * 8) =
+                __floats2half2_rn(o0, o1);
+          }
+          if (fuse_delta) delta = fmaf(grad_out[n].x, o0, fmaf(grad_out[n].y, o1, delta));
+        }
       }
+    }
+    if (valid && t == 0) {
+      const float row_max = half_rows == 0 ? max_a : max_b;
+      const float row_sum = half_rows == 0 ? sum_a : sum_b;
+      p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
+          (row_max + log2f(row_sum)) * kLn2;
     }
     if (fuse_delta) {  // the whole warp takes part in the shuffles
       delta += __shfl_xor_sync(0xffffffffu, delta, 1);
@@ -280,7 +296,8 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
     const int per_16_bytes = 16 / ElementBytes(problem.operand);
     if (fused_delta->grad_out == nullptr || fused_delta->backward_workspace == nullptr ||
         !Aligned16(fused_delta->grad_out) || !Aligned16(fused_delta->backward_workspace) ||
-        fused_delta->ldo < problem.num_heads * kHeadDim || fused_delta->ldo % per_16_bytes != 0) {
+        fused_delta->ldo < problem.num_heads * problem.head_dim ||
+        fused_delta->ldo % per_16_bytes != 0) {
       return ATTNGRAD_INVALID_ARGUMENT;
     }
     params.grad_out = fused_delta->grad_out;
@@ -290,10 +307,17 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
   params.out = out;
   params.out_half = static_cast<__half*>(out_half);
   params.lse = lse;
+  const bool wide = problem.head_dim == 256;
   switch (problem.operand) {
-    case AttentionOperand::kFp16: return LaunchForward<OpFp16, kForwardWarps>(params, stream);
-    case AttentionOperand::kTf32: return LaunchForward<OpTf32, kForwardWarps>(params, stream);
-    case AttentionOperand::kFp32: return LaunchForward<OpFp32, kForwardWarps>(params, stream);
+    case AttentionOperand::kFp16:
+      return wide ? LaunchForward<Fp16Operand<256>, kForwardWarps>(params, stream)
+                  : LaunchForward<OpFp16, kForwardWarps>(params, stream);
+    case AttentionOperand::kTf32:
+      return wide ? LaunchForward<Tf32Operand<256>, kForwardWarps>(params, stream)
+                  : LaunchForward<OpTf32, kForwardWarps>(params, stream);
+    case AttentionOperand::kFp32:
+      return wide ? LaunchForward<Fp32Operand<256>, kForwardWarps>(params, stream)
+                  : LaunchForward<OpFp32, kForwardWarps>(params, stream);
   }
   return ATTNGRAD_INVALID_ARGUMENT;
 }

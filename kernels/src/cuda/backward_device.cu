@@ -77,6 +77,7 @@ AttentionProblem ProblemOf(const LayerConfig& config, int batch, int seq_len,
   problem.seq_len = seq_len;
   problem.num_heads = config.num_heads;
   problem.num_kv_heads = config.num_kv_heads;
+  problem.head_dim = config.head_dim;
   problem.scaling = scalars.scaling;
   problem.softcap = scalars.capped() ? scalars.softcap : 0.f;  // 0: no soft-cap
   problem.sliding_window = scalars.sliding_window;             // 0: full causal
@@ -127,7 +128,7 @@ struct WorkspaceLayout {
     grad_k_rot = carve(tokens * kv_width * sizeof(float));
     grad_v = carve(tokens * kv_width * sizeof(float));
     grad_qkv = carve(tokens * qkv_width * operand_bytes);
-    partials = carve(RopeRmsNormBackwardPartialsBytes(static_cast<int>(tokens)));
+    partials = carve(RopeRmsNormBackwardPartialsBytes(static_cast<int>(tokens), config.head_dim));
     attention_workspace_bytes =
         AttentionBackwardWorkspaceSize(ProblemOf(config, batch, seq_len, Scalars{}, mode));
     attention_workspace = carve(attention_workspace_bytes);
@@ -169,6 +170,7 @@ struct PipelinePlan {
     heads.tokens = tokens;
     heads.num_heads = config.num_heads;
     heads.num_kv_heads = config.num_kv_heads;
+    heads.head_dim = config.head_dim;
   }
 };
 
@@ -510,7 +512,7 @@ Status RopeRmsNormBackwardStage(const PipelineCall& call) {
   ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kGradQkvReady, call.lane, call.side));
   GradientScale* scale = buffers.gradient_scale;
   ATTNGRAD_RETURN_IF_ERROR(StepStatus(
-      NormWeightGradientSum(buffers.partials, partial_rows,
+      NormWeightGradientSum(call.plan.heads.head_dim, buffers.partials, partial_rows,
                             scale != nullptr ? &scale->inverse : nullptr,
                             call.out.weight_gradients[Weight::kQNorm],
                             call.out.weight_gradients[Weight::kKNorm], call.accumulate, call.side),
@@ -575,7 +577,7 @@ Status GradQkvWeightGemms(const PipelineCall& call) {
 }
 
 bool Supported(const LayerConfig& config) {
-  return config.IsValid() && config.head_dim == kHeadDim;
+  return config.IsValid() && (config.head_dim == 128 || config.head_dim == 256);
 }
 
 bool Aligned16(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
@@ -589,7 +591,7 @@ Status CheckCall(const LayerConfig& config, int batch, int seq_len, const Scalar
   }
   if (!Supported(config)) {
     return {ATTNGRAD_UNSUPPORTED,
-            config.IsValid() ? "the GPU kernels support head_dim 128 only"
+            config.IsValid() ? "the GPU kernels support head_dim 128 and 256 only"
                              : "LayerConfig is invalid (sizes must be positive, num_heads a "
                                "multiple of num_kv_heads, head_dim even)"};
   }

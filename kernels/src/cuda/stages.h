@@ -3,8 +3,9 @@
 // mode. Internal to kernels/; backward_device.cu strings them together.
 //
 // Layout (token-major, as the GEMMs produce it): the projections of one token are one row of
-// width qkv_width = (num_heads + 2 * num_kv_heads) * 128: q heads first, then k heads, then v
-// heads. Every kernel here supports head_dim == 128 only.
+// width qkv_width = (num_heads + 2 * num_kv_heads) * head_dim: q heads first, then k heads, then v
+// heads. Every kernel here supports head_dim 128 and 256 (else ATTNGRAD_INTERNAL: the pipeline
+// checks the configuration first).
 #ifndef ATTNGRAD_KERNELS_CUDA_STAGES_H_
 #define ATTNGRAD_KERNELS_CUDA_STAGES_H_
 
@@ -16,8 +17,6 @@
 #include "attngrad/attngrad.h"
 
 namespace attngrad::cuda {
-
-inline constexpr int kHeadDim = 128;
 
 // Element type of the operands the stages write for the tensor-core GEMMs and the attention.
 enum class OperandType { kFloat, kHalf };
@@ -61,7 +60,8 @@ struct HeadLayout {
   int tokens = 0;        // B*S
   int num_heads = 0;     // query heads
   int num_kv_heads = 0;  // key-value heads
-  __host__ __device__ int qkv_width() const { return (num_heads + 2 * num_kv_heads) * kHeadDim; }
+  int head_dim = 128;    // 128 or 256
+  __host__ __device__ int qkv_width() const { return (num_heads + 2 * num_kv_heads) * head_dim; }
   // Heads with an RMSNorm (q and k).
   __host__ __device__ int norm_heads() const { return num_heads + num_kv_heads; }
 };
@@ -76,13 +76,13 @@ attngrad_status RmsNormRopeForward(const HeadLayout& layout, const float* qkv, c
                                    bool write_v, void* operands, float* inv_rms,
                                    cudaStream_t stream);
 
-// Per-block partial sums of the norm-weight gradients: [blocks, 2 * 128] floats.
+// Per-block partial sums of the norm-weight gradients: [blocks, 2 * head_dim] floats.
 int RopeRmsNormBackwardBlocks(int tokens);
-inline std::size_t RopeRmsNormBackwardPartialsBytes(int tokens) {
-  return static_cast<std::size_t>(RopeRmsNormBackwardBlocks(tokens)) * 2 * kHeadDim * sizeof(float);
+inline std::size_t RopeRmsNormBackwardPartialsBytes(int tokens, int head_dim) {
+  return static_cast<std::size_t>(RopeRmsNormBackwardBlocks(tokens)) * 2 * head_dim * sizeof(float);
 }
 
-// SPEC steps 7-8: from dq' fp32 [T, num_heads*128], dk' and dv fp32 [T, num_kv_heads*128] (the
+// SPEC steps 7-8: from dq' fp32 [T, num_heads*D], dk' and dv fp32 [T, num_kv_heads*D] (the
 // attention backward's outputs), the forward's qkv and inv_rms, writes dq, dk and dv into grad_qkv
 // [T, qkv_width] (float or __half; in FP16 mode they carry grad_output's scale), and the first pass
 // of the norm-weight gradients' deterministic reduction: per-block partial sums, *partial_rows rows
@@ -94,11 +94,11 @@ attngrad_status RopeRmsNormBackward(const HeadLayout& layout, const float* grad_
                                     OperandType type, void* grad_qkv, float* partials,
                                     int* partial_rows, cudaStream_t stream);
 
-// The second pass: the norm-weight gradients as the fixed-order sum of the partials' rows, times
-// *inverse_scale when that is set (the FP16 mode's 1/s, GradientScale), added to
-// grad_*_norm_weight when `accumulate`, written otherwise. A separate launch so that the pipeline
-// can run it on another stream (nothing else waits for it).
-attngrad_status NormWeightGradientSum(const float* partials, int partial_rows,
+// The second pass: the norm-weight gradients (head_dim each) as the fixed-order sum of the
+// partials' rows, times *inverse_scale when that is set (the FP16 mode's 1/s, GradientScale), added
+// to grad_*_norm_weight when `accumulate`, written otherwise. A separate launch so that the
+// pipeline can run it on another stream (nothing else waits for it).
+attngrad_status NormWeightGradientSum(int head_dim, const float* partials, int partial_rows,
                                       const float* inverse_scale, float* grad_q_norm_weight,
                                       float* grad_k_norm_weight, bool accumulate,
                                       cudaStream_t stream);
