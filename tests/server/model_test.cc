@@ -1,10 +1,11 @@
 // A whole checkpoint in one server (issue 16, item 1), on the CPU backend: a tiny Gemma-3-like
 // model directory written here (config.json with a text_config, four layers alternating sliding and
-// full attention, head_dim 32, a multimodal tensor prefix, bf16 weights in two shards with an
-// index) served with --weights=DIR; layer-addressed batches against BackwardHost with each layer's
-// config.json settings (window, RoPE base and linear scaling, scaling, no soft-cap); per-layer
-// accumulation, windows and a fetch of several layers; GetModelInfo's layer list; unknown layers;
-// per-layer weight versions; and --weights=random --model=gemma-3-270m --layers=0-1.
+// full attention, head_dim 32 (256 on a GPU run), a multimodal tensor prefix, bf16 weights in two
+// shards with an index) served with --weights=DIR; layer-addressed batches against BackwardHost
+// with each layer's config.json settings (window, RoPE base and linear scaling, scaling, no
+// soft-cap); per-layer accumulation, windows and a fetch of several layers; GetModelInfo's layer
+// list; unknown layers; per-layer weight versions; and --weights=random --model=gemma-3-270m
+// --layers=0-1.
 #include <unistd.h>
 
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/safetensors.h"
@@ -32,12 +34,16 @@ constexpr double kGlobalTheta = 1000000.0;
 constexpr double kGlobalFactor = 8.0;
 constexpr double kQueryPreAttnScalar = 24.0;
 
+// The tiny model's head_dim: 32 on the CPU backend (quick), 256 on a GPU test run (the GPU kernels
+// compute head_dim 128 and 256: the Gemma-3 270M/1B/4B/12B head size).
+int TinyHeadDim() { return TestOnGpu() ? 256 : 32; }
+
 LayerConfig TinyConfig() {
   LayerConfig config;
   config.hidden_size = 64;
   config.num_heads = 4;
   config.num_kv_heads = 2;
-  config.head_dim = 32;
+  config.head_dim = TinyHeadDim();
   return config;
 }
 
@@ -45,18 +51,19 @@ bool IsSliding(int layer) { return (layer + 1) % 2 != 0; }  // sliding_window_pa
 
 // config.json of the tiny model, text config nested as multimodal checkpoints have it.
 std::string TinyConfigJson() {
-  return R"({
+  return absl::StrReplaceAll(R"({
   "architectures": ["Gemma3ForConditionalGeneration"],
   "model_type": "gemma3",
   "text_config": {
     "model_type": "gemma3_text",
-    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": HEAD_DIM,
     "num_hidden_layers": 4, "query_pre_attn_scalar": 24, "attn_logit_softcapping": null,
     "sliding_window": 4, "sliding_window_pattern": 2, "rms_norm_eps": 1e-06,
     "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
     "rope_scaling": {"rope_type": "linear", "factor": 8.0}
   }
-})";
+})",
+                             {{"HEAD_DIM", absl::StrCat(TinyHeadDim())}});
 }
 
 // Writes the model directory: layers 0-1 (and layer 2's q_proj) in shard 1, the rest in shard 2,
@@ -251,7 +258,7 @@ TEST_F(ModelDirectoryTest, GetModelInfoListsEveryLayer) {
     EXPECT_EQ(layer.config().hidden_size(), 64);
     EXPECT_EQ(layer.config().num_heads(), 4);
     EXPECT_EQ(layer.config().num_kv_heads(), 2);
-    EXPECT_EQ(layer.config().head_dim(), 32);
+    EXPECT_EQ(layer.config().head_dim(), TinyHeadDim());
     EXPECT_EQ(layer.type(), IsSliding(i) ? v1::ATTENTION_TYPE_SLIDING : v1::ATTENTION_TYPE_FULL);
     EXPECT_EQ(layer.sliding_window(), IsSliding(i) ? kWindow : 0);
     EXPECT_EQ(layer.rope_theta(), IsSliding(i) ? kLocalTheta : kGlobalTheta);
@@ -261,17 +268,13 @@ TEST_F(ModelDirectoryTest, GetModelInfoListsEveryLayer) {
     EXPECT_EQ(layer.weights_version(), 1u);
   }
   // The old single-layer fields describe layer 0.
-  EXPECT_EQ(info.config().head_dim(), 32);
+  EXPECT_EQ(info.config().head_dim(), TinyHeadDim());
   EXPECT_FLOAT_EQ(info.default_scaling(), info.layers(0).scaling());
   EXPECT_LE(info.default_softcap(), 0.f);
   EXPECT_EQ(info.weights_version(), 1u);
 }
 
 TEST_F(ModelDirectoryTest, LayerAddressedBatchesMatchTheReference) {
-  if (TestOnGpu()) {
-    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
-                    "answers such batches UNIMPLEMENTED, naming the layer)";
-  }
   std::vector<v1::BackwardRequest> requests;
   std::vector<Batch> batches;
   for (int layer = 0; layer < kLayers; ++layer) {
@@ -289,9 +292,10 @@ TEST_F(ModelDirectoryTest, LayerAddressedBatchesMatchTheReference) {
     EXPECT_EQ(response.layer(), layer);
     const Gradients expected = TinyReference(layers_[static_cast<std::size_t>(layer)],
                                              batches[static_cast<std::size_t>(layer)], layer);
-    EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, 1e-5,
-                      "grad_hidden_states"));
-    EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, 1e-5, "weights"));
+    EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states,
+                      Tolerance(1e-5), "grad_hidden_states"));
+    EXPECT_TRUE(
+        Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-5), "weights"));
   }
   // The window and the layer's RoPE made a difference: full attention with the local base differs.
   const Gradients unwindowed =
@@ -301,10 +305,6 @@ TEST_F(ModelDirectoryTest, LayerAddressedBatchesMatchTheReference) {
 }
 
 TEST_F(ModelDirectoryTest, RequestOverridesWindowAndScalars) {
-  if (TestOnGpu()) {
-    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
-                    "answers such batches UNIMPLEMENTED, naming the layer)";
-  }
   const Batch batch = MakeBatch(TinyConfig(), 1, 9, 77);
   v1::BackwardRequest request = LayerRequest(TinyConfig(), batch, 2, 1, v1::GRADIENT_MODE_RETURN);
   request.set_sliding_window(0);
@@ -315,23 +315,19 @@ TEST_F(ModelDirectoryTest, RequestOverridesWindowAndScalars) {
   scalars.sliding_window = 0;
   scalars.softcap = 30.f;
   const Gradients expected = LayerReference(layers_[2], batch, kLocalTheta, 1.0, scalars);
-  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, 1e-5,
-                    "grad_hidden_states"));
+  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states,
+                    Tolerance(1e-5), "grad_hidden_states"));
   // softcap <= 0 is "none".
   request.set_softcap(-1.f);
   request.set_sliding_window(kWindow);
   const v1::BackwardResponse uncapped = RunOne(stub(), request);
   ASSERT_FALSE(uncapped.has_error()) << uncapped.error().message();
   const Gradients plain = TinyReference(layers_[2], batch, 2);
-  EXPECT_TRUE(
-      Close(ToFloats(uncapped.grad_hidden_states()), plain.grad_hidden_states, 1e-5, "softcap -1"));
+  EXPECT_TRUE(Close(ToFloats(uncapped.grad_hidden_states()), plain.grad_hidden_states,
+                    Tolerance(1e-5), "softcap -1"));
 }
 
 TEST_F(ModelDirectoryTest, AccumulatesPerLayerAndFetchesSeveralLayers) {
-  if (TestOnGpu()) {
-    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
-                    "answers such batches UNIMPLEMENTED, naming the layer)";
-  }
   const Batch a = MakeBatch(TinyConfig(), 1, 6, 1), b = MakeBatch(TinyConfig(), 2, 5, 2),
               c = MakeBatch(TinyConfig(), 1, 7, 3);
   // The same batch id in two layers: windows are per layer, so both count.
@@ -362,11 +358,11 @@ TEST_F(ModelDirectoryTest, AccumulatesPerLayerAndFetchesSeveralLayers) {
   EXPECT_EQ(fetched[0].state.layer(), 3);
   EXPECT_EQ(fetched[0].state.batches(), 1);
   EXPECT_EQ(fetched[0].state.tokens(), 7);
-  EXPECT_TRUE(Close(fetched[0].gradients, expected_3, 1e-5, "layer 3"));
+  EXPECT_TRUE(Close(fetched[0].gradients, expected_3, Tolerance(1e-5), "layer 3"));
   EXPECT_EQ(fetched[1].state.layer(), 1);
   EXPECT_EQ(fetched[1].state.batches(), 2);
   EXPECT_EQ(fetched[1].state.tokens(), 16);
-  EXPECT_TRUE(Close(fetched[1].gradients, expected_1, 1e-5, "layer 1"));
+  EXPECT_TRUE(Close(fetched[1].gradients, expected_1, Tolerance(1e-5), "layer 1"));
   EXPECT_EQ(fetched[2].state.layer(), 0);
   EXPECT_EQ(fetched[2].state.batches(), 0);
   for (float value : fetched[2].gradients[Weight::kQProj]) ASSERT_EQ(value, 0.f);
@@ -389,7 +385,7 @@ TEST_F(ModelDirectoryTest, AccumulatesPerLayerAndFetchesSeveralLayers) {
   ASSERT_EQ(fetched.size(), 2u);
   EXPECT_EQ(fetched[0].state.batches(), 0);
   EXPECT_EQ(fetched[1].state.batches(), 1);
-  EXPECT_TRUE(Close(fetched[1].gradients, expected_3, 1e-5, "layer 3 again"));
+  EXPECT_TRUE(Close(fetched[1].gradients, expected_3, Tolerance(1e-5), "layer 3 again"));
   // Fetch-and-zero of both: layer 3 is empty now.
   fetch.clear_layers();
   fetch.add_layers(3);
@@ -427,10 +423,6 @@ TEST_F(ModelDirectoryTest, UnknownLayerIsInvalidArgumentNamingTheRange) {
 }
 
 TEST_F(ModelDirectoryTest, LoadWeightsReplacesOneLayerAndBumpsItsVersion) {
-  if (TestOnGpu()) {
-    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
-                    "answers such batches UNIMPLEMENTED, naming the layer)";
-  }
   const LayerWeights replacement = RandomLayerWeights(TinyConfig(), 999);
   v1::LoadWeightsResponse loaded;
   grpc::ClientContext context;
@@ -459,7 +451,8 @@ TEST_F(ModelDirectoryTest, LoadWeightsReplacesOneLayerAndBumpsItsVersion) {
   ASSERT_FALSE(response.has_error()) << response.error().message();
   EXPECT_EQ(response.weights_version(), 2u);
   EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()),
-                    TinyReference(replacement, batch, 2).grad_hidden_states, 1e-5, "new weights"));
+                    TinyReference(replacement, batch, 2).grad_hidden_states, Tolerance(1e-5),
+                    "new weights"));
 }
 
 TEST(ModelConfigTest, LayerTypesOverrideThePattern) {
@@ -506,10 +499,6 @@ class RandomModelTest : public ServerTest {
 };
 
 TEST_F(RandomModelTest, ServesTheRangeOfGemma3_270m) {
-  if (TestOnGpu()) {
-    GTEST_SKIP() << "head_dim 32/256 layers: the GPU kernels compute head_dim 128 only (the server "
-                    "answers such batches UNIMPLEMENTED, naming the layer)";
-  }
   v1::GetModelInfoResponse info;
   grpc::ClientContext context;
   ASSERT_TRUE(stub().GetModelInfo(&context, {}, &info).ok());
@@ -530,9 +519,10 @@ TEST_F(RandomModelTest, ServesTheRangeOfGemma3_270m) {
       RunOne(stub(), LayerRequest(model->layer, batch, 1, 1, v1::GRADIENT_MODE_RETURN));
   ASSERT_FALSE(response.has_error()) << response.error().message();
   const Gradients expected = LayerReference(weights, batch, 10000.0, 1.0, model->Layer(1).scalars);
-  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states, 1e-5,
-                    "grad_hidden_states"));
-  EXPECT_TRUE(Close(ResponseWeightGradients(response), expected.weights, 1e-5, "weights"));
+  EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected.grad_hidden_states,
+                    Tolerance(1e-5), "grad_hidden_states"));
+  EXPECT_TRUE(
+      Close(ResponseWeightGradients(response), expected.weights, Tolerance(1e-5), "weights"));
 
   const v1::BackwardResponse missing =
       RunOne(stub(), LayerRequest(model->layer, batch, 5, 2, v1::GRADIENT_MODE_RETURN));
