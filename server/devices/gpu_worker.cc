@@ -38,6 +38,7 @@
 #include "attngrad/cuda_resources.h"
 #include "attngrad/wire/status_macros.h"
 #include "devices/nccl_library.h"
+#include "scheduling/finite_check.h"
 
 namespace attngrad::server {
 namespace {
@@ -156,6 +157,9 @@ class GpuWorker final : public DeviceWorker {
     cuda::DeviceBuffer<float> device_in;  // same layout as host_in
     cuda::DeviceBuffer<float> device_grad_hidden;
     cuda::DeviceBuffer<float> device_weight_gradients;  // this batch's own weight gradients
+    // The finite check's counts (attngrad/finite_check.h): on the device, and copied out.
+    cuda::DeviceBuffer<unsigned long long> device_non_finite;
+    cuda::PinnedBuffer<unsigned long long> host_non_finite;
     cuda::Event copy_in_start, copy_in_done, compute_start, compute_done, copy_out_start,
         copy_out_done;
     double host_copy_in_seconds = 0;
@@ -196,6 +200,10 @@ class GpuWorker final : public DeviceWorker {
     for (Slot& slot : slots_) {
       ATTNGRAD_CUDA_RETURN(
           cuda::DeviceBuffer<float>::Create(weight_elements, &slot.device_weight_gradients));
+      ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<unsigned long long>::Create(kCheckedGradients,
+                                                                          &slot.device_non_finite));
+      ATTNGRAD_CUDA_RETURN(
+          cuda::PinnedBuffer<unsigned long long>::Create(kCheckedGradients, &slot.host_non_finite));
       for (cuda::Event* event : {&slot.copy_in_start, &slot.copy_in_done, &slot.compute_start,
                                  &slot.compute_done, &slot.copy_out_start, &slot.copy_out_done}) {
         ATTNGRAD_CUDA_RETURN(cuda::Event::Create(event));
@@ -358,27 +366,33 @@ class GpuWorker final : public DeviceWorker {
     in.sin = device_in + 2 * activations + rotary;
     in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
+    // Every batch computes its weight gradients into the slot; an ACCUMULATE batch's are added to
+    // its accumulator set after the finite check, on the device (QueueFiniteCheck).
     float* gradients = slot.device_weight_gradients.get();
+    AccumulatorSet* accumulator_set = nullptr;
     if (add) {
-      AccumulatorSet* accumulator_set = nullptr;
       ATTNGRAD_RETURN_IF_ERROR(AccumulatorSetAt(layer, job.accumulator_set, &accumulator_set));
-      gradients = accumulator_set->buffer.get();
     }
     BackwardOutputs out;
     out.grad_hidden_states = slot.device_grad_hidden.get();
     out.weight_gradients = layer.layout.Pointers(gradients);
     const Status computed =
-        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision, add, in,
-                       out, workspace_.get(), workspace_.size(), compute);
+        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision,
+                       /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(), compute);
     // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
     status = KernelStatus(computed, "BackwardDevice");
     if (!status.ok()) return status;
+    ATTNGRAD_RETURN_IF_ERROR(QueueFiniteCheck(
+        slot, layer, activations, add ? accumulator_set->buffer.get() : nullptr, compute));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done.get(), compute));
 
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out, slot.compute_done.get(), 0));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_start.get(), copy_out));
     ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), slot.device_grad_hidden.get(),
                                          activations * sizeof(float), cudaMemcpyDeviceToHost,
+                                         copy_out));
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_non_finite.get(), slot.device_non_finite.get(),
+                                         slot.device_non_finite.bytes(), cudaMemcpyDeviceToHost,
                                          copy_out));
     if (job.return_weight_gradients) {
       ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
@@ -387,6 +401,26 @@ class GpuWorker final : public DeviceWorker {
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
+  }
+
+  // On the compute stream after the batch: counts the non-finite values of its grad_hidden_states
+  // and weight gradients into the slot's counts and, for an ACCUMULATE batch (`accumulators` set),
+  // adds its gradients there only when every count is 0. Retire turns the counts into the answer.
+  absl::Status QueueFiniteCheck(Slot& slot, const ResidentLayer& layer, std::size_t activations,
+                                float* accumulators, cudaStream_t compute) {
+    ATTNGRAD_CUDA_RETURN(
+        cudaMemsetAsync(slot.device_non_finite.get(), 0, slot.device_non_finite.bytes(), compute));
+    const PerWeight<const float*> gradients =
+        layer.layout.Pointers<const float>(slot.device_weight_gradients.get());
+    ATTNGRAD_RETURN_IF_ERROR(
+        KernelStatus(CountNonFiniteDevice(layer.config, slot.device_grad_hidden.get(), activations,
+                                          gradients, slot.device_non_finite.get(), compute),
+                     "CountNonFiniteDevice"));
+    if (accumulators == nullptr) return absl::OkStatus();
+    return KernelStatus(
+        AccumulateIfFiniteDevice(layer.config, gradients, layer.layout.Pointers(accumulators),
+                                 slot.device_non_finite.get(), compute),
+        "AccumulateIfFiniteDevice");
   }
 
   static double ElapsedSeconds(const cuda::Event& start, const cuda::Event& end) {
@@ -400,6 +434,12 @@ class GpuWorker final : public DeviceWorker {
     BatchJob& job = *slot.job;
     ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.layer_slot)];
     job.status = CudaStatus(cudaEventSynchronize(slot.copy_out_done.get()), "batch on the GPU");
+    if (job.status.ok()) {
+      NonFiniteCounts counts;
+      std::copy(slot.host_non_finite.get(), slot.host_non_finite.get() + counts.size(),
+                counts.begin());
+      job.status = NonFiniteGradientsStatus(counts);  // not accumulated then (QueueFiniteCheck)
+    }
     if (job.status.ok()) {
       const auto start = std::chrono::steady_clock::now();
       const std::size_t activations = job.hidden_states.size();
