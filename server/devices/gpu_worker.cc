@@ -37,6 +37,7 @@
 #include "absl/strings/str_join.h"
 #include "attngrad/cuda_resources.h"
 #include "attngrad/wire/status_macros.h"
+#include "devices/nccl_abort.h"
 #include "devices/nccl_library.h"
 #include "scheduling/finite_check.h"
 
@@ -66,6 +67,12 @@ class NcclSum {
   const NcclLibrary& library() const { return communicators_->library(); }
   ncclComm_t comm(int rank) const { return communicators_->comm(rank); }
   int size() const { return communicators_->size(); }
+  NcclCommunicators& communicators() { return *communicators_; }
+  // Requested when a reduction failed or hung on some rank (nccl_abort.h): the communicators are
+  // aborted and every later fetch sums on the host. Every rank sees it at the same control (it is
+  // requested before the failing rank reaches the barrier that ends the reduction).
+  CollectiveAbort& abort() { return abort_; }
+  bool usable() const { return !abort_.requested(); }
 
   // Every rank calls this once per reading control, in the same order (a reusable barrier);
   // returns, once all have arrived, whether every rank passed ok = true.
@@ -90,6 +97,7 @@ class NcclSum {
 
  private:
   std::unique_ptr<NcclCommunicators> communicators_;
+  CollectiveAbort abort_;
   std::mutex mutex_;
   std::condition_variable arrived_all_;
   int arrived_ = 0;
@@ -99,6 +107,12 @@ class NcclSum {
 };
 #else
 class NcclSum {};  // never made: this build has no nccl.h
+#endif
+
+// How long a rank waits for its part of an NCCL reduction before it aborts the communicators
+// (a fetch's reduction of even a 27B model's layer takes milliseconds).
+#ifdef ATTNGRAD_HAVE_NCCL_HEADER
+const CollectiveWaitOptions kNcclWait = {std::chrono::seconds(60), std::chrono::microseconds(200)};
 #endif
 
 class GpuWorker final : public DeviceWorker {
@@ -495,7 +509,7 @@ class GpuWorker final : public DeviceWorker {
       status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
     }
     bool may_zero = true;
-    if (control.read_accumulators && nccl_ != nullptr) {
+    if (NcclSumUsable() && control.read_accumulators) {
       status = ReduceAccumulators(std::move(status), layer, accumulator_set, &snapshot, &may_zero);
     } else if (status.ok() && control.read_accumulators) {
       status = CopyAccumulators(layer, accumulator_set->buffer.get(), &snapshot);
@@ -570,10 +584,12 @@ class GpuWorker final : public DeviceWorker {
                     layer.layout.total_elements, ncclFloat32, ncclSum, /*root=*/0,
                     nccl_->comm(rank_), nccl_stream_.get()),
         absl::StrCat("ncclReduce of the accumulators (", device(), ")"));
-    // Returns once every rank's part of the reduction is done.
+    // Returns once this rank's part of the reduction is done, or has been aborted (this device
+    // failed or hung, or another rank did: nccl_abort.h), so no rank waits for a lost peer.
     if (status.ok()) {
-      status = CudaStatus(cudaStreamSynchronize(nccl_stream_.get()),
-                          "cudaStreamSynchronize(ncclReduce)");
+      NcclReductionOnStream reduction(nccl_->communicators(), rank_, nccl_stream_.get());
+      status = WaitForCollective(reduction, nccl_->abort(), device(),
+                                 "ncclReduce of the accumulators", kNcclWait);
     }
     if (status.ok() && rank_ == 0) {
       status = CopyAccumulators(layer, reduce_buffer_.get(), snapshot);
@@ -588,6 +604,17 @@ class GpuWorker final : public DeviceWorker {
     (void)snapshot;
     return prior.ok() ? absl::InternalError("NCCL sum without nccl.h") : prior;
 #endif
+  }
+
+  // Whether this control sums with NCCL: not after an abort (then this rank's communicator, if it
+  // is still there, is aborted too and the host sums).
+  bool NcclSumUsable() {
+#ifdef ATTNGRAD_HAVE_NCCL_HEADER
+    if (nccl_ == nullptr) return false;
+    if (nccl_->usable()) return true;
+    nccl_->communicators().Abort(rank_);
+#endif
+    return false;
   }
 
   const std::shared_ptr<NcclSum> nccl_;  // null: host-side sums
