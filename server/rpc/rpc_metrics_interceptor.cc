@@ -42,8 +42,9 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
       end_.deadline_passed = deadline_passed;
       complete = end_.sent.has_value();
     }
-    methods->Proceed();
     if (complete) Record();
+    // Last: once the batch proceeds, the call may end and this interceptor be destroyed.
+    methods->Proceed();
   }
 
  private:
