@@ -24,7 +24,14 @@ bool AllFinite(const LayerTensors& tensors) {
   return true;
 }
 
-class ServerFiniteSumsTest : public ServerTest {
+// The GPU build's suite has its own name (ctest test names are unique).
+#ifdef ATTNGRAD_FINITE_SUMS_ON_GPU
+#define ATTNGRAD_FINITE_SUMS_SUITE ServerFiniteSumsGpuTest
+#else
+#define ATTNGRAD_FINITE_SUMS_SUITE ServerFiniteSumsTest
+#endif
+
+class ATTNGRAD_FINITE_SUMS_SUITE : public ServerTest {
  protected:
   void SetUp() override {
 #ifdef ATTNGRAD_FINITE_SUMS_ON_GPU
@@ -85,7 +92,7 @@ void ExpectNonFiniteError(const v1::BackwardResponse& response, const std::strin
   EXPECT_EQ(response.grad_hidden_states().raw_data().size(), 0u) << what;
 }
 
-TEST_F(ServerFiniteSumsTest, OverflowingBatchIsRefusedAndNotAccumulated) {
+TEST_F(ATTNGRAD_FINITE_SUMS_SUITE, OverflowingBatchIsRefusedAndNotAccumulated) {
   const Batch good = MakeBatch(config(), 1, 3, 41);
   const Batch overflowing = OverflowingBatch(42);
   const std::vector<v1::BackwardResponse> responses =
@@ -113,7 +120,7 @@ TEST_F(ServerFiniteSumsTest, OverflowingBatchIsRefusedAndNotAccumulated) {
   EXPECT_TRUE(AllFinite(fetched.gradients));
 }
 
-TEST_F(ServerFiniteSumsTest, OverflowingReturnAndDuplicateBatchesAreRefused) {
+TEST_F(ATTNGRAD_FINITE_SUMS_SUITE, OverflowingReturnAndDuplicateBatchesAreRefused) {
   const Batch good = MakeBatch(config(), 1, 3, 51);
   ASSERT_FALSE(
       RunOne(stub(), MakeRequest(config(), good, 7, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
@@ -127,7 +134,7 @@ TEST_F(ServerFiniteSumsTest, OverflowingReturnAndDuplicateBatchesAreRefused) {
   ExpectWindowHoldsOnly(good, "after the overflowing RETURN and duplicate");
 }
 
-TEST_F(ServerFiniteSumsTest, RotaryInputsThatOverflowAreRefusedUpFront) {
+TEST_F(ATTNGRAD_FINITE_SUMS_SUITE, RotaryInputsThatOverflowAreRefusedUpFront) {
   const Batch good = MakeBatch(config(), 1, 3, 61);
   ASSERT_FALSE(
       RunOne(stub(), MakeRequest(config(), good, 1, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
