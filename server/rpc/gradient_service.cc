@@ -595,8 +595,8 @@ absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext&
   absl::StatusOr<Caller> caller = authenticator_.Authenticate(context);
   absl::Status status = caller.status();
   if (status.ok()) status = Authorize(*caller, operation, method);
-  if (status.ok()) return caller;
-  return status;
+  if (!status.ok()) return status;
+  return caller;
 }
 
 grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerContext* context,
