@@ -5,7 +5,10 @@
 // copy-in, compute and copy-out. Each batch in flight owns a slot (pinned host staging buffers,
 // device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
 // compute of batch n and the copy-out of batch n-1 overlap. Kernels run in order on the compute
-// stream, so the accumulators and the shared workspace need no further synchronisation.
+// stream, so the accumulators and the shared workspace need no further synchronisation. Every
+// batch computes its weight gradients into its slot's buffer; the finite check
+// (attngrad/finite_check.h) then counts their NaN/Inf values on the device and, for ACCUMULATE,
+// adds them to the client's accumulator set only when there are none (issue 14, found #4).
 //
 // Cross-device sums at a fetch (a control that reads the accumulators): with two or more workers
 // and NCCL usable, each worker, on its own thread and its own NCCL stream, calls ncclReduce (sum,
@@ -18,7 +21,9 @@
 // once every worker has reached that same control (a host barrier before it, which also lets a
 // worker whose device failed earlier call the reduction off for everyone instead of leaving the
 // others waiting inside NCCL). The accumulators are zeroed (fetch-and-zero) only after a second
-// barrier has confirmed that every worker's part succeeded; when one failed, none zeroes.
+// barrier has confirmed that every worker's part succeeded; when one failed, none zeroes. A rank
+// does not block in the reduction: it polls (nccl_abort.h), and a part that fails or hangs aborts
+// every rank's communicator; from then on fetches sum on the host.
 // Without NCCL (one device, no nccl.h at build time, no libnccl.so.2 at run time, --nccl=off)
 // every worker copies its accumulators to the host and GradientCore adds them in worker order.
 #include "devices/gpu_worker.h"
