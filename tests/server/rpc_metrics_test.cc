@@ -103,6 +103,8 @@ TEST_F(ServerRpcMetricsTest, OverSizeMessageIsCountedAsAnError) {
   for (const auto& [code, count] : calls) total += count;
   EXPECT_EQ(total, 1) << "the call was not recorded once";
   EXPECT_EQ(calls.count("OK"), 0u) << "an over-size message recorded as OK";
+  // gRPC cancels the call on the server (the client alone sees RESOURCE_EXHAUSTED).
+  EXPECT_EQ(calls, (std::map<std::string, double>{{"CANCELLED", 1}}));
   double errors = 0;
   for (const auto& [code, count] : Errors("Backward")) errors += count;
   EXPECT_EQ(errors, 1);
