@@ -23,6 +23,7 @@
 #include "scheduling/gradient_core.h"
 #include "rpc/auth.h"
 #include "rpc/gradient_service.h"
+#include "rpc/rpc_metrics_interceptor.h"
 #include "rpc/tls.h"
 #include "metrics/metrics.h"
 #include "metrics/metrics_http_server.h"
@@ -255,6 +256,10 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  // The RPC metrics of every call, including the ones gRPC itself ends (rpc_metrics_interceptor.h).
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<RpcMetricsInterceptorFactory>(server->metrics_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->server_.reset();

@@ -2,6 +2,7 @@
 // is no device backend, so every call with valid arguments says ATTNGRAD_UNSUPPORTED (invalid ones
 // are refused as the GPU backend refuses them) and no device is reported.
 #include "attngrad/backward.h"
+#include "attngrad/finite_check.h"
 
 namespace attngrad {
 
@@ -16,5 +17,15 @@ Status BackwardDevice(const LayerConfig& config, int batch, int seq_len, const S
 }
 
 int DeviceCount() { return 0; }
+
+Status CountNonFiniteDevice(const LayerConfig&, const float*, std::size_t,
+                            const PerWeight<const float*>&, unsigned long long*, void*) {
+  return {ATTNGRAD_UNSUPPORTED, "this build of attngrad has no CUDA backend"};
+}
+
+Status AccumulateIfFiniteDevice(const LayerConfig&, const PerWeight<const float*>&,
+                                const PerWeight<float*>&, const unsigned long long*, void*) {
+  return {ATTNGRAD_UNSUPPORTED, "this build of attngrad has no CUDA backend"};
+}
 
 }  // namespace attngrad

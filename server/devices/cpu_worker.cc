@@ -6,7 +6,21 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "scheduling/finite_check.h"
+
 namespace attngrad::server {
+namespace {
+
+// sums[w] += addends[w], element-wise.
+void AddTo(LayerTensors& sums, const LayerTensors& addends) {
+  for (Weight weight : kAllWeights) {
+    std::vector<float>& sum = sums[weight];
+    const std::vector<float>& addend = addends[weight];
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += addend[i];
+  }
+}
+
+}  // namespace
 
 CpuWorker::CpuWorker(LayerSlots layers, int num_threads, ServerMetrics* metrics)
     : DeviceWorker("cpu", metrics, 1), layers_(std::move(layers)), num_threads_(num_threads) {}
@@ -72,7 +86,6 @@ void CpuWorker::Compute(BatchJob& job) {
     gradients = &job.weight_gradients;
   } else if (job.accumulate) {
     accumulator_set = &AccumulatorSetAt(job.layer_slot, job.accumulator_set);
-    gradients = &accumulator_set->gradients;
   }
   BackwardInputs in;
   in.weights = DataOf(weights.values);
@@ -84,12 +97,16 @@ void CpuWorker::Compute(BatchJob& job) {
   out.grad_hidden_states = job.grad_hidden_states.data();
   out.weight_gradients = DataOf(*gradients);
   const bool add = job.accumulate && !job.return_weight_gradients;
-  // BackwardHost validates everything before writing anything, so a refused batch leaves the
-  // accumulators as they were.
-  job.status = KernelStatus(
-      BackwardHost(config, job.batch, job.seq_len, job.scalars, add, in, out, num_threads_),
-      "BackwardHost");
+  // An ACCUMULATE batch is computed into scratch and added only once its gradients are known to be
+  // finite (finite_check.h), so a refused batch leaves the accumulators as they were.
+  job.status = KernelStatus(BackwardHost(config, job.batch, job.seq_len, job.scalars,
+                                         /*accumulate=*/false, in, out, num_threads_),
+                            "BackwardHost");
+  if (job.status.ok()) {
+    job.status = NonFiniteGradientsStatus(CountNonFiniteHost(job.grad_hidden_states, *gradients));
+  }
   if (job.status.ok() && add) {
+    AddTo(accumulator_set->gradients, *gradients);
     ++accumulator_set->batches;
     accumulator_set->tokens += job.tokens();
   }

@@ -5,7 +5,10 @@
 // copy-in, compute and copy-out. Each batch in flight owns a slot (pinned host staging buffers,
 // device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
 // compute of batch n and the copy-out of batch n-1 overlap. Kernels run in order on the compute
-// stream, so the accumulators and the shared workspace need no further synchronisation.
+// stream, so the accumulators and the shared workspace need no further synchronisation. Every
+// batch computes its weight gradients into its slot's buffer; the finite check
+// (attngrad/finite_check.h) then counts their NaN/Inf values on the device and, for ACCUMULATE,
+// adds them to the client's accumulator set only when there are none (issue 14, found #4).
 //
 // Cross-device sums at a fetch (a control that reads the accumulators): with two or more workers
 // and NCCL usable, each worker, on its own thread and its own NCCL stream, calls ncclReduce (sum,
@@ -18,7 +21,9 @@
 // once every worker has reached that same control (a host barrier before it, which also lets a
 // worker whose device failed earlier call the reduction off for everyone instead of leaving the
 // others waiting inside NCCL). The accumulators are zeroed (fetch-and-zero) only after a second
-// barrier has confirmed that every worker's part succeeded; when one failed, none zeroes.
+// barrier has confirmed that every worker's part succeeded; when one failed, none zeroes. A rank
+// does not block in the reduction: it polls (nccl_abort.h), and a part that fails or hangs aborts
+// every rank's communicator; from then on fetches sum on the host.
 // Without NCCL (one device, no nccl.h at build time, no libnccl.so.2 at run time, --nccl=off)
 // every worker copies its accumulators to the host and GradientCore adds them in worker order.
 #include "devices/gpu_worker.h"
@@ -37,7 +42,9 @@
 #include "absl/strings/str_join.h"
 #include "attngrad/cuda_resources.h"
 #include "attngrad/wire/status_macros.h"
+#include "devices/nccl_abort.h"
 #include "devices/nccl_library.h"
+#include "scheduling/finite_check.h"
 
 namespace attngrad::server {
 namespace {
@@ -65,6 +72,12 @@ class NcclSum {
   const NcclLibrary& library() const { return communicators_->library(); }
   ncclComm_t comm(int rank) const { return communicators_->comm(rank); }
   int size() const { return communicators_->size(); }
+  NcclCommunicators& communicators() { return *communicators_; }
+  // Requested when a reduction failed or hung on some rank (nccl_abort.h): the communicators are
+  // aborted and every later fetch sums on the host. Every rank sees it at the same control (it is
+  // requested before the failing rank reaches the barrier that ends the reduction).
+  CollectiveAbort& abort() { return abort_; }
+  bool usable() const { return !abort_.requested(); }
 
   // Every rank calls this once per reading control, in the same order (a reusable barrier);
   // returns, once all have arrived, whether every rank passed ok = true.
@@ -89,6 +102,7 @@ class NcclSum {
 
  private:
   std::unique_ptr<NcclCommunicators> communicators_;
+  CollectiveAbort abort_;
   std::mutex mutex_;
   std::condition_variable arrived_all_;
   int arrived_ = 0;
@@ -98,6 +112,12 @@ class NcclSum {
 };
 #else
 class NcclSum {};  // never made: this build has no nccl.h
+#endif
+
+// How long a rank waits for its part of an NCCL reduction before it aborts the communicators
+// (a fetch's reduction of even a 27B model's layer takes milliseconds).
+#ifdef ATTNGRAD_HAVE_NCCL_HEADER
+const CollectiveWaitOptions kNcclWait = {std::chrono::seconds(60), std::chrono::microseconds(200)};
 #endif
 
 class GpuWorker final : public DeviceWorker {
@@ -156,6 +176,9 @@ class GpuWorker final : public DeviceWorker {
     cuda::DeviceBuffer<float> device_in;  // same layout as host_in
     cuda::DeviceBuffer<float> device_grad_hidden;
     cuda::DeviceBuffer<float> device_weight_gradients;  // this batch's own weight gradients
+    // The finite check's counts (attngrad/finite_check.h): on the device, and copied out.
+    cuda::DeviceBuffer<unsigned long long> device_non_finite;
+    cuda::PinnedBuffer<unsigned long long> host_non_finite;
     cuda::Event copy_in_start, copy_in_done, compute_start, compute_done, copy_out_start,
         copy_out_done;
     double host_copy_in_seconds = 0;
@@ -196,6 +219,10 @@ class GpuWorker final : public DeviceWorker {
     for (Slot& slot : slots_) {
       ATTNGRAD_CUDA_RETURN(
           cuda::DeviceBuffer<float>::Create(weight_elements, &slot.device_weight_gradients));
+      ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<unsigned long long>::Create(kCheckedGradients,
+                                                                          &slot.device_non_finite));
+      ATTNGRAD_CUDA_RETURN(
+          cuda::PinnedBuffer<unsigned long long>::Create(kCheckedGradients, &slot.host_non_finite));
       for (cuda::Event* event : {&slot.copy_in_start, &slot.copy_in_done, &slot.compute_start,
                                  &slot.compute_done, &slot.copy_out_start, &slot.copy_out_done}) {
         ATTNGRAD_CUDA_RETURN(cuda::Event::Create(event));
@@ -358,27 +385,33 @@ class GpuWorker final : public DeviceWorker {
     in.sin = device_in + 2 * activations + rotary;
     in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
+    // Every batch computes its weight gradients into the slot; an ACCUMULATE batch's are added to
+    // its accumulator set after the finite check, on the device (QueueFiniteCheck).
     float* gradients = slot.device_weight_gradients.get();
+    AccumulatorSet* accumulator_set = nullptr;
     if (add) {
-      AccumulatorSet* accumulator_set = nullptr;
       ATTNGRAD_RETURN_IF_ERROR(AccumulatorSetAt(layer, job.accumulator_set, &accumulator_set));
-      gradients = accumulator_set->buffer.get();
     }
     BackwardOutputs out;
     out.grad_hidden_states = slot.device_grad_hidden.get();
     out.weight_gradients = layer.layout.Pointers(gradients);
     const Status computed =
-        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision, add, in,
-                       out, workspace_.get(), workspace_.size(), compute);
+        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision,
+                       /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(), compute);
     // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
     status = KernelStatus(computed, "BackwardDevice");
     if (!status.ok()) return status;
+    ATTNGRAD_RETURN_IF_ERROR(QueueFiniteCheck(
+        slot, layer, activations, add ? accumulator_set->buffer.get() : nullptr, compute));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done.get(), compute));
 
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out, slot.compute_done.get(), 0));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_start.get(), copy_out));
     ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), slot.device_grad_hidden.get(),
                                          activations * sizeof(float), cudaMemcpyDeviceToHost,
+                                         copy_out));
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_non_finite.get(), slot.device_non_finite.get(),
+                                         slot.device_non_finite.bytes(), cudaMemcpyDeviceToHost,
                                          copy_out));
     if (job.return_weight_gradients) {
       ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
@@ -387,6 +420,26 @@ class GpuWorker final : public DeviceWorker {
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
+  }
+
+  // On the compute stream after the batch: counts the non-finite values of its grad_hidden_states
+  // and weight gradients into the slot's counts and, for an ACCUMULATE batch (`accumulators` set),
+  // adds its gradients there only when every count is 0. Retire turns the counts into the answer.
+  absl::Status QueueFiniteCheck(Slot& slot, const ResidentLayer& layer, std::size_t activations,
+                                float* accumulators, cudaStream_t compute) {
+    ATTNGRAD_CUDA_RETURN(
+        cudaMemsetAsync(slot.device_non_finite.get(), 0, slot.device_non_finite.bytes(), compute));
+    const PerWeight<const float*> gradients =
+        layer.layout.Pointers<const float>(slot.device_weight_gradients.get());
+    ATTNGRAD_RETURN_IF_ERROR(
+        KernelStatus(CountNonFiniteDevice(layer.config, slot.device_grad_hidden.get(), activations,
+                                          gradients, slot.device_non_finite.get(), compute),
+                     "CountNonFiniteDevice"));
+    if (accumulators == nullptr) return absl::OkStatus();
+    return KernelStatus(
+        AccumulateIfFiniteDevice(layer.config, gradients, layer.layout.Pointers(accumulators),
+                                 slot.device_non_finite.get(), compute),
+        "AccumulateIfFiniteDevice");
   }
 
   static double ElapsedSeconds(const cuda::Event& start, const cuda::Event& end) {
@@ -400,6 +453,12 @@ class GpuWorker final : public DeviceWorker {
     BatchJob& job = *slot.job;
     ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.layer_slot)];
     job.status = CudaStatus(cudaEventSynchronize(slot.copy_out_done.get()), "batch on the GPU");
+    if (job.status.ok()) {
+      NonFiniteCounts counts;
+      std::copy(slot.host_non_finite.get(), slot.host_non_finite.get() + counts.size(),
+                counts.begin());
+      job.status = NonFiniteGradientsStatus(counts);  // not accumulated then (QueueFiniteCheck)
+    }
     if (job.status.ok()) {
       const auto start = std::chrono::steady_clock::now();
       const std::size_t activations = job.hidden_states.size();
@@ -455,7 +514,7 @@ class GpuWorker final : public DeviceWorker {
       status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
     }
     bool may_zero = true;
-    if (control.read_accumulators && nccl_ != nullptr) {
+    if (NcclSumUsable() && control.read_accumulators) {
       status = ReduceAccumulators(std::move(status), layer, accumulator_set, &snapshot, &may_zero);
     } else if (status.ok() && control.read_accumulators) {
       status = CopyAccumulators(layer, accumulator_set->buffer.get(), &snapshot);
@@ -530,10 +589,12 @@ class GpuWorker final : public DeviceWorker {
                     layer.layout.total_elements, ncclFloat32, ncclSum, /*root=*/0,
                     nccl_->comm(rank_), nccl_stream_.get()),
         absl::StrCat("ncclReduce of the accumulators (", device(), ")"));
-    // Returns once every rank's part of the reduction is done.
+    // Returns once this rank's part of the reduction is done, or has been aborted (this device
+    // failed or hung, or another rank did: nccl_abort.h), so no rank waits for a lost peer.
     if (status.ok()) {
-      status = CudaStatus(cudaStreamSynchronize(nccl_stream_.get()),
-                          "cudaStreamSynchronize(ncclReduce)");
+      NcclReductionOnStream reduction(nccl_->communicators(), rank_, nccl_stream_.get());
+      status = WaitForCollective(reduction, nccl_->abort(), device(),
+                                 "ncclReduce of the accumulators", kNcclWait);
     }
     if (status.ok() && rank_ == 0) {
       status = CopyAccumulators(layer, reduce_buffer_.get(), snapshot);
@@ -548,6 +609,17 @@ class GpuWorker final : public DeviceWorker {
     (void)snapshot;
     return prior.ok() ? absl::InternalError("NCCL sum without nccl.h") : prior;
 #endif
+  }
+
+  // Whether this control sums with NCCL: not after an abort (then this rank's communicator, if it
+  // is still there, is aborted too and the host sums).
+  bool NcclSumUsable() {
+#ifdef ATTNGRAD_HAVE_NCCL_HEADER
+    if (nccl_ == nullptr) return false;
+    if (nccl_->usable()) return true;
+    nccl_->communicators().Abort(rank_);
+#endif
+    return false;
   }
 
   const std::shared_ptr<NcclSum> nccl_;  // null: host-side sums

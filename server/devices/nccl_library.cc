@@ -63,6 +63,8 @@ absl::StatusOr<std::unique_ptr<NcclLibrary>> NcclLibrary::Load(const std::string
            Resolve(handle, name, "ncclCommInitAll", &library->comm_init_all),
            Resolve(handle, name, "ncclCommDestroy", &library->comm_destroy),
            Resolve(handle, name, "ncclReduce", &library->reduce),
+           Resolve(handle, name, "ncclCommAbort", &library->comm_abort),
+           Resolve(handle, name, "ncclCommGetAsyncError", &library->comm_get_async_error),
        }) {
     if (!status.ok()) return status;
   }
@@ -104,6 +106,13 @@ absl::StatusOr<std::unique_ptr<NcclCommunicators>> NcclCommunicators::Create(
   if (!status.ok()) return status;
   return std::unique_ptr<NcclCommunicators>(
       new NcclCommunicators(std::move(library), std::move(comms)));
+}
+
+void NcclCommunicators::Abort(int rank) {
+  ncclComm_t& comm = comms_[static_cast<std::size_t>(rank)];
+  if (comm == nullptr) return;
+  library_->comm_abort(comm);
+  comm = nullptr;
 }
 
 NcclCommunicators::~NcclCommunicators() {

@@ -53,6 +53,8 @@ class NcclLibrary {
   decltype(&::ncclCommInitAll) comm_init_all = nullptr;
   decltype(&::ncclCommDestroy) comm_destroy = nullptr;
   decltype(&::ncclReduce) reduce = nullptr;
+  decltype(&::ncclCommAbort) comm_abort = nullptr;                    // nccl_abort.h
+  decltype(&::ncclCommGetAsyncError) comm_get_async_error = nullptr;  // nccl_abort.h
 #endif
 
  private:
@@ -67,7 +69,7 @@ class NcclLibrary {
 // One NCCL communicator per device of `devices` (rank i on devices[i]) made by one
 // ncclCommInitAll call, destroyed (ncclCommDestroy, one after the other from the destroying
 // thread) when this goes away; nothing may use them then. Each communicator must be used by one
-// thread at a time.
+// thread at a time. A rank's communicator can be aborted (nccl_abort.h); it is then gone (null).
 class NcclCommunicators {
  public:
   static absl::StatusOr<std::unique_ptr<NcclCommunicators>> Create(
@@ -79,6 +81,9 @@ class NcclCommunicators {
   const NcclLibrary& library() const { return *library_; }
   int size() const { return static_cast<int>(comms_.size()); }
   ncclComm_t comm(int rank) const { return comms_[static_cast<std::size_t>(rank)]; }
+  // ncclCommAbort of rank `rank`'s communicator (from the thread that uses it): a collective it
+  // is in stops; comm(rank) is null afterwards. Nothing when it is already gone.
+  void Abort(int rank);
 
  private:
   NcclCommunicators(std::shared_ptr<const NcclLibrary> library, std::vector<ncclComm_t> comms)

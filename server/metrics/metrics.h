@@ -28,7 +28,8 @@ class ServerMetrics {
   // One finished batch on `device` ("cpu", "cuda:0", ...); mode "return" or "accumulate".
   void ObserveBatch(const std::string& mode, const std::string& device, long long tokens,
                     const StageSeconds& stages);
-  // One finished RPC (method "Backward", "GetModelInfo", ...; code a gRPC code name).
+  // One finished RPC (method "Backward", "GetModelInfo", ...; code a gRPC code name); recorded by
+  // rpc/rpc_metrics_interceptor.h for every call, with CountError for those not OK.
   void ObserveRpc(const std::string& method, const std::string& code, double seconds);
   void CountError(const std::string& method, const std::string& code);
   void AddReceivedBytes(const std::string& method, double bytes);

@@ -48,8 +48,6 @@ class BackwardReactor final
     const absl::Status opened = service_->streams().Open(client_id_, this);
     if (!opened.ok()) {
       finished_ = true;
-      finish_code_ = grpc::StatusCode::RESOURCE_EXHAUSTED;
-      service_->metrics().CountError("Backward", "RESOURCE_EXHAUSTED");
       FinishStream(ToGrpcStatus(opened));
       return;
     }
@@ -65,7 +63,6 @@ class BackwardReactor final
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_ || jobs_outstanding_ != 0 || now - last_progress_ < timeout) return false;
     finished_ = true;
-    finish_code_ = grpc::StatusCode::DEADLINE_EXCEEDED;
     cancel_on_expiry_ = write_in_flight_;  // an answer the client does not read
     idle_seconds_ = std::chrono::duration<double>(timeout).count();
     return true;
@@ -73,7 +70,6 @@ class BackwardReactor final
 
   void FinishIdle() override {
     if (cancel_on_expiry_) context_->TryCancel();
-    service_->metrics().CountError("Backward", "DEADLINE_EXCEEDED");
     FinishStream(grpc::Status(
         grpc::StatusCode::DEADLINE_EXCEEDED,
         absl::StrCat("Backward: the stream made no progress for ", idle_seconds_,
@@ -128,11 +124,9 @@ class BackwardReactor final
   void OnDone() override { delete this; }
 
  private:
-  // Records the RPC and gives its stream slot back before finishing, so that a client that has
-  // seen the stream end finds the slot free and the RPC counted (OnDone may run later).
+  // Gives its stream slot back before finishing, so that a client that has seen the stream end
+  // finds the slot free (OnDone may run later). The RPC metrics: rpc_metrics_interceptor.h.
   void FinishStream(const grpc::Status& status) {
-    service_->metrics().ObserveRpc("Backward", StatusCodeName(static_cast<int>(finish_code_)),
-                                   std::chrono::duration<double>(Clock::now() - start_).count());
     service_->streams().Close(client_id_, this);
     Finish(status);
   }
@@ -162,13 +156,9 @@ class BackwardReactor final
         (broken_ || (reads_done_ && writes_.empty()))) {
       finished_ = true;
       actions.finish = true;
-      if (broken_) {
-        finish_code_ = grpc::StatusCode::CANCELLED;
-        actions.status = grpc::Status(grpc::StatusCode::CANCELLED, "Backward: stream cancelled");
-      } else {
-        finish_code_ = grpc::StatusCode::OK;
-        actions.status = grpc::Status::OK;
-      }
+      actions.status = broken_
+                           ? grpc::Status(grpc::StatusCode::CANCELLED, "Backward: stream cancelled")
+                           : grpc::Status::OK;
     }
     return actions;
   }
@@ -277,7 +267,6 @@ class BackwardReactor final
   bool reads_done_ = false;
   bool broken_ = false;  // cancelled or a write failed
   bool finished_ = false;
-  grpc::StatusCode finish_code_ = grpc::StatusCode::OK;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -287,7 +276,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
  public:
   LoadWeightsReactor(GradientService* service, grpc::CallbackServerContext* context,
                      v1::LoadWeightsResponse* response)
-      : service_(service), context_(context), response_(response), start_(Clock::now()) {
+      : service_(service), context_(context), response_(response) {
     received_.items.fill(0);
     dtypes_.items.fill(v1::DTYPE_UNSPECIFIED);
     StartRead(&request_);
@@ -310,11 +299,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     StartRead(&request_);
   }
 
-  void OnDone() override {
-    service_->metrics().ObserveRpc("LoadWeights", StatusCodeName(finish_code_),
-                                   std::chrono::duration<double>(Clock::now() - start_).count());
-    delete this;
-  }
+  void OnDone() override { delete this; }
 
  private:
   absl::Status HandleChunk() {
@@ -428,16 +413,11 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     return absl::OkStatus();
   }
 
-  void FinishWith(const absl::Status& status) {
-    finish_code_ = static_cast<int>(status.code());
-    if (!status.ok()) service_->metrics().CountError("LoadWeights", StatusCodeName(finish_code_));
-    Finish(ToGrpcStatus(status));
-  }
+  void FinishWith(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
 
   GradientService* const service_;
   grpc::CallbackServerContext* const context_;
   v1::LoadWeightsResponse* const response_;
-  const Clock::time_point start_;
   int slot_ = -1;  // the layer, once the first chunk named it
   LayerConfig config_;
   LayerTensors staging_;
@@ -445,7 +425,6 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
   PerWeight<int> dtypes_;
   std::uint64_t expected_version_ = 0;
   v1::LoadWeightsRequest request_;
-  int finish_code_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -455,7 +434,6 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   FetchReactor(GradientService* service, const v1::FetchGradientsRequest& request,
                const std::string& window_owner)
       : service_(service),
-        start_(Clock::now()),
         window_owner_(window_owner),
         zero_after_fetch_(request.zero_after_fetch()),
         expected_window_id_(request.expected_window_id()) {
@@ -512,11 +490,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
     WriteNext();
   }
 
-  void OnDone() override {
-    service_->metrics().ObserveRpc("FetchGradients", StatusCodeName(finish_code_),
-                                   std::chrono::duration<double>(Clock::now() - start_).count());
-    delete this;
-  }
+  void OnDone() override { delete this; }
 
  private:
   // Fetches the next layer's sums (one layer at a time: a fetch of many layers holds one layer's
@@ -571,15 +545,9 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
     StartWrite(&chunk_);
   }
 
-  void FinishWith(const absl::Status& status) {
-    finish_code_ = static_cast<int>(status.code());
-    if (!status.ok())
-      service_->metrics().CountError("FetchGradients", StatusCodeName(finish_code_));
-    Finish(ToGrpcStatus(status));
-  }
+  void FinishWith(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
 
   GradientService* const service_;
-  const Clock::time_point start_;
   const std::string window_owner_;
   const bool zero_after_fetch_;
   const std::uint64_t expected_window_id_;
@@ -592,7 +560,6 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   int weight_index_ = 0;  // into kAllWeights
   std::size_t offset_ = 0;
   bool first_ = true;
-  int finish_code_ = 0;
 };
 
 // A call refused before its reactor was made (authentication, authorization): finished at once.
@@ -628,17 +595,13 @@ absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext&
   absl::StatusOr<Caller> caller = authenticator_.Authenticate(context);
   absl::Status status = caller.status();
   if (status.ok()) status = Authorize(*caller, operation, method);
-  if (status.ok()) return caller;
-  const std::string code = StatusCodeName(static_cast<int>(status.code()));
-  metrics_->CountError(method, code);
-  metrics_->ObserveRpc(method, code, 0.0);
-  return status;
+  if (!status.ok()) return status;
+  return caller;
 }
 
 grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerContext* context,
                                                         const v1::GetModelInfoRequest*,
                                                         v1::GetModelInfoResponse* response) {
-  const auto start = Clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kInfo, "GetModelInfo");
   if (!caller.ok()) {
@@ -694,8 +657,6 @@ grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerCont
     info->set_weights_version(layer.weights_version);
   }
   reactor->Finish(grpc::Status::OK);
-  metrics_->ObserveRpc("GetModelInfo", "OK",
-                       std::chrono::duration<double>(Clock::now() - start).count());
   return reactor;
 }
 
@@ -724,17 +685,13 @@ grpc::ServerWriteReactor<v1::GradientChunk>* GradientService::FetchGradients(
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kFetchOwn, "FetchGradients");
   if (!caller.ok()) return new Refused(caller.status());
   absl::StatusOr<std::string> owner = WindowOwner(*caller, *context, "FetchGradients");
-  if (!owner.ok()) {
-    metrics_->CountError("FetchGradients", StatusCodeName(static_cast<int>(owner.status().code())));
-    return new Refused(owner.status());
-  }
+  if (!owner.ok()) return new Refused(owner.status());
   return new FetchReactor(this, *request, *owner);
 }
 
 grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerContext* context,
                                                          const v1::ZeroGradientsRequest* request,
                                                          v1::ZeroGradientsResponse* response) {
-  const auto start = Clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kZero, "ZeroGradients");
   absl::StatusOr<std::string> owner =
@@ -746,23 +703,15 @@ grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerCon
   absl::StatusOr<int> slot = core_->SlotOf(
       request->has_layer() ? std::optional<int>(request->layer()) : std::nullopt, "layer");
   if (!slot.ok()) {
-    const std::string code = StatusCodeName(static_cast<int>(slot.status().code()));
-    metrics_->CountError("ZeroGradients", code);
-    metrics_->ObserveRpc("ZeroGradients", code, 0.0);
     reactor->Finish(ToGrpcStatus(slot.status()));
     return reactor;
   }
   core_->Zero(*owner, *slot, request->expected_window_id(),
-              [this, reactor, response, start](absl::StatusOr<ZeroResult> result) {
-                const std::string code = StatusCodeName(static_cast<int>(result.status().code()));
+              [reactor, response](absl::StatusOr<ZeroResult> result) {
                 if (result.ok()) {
                   FillState(result->previous, response->mutable_previous());
                   FillState(result->current, response->mutable_current());
-                } else {
-                  metrics_->CountError("ZeroGradients", code);
                 }
-                metrics_->ObserveRpc("ZeroGradients", code,
-                                     std::chrono::duration<double>(Clock::now() - start).count());
                 reactor->Finish(ToGrpcStatus(result.status()));
               });
   return reactor;

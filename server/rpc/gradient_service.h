@@ -48,8 +48,8 @@ class GradientService final : public v1::AttentionGradient::CallbackService {
   const Authenticator& authenticator() const { return authenticator_; }
 
  private:
-  // The caller of `context` when it may perform `operation`; otherwise the error, counted in the
-  // metrics under `method`.
+  // The caller of `context` when it may perform `operation` (named `method` in errors); otherwise
+  // the error (the RPC metrics count it when the call ends: rpc_metrics_interceptor.h).
   absl::StatusOr<Caller> Admit(const grpc::CallbackServerContext& context, Operation operation,
                                const char* method);
 

@@ -160,9 +160,11 @@ v1::BackwardResponse RunOne(v1::AttentionGradient::Stub& stub, const v1::Backwar
   return responses.empty() ? v1::BackwardResponse() : responses.front();
 }
 
-Fetched Fetch(v1::AttentionGradient::Stub& stub, const v1::FetchGradientsRequest& request) {
+Fetched Fetch(v1::AttentionGradient::Stub& stub, const v1::FetchGradientsRequest& request,
+              const std::string& client_id) {
   Fetched fetched;
   grpc::ClientContext context;
+  if (!client_id.empty()) context.AddMetadata("attngrad-client-id", client_id);
   auto reader = stub.FetchGradients(&context, request);
   v1::GradientChunk chunk;
   PerWeight<int> dtypes;

@@ -76,7 +76,9 @@ struct Fetched {
   LayerTensors gradients;
   int chunks = 0;
 };
-Fetched Fetch(v1::AttentionGradient::Stub& stub, const v1::FetchGradientsRequest& request);
+// client_id: sent as attngrad-client-id (authentication off) when not empty.
+Fetched Fetch(v1::AttentionGradient::Stub& stub, const v1::FetchGradientsRequest& request,
+              const std::string& client_id = "");
 
 // Starts a server (CPU backend, random weights with kWeightsSeed, loopback, metrics on a free port)
 // in SetUp and stops it in TearDown. Override Customize() to change options before the start.

@@ -1,5 +1,7 @@
 // The service around the math: model info, grpc.health.v1, reflection, Prometheus metrics, the
 // stream limit and a graceful shutdown that finishes the batch in flight.
+#include <algorithm>
+#include <chrono>
 #include <thread>
 
 #include <grpcpp/generic/generic_stub.h>
@@ -99,32 +101,44 @@ TEST_F(ServerServiceTest, MetricsAreExported) {
   v1::BackwardRequest bad = MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE);
   bad.clear_grad_output();
   ASSERT_TRUE(RunOne(stub(), bad).has_error());
-  const std::string text = HttpGet(server().metrics_port(), "/metrics");
-  for (const char* expected : {
-           "attngrad_batch_duration_seconds_bucket{device=\"cpu\",mode=\"accumulate\"",
-           "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"compute\"} 1",
-           "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"queue\"} 1",
-           "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"copy_in\"} 1",
-           "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"copy_out\"} 1",
-           "attngrad_rpc_duration_seconds_count{code=\"OK\",method=\"Backward\"} 2",
-           "attngrad_rpc_duration_seconds_count{code=\"OK\",method=\"GetModelInfo\"} 1",
-           "attngrad_batches_total{device=\"cpu\",mode=\"accumulate\"} 1",
-           "attngrad_tokens_total{device=\"cpu\",mode=\"accumulate\"} 2",
-           "attngrad_received_bytes_total{method=\"Backward\"}",
-           "attngrad_sent_bytes_total{method=\"Backward\"} 24576",
-           "attngrad_errors_total{code=\"INVALID_ARGUMENT\",method=\"Backward\"} 1",
-           "attngrad_inflight_batches{device=\"cpu\"} 0",
-           "attngrad_queue_depth{device=\"cpu\"} 0",
-           "attngrad_queue_capacity{device=\"cpu\"}",
-           "attngrad_device_memory_used_bytes{device=\"cpu\"}",
-           "attngrad_device_memory_total_bytes{device=\"cpu\"}",
-           "attngrad_weights_version 1",
-           "attngrad_accumulated_batches 1",
-           "attngrad_accumulated_tokens 2",
-           "attngrad_accumulation_window_id ",
-           "attngrad_build_info{version=\"",
-           "attngrad_gradient_sum_info{nccl_version=\"\",path=\"host\"} 1",
-       }) {
+  const std::vector<std::string> expected_lines = {
+      "attngrad_batch_duration_seconds_bucket{device=\"cpu\",mode=\"accumulate\"",
+      "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"compute\"} 1",
+      "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"queue\"} 1",
+      "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"copy_in\"} 1",
+      "attngrad_stage_duration_seconds_count{device=\"cpu\",stage=\"copy_out\"} 1",
+      "attngrad_rpc_duration_seconds_count{code=\"OK\",method=\"Backward\"} 2",
+      "attngrad_rpc_duration_seconds_count{code=\"OK\",method=\"GetModelInfo\"} 1",
+      "attngrad_batches_total{device=\"cpu\",mode=\"accumulate\"} 1",
+      "attngrad_tokens_total{device=\"cpu\",mode=\"accumulate\"} 2",
+      "attngrad_received_bytes_total{method=\"Backward\"}",
+      "attngrad_sent_bytes_total{method=\"Backward\"} 24576",
+      "attngrad_errors_total{code=\"INVALID_ARGUMENT\",method=\"Backward\"} 1",
+      "attngrad_inflight_batches{device=\"cpu\"} 0",
+      "attngrad_queue_depth{device=\"cpu\"} 0",
+      "attngrad_queue_capacity{device=\"cpu\"}",
+      "attngrad_device_memory_used_bytes{device=\"cpu\"}",
+      "attngrad_device_memory_total_bytes{device=\"cpu\"}",
+      "attngrad_weights_version 1",
+      "attngrad_accumulated_batches 1",
+      "attngrad_accumulated_tokens 2",
+      "attngrad_accumulation_window_id ",
+      "attngrad_build_info{version=\"",
+      "attngrad_gradient_sum_info{nccl_version=\"\",path=\"host\"} 1",
+  };
+  // A call is recorded when gRPC closes it (rpc_metrics_interceptor.h), which can come just after
+  // the client saw its status: scrape again until everything is there (at most 5 s).
+  std::string text;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    text = HttpGet(server().metrics_port(), "/metrics");
+    if (std::all_of(expected_lines.begin(), expected_lines.end(), [&](const std::string& line) {
+          return text.find(line) != std::string::npos;
+        })) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (const std::string& expected : expected_lines) {
     EXPECT_NE(text.find(expected), std::string::npos) << "missing: " << expected;
   }
   if (HasFailure()) std::cerr << text << "\n";

@@ -1,0 +1,99 @@
+// RpcMetricsInterceptorFactory; see rpc_metrics_interceptor.h.
+#include "rpc/rpc_metrics_interceptor.h"
+
+#include <cstring>
+#include <mutex>
+
+#include "rpc/gradient_service.h"
+
+namespace attngrad::server {
+namespace {
+
+using grpc::experimental::InterceptionHookPoints;
+using Clock = std::chrono::steady_clock;
+
+constexpr char kServicePrefix[] = "/attngrad.v1.AttentionGradient/";
+
+// One call: notes the status sent (PRE_SEND_STATUS) and the close (POST_RECV_CLOSE), which come
+// in either order (a cancelled call closes before its reactor finishes), and records the call when
+// it has seen both, or when it is destroyed with the call.
+class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  RpcMetricsInterceptor(ServerMetrics* metrics, std::string method,
+                        grpc::ServerContextBase* context)
+      : metrics_(metrics), method_(std::move(method)), context_(context), start_(Clock::now()) {}
+
+  ~RpcMetricsInterceptor() override { Record(); }
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    bool complete = false;
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      end_.sent = methods->GetSendStatus().error_code();
+      complete = closed_;
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE)) {
+      const bool cancelled = context_->IsCancelled();
+      const bool deadline_passed =
+          cancelled && std::chrono::system_clock::now() >= context_->deadline();
+      std::lock_guard<std::mutex> lock(mutex_);
+      closed_ = true;
+      end_.cancelled = cancelled;
+      end_.deadline_passed = deadline_passed;
+      complete = end_.sent.has_value();
+    }
+    if (complete) Record();
+    // Last: once the batch proceeds, the call may end and this interceptor be destroyed.
+    methods->Proceed();
+  }
+
+ private:
+  void Record() {
+    CallEnd end;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (recorded_) return;
+      recorded_ = true;
+      end = end_;
+    }
+    const std::string code = StatusCodeName(static_cast<int>(FinalCode(end)));
+    metrics_->ObserveRpc(method_, code,
+                         std::chrono::duration<double>(Clock::now() - start_).count());
+    if (code != "OK") metrics_->CountError(method_, code);
+  }
+
+  ServerMetrics* const metrics_;
+  const std::string method_;
+  grpc::ServerContextBase* const context_;
+  const Clock::time_point start_;
+  std::mutex mutex_;
+  CallEnd end_;
+  bool closed_ = false;
+  bool recorded_ = false;
+};
+
+}  // namespace
+
+grpc::StatusCode FinalCode(const CallEnd& end) {
+  if (end.sent.has_value() && *end.sent != grpc::StatusCode::OK) return *end.sent;
+  if (end.cancelled) {
+    return end.deadline_passed ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED;
+  }
+  return end.sent.value_or(grpc::StatusCode::UNKNOWN);
+}
+
+std::string MetricsMethodName(const char* full_method) {
+  if (full_method == nullptr) return "";
+  const std::size_t prefix = std::strlen(kServicePrefix);
+  if (std::strncmp(full_method, kServicePrefix, prefix) != 0) return "";
+  return std::string(full_method + prefix);
+}
+
+grpc::experimental::Interceptor* RpcMetricsInterceptorFactory::CreateServerInterceptor(
+    grpc::experimental::ServerRpcInfo* info) {
+  std::string method = MetricsMethodName(info->method());
+  if (method.empty()) return nullptr;
+  return new RpcMetricsInterceptor(metrics_, std::move(method), info->server_context());
+}
+
+}  // namespace attngrad::server

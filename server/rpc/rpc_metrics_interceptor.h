@@ -1,0 +1,51 @@
+// The RPC metrics of every call of attngrad.v1.AttentionGradient, recorded in one place: a gRPC
+// server interceptor (gRPC's experimental interceptor API) that sees each call end, including the
+// calls gRPC itself ends (issue 14, found #7): a client that cancels, a deadline that passes, a
+// message over --max_message_bytes or one that does not parse. Each ended call is observed once in
+// attngrad_rpc_duration_seconds{method,code} and, unless its code is OK, counted once in
+// attngrad_errors_total{method,code} (the Backward reactor adds its in-band batch errors there).
+//
+// The code recorded is what the call really ended with, as the server can know it: the status the
+// service sent when it was not OK; else CANCELLED when the call was cancelled (by the client, by
+// gRPC for a broken or over-size message, or by the server's shutdown), DEADLINE_EXCEEDED when it
+// was cancelled at or after its deadline; else the status sent (OK). A stream the client cancels
+// after the server had answered OK is therefore CANCELLED, not OK.
+#ifndef ATTNGRAD_SERVER_RPC_METRICS_INTERCEPTOR_H_
+#define ATTNGRAD_SERVER_RPC_METRICS_INTERCEPTOR_H_
+
+#include <grpcpp/support/server_interceptor.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include "metrics/metrics.h"
+
+namespace attngrad::server {
+
+// How one call ended, as the interceptor saw it; FinalCode decides the code recorded.
+struct CallEnd {
+  std::optional<grpc::StatusCode> sent;  // the status the service sent, if it sent one
+  bool cancelled = false;                // ServerContext::IsCancelled at the call's close
+  bool deadline_passed = false;          // the close came at or after the call's deadline
+};
+grpc::StatusCode FinalCode(const CallEnd& end);
+
+// "Backward" for "/attngrad.v1.AttentionGradient/Backward"; empty for other services' methods
+// (health, reflection), which are not recorded.
+std::string MetricsMethodName(const char* full_method);
+
+class RpcMetricsInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit RpcMetricsInterceptorFactory(ServerMetrics* metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override;
+
+ private:
+  ServerMetrics* const metrics_;  // outlives the gRPC server
+};
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_RPC_METRICS_INTERCEPTOR_H_

@@ -1,0 +1,46 @@
+#include "scheduling/finite_check.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace attngrad::server {
+namespace {
+
+unsigned long long CountNonFinite(const std::vector<float>& values) {
+  unsigned long long count = 0;
+  for (float value : values) count += std::isfinite(value) ? 0 : 1;
+  return count;
+}
+
+}  // namespace
+
+NonFiniteCounts CountNonFiniteHost(const std::vector<float>& grad_hidden_states,
+                                   const LayerTensors& weight_gradients) {
+  NonFiniteCounts counts{};
+  counts[0] = CountNonFinite(grad_hidden_states);
+  for (Weight weight : kAllWeights) {
+    counts[CountIndexOf(weight)] = CountNonFinite(weight_gradients[weight]);
+  }
+  return counts;
+}
+
+absl::Status NonFiniteGradientsStatus(const NonFiniteCounts& counts) {
+  std::vector<std::string> parts;
+  if (counts[0] != 0) parts.push_back(absl::StrCat("grad_hidden_states ", counts[0]));
+  for (Weight weight : kAllWeights) {
+    const unsigned long long count = counts[CountIndexOf(weight)];
+    if (count != 0) parts.push_back(absl::StrCat(WeightModuleName(weight), " ", count));
+  }
+  if (parts.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the batch's gradients are not finite (NaN or infinite values: ", absl::StrJoin(parts, ", "),
+      "): its inputs are finite but overflow fp32 in the backward pass (scale grad_output or "
+      "hidden_states down); nothing of this batch was accumulated (an ACCUMULATE batch_id stays "
+      "free "
+      "for a retry)"));
+}
+
+}  // namespace attngrad::server

@@ -1,0 +1,26 @@
+// The finite check of a batch's gradients before they count (issue 14, found #4): the host-side
+// count (the CPU worker's; the GPU worker counts on the device, attngrad/finite_check.h) and the
+// in-band error both workers answer when any gradient holds NaN or Inf. Such a batch is not added
+// to its window's sums, so finite inputs that overflow in the backward pass cannot poison them.
+#ifndef ATTNGRAD_SERVER_FINITE_CHECK_H_
+#define ATTNGRAD_SERVER_FINITE_CHECK_H_
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attngrad/finite_check.h"
+#include "weights/layer_weights.h"
+
+namespace attngrad::server {
+
+// NaN and infinite values of grad_hidden_states and of each weight gradient (CountIndexOf order).
+NonFiniteCounts CountNonFiniteHost(const std::vector<float>& grad_hidden_states,
+                                   const LayerTensors& weight_gradients);
+
+// OK when every count is 0; else INVALID_ARGUMENT naming each non-finite gradient and how many of
+// its values are NaN or infinite, and saying that nothing of the batch was accumulated.
+absl::Status NonFiniteGradientsStatus(const NonFiniteCounts& counts);
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_FINITE_CHECK_H_
