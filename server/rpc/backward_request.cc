@@ -35,10 +35,11 @@ absl::Status DecodeFinite(const v1::Tensor& tensor, const std::string& field,
 
 }  // namespace
 
-absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
+absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest received,
                                                     const LayerConfig& config,
                                                     const LayerSettings& settings,
                                                     const BatchLimits& limits) {
+  const v1::BackwardRequest& request = received.message;
   ParsedBackward parsed;
   if (!v1::GradientMode_IsValid(request.mode())) {
     return absl::InvalidArgumentError(
@@ -74,7 +75,8 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   }
   ATTNGRAD_ASSIGN_OR_RETURN(
       const std::vector<std::int64_t> shape,
-      wire::CheckTensor(request.hidden_states(), "hidden_states", {-1, -1, hidden}));
+      wire::CheckTensor(request.hidden_states().dtype(), request.hidden_states().shape(),
+                        received.hidden_states.size_bytes(), "hidden_states", {-1, -1, hidden}));
   const std::int64_t batch = shape[0];
   const std::int64_t seq_len = shape[1];
   const std::int64_t tokens = batch * seq_len;
@@ -102,7 +104,9 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
                                                    wire::ShapeString(activation_shape), " tensor"));
   }
   ATTNGRAD_RETURN_IF_ERROR(
-      wire::CheckTensor(request.grad_output(), "grad_output", activation_shape));
+      wire::CheckTensor(request.grad_output().dtype(), request.grad_output().shape(),
+                        received.grad_output.size_bytes(), "grad_output", activation_shape)
+          .status());
 
   // Rotary inputs.
   const std::int64_t head_dim = config.head_dim;
@@ -181,26 +185,26 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
         "response_dtype, or use ACCUMULATE"));
   }
 
-  // Convert (and check every value is finite).
+  // The activations stay as they arrived (the worker copies them once, checking every value is
+  // finite); the rotary tables are decoded (and checked) here.
   auto job = std::make_unique<BatchJob>();
   job->batch = static_cast<int>(batch);
   job->seq_len = static_cast<int>(seq_len);
+  job->config = config;
+  job->response_dtype = response_dtype;
   job->scalars = scalars;
   job->precision = request.precision() == v1::PRECISION_UNSPECIFIED
                        ? Precision::kAuto
                        : static_cast<Precision>(static_cast<int>(request.precision()) - 1);
   job->accumulate = parsed.accumulate;
   job->return_weight_gradients = !parsed.accumulate;
-  const std::size_t activations = static_cast<std::size_t>(tokens * hidden);
   const std::size_t rotary = static_cast<std::size_t>(tokens * head_dim);
-  job->hidden_states.resize(activations);
-  job->grad_output.resize(activations);
   job->cos.resize(rotary);
   job->sin.resize(rotary);
-  ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.hidden_states(), "hidden_states.raw_data",
-                                        absl::MakeSpan(job->hidden_states)));
-  ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.grad_output(), "grad_output.raw_data",
-                                        absl::MakeSpan(job->grad_output)));
+  received.hidden_states.set_dtype(request.hidden_states().dtype());
+  received.grad_output.set_dtype(request.grad_output().dtype());
+  job->hidden_states = std::move(received.hidden_states);
+  job->grad_output = std::move(received.grad_output);
   if (request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
     ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().cos(),
                                           "rotary_tables.cos.raw_data", absl::MakeSpan(job->cos)));
@@ -221,60 +225,125 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
                                                     const BatchLimits& limits) {
   LayerSettings settings;
   settings.scalars.scaling = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
-  return ParseBackwardRequest(request, config, settings, limits);
+  return ParseBackwardRequest(ReceivedFromMessage(request), config, settings, limits);
 }
 
-void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardResponse* response) {
-  const std::int64_t hidden =
-      job.batch > 0 && job.seq_len > 0
-          ? static_cast<std::int64_t>(job.grad_hidden_states.size()) / job.batch / job.seq_len
-          : 0;
-  wire::EncodeTensor(job.grad_hidden_states, {job.batch, job.seq_len, hidden}, response_dtype,
-                     response->mutable_grad_hidden_states());
+namespace {
+
+constexpr int kLengthDelimited = 2;
+
+void AppendVarint(std::uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+std::size_t VarintSize(std::uint64_t value) {
+  std::size_t size = 1;
+  while (value >= 0x80) {
+    value >>= 7;
+    ++size;
+  }
+  return size;
+}
+
+// The encoding of `fields` (outermost first) nested around a raw_data (Tensor field 3) of `bytes`
+// bytes: the header that goes in front of the payload slice.
+std::string RawDataHeader(std::initializer_list<int> fields, std::size_t bytes) {
+  constexpr int kRawDataField = 3;
+  // Sizes from the inside out.
+  std::vector<int> path(fields);
+  std::vector<std::size_t> lengths(path.size());
+  std::size_t inner = VarintSize(kRawDataField << 3 | kLengthDelimited) + VarintSize(bytes) + bytes;
+  for (std::size_t i = path.size(); i-- > 0;) {
+    lengths[i] = inner;
+    inner +=
+        VarintSize(static_cast<std::uint64_t>(path[i]) << 3 | kLengthDelimited) + VarintSize(inner);
+  }
+  std::string header;
+  for (std::size_t i = 0; i < path.size(); ++i) {
+    AppendVarint(static_cast<std::uint64_t>(path[i]) << 3 | kLengthDelimited, &header);
+    AppendVarint(lengths[i], &header);
+  }
+  AppendVarint(kRawDataField << 3 | kLengthDelimited, &header);
+  AppendVarint(bytes, &header);
+  return header;
+}
+
+void DeleteAnswer(void* answer) { delete static_cast<AnswerBuffer*>(answer); }
+
+void SetShape(absl::Span<const std::int64_t> shape, int dtype, v1::Tensor* tensor) {
+  tensor->set_dtype(static_cast<v1::DType>(dtype));
+  tensor->clear_shape();
+  for (std::int64_t dim : shape) tensor->add_shape(dim);
+}
+
+}  // namespace
+
+grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job) {
+  constexpr int kGradHiddenStatesField = 4;  // BackwardResponse.grad_hidden_states
+  constexpr int kWeightGradientsField = 5;   // BackwardResponse.weight_gradients
+  const LayerConfig& config = job.config;
+  const int dtype = job.response_dtype;
+  const std::size_t element_size = wire::DTypeSize(dtype);
+  SetShape({job.batch, job.seq_len, config.hidden_size}, dtype,
+           response.mutable_grad_hidden_states());
   if (job.return_weight_gradients) {
-    v1::WeightGradients* gradients = response->mutable_weight_gradients();
-    // The layer's shape from the gradients' sizes (head_dim from a norm weight, the head counts
-    // from the projections).
-    LayerConfig config;
-    config.hidden_size = static_cast<int>(hidden);
-    config.head_dim = static_cast<int>(job.weight_gradients[Weight::kQNorm].size());
-    config.num_heads = static_cast<int>(job.weight_gradients[Weight::kQProj].size() /
-                                        static_cast<std::size_t>(hidden * config.head_dim));
-    config.num_kv_heads = static_cast<int>(job.weight_gradients[Weight::kKProj].size() /
-                                           static_cast<std::size_t>(hidden * config.head_dim));
     for (Weight weight : kAllWeights) {
-      wire::EncodeTensor(job.weight_gradients[weight], WeightShape(config, weight), response_dtype,
-                         wire::MutableGradientTensor(gradients, weight));
+      SetShape(WeightShape(config, weight), dtype,
+               wire::MutableGradientTensor(response.mutable_weight_gradients(), weight));
     }
   }
-  v1::StageTimings* timings = response->mutable_timings();
+  v1::StageTimings* timings = response.mutable_timings();
   timings->set_queue_seconds(job.stages.queue);
   timings->set_copy_in_seconds(job.stages.copy_in);
   timings->set_compute_seconds(job.stages.compute);
   timings->set_copy_out_seconds(job.stages.copy_out);
   timings->set_total_seconds(job.stages.total);
-  response->set_device(job.device);
+  response.set_device(job.device);
+
+  // The message's own fields, then each tensor's raw_data as a slice of the answer buffer.
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(response.SerializeAsString());
+  auto* answer = new AnswerBuffer(std::move(job.answer));
+  const grpc::Slice whole(answer->bytes.get(), answer->size, DeleteAnswer, answer);
+  std::size_t offset = 0;
+  auto add = [&](std::initializer_list<int> fields, std::size_t elements) {
+    const std::size_t bytes = elements * element_size;
+    slices.emplace_back(RawDataHeader(fields, bytes));
+    if (bytes > 0) slices.push_back(whole.sub(offset, offset + bytes));
+    offset += bytes;
+  };
+  add({kGradHiddenStatesField}, job.activations());
+  if (job.return_weight_gradients) {
+    for (Weight weight : kAllWeights) {
+      add({kWeightGradientsField, static_cast<int>(wire::WireWeightName(weight))},
+          WeightElements(config, weight));
+    }
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-std::int64_t PayloadBytes(const v1::BackwardRequest& request) {
-  std::int64_t bytes =
-      request.hidden_states().raw_data().size() + request.grad_output().raw_data().size();
-  if (request.has_rotary_tables()) {
-    bytes += request.rotary_tables().cos().raw_data().size() +
-             request.rotary_tables().sin().raw_data().size();
+grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message) {
+  grpc::Slice slice(message.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+std::int64_t PayloadBytes(const ReceivedBackwardRequest& request) {
+  std::int64_t bytes = static_cast<std::int64_t>(request.hidden_states.size_bytes() +
+                                                 request.grad_output.size_bytes());
+  const v1::BackwardRequest& message = request.message;
+  if (message.has_rotary_tables()) {
+    bytes += message.rotary_tables().cos().raw_data().size() +
+             message.rotary_tables().sin().raw_data().size();
   }
   return bytes;
 }
 
-std::int64_t PayloadBytes(const v1::BackwardResponse& response) {
-  std::int64_t bytes = response.grad_hidden_states().raw_data().size();
-  if (response.has_weight_gradients()) {
-    const auto& g = response.weight_gradients();
-    bytes += g.q_proj().raw_data().size() + g.k_proj().raw_data().size() +
-             g.v_proj().raw_data().size() + g.o_proj().raw_data().size() +
-             g.q_norm().raw_data().size() + g.k_norm().raw_data().size();
-  }
-  return bytes;
+std::int64_t PayloadBytes(const BatchJob& job) {
+  return static_cast<std::int64_t>(job.answer.size);
 }
 
 }  // namespace attngrad::server
