@@ -243,19 +243,15 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       return;
     }
     // The request's bytes until the worker has copied them, and the answer's until it is sent.
-    absl::StatusOr<MemoryBudget::Reservation> request_memory =
-        service_->memory().Reserve(received_bytes, absl::StrCat("Backward batch ", batch_id));
-    absl::StatusOr<MemoryBudget::Reservation> answer_memory =
-        request_memory.ok()
-            ? service_->memory().Reserve(static_cast<std::int64_t>(parsed->job->AnswerBytes()),
-                                         absl::StrCat("the answer of Backward batch ", batch_id))
-            : request_memory.status();
-    if (!answer_memory.ok()) {
-      QueueResponse(ErrorResponse(batch_id, answer_memory.status()), /*job_finished=*/false);
+    absl::StatusOr<MemoryBudget::Reservation> memory = service_->memory().Reserve(
+        received_bytes + static_cast<std::int64_t>(parsed->job->AnswerBytes()),
+        absl::StrCat("Backward batch ", batch_id, " and its answer"));
+    if (!memory.ok()) {
+      QueueResponse(ErrorResponse(batch_id, memory.status()), /*job_finished=*/false);
       return;
     }
-    parsed->job->request_reservation = *std::move(request_memory);
-    parsed->job->answer.reservation = *std::move(answer_memory);
+    parsed->job->request_reservation = memory->Split(received_bytes);
+    parsed->job->answer.reservation = *std::move(memory);
     parsed->job->layer_slot = *slot;
     const int layer = core.settings(*slot).index;
     const std::string instance_id = core.instance_id();

@@ -1,6 +1,8 @@
 // MemoryBudget: a counter under a mutex.
 #include "scheduling/memory_budget.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace attngrad::server {
@@ -20,6 +22,12 @@ void MemoryBudget::Reservation::Release() {
   if (budget_ != nullptr && bytes_ != 0) budget_->Give(bytes_);
   budget_ = nullptr;
   bytes_ = 0;
+}
+
+MemoryBudget::Reservation MemoryBudget::Reservation::Split(std::int64_t bytes) {
+  bytes = std::min(bytes, bytes_);
+  bytes_ -= bytes;
+  return Reservation(budget_, bytes);
 }
 
 absl::StatusOr<MemoryBudget::Reservation> MemoryBudget::Reserve(std::int64_t bytes,

@@ -31,6 +31,8 @@ class MemoryBudget {
     ~Reservation() { Release(); }
     std::int64_t bytes() const { return bytes_; }
     void Release();
+    // A reservation of `bytes` (at most bytes()) moved out of this one, to be given back apart.
+    Reservation Split(std::int64_t bytes);
 
    private:
     friend class MemoryBudget;
