@@ -4,8 +4,12 @@
 // the types of attngrad/cuda_resources.h, released when the worker's thread drops them):
 // copy-in, compute and copy-out. Each batch in flight owns a slot (pinned host staging buffers,
 // device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
-// compute of batch n and the copy-out of batch n-1 overlap. Kernels run in order on the compute
-// stream, so the accumulators and the shared workspace need no further synchronisation.
+// compute of batch n and the copy-out of batch n-1 overlap. The host side of a batch is one copy
+// each way, in parallel on the worker's copy threads: the activations from gRPC's receive slices
+// into the slot's pinned staging as they arrived (fp32/fp16/bf16; fp16/bf16 widened on the GPU,
+// wire_convert.h), and the answer, in the response dtype (narrowed on the GPU), from the pinned
+// buffer into the job's answer buffer, which gRPC sends as it is. Kernels run in order on the
+// compute stream, so the accumulators and the shared workspace need no further synchronisation.
 //
 // Cross-device sums at a fetch (a control that reads the accumulators): with two or more workers
 // and NCCL usable, each worker, on its own thread and its own NCCL stream, calls ncclReduce (sum,

@@ -228,107 +228,22 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   return ParseBackwardRequest(ReceivedFromMessage(request), config, settings, limits);
 }
 
-namespace {
-
-constexpr int kLengthDelimited = 2;
-
-void AppendVarint(std::uint64_t value, std::string* out) {
-  while (value >= 0x80) {
-    out->push_back(static_cast<char>((value & 0x7f) | 0x80));
-    value >>= 7;
+ReceivedBackwardRequest ReceivedFromMessage(v1::BackwardRequest message) {
+  ReceivedBackwardRequest received;
+  if (message.has_hidden_states()) {
+    received.hidden_states =
+        WireTensor::FromBytes(message.hidden_states().dtype(),
+                              std::move(*message.mutable_hidden_states()->mutable_raw_data()));
+    message.mutable_hidden_states()->clear_raw_data();
   }
-  out->push_back(static_cast<char>(value));
-}
-
-std::size_t VarintSize(std::uint64_t value) {
-  std::size_t size = 1;
-  while (value >= 0x80) {
-    value >>= 7;
-    ++size;
+  if (message.has_grad_output()) {
+    received.grad_output =
+        WireTensor::FromBytes(message.grad_output().dtype(),
+                              std::move(*message.mutable_grad_output()->mutable_raw_data()));
+    message.mutable_grad_output()->clear_raw_data();
   }
-  return size;
-}
-
-// The encoding of `fields` (outermost first) nested around a raw_data (Tensor field 3) of `bytes`
-// bytes: the header that goes in front of the payload slice.
-std::string RawDataHeader(std::initializer_list<int> fields, std::size_t bytes) {
-  constexpr int kRawDataField = 3;
-  // Sizes from the inside out.
-  std::vector<int> path(fields);
-  std::vector<std::size_t> lengths(path.size());
-  std::size_t inner = VarintSize(kRawDataField << 3 | kLengthDelimited) + VarintSize(bytes) + bytes;
-  for (std::size_t i = path.size(); i-- > 0;) {
-    lengths[i] = inner;
-    inner +=
-        VarintSize(static_cast<std::uint64_t>(path[i]) << 3 | kLengthDelimited) + VarintSize(inner);
-  }
-  std::string header;
-  for (std::size_t i = 0; i < path.size(); ++i) {
-    AppendVarint(static_cast<std::uint64_t>(path[i]) << 3 | kLengthDelimited, &header);
-    AppendVarint(lengths[i], &header);
-  }
-  AppendVarint(kRawDataField << 3 | kLengthDelimited, &header);
-  AppendVarint(bytes, &header);
-  return header;
-}
-
-void DeleteAnswer(void* answer) { delete static_cast<AnswerBuffer*>(answer); }
-
-void SetShape(absl::Span<const std::int64_t> shape, int dtype, v1::Tensor* tensor) {
-  tensor->set_dtype(static_cast<v1::DType>(dtype));
-  tensor->clear_shape();
-  for (std::int64_t dim : shape) tensor->add_shape(dim);
-}
-
-}  // namespace
-
-grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job) {
-  constexpr int kGradHiddenStatesField = 4;  // BackwardResponse.grad_hidden_states
-  constexpr int kWeightGradientsField = 5;   // BackwardResponse.weight_gradients
-  const LayerConfig& config = job.config;
-  const int dtype = job.response_dtype;
-  const std::size_t element_size = wire::DTypeSize(dtype);
-  SetShape({job.batch, job.seq_len, config.hidden_size}, dtype,
-           response.mutable_grad_hidden_states());
-  if (job.return_weight_gradients) {
-    for (Weight weight : kAllWeights) {
-      SetShape(WeightShape(config, weight), dtype,
-               wire::MutableGradientTensor(response.mutable_weight_gradients(), weight));
-    }
-  }
-  v1::StageTimings* timings = response.mutable_timings();
-  timings->set_queue_seconds(job.stages.queue);
-  timings->set_copy_in_seconds(job.stages.copy_in);
-  timings->set_compute_seconds(job.stages.compute);
-  timings->set_copy_out_seconds(job.stages.copy_out);
-  timings->set_total_seconds(job.stages.total);
-  response.set_device(job.device);
-
-  // The message's own fields, then each tensor's raw_data as a slice of the answer buffer.
-  std::vector<grpc::Slice> slices;
-  slices.emplace_back(response.SerializeAsString());
-  auto* answer = new AnswerBuffer(std::move(job.answer));
-  const grpc::Slice whole(answer->bytes.get(), answer->size, DeleteAnswer, answer);
-  std::size_t offset = 0;
-  auto add = [&](std::initializer_list<int> fields, std::size_t elements) {
-    const std::size_t bytes = elements * element_size;
-    slices.emplace_back(RawDataHeader(fields, bytes));
-    if (bytes > 0) slices.push_back(whole.sub(offset, offset + bytes));
-    offset += bytes;
-  };
-  add({kGradHiddenStatesField}, job.activations());
-  if (job.return_weight_gradients) {
-    for (Weight weight : kAllWeights) {
-      add({kWeightGradientsField, static_cast<int>(wire::WireWeightName(weight))},
-          WeightElements(config, weight));
-    }
-  }
-  return grpc::ByteBuffer(slices.data(), slices.size());
-}
-
-grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message) {
-  grpc::Slice slice(message.SerializeAsString());
-  return grpc::ByteBuffer(&slice, 1);
+  received.message = std::move(message);
+  return received;
 }
 
 std::int64_t PayloadBytes(const ReceivedBackwardRequest& request) {

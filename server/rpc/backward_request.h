@@ -7,11 +7,9 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include <grpcpp/support/byte_buffer.h>
-
 #include "attngrad/v1/attngrad.pb.h"
-#include "rpc/raw_request.h"
 #include "scheduling/device_worker.h"
+#include "scheduling/wire_tensor.h"
 #include "weights/model.h"
 
 namespace attngrad::server {
@@ -20,6 +18,18 @@ struct BatchLimits {
   std::int64_t max_batch_tokens = 65536;
   std::int64_t max_message_bytes = 1 << 30;
 };
+
+// A BackwardRequest whose activations were left where they arrived: `message` has every field but
+// hidden_states.raw_data and grad_output.raw_data, which are `hidden_states` and `grad_output`
+// (e.g. pieces of gRPC's receive slices: rpc/raw_request.h).
+struct ReceivedBackwardRequest {
+  v1::BackwardRequest message;
+  WireTensor hidden_states;
+  WireTensor grad_output;
+};
+
+// The same request from a parsed message (its raw data moved into owned WireTensors).
+ReceivedBackwardRequest ReceivedFromMessage(v1::BackwardRequest message);
 
 // The validated request: the job plus what the response needs.
 struct ParsedBackward {
@@ -44,16 +54,6 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest requ
 absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
                                                     const LayerConfig& config,
                                                     const BatchLimits& limits);
-
-// The response of a finished job: `response`'s fields (batch id, versions, ...) plus the job's
-// outputs (grad_hidden_states, RETURN weight gradients, in the job's response dtype, and its
-// timings), serialized without copying the outputs: their bytes go out as slices of the job's
-// answer buffer (BatchJob::answer), which the returned buffer keeps alive until gRPC has sent it.
-// The tensors' dtype and shape are encoded in `response`'s fields and their raw_data in a second
-// occurrence of each (protobuf parsers merge the two).
-grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job);
-// A response without tensors (an error).
-grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message);
 
 // The bytes of the tensors' raw data in a request or a job's answer, for the byte counters.
 std::int64_t PayloadBytes(const ReceivedBackwardRequest& request);

@@ -11,6 +11,7 @@
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
+#include "rpc/raw_request.h"
 
 namespace attngrad::server {
 namespace {
