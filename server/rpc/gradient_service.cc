@@ -200,7 +200,8 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     Do(actions);
   }
 
-  // The error answer of a batch (its fields set by `fill`, the server instance and the error).
+  // The error answer of a batch: `response` (with whatever fields the caller has set already),
+  // the batch id, the server instance and the error.
   std::unique_ptr<Write> ErrorResponse(std::uint64_t batch_id, const absl::Status& status,
                                        v1::BackwardResponse response = {}) {
     service_->metrics().CountError("Backward", StatusCodeName(static_cast<int>(status.code())));
