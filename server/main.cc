@@ -72,6 +72,11 @@ ABSL_FLAG(int, tls_reload_interval_seconds, 10,
 ABSL_FLAG(std::string, tokens_file, "",
           "File of bearer tokens, one \"token role [client_id]\" per line (role trainer or admin); "
           "empty = authentication OFF (any client may do anything)");
+ABSL_FLAG(std::int64_t, max_inflight_bytes, std::int64_t{4} << 30,
+          "host memory for data in flight, server-wide: received batches, answers not yet sent, "
+          "LoadWeights staging, FetchGradients results; beyond it new batches and streams get "
+          "RESOURCE_EXHAUSTED (one request larger than this is served when nothing else is in "
+          "flight); 0 = no limit");
 ABSL_FLAG(int, queue_depth, 4,
           "Batches one Backward stream may have in the server at once; also each GPU's pipeline "
           "depth (at least 3)");
@@ -190,6 +195,7 @@ int main(int argc, char** argv) {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   options.queue_depth = absl::GetFlag(FLAGS_queue_depth);
+  options.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   options.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   options.stream_idle_timeout_seconds = absl::GetFlag(FLAGS_stream_idle_timeout_seconds);
   options.max_clients_with_sums = absl::GetFlag(FLAGS_max_clients_with_sums);

@@ -215,6 +215,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   limits.streams.max_streams_per_client = options.max_streams_per_client;
   limits.streams.idle_timeout = std::chrono::seconds(options.stream_idle_timeout_seconds);
   limits.stream_window = options.queue_depth;
+  limits.max_inflight_bytes = options.max_inflight_bytes;
   server->security_summary_.push_back(transport);
   if (authenticator.enabled()) {
     server->security_summary_.push_back(absl::StrCat(

@@ -1,6 +1,7 @@
 // Wire tensor checks and fp32 <-> FLOAT32/FLOAT16/BFLOAT16 conversion (little-endian hosts).
 #include "attngrad/wire/tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -85,21 +86,28 @@ absl::Status CheckShape(absl::Span<const std::int64_t> shape, absl::string_view 
 absl::StatusOr<std::vector<std::int64_t>> CheckTensor(const v1::Tensor& tensor,
                                                       absl::string_view field,
                                                       absl::Span<const std::int64_t> expected) {
-  if (!IsSupportedDType(tensor.dtype())) {
+  return CheckTensor(tensor.dtype(), tensor.shape(), tensor.raw_data().size(), field, expected);
+}
+
+absl::StatusOr<std::vector<std::int64_t>> CheckTensor(int dtype,
+                                                      absl::Span<const std::int64_t> shape_in,
+                                                      std::size_t raw_bytes,
+                                                      absl::string_view field,
+                                                      absl::Span<const std::int64_t> expected) {
+  if (!IsSupportedDType(dtype)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ".dtype: ", DTypeName(tensor.dtype()),
+        absl::StrCat(field, ".dtype: ", DTypeName(dtype),
                      " is not supported; expected float32, float16 or bfloat16"));
   }
-  std::vector<std::int64_t> shape(tensor.shape().begin(), tensor.shape().end());
+  std::vector<std::int64_t> shape(shape_in.begin(), shape_in.end());
   ATTNGRAD_RETURN_IF_ERROR(CheckShape(shape, field, expected));
   ATTNGRAD_ASSIGN_OR_RETURN(const std::int64_t count, ElementCount(shape, field));
-  const std::size_t element_size = DTypeSize(tensor.dtype());
+  const std::size_t element_size = DTypeSize(dtype);
   const std::uint64_t expected_bytes = static_cast<std::uint64_t>(count) * element_size;
-  if (tensor.raw_data().size() != expected_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".raw_data: got ", tensor.raw_data().size(), " bytes, expected ",
-                     expected_bytes, " (", count, " elements of ", DTypeName(tensor.dtype()),
-                     " for shape ", ShapeString(shape), ")"));
+  if (raw_bytes != expected_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".raw_data: got ", raw_bytes, " bytes, expected ", expected_bytes, " (", count,
+        " elements of ", DTypeName(dtype), " for shape ", ShapeString(shape), ")"));
   }
   return shape;
 }
@@ -133,12 +141,59 @@ absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view f
   return absl::OkStatus();
 }
 
-absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field) {
+absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field,
+                         std::size_t first_index) {
   for (std::size_t i = 0; i < values.size(); ++i) {
     if (!std::isfinite(values[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": element ", i, " is not finite (",
-                                                     values[i], "); every value must be finite"));
+      return absl::InvalidArgumentError(absl::StrCat(field, ": element ", first_index + i,
+                                                     " is not finite (", values[i],
+                                                     "); every value must be finite"));
     }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Whether any of `count` elements of `Bits` has every exponent bit of `exponent_mask` set (Inf or
+// NaN); a branch-free pass that vectorizes, the first offender is looked for only when there is
+// one.
+template <typename Bits>
+bool AnyNotFinite(const char* bytes, std::size_t count, Bits exponent_mask) {
+  Bits any = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    Bits bits;
+    std::memcpy(&bits, bytes + i * sizeof(Bits), sizeof(Bits));
+    any |= static_cast<Bits>((bits & exponent_mask) == exponent_mask);
+  }
+  return any != 0;
+}
+
+}  // namespace
+
+absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view field,
+                            std::size_t first_index) {
+  const std::size_t element_size = DTypeSize(dtype);
+  if (element_size == 0) return absl::OkStatus();
+  const std::size_t count = raw.size() / element_size;
+  bool any = false;
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      any = AnyNotFinite<std::uint32_t>(raw.data(), count, 0x7f800000u);
+      break;
+    case v1::DTYPE_FLOAT16: any = AnyNotFinite<std::uint16_t>(raw.data(), count, 0x7c00u); break;
+    case v1::DTYPE_BFLOAT16: any = AnyNotFinite<std::uint16_t>(raw.data(), count, 0x7f80u); break;
+  }
+  if (!any) return absl::OkStatus();
+  // Decode in blocks to name the first offender exactly as CheckFinite does.
+  constexpr std::size_t kBlock = 4096;
+  std::vector<float> values(kBlock);
+  for (std::size_t first = 0; first < count; first += kBlock) {
+    const std::size_t n = std::min(kBlock, count - first);
+    const absl::Span<float> block = absl::MakeSpan(values.data(), n);
+    ATTNGRAD_RETURN_IF_ERROR(
+        DecodeToFloat(raw.substr(first * element_size, n * element_size), dtype, field, block));
+    ATTNGRAD_RETURN_IF_ERROR(CheckFinite(block, field, first_index + first));
   }
   return absl::OkStatus();
 }
@@ -153,19 +208,24 @@ absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
 
 void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw) {
   const std::size_t start = raw->size();
+  const std::size_t element_size =
+      dtype == v1::DTYPE_FLOAT16 || dtype == v1::DTYPE_BFLOAT16 ? 2 : sizeof(float);
+  raw->resize(start + element_size * values.size());
+  EncodeFromFloat(values, dtype, raw->data() + start);
+}
+
+void EncodeFromFloat(absl::Span<const float> values, int dtype, char* out) {
   switch (dtype) {
     case v1::DTYPE_FLOAT16:
     case v1::DTYPE_BFLOAT16: {
-      raw->resize(start + 2 * values.size());
-      char* bytes = raw->data() + start;
       const bool half = dtype == v1::DTYPE_FLOAT16;
       for (std::size_t i = 0; i < values.size(); ++i) {
-        StoreBits16(half ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]), bytes + 2 * i);
+        StoreBits16(half ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]), out + 2 * i);
       }
       break;
     }
     default:
-      raw->append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+      if (!values.empty()) std::memcpy(out, values.data(), values.size() * sizeof(float));
       break;
   }
 }

@@ -1,4 +1,5 @@
-// CPU worker: synchronous BackwardHost per batch; copies are free (host memory).
+// CPU worker: synchronous BackwardHost per batch. The activations are decoded from the received
+// bytes (fp16/bf16 widened) on this thread, and the answer encoded in the response dtype here.
 #include "devices/cpu_worker.h"
 
 #include <unistd.h>
@@ -6,6 +7,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/tensor.h"
 #include "scheduling/finite_check.h"
 
 namespace attngrad::server {
@@ -76,25 +79,46 @@ void CpuWorker::Compute(BatchJob& job) {
   const std::size_t slot = static_cast<std::size_t>(job.layer_slot);
   const LayerWeights& weights = *layers_[slot];
   const LayerConfig& config = weights.config;
-  job.grad_hidden_states.assign(job.hidden_states.size(), 0.f);
+  const std::size_t activations = job.activations();
+  hidden_states_.resize(activations);
+  grad_output_.resize(activations);
+  job.status =
+      job.hidden_states.DecodeFinite(0, absl::MakeSpan(hidden_states_), "hidden_states.raw_data");
+  if (job.status.ok()) {
+    job.status =
+        job.grad_output.DecodeFinite(0, absl::MakeSpan(grad_output_), "grad_output.raw_data");
+  }
+  // The received bytes are no longer needed.
+  job.hidden_states = WireTensor();
+  job.grad_output = WireTensor();
+  job.request_reservation.Release();
+  if (!job.status.ok()) return;
+  grad_hidden_states_.assign(activations, 0.f);
   if (scratch_[slot][Weight::kQProj].empty())
     scratch_[slot] = ZeroWeights<std::vector<float>>(config);
   LayerTensors* gradients = &scratch_[slot];
   AccumulatorSet* accumulator_set = nullptr;
   if (job.return_weight_gradients) {
-    job.weight_gradients = ZeroWeights<std::vector<float>>(config);
-    gradients = &job.weight_gradients;
+    if (returned_gradients_[Weight::kQProj].size() != WeightElements(config, Weight::kQProj) ||
+        returned_gradients_[Weight::kQNorm].size() != WeightElements(config, Weight::kQNorm)) {
+      returned_gradients_ = ZeroWeights<std::vector<float>>(config);
+    } else {
+      for (std::vector<float>& tensor : returned_gradients_) {
+        std::fill(tensor.begin(), tensor.end(), 0.f);
+      }
+    }
+    gradients = &returned_gradients_;
   } else if (job.accumulate) {
     accumulator_set = &AccumulatorSetAt(job.layer_slot, job.accumulator_set);
   }
   BackwardInputs in;
   in.weights = DataOf(weights.values);
-  in.grad_output = job.grad_output.data();
-  in.hidden_states = job.hidden_states.data();
+  in.grad_output = grad_output_.data();
+  in.hidden_states = hidden_states_.data();
   in.cos = job.cos.data();
   in.sin = job.sin.data();
   BackwardOutputs out;
-  out.grad_hidden_states = job.grad_hidden_states.data();
+  out.grad_hidden_states = grad_hidden_states_.data();
   out.weight_gradients = DataOf(*gradients);
   const bool add = job.accumulate && !job.return_weight_gradients;
   // An ACCUMULATE batch is computed into scratch and added only once its gradients are known to be
@@ -103,12 +127,27 @@ void CpuWorker::Compute(BatchJob& job) {
                                          /*accumulate=*/false, in, out, num_threads_),
                             "BackwardHost");
   if (job.status.ok()) {
-    job.status = NonFiniteGradientsStatus(CountNonFiniteHost(job.grad_hidden_states, *gradients));
+    job.status = NonFiniteGradientsStatus(CountNonFiniteHost(grad_hidden_states_, *gradients));
   }
   if (job.status.ok() && add) {
     AddTo(accumulator_set->gradients, *gradients);
     ++accumulator_set->batches;
     accumulator_set->tokens += job.tokens();
+  }
+  if (job.status.ok()) {
+    // The answer, in the response dtype.
+    job.answer.size = job.AnswerBytes();
+    job.answer.bytes.reset(new char[job.answer.size]);
+    char* answer = job.answer.bytes.get();
+    const std::size_t element_size = wire::DTypeSize(job.response_dtype);
+    wire::EncodeFromFloat(grad_hidden_states_, job.response_dtype, answer);
+    if (job.return_weight_gradients) {
+      const PackedWeightLayout layout(config);
+      for (Weight weight : kAllWeights) {
+        wire::EncodeFromFloat(returned_gradients_[weight], job.response_dtype,
+                              answer + (activations + layout.offsets[weight]) * element_size);
+      }
+    }
   }
   job.stages.compute = SecondsSince(start);
   // "Device memory used" of the CPU backend: this process's resident set.

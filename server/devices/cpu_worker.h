@@ -37,6 +37,10 @@ class CpuWorker final : public DeviceWorker {
   // Per layer slot, per set; gradients empty until first used.
   std::vector<std::vector<AccumulatorSet>> accumulator_sets_;
   std::vector<LayerTensors> scratch_;  // per slot: weight gradients of duplicates, dropped
+  // The batch being computed: its activations decoded to fp32, its outputs before they are
+  // encoded into the answer (kept between batches, grown as they need).
+  std::vector<float> hidden_states_, grad_output_, grad_hidden_states_;
+  LayerTensors returned_gradients_;  // RETURN
   long long memory_total_bytes_ = 0;
 };
 

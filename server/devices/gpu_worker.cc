@@ -4,9 +4,13 @@
 // the types of attngrad/cuda_resources.h, released when the worker's thread drops them):
 // copy-in, compute and copy-out. Each batch in flight owns a slot (pinned host staging buffers,
 // device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
-// compute of batch n and the copy-out of batch n-1 overlap. Kernels run in order on the compute
-// stream, so the accumulators and the shared workspace need no further synchronisation. Every
-// batch computes its weight gradients into its slot's buffer; the finite check
+// compute of batch n and the copy-out of batch n-1 overlap. The host side of a batch is one copy
+// each way, in parallel on the worker's copy threads: the activations from gRPC's receive slices
+// into the slot's pinned staging as they arrived (fp32/fp16/bf16; fp16/bf16 widened on the GPU,
+// wire_convert.h), and the answer, in the response dtype (narrowed on the GPU), from the pinned
+// buffer into the job's answer buffer, which gRPC sends as it is. Kernels run in order on the
+// compute stream, so the accumulators and the shared workspace need no further synchronisation.
+// Every batch computes its weight gradients into its slot's buffer; the finite check
 // (attngrad/finite_check.h) then counts their NaN/Inf values on the device and, for ACCUMULATE,
 // adds them to the client's accumulator set only when there are none (issue 14, found #4).
 //
@@ -37,14 +41,19 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attngrad/cuda_resources.h"
 #include "attngrad/wire/status_macros.h"
+#include "attngrad/v1/tensor.pb.h"
 #include "devices/nccl_abort.h"
 #include "devices/nccl_library.h"
+#include "devices/wire_convert.h"
 #include "scheduling/finite_check.h"
+#include "scheduling/parallel_tasks.h"
 
 namespace attngrad::server {
 namespace {
@@ -171,9 +180,14 @@ class GpuWorker final : public DeviceWorker {
   // One batch in flight and the buffers it uses (grown as batches need, never shrunk).
   struct Slot {
     std::unique_ptr<BatchJob> job;
-    cuda::PinnedBuffer<float> host_in;    // hidden_states | grad_output | cos | sin
-    cuda::PinnedBuffer<float> host_out;   // grad_hidden_states [| weight gradients (RETURN)]
-    cuda::DeviceBuffer<float> device_in;  // same layout as host_in
+    // hidden_states | grad_output (each as received: fp32, or fp16/bf16 in its first half) | cos |
+    // sin (fp32).
+    cuda::PinnedBuffer<float> host_in;
+    // The answer in the response dtype: grad_hidden_states [| weight gradients (RETURN)].
+    cuda::PinnedBuffer<float> host_out;
+    cuda::DeviceBuffer<float> device_in;      // hidden_states | grad_output | cos | sin, all fp32
+    cuda::DeviceBuffer<float> device_raw;     // fp16/bf16 activations before widening (2 per float)
+    cuda::DeviceBuffer<float> device_answer;  // a fp16/bf16 answer after narrowing (2 per float)
     cuda::DeviceBuffer<float> device_grad_hidden;
     cuda::DeviceBuffer<float> device_weight_gradients;  // this batch's own weight gradients
     // The finite check's counts (attngrad/finite_check.h): on the device, and copied out.
@@ -326,23 +340,108 @@ class GpuWorker final : public DeviceWorker {
     return CudaStatus(Buffer::Create(elements, buffer), what);
   }
 
+  // Copies `bytes` from `source` to `destination` on the copy threads, in parts of kCopyPartBytes.
+  void ParallelCopy(const char* source, std::size_t bytes, char* destination) {
+    const std::size_t parts = (bytes + kCopyPartBytes - 1) / kCopyPartBytes;
+    copy_threads_->Run(parts, [&](std::size_t part) {
+      const std::size_t offset = part * kCopyPartBytes;
+      std::memcpy(destination + offset, source + offset, std::min(kCopyPartBytes, bytes - offset));
+    });
+  }
+
+  // The slot's host staging: the activations copied once from the received slices (as they
+  // arrived: fp32, fp16 or bf16, checked to be finite on the way) and the rotary tables, in parts
+  // on the copy threads. The first failing part in order names the error.
+  absl::Status StageInputs(Slot& slot, BatchJob& job) {
+    const std::size_t activations = job.activations();
+    const std::size_t rotary = job.cos.size();
+    char* const hidden_region = reinterpret_cast<char*>(slot.host_in.get());
+    char* const grad_region = reinterpret_cast<char*>(slot.host_in.get() + activations);
+    float* const rotary_region = slot.host_in.get() + 2 * activations;
+    struct Part {
+      const WireTensor* tensor = nullptr;  // null: a rotary table
+      const char* field = nullptr;
+      std::size_t first = 0, count = 0;  // elements
+      char* destination = nullptr;
+      const std::vector<float>* table = nullptr;
+    };
+    std::vector<Part> parts;
+    for (const auto& [tensor, field, region] :
+         {std::tuple(&job.hidden_states, "hidden_states.raw_data", hidden_region),
+          std::tuple(&job.grad_output, "grad_output.raw_data", grad_region)}) {
+      const std::size_t element_size = tensor->element_size();
+      const std::size_t per_part = kCopyPartBytes / element_size;
+      for (std::size_t first = 0; first < activations; first += per_part) {
+        parts.push_back(Part{tensor, field, first, std::min(per_part, activations - first),
+                             region + first * element_size, nullptr});
+      }
+    }
+    parts.push_back(
+        Part{nullptr, nullptr, 0, rotary, reinterpret_cast<char*>(rotary_region), &job.cos});
+    parts.push_back(Part{nullptr, nullptr, 0, rotary,
+                         reinterpret_cast<char*>(rotary_region + rotary), &job.sin});
+    std::vector<absl::Status> statuses(parts.size());
+    copy_threads_->Run(parts.size(), [&](std::size_t index) {
+      const Part& part = parts[index];
+      if (part.tensor == nullptr) {
+        std::memcpy(part.destination, part.table->data(), part.count * sizeof(float));
+        return;
+      }
+      statuses[index] =
+          part.tensor->CopyFinite(part.first, part.count, part.destination, part.field);
+    });
+    for (absl::Status& status : statuses) {
+      if (!status.ok()) return status;
+    }
+    return absl::OkStatus();
+  }
+
+  // Queues the copy of one activation tensor to device_in (its place there is `device`), widened
+  // on the device when it arrived as fp16/bf16 (through `device_raw`).
+  absl::Status CopyActivationsIn(const float* host, int dtype, std::size_t count, float* device,
+                                 std::uint16_t* device_raw, cudaStream_t stream) {
+    if (dtype == v1::DTYPE_FLOAT32) {
+      return CudaStatus(
+          cudaMemcpyAsync(device, host, count * sizeof(float), cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync(activations)");
+    }
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(device_raw, host, count * sizeof(std::uint16_t),
+                                         cudaMemcpyHostToDevice, stream));
+    return CudaStatus(WidenToFloat(device_raw, HalfFormatOf(dtype), count, device, stream),
+                      "WidenToFloat(activations)");
+  }
+
+  static HalfFormat HalfFormatOf(int dtype) {
+    return dtype == v1::DTYPE_BFLOAT16 ? HalfFormat::kBFloat16 : HalfFormat::kFloat16;
+  }
+
   // Stages the slot's batch and queues its copy-in, compute and copy-out.
   absl::Status Launch(Slot& slot) {
     BatchJob& job = *slot.job;
     ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.layer_slot)];
     const auto start = std::chrono::steady_clock::now();
     job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
-    const std::size_t activations = job.hidden_states.size();
+    const std::size_t activations = job.activations();
     const std::size_t rotary = job.cos.size();
     const std::size_t input_elements = 2 * activations + 2 * rotary;
     const std::size_t output_elements =
         activations + (job.return_weight_gradients ? layer.layout.total_elements : 0);
+    const bool half_inputs = job.hidden_states.dtype() != v1::DTYPE_FLOAT32 ||
+                             job.grad_output.dtype() != v1::DTYPE_FLOAT32;
+    const bool half_answer = job.response_dtype != v1::DTYPE_FLOAT32;
     absl::Status status = EnsureCapacity(&slot.host_in, input_elements, "cudaMallocHost(host_in)");
     if (status.ok()) {
       status = EnsureCapacity(&slot.host_out, output_elements, "cudaMallocHost(host_out)");
     }
     if (status.ok()) {
       status = EnsureCapacity(&slot.device_in, input_elements, "cudaMalloc(device_in)");
+    }
+    if (status.ok() && half_inputs) {  // 2 * activations 16-bit values
+      status = EnsureCapacity(&slot.device_raw, activations, "cudaMalloc(device_raw)");
+    }
+    if (status.ok() && half_answer) {  // output_elements 16-bit values
+      status = EnsureCapacity(&slot.device_answer, (output_elements + 1) / 2,
+                              "cudaMalloc(device_answer)");
     }
     if (status.ok()) {
       status =
@@ -359,20 +458,31 @@ class GpuWorker final : public DeviceWorker {
     }
     if (!status.ok()) return status;
 
-    float* host = slot.host_in.get();
-    std::memcpy(host, job.hidden_states.data(), activations * sizeof(float));
-    std::memcpy(host + activations, job.grad_output.data(), activations * sizeof(float));
-    std::memcpy(host + 2 * activations, job.cos.data(), rotary * sizeof(float));
-    std::memcpy(host + 2 * activations + rotary, job.sin.data(), rotary * sizeof(float));
-    slot.host_copy_in_seconds = SecondsSince(start);
+    const auto copy_start = std::chrono::steady_clock::now();
+    status = StageInputs(slot, job);
+    const int hidden_dtype = job.hidden_states.dtype();
+    const int grad_dtype = job.grad_output.dtype();
+    // The received bytes are no longer needed.
+    job.hidden_states = WireTensor();
+    job.grad_output = WireTensor();
+    job.request_reservation.Release();
+    if (!status.ok()) return status;
+    slot.host_copy_in_seconds = SecondsSince(copy_start);
 
     const cudaStream_t copy_in = copy_in_stream_.get();
     const cudaStream_t compute = compute_stream_.get();
     const cudaStream_t copy_out = copy_out_stream_.get();
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_start.get(), copy_in));
-    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.device_in.get(), slot.host_in.get(),
-                                         input_elements * sizeof(float), cudaMemcpyHostToDevice,
-                                         copy_in));
+    std::uint16_t* const device_raw = reinterpret_cast<std::uint16_t*>(slot.device_raw.get());
+    ATTNGRAD_RETURN_IF_ERROR(CopyActivationsIn(slot.host_in.get(), hidden_dtype, activations,
+                                               slot.device_in.get(), device_raw, copy_in));
+    ATTNGRAD_RETURN_IF_ERROR(
+        CopyActivationsIn(slot.host_in.get() + activations, grad_dtype, activations,
+                          slot.device_in.get() + activations,
+                          device_raw == nullptr ? nullptr : device_raw + activations, copy_in));
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
+        slot.device_in.get() + 2 * activations, slot.host_in.get() + 2 * activations,
+        2 * rotary * sizeof(float), cudaMemcpyHostToDevice, copy_in));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_done.get(), copy_in));
 
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(compute, slot.copy_in_done.get(), 0));
@@ -407,16 +517,32 @@ class GpuWorker final : public DeviceWorker {
 
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out, slot.compute_done.get(), 0));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_start.get(), copy_out));
-    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), slot.device_grad_hidden.get(),
-                                         activations * sizeof(float), cudaMemcpyDeviceToHost,
-                                         copy_out));
     ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_non_finite.get(), slot.device_non_finite.get(),
                                          slot.device_non_finite.bytes(), cudaMemcpyDeviceToHost,
                                          copy_out));
-    if (job.return_weight_gradients) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
-          slot.host_out.get() + activations, slot.device_weight_gradients.get(),
-          layer.layout.total_elements * sizeof(float), cudaMemcpyDeviceToHost, copy_out));
+    if (!half_answer) {
+      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), slot.device_grad_hidden.get(),
+                                           activations * sizeof(float), cudaMemcpyDeviceToHost,
+                                           copy_out));
+      if (job.return_weight_gradients) {
+        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
+            slot.host_out.get() + activations, slot.device_weight_gradients.get(),
+            layer.layout.total_elements * sizeof(float), cudaMemcpyDeviceToHost, copy_out));
+      }
+    } else {
+      // Narrowed on the device (the weight gradients' layout is the answer's order), then copied.
+      const HalfFormat format = HalfFormatOf(job.response_dtype);
+      std::uint16_t* const answer = reinterpret_cast<std::uint16_t*>(slot.device_answer.get());
+      ATTNGRAD_CUDA_RETURN(
+          NarrowFromFloat(slot.device_grad_hidden.get(), format, activations, answer, copy_out));
+      if (job.return_weight_gradients) {
+        ATTNGRAD_CUDA_RETURN(NarrowFromFloat(slot.device_weight_gradients.get(), format,
+                                             layer.layout.total_elements, answer + activations,
+                                             copy_out));
+      }
+      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), answer,
+                                           output_elements * sizeof(std::uint16_t),
+                                           cudaMemcpyDeviceToHost, copy_out));
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
@@ -460,18 +586,12 @@ class GpuWorker final : public DeviceWorker {
       job.status = NonFiniteGradientsStatus(counts);  // not accumulated then (QueueFiniteCheck)
     }
     if (job.status.ok()) {
+      // The answer (already in the response dtype and order in host_out): one copy, in parallel.
       const auto start = std::chrono::steady_clock::now();
-      const std::size_t activations = job.hidden_states.size();
-      const float* host_out = slot.host_out.get();
-      job.grad_hidden_states.assign(host_out, host_out + activations);
-      if (job.return_weight_gradients) {
-        job.weight_gradients = ZeroWeights<std::vector<float>>(layer.config);
-        for (Weight weight : kAllWeights) {
-          const float* source = host_out + activations + layer.layout.offsets[weight];
-          std::copy(source, source + job.weight_gradients[weight].size(),
-                    job.weight_gradients[weight].begin());
-        }
-      }
+      job.answer.size = job.AnswerBytes();
+      job.answer.bytes.reset(new char[job.answer.size]);
+      ParallelCopy(reinterpret_cast<const char*>(slot.host_out.get()), job.answer.size,
+                   job.answer.bytes.get());
       const double host_copy_out_seconds = SecondsSince(start);
       job.stages.copy_in =
           slot.host_copy_in_seconds + ElapsedSeconds(slot.copy_in_start, slot.copy_in_done);
@@ -637,6 +757,10 @@ class GpuWorker final : public DeviceWorker {
   cuda::DeviceBuffer<unsigned char> workspace_;  // shared by every batch on compute_stream_
   std::vector<Slot> slots_;
   int retired_since_gauges_ = 0;
+  // The host copies (staging in, answers out), in parts on these threads.
+  static constexpr std::size_t kCopyPartBytes = std::size_t{4} << 20;
+  std::unique_ptr<ParallelTasks> copy_threads_ = std::make_unique<ParallelTasks>(
+      static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u)));
 };
 
 }  // namespace

@@ -35,10 +35,11 @@ absl::Status DecodeFinite(const v1::Tensor& tensor, const std::string& field,
 
 }  // namespace
 
-absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
+absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest received,
                                                     const LayerConfig& config,
                                                     const LayerSettings& settings,
                                                     const BatchLimits& limits) {
+  const v1::BackwardRequest& request = received.message;
   ParsedBackward parsed;
   if (!v1::GradientMode_IsValid(request.mode())) {
     return absl::InvalidArgumentError(
@@ -74,7 +75,8 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
   }
   ATTNGRAD_ASSIGN_OR_RETURN(
       const std::vector<std::int64_t> shape,
-      wire::CheckTensor(request.hidden_states(), "hidden_states", {-1, -1, hidden}));
+      wire::CheckTensor(request.hidden_states().dtype(), request.hidden_states().shape(),
+                        received.hidden_states.size_bytes(), "hidden_states", {-1, -1, hidden}));
   const std::int64_t batch = shape[0];
   const std::int64_t seq_len = shape[1];
   const std::int64_t tokens = batch * seq_len;
@@ -102,7 +104,9 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
                                                    wire::ShapeString(activation_shape), " tensor"));
   }
   ATTNGRAD_RETURN_IF_ERROR(
-      wire::CheckTensor(request.grad_output(), "grad_output", activation_shape));
+      wire::CheckTensor(request.grad_output().dtype(), request.grad_output().shape(),
+                        received.grad_output.size_bytes(), "grad_output", activation_shape)
+          .status());
 
   // Rotary inputs.
   const std::int64_t head_dim = config.head_dim;
@@ -181,26 +185,26 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
         "response_dtype, or use ACCUMULATE"));
   }
 
-  // Convert (and check every value is finite).
+  // The activations stay as they arrived (the worker copies them once, checking every value is
+  // finite); the rotary tables are decoded (and checked) here.
   auto job = std::make_unique<BatchJob>();
   job->batch = static_cast<int>(batch);
   job->seq_len = static_cast<int>(seq_len);
+  job->config = config;
+  job->response_dtype = response_dtype;
   job->scalars = scalars;
   job->precision = request.precision() == v1::PRECISION_UNSPECIFIED
                        ? Precision::kAuto
                        : static_cast<Precision>(static_cast<int>(request.precision()) - 1);
   job->accumulate = parsed.accumulate;
   job->return_weight_gradients = !parsed.accumulate;
-  const std::size_t activations = static_cast<std::size_t>(tokens * hidden);
   const std::size_t rotary = static_cast<std::size_t>(tokens * head_dim);
-  job->hidden_states.resize(activations);
-  job->grad_output.resize(activations);
   job->cos.resize(rotary);
   job->sin.resize(rotary);
-  ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.hidden_states(), "hidden_states.raw_data",
-                                        absl::MakeSpan(job->hidden_states)));
-  ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.grad_output(), "grad_output.raw_data",
-                                        absl::MakeSpan(job->grad_output)));
+  received.hidden_states.set_dtype(request.hidden_states().dtype());
+  received.grad_output.set_dtype(request.grad_output().dtype());
+  job->hidden_states = std::move(received.hidden_states);
+  job->grad_output = std::move(received.grad_output);
   if (request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
     ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().cos(),
                                           "rotary_tables.cos.raw_data", absl::MakeSpan(job->cos)));
@@ -221,60 +225,40 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
                                                     const BatchLimits& limits) {
   LayerSettings settings;
   settings.scalars.scaling = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
-  return ParseBackwardRequest(request, config, settings, limits);
+  return ParseBackwardRequest(ReceivedFromMessage(request), config, settings, limits);
 }
 
-void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardResponse* response) {
-  const std::int64_t hidden =
-      job.batch > 0 && job.seq_len > 0
-          ? static_cast<std::int64_t>(job.grad_hidden_states.size()) / job.batch / job.seq_len
-          : 0;
-  wire::EncodeTensor(job.grad_hidden_states, {job.batch, job.seq_len, hidden}, response_dtype,
-                     response->mutable_grad_hidden_states());
-  if (job.return_weight_gradients) {
-    v1::WeightGradients* gradients = response->mutable_weight_gradients();
-    // The layer's shape from the gradients' sizes (head_dim from a norm weight, the head counts
-    // from the projections).
-    LayerConfig config;
-    config.hidden_size = static_cast<int>(hidden);
-    config.head_dim = static_cast<int>(job.weight_gradients[Weight::kQNorm].size());
-    config.num_heads = static_cast<int>(job.weight_gradients[Weight::kQProj].size() /
-                                        static_cast<std::size_t>(hidden * config.head_dim));
-    config.num_kv_heads = static_cast<int>(job.weight_gradients[Weight::kKProj].size() /
-                                           static_cast<std::size_t>(hidden * config.head_dim));
-    for (Weight weight : kAllWeights) {
-      wire::EncodeTensor(job.weight_gradients[weight], WeightShape(config, weight), response_dtype,
-                         wire::MutableGradientTensor(gradients, weight));
-    }
+ReceivedBackwardRequest ReceivedFromMessage(v1::BackwardRequest message) {
+  ReceivedBackwardRequest received;
+  if (message.has_hidden_states()) {
+    received.hidden_states =
+        WireTensor::FromBytes(message.hidden_states().dtype(),
+                              std::move(*message.mutable_hidden_states()->mutable_raw_data()));
+    message.mutable_hidden_states()->clear_raw_data();
   }
-  v1::StageTimings* timings = response->mutable_timings();
-  timings->set_queue_seconds(job.stages.queue);
-  timings->set_copy_in_seconds(job.stages.copy_in);
-  timings->set_compute_seconds(job.stages.compute);
-  timings->set_copy_out_seconds(job.stages.copy_out);
-  timings->set_total_seconds(job.stages.total);
-  response->set_device(job.device);
+  if (message.has_grad_output()) {
+    received.grad_output =
+        WireTensor::FromBytes(message.grad_output().dtype(),
+                              std::move(*message.mutable_grad_output()->mutable_raw_data()));
+    message.mutable_grad_output()->clear_raw_data();
+  }
+  received.message = std::move(message);
+  return received;
 }
 
-std::int64_t PayloadBytes(const v1::BackwardRequest& request) {
-  std::int64_t bytes =
-      request.hidden_states().raw_data().size() + request.grad_output().raw_data().size();
-  if (request.has_rotary_tables()) {
-    bytes += request.rotary_tables().cos().raw_data().size() +
-             request.rotary_tables().sin().raw_data().size();
+std::int64_t PayloadBytes(const ReceivedBackwardRequest& request) {
+  std::int64_t bytes = static_cast<std::int64_t>(request.hidden_states.size_bytes() +
+                                                 request.grad_output.size_bytes());
+  const v1::BackwardRequest& message = request.message;
+  if (message.has_rotary_tables()) {
+    bytes += message.rotary_tables().cos().raw_data().size() +
+             message.rotary_tables().sin().raw_data().size();
   }
   return bytes;
 }
 
-std::int64_t PayloadBytes(const v1::BackwardResponse& response) {
-  std::int64_t bytes = response.grad_hidden_states().raw_data().size();
-  if (response.has_weight_gradients()) {
-    const auto& g = response.weight_gradients();
-    bytes += g.q_proj().raw_data().size() + g.k_proj().raw_data().size() +
-             g.v_proj().raw_data().size() + g.o_proj().raw_data().size() +
-             g.q_norm().raw_data().size() + g.k_norm().raw_data().size();
-  }
-  return bytes;
+std::int64_t PayloadBytes(const BatchJob& job) {
+  return static_cast<std::int64_t>(job.answer.size);
 }
 
 }  // namespace attngrad::server

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "attngrad/v1/attngrad.pb.h"
 #include "scheduling/device_worker.h"
+#include "scheduling/wire_tensor.h"
 #include "weights/model.h"
 
 namespace attngrad::server {
@@ -18,6 +19,18 @@ struct BatchLimits {
   std::int64_t max_message_bytes = 1 << 30;
 };
 
+// A BackwardRequest whose activations were left where they arrived: `message` has every field but
+// hidden_states.raw_data and grad_output.raw_data, which are `hidden_states` and `grad_output`
+// (e.g. pieces of gRPC's receive slices: rpc/raw_request.h).
+struct ReceivedBackwardRequest {
+  v1::BackwardRequest message;
+  WireTensor hidden_states;
+  WireTensor grad_output;
+};
+
+// The same request from a parsed message (its raw data moved into owned WireTensors).
+ReceivedBackwardRequest ReceivedFromMessage(v1::BackwardRequest message);
+
 // The validated request: the job plus what the response needs.
 struct ParsedBackward {
   std::unique_ptr<BatchJob> job;
@@ -25,12 +38,13 @@ struct ParsedBackward {
   int response_dtype = v1::DTYPE_FLOAT32;
 };
 
-// INVALID_ARGUMENT (naming the field and what was expected) for a malformed request;
+// INVALID_ARGUMENT (naming the field and what was expected) for a malformed request (the
+// activations' values are checked to be finite where the worker copies them: see BatchJob);
 // `settings` are the addressed layer's defaults (scalars, sliding window, RoPE base and linear
 // scaling of position-built tables), which the request's fields override. RESOURCE_EXHAUSTED
 // when B*S exceeds max_batch_tokens or the response would exceed
 // max_message_bytes (the message says how to split the batch along B).
-absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& request,
+absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest request,
                                                     const LayerConfig& config,
                                                     const LayerSettings& settings,
                                                     const BatchLimits& limits);
@@ -41,13 +55,9 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(const v1::BackwardRequest& r
                                                     const LayerConfig& config,
                                                     const BatchLimits& limits);
 
-// Fills `response` with the job's outputs (grad_hidden_states, RETURN weight gradients, timings)
-// in `response_dtype`.
-void FillBackwardResponse(const BatchJob& job, int response_dtype, v1::BackwardResponse* response);
-
-// The bytes of a Tensor payload (raw_data) in a response or request, for the byte counters.
-std::int64_t PayloadBytes(const v1::BackwardRequest& request);
-std::int64_t PayloadBytes(const v1::BackwardResponse& response);
+// The bytes of the tensors' raw data in a request or a job's answer, for the byte counters.
+std::int64_t PayloadBytes(const ReceivedBackwardRequest& request);
+std::int64_t PayloadBytes(const BatchJob& job);
 
 }  // namespace attngrad::server
 

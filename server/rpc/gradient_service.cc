@@ -11,6 +11,7 @@
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
+#include "rpc/raw_request.h"
 
 namespace attngrad::server {
 namespace {
@@ -34,9 +35,8 @@ void FillState(const WindowState& state, v1::AccumulationState* out) {
 // (gRPC flow control then pushes back on the client). The stream is counted in the service's
 // StreamRegistry (server-wide and per-client limits) and ended by it when idle. ACCUMULATE batches
 // go to the window of the stream's client.
-class BackwardReactor final
-    : public grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>,
-      public IdleStream {
+class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                              public IdleStream {
  public:
   BackwardReactor(GradientService* service, grpc::CallbackServerContext* context,
                   std::string client_id)
@@ -96,9 +96,10 @@ class BackwardReactor final
       std::lock_guard<std::mutex> lock(mutex_);
       write_in_flight_ = false;
       last_progress_ = Clock::now();
-      if (ok)
+      if (ok) {
         service_->metrics().AddSentBytes("Backward",
-                                         static_cast<double>(PayloadBytes(*writes_.front())));
+                                         static_cast<double>(writes_.front()->payload_bytes));
+      }
       writes_.pop_front();
       if (!ok) {  // the client is gone: drop what is left to write
         broken_ = true;
@@ -131,8 +132,14 @@ class BackwardReactor final
     Finish(status);
   }
 
+  // An answer, serialized (its tensors as slices of the job's answer buffer).
+  struct Write {
+    grpc::ByteBuffer bytes;
+    std::int64_t payload_bytes = 0;
+  };
+
   struct Actions {
-    const v1::BackwardResponse* write = nullptr;
+    const grpc::ByteBuffer* write = nullptr;
     bool read = false;
     bool finish = false;
     grpc::Status status;
@@ -144,7 +151,7 @@ class BackwardReactor final
     if (finished_) return actions;
     if (!broken_ && !write_in_flight_ && !writes_.empty()) {
       write_in_flight_ = true;
-      actions.write = writes_.front().get();
+      actions.write = &writes_.front()->bytes;
     }
     const std::size_t pending = static_cast<std::size_t>(jobs_outstanding_) + writes_.size();
     if (!broken_ && !reads_done_ && !read_in_flight_ &&
@@ -156,9 +163,13 @@ class BackwardReactor final
         (broken_ || (reads_done_ && writes_.empty()))) {
       finished_ = true;
       actions.finish = true;
-      actions.status = broken_
-                           ? grpc::Status(grpc::StatusCode::CANCELLED, "Backward: stream cancelled")
-                           : grpc::Status::OK;
+      if (broken_) {
+        actions.status = grpc::Status(grpc::StatusCode::CANCELLED, "Backward: stream cancelled");
+      } else if (!end_status_.ok()) {
+        actions.status = ToGrpcStatus(end_status_);
+      } else {
+        actions.status = grpc::Status::OK;
+      }
     }
     return actions;
   }
@@ -169,7 +180,7 @@ class BackwardReactor final
     if (actions.finish) FinishStream(actions.status);
   }
 
-  void QueueResponse(std::unique_ptr<v1::BackwardResponse> response, bool job_finished) {
+  void QueueResponse(std::unique_ptr<Write> response, bool job_finished) {
     Actions actions;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -180,61 +191,89 @@ class BackwardReactor final
     Do(actions);
   }
 
-  std::unique_ptr<v1::BackwardResponse> ErrorResponse(std::uint64_t batch_id,
-                                                      const absl::Status& status) {
+  // The error answer of a batch: `response` (with whatever fields the caller has set already),
+  // the batch id, the server instance and the error.
+  std::unique_ptr<Write> ErrorResponse(std::uint64_t batch_id, const absl::Status& status,
+                                       v1::BackwardResponse response = {}) {
     service_->metrics().CountError("Backward", StatusCodeName(static_cast<int>(status.code())));
-    auto response = std::make_unique<v1::BackwardResponse>();
-    response->set_batch_id(batch_id);
-    response->mutable_error()->set_code(static_cast<int>(status.code()));
-    response->mutable_error()->set_message(std::string(status.message()));
-    response->set_server_instance_id(service_->core().instance_id());
-    return response;
+    response.set_batch_id(batch_id);
+    response.mutable_error()->set_code(static_cast<int>(status.code()));
+    response.mutable_error()->set_message(std::string(status.message()));
+    response.set_server_instance_id(service_->core().instance_id());
+    auto write = std::make_unique<Write>();
+    write->bytes = SerializeMessage(response);
+    return write;
   }
 
   // Runs with read_in_flight_ still set, so request_ is ours alone.
   void HandleRequest() {
-    service_->metrics().AddReceivedBytes("Backward", static_cast<double>(PayloadBytes(request_)));
-    const std::uint64_t batch_id = request_.batch_id();
+    const std::int64_t received_bytes = static_cast<std::int64_t>(request_.Length());
+    absl::StatusOr<ReceivedBackwardRequest> received = ParseReceivedBackwardRequest(request_);
+    request_.Clear();  // the slices live on in `received` as long as it needs them
+    if (!received.ok()) {
+      // Not a message: nothing after it can be trusted to be one either. End the stream once the
+      // batches already handed in are answered. (The RPC metrics interceptor counts the call's end.)
+      std::lock_guard<std::mutex> lock(mutex_);
+      reads_done_ = true;
+      if (end_status_.ok()) end_status_ = received.status();
+      return;
+    }
+    service_->metrics().AddReceivedBytes("Backward", static_cast<double>(PayloadBytes(*received)));
+    const v1::BackwardRequest& request = received->message;
+    const std::uint64_t batch_id = request.batch_id();
+    const std::uint64_t expected_weights_version = request.expected_weights_version();
+    const std::uint64_t accumulation_window_id = request.accumulation_window_id();
     const GradientCore& core = service_->core();
     absl::StatusOr<int> slot = core.SlotOf(
-        request_.has_layer() ? std::optional<int>(request_.layer()) : std::nullopt, "layer");
+        request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt, "layer");
     absl::StatusOr<ParsedBackward> parsed =
-        slot.ok() ? ParseBackwardRequest(request_, core.config(*slot), core.settings(*slot),
-                                         service_->limits().batch)
+        slot.ok() ? ParseBackwardRequest(*std::move(received), core.config(*slot),
+                                         core.settings(*slot), service_->limits().batch)
                   : absl::StatusOr<ParsedBackward>(slot.status());
     if (!parsed.ok()) {
       QueueResponse(ErrorResponse(batch_id, parsed.status()), /*job_finished=*/false);
       return;
     }
+    // The request's bytes until the worker has copied them, and the answer's until it is sent.
+    absl::StatusOr<MemoryBudget::Reservation> memory = service_->memory().Reserve(
+        received_bytes + static_cast<std::int64_t>(parsed->job->AnswerBytes()),
+        absl::StrCat("Backward batch ", batch_id, " and its answer"));
+    if (!memory.ok()) {
+      QueueResponse(ErrorResponse(batch_id, memory.status()), /*job_finished=*/false);
+      return;
+    }
+    parsed->job->request_reservation = memory->Split(received_bytes);
+    parsed->job->answer.reservation = *std::move(memory);
     parsed->job->layer_slot = *slot;
     const int layer = core.settings(*slot).index;
-    const int response_dtype = parsed->response_dtype;
     const std::string instance_id = core.instance_id();
-    parsed->job->on_done = [this, batch_id, response_dtype, layer,
-                            instance_id](std::unique_ptr<BatchJob> job) {
-      std::unique_ptr<v1::BackwardResponse> response;
+    parsed->job->on_done = [this, batch_id, layer, instance_id](std::unique_ptr<BatchJob> job) {
+      v1::BackwardResponse fields;
+      fields.set_weights_version(job->weights_version);
+      fields.set_accumulation_window_id(job->window_id);
+      fields.set_duplicate(job->duplicate);
+      fields.set_layer(layer);
+      std::unique_ptr<Write> response;
       if (absl::IsUnimplemented(job->status)) {
         // The device's kernels do not compute this layer (e.g. the GPU kernels without sliding
         // windows or head_dim 256): say which layer and what serves it.
-        response = ErrorResponse(
-            batch_id, absl::UnimplementedError(absl::StrCat(
-                          "layer ", layer, " (head_dim ",
-                          job->cos.size() / std::max<std::size_t>(1, job->tokens()),
-                          ", sliding_window ", job->scalars.sliding_window,
-                          ") is not supported on ", job->device, ": ", job->status.message(),
-                          "; serve this layer from an attngrad-server with --devices=cpu")));
+        response =
+            ErrorResponse(batch_id,
+                          absl::UnimplementedError(absl::StrCat(
+                              "layer ", layer, " (head_dim ", job->config.head_dim,
+                              ", sliding_window ", job->scalars.sliding_window,
+                              ") is not supported on ", job->device, ": ", job->status.message(),
+                              "; serve this layer from an attngrad-server with --devices=cpu")),
+                          std::move(fields));
       } else if (!job->status.ok()) {
-        response = ErrorResponse(batch_id, job->status);
+        response = ErrorResponse(batch_id, job->status, std::move(fields));
       } else {
-        response = std::make_unique<v1::BackwardResponse>();
-        response->set_batch_id(batch_id);
-        FillBackwardResponse(*job, response_dtype, response.get());
-        response->set_server_instance_id(instance_id);
+        fields.set_batch_id(batch_id);
+        fields.set_server_instance_id(instance_id);
+        response = std::make_unique<Write>();
+        response->payload_bytes = PayloadBytes(*job);
+        response->bytes = SerializeBackwardResponse(std::move(fields), *job);
       }
-      response->set_weights_version(job->weights_version);
-      response->set_accumulation_window_id(job->window_id);
-      response->set_duplicate(job->duplicate);
-      response->set_layer(layer);
       QueueResponse(std::move(response), /*job_finished=*/true);
     };
     {
@@ -242,9 +281,9 @@ class BackwardReactor final
       if (finished_) return;  // closed as idle while this request arrived: not computed
       ++jobs_outstanding_;    // before queueing: the job may finish at once
     }
-    absl::StatusOr<Admission> admission = service_->core().Admit(
-        std::move(parsed->job), client_id_, batch_id, request_.expected_weights_version(),
-        request_.accumulation_window_id());
+    absl::StatusOr<Admission> admission =
+        service_->core().Admit(std::move(parsed->job), client_id_, batch_id,
+                               expected_weights_version, accumulation_window_id);
     if (!admission.ok()) {
       QueueResponse(ErrorResponse(batch_id, admission.status()), /*job_finished=*/true);
     }
@@ -254,13 +293,14 @@ class BackwardReactor final
   grpc::CallbackServerContext* const context_;
   const std::string client_id_;
   const Clock::time_point start_;
-  v1::BackwardRequest request_;
+  grpc::ByteBuffer request_;
 
   std::mutex mutex_;
+  absl::Status end_status_;          // not OK: the stream ends with it (bytes that were no request)
   Clock::time_point last_progress_;  // the last request read or answer written
   bool cancel_on_expiry_ = false;
   double idle_seconds_ = 0;
-  std::deque<std::unique_ptr<v1::BackwardResponse>> writes_;  // front is being written
+  std::deque<std::unique_ptr<Write>> writes_;  // front is being written
   int jobs_outstanding_ = 0;
   bool read_in_flight_ = false;
   bool write_in_flight_ = false;
@@ -271,15 +311,17 @@ class BackwardReactor final
 
 // ---------------------------------------------------------------------------------------------
 // LoadWeights: chunks of each weight in order (offset = elements received so far); committed when
-// the client half-closes with every weight complete.
-class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsRequest> {
+// the client half-closes with every weight complete. A chunk that does not parse ends the upload
+// (INVALID_ARGUMENT, nothing committed). The staging grows with the data received (each chunk's
+// fp32 values reserved from the in-flight memory budget as it arrives), never ahead of it.
+class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   LoadWeightsReactor(GradientService* service, grpc::CallbackServerContext* context,
-                     v1::LoadWeightsResponse* response)
+                     grpc::ByteBuffer* response)
       : service_(service), context_(context), response_(response) {
     received_.items.fill(0);
     dtypes_.items.fill(v1::DTYPE_UNSPECIFIED);
-    StartRead(&request_);
+    StartRead(&received_bytes_);
   }
 
   void OnReadDone(bool ok) override {
@@ -291,12 +333,15 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
       FinishWith(Commit());
       return;
     }
-    absl::Status status = HandleChunk();
+    request_.Clear();
+    absl::Status status = ParseReceivedMessage(&received_bytes_, &request_);
+    received_bytes_.Clear();
+    if (status.ok()) status = HandleChunk();
     if (!status.ok()) {
       FinishWith(status);
       return;
     }
-    StartRead(&request_);
+    StartRead(&received_bytes_);
   }
 
   void OnDone() override { delete this; }
@@ -321,7 +366,6 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
           service_->core().SlotOf(
               request_.has_layer() ? std::optional<int>(request_.layer()) : std::nullopt, "layer"));
       config_ = service_->core().config(slot_);
-      staging_ = ZeroWeights<std::vector<float>>(config_);
     } else if (request_.has_layer() && request_.layer() != service_->core().settings(slot_).index) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer: chunks of one upload name different layers (",
@@ -363,7 +407,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
       }
     }
     const std::size_t element_size = wire::DTypeSize(dtypes_[index]);
-    const std::size_t total = staging_[index].size();
+    const std::size_t total = WeightElements(config_, index);
     if (request_.offset() != static_cast<std::int64_t>(received_[index])) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".offset: got ", request_.offset(), ", expected ", received_[index],
@@ -380,6 +424,12 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
           field, ".data: ", count, " elements at offset ", received_[index], " overflow the ",
           total, " elements of ", wire::ShapeString(expected_shape)));
     }
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        MemoryBudget::Reservation reservation,
+        service_->memory().Reserve(static_cast<std::int64_t>(count * sizeof(float)),
+                                   absl::StrCat("LoadWeights ", field)));
+    reservations_.push_back(std::move(reservation));
+    staging_[index].resize(received_[index] + count);
     const absl::Span<float> values =
         absl::MakeSpan(staging_[index].data() + received_[index], count);
     ATTNGRAD_RETURN_IF_ERROR(
@@ -395,10 +445,11 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
           "LoadWeights: no chunks; every weight must be sent in full; nothing was changed");
     }
     for (Weight weight : kAllWeights) {
-      if (received_[weight] != staging_[weight].size()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            WeightModuleName(weight), ": got ", received_[weight], " of ", staging_[weight].size(),
-            " elements; every weight must be sent in full; nothing was changed"));
+      if (received_[weight] != WeightElements(config_, weight)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(WeightModuleName(weight), ": got ", received_[weight], " of ",
+                         WeightElements(config_, weight),
+                         " elements; every weight must be sent in full; nothing was changed"));
       }
     }
     LayerWeights weights;
@@ -408,8 +459,10 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
     ATTNGRAD_ASSIGN_OR_RETURN(
         const std::uint64_t version,
         service_->core().ReplaceWeights(slot_, std::move(weights), expected_version_));
-    response_->set_weights_version(version);
-    response_->set_layer(service_->core().settings(slot_).index);
+    v1::LoadWeightsResponse response;
+    response.set_weights_version(version);
+    response.set_layer(service_->core().settings(slot_).index);
+    *response_ = SerializeMessage(response);
     return absl::OkStatus();
   }
 
@@ -417,10 +470,12 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<v1::LoadWeightsR
 
   GradientService* const service_;
   grpc::CallbackServerContext* const context_;
-  v1::LoadWeightsResponse* const response_;
+  grpc::ByteBuffer* const response_;
   int slot_ = -1;  // the layer, once the first chunk named it
   LayerConfig config_;
-  LayerTensors staging_;
+  LayerTensors staging_;                                 // each weight's values received so far
+  std::vector<MemoryBudget::Reservation> reservations_;  // of staging_
+  grpc::ByteBuffer received_bytes_;
   PerWeight<std::size_t> received_;
   PerWeight<int> dtypes_;
   std::uint64_t expected_version_ = 0;
@@ -496,6 +551,20 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   // Fetches the next layer's sums (one layer at a time: a fetch of many layers holds one layer's
   // gradients in memory at once) and starts writing them.
   void StartLayer() {
+    // The layer's sums are held in memory while they are written: reserved first (a client that
+    // does not read holds them, within the budget).
+    fetch_memory_.Release();
+    result_ = FetchResult();
+    const LayerConfig& config = service_->core().config(slots_[layer_position_]);
+    absl::StatusOr<MemoryBudget::Reservation> memory = service_->memory().Reserve(
+        static_cast<std::int64_t>(PackedWeightLayout(config).total_elements * sizeof(float)),
+        absl::StrCat("FetchGradients of layer ",
+                     service_->core().settings(slots_[layer_position_]).index));
+    if (!memory.ok()) {
+      FinishWith(memory.status());
+      return;
+    }
+    fetch_memory_ = *std::move(memory);
     service_->core().Fetch(window_owner_, slots_[layer_position_], zero_after_fetch_,
                            expected_window_id_, [this](absl::StatusOr<FetchResult> result) {
                              if (!result.ok()) {
@@ -545,7 +614,11 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
     StartWrite(&chunk_);
   }
 
-  void FinishWith(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void FinishWith(const absl::Status& status) {
+    result_ = FetchResult();  // the last chunk is a copy (chunk_)
+    fetch_memory_.Release();
+    Finish(ToGrpcStatus(status));
+  }
 
   GradientService* const service_;
   const std::string window_owner_;
@@ -556,6 +629,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
   int dtype_ = v1::DTYPE_FLOAT32;
   std::size_t elements_per_chunk_ = 0;
   FetchResult result_;
+  MemoryBudget::Reservation fetch_memory_;  // of result_
   v1::GradientChunk chunk_;
   int weight_index_ = 0;  // into kAllWeights
   std::size_t offset_ = 0;
@@ -588,7 +662,8 @@ GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, Ser
       limits_(limits),
       authenticator_(std::move(authenticator)),
       server_version_(std::move(server_version)),
-      streams_(limits.streams) {}
+      streams_(limits.streams),
+      memory_(limits.max_inflight_bytes) {}
 
 absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext& context,
                                               Operation operation, const char* method) {
@@ -660,20 +735,20 @@ grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerCont
   return reactor;
 }
 
-grpc::ServerReadReactor<v1::LoadWeightsRequest>* GradientService::LoadWeights(
-    grpc::CallbackServerContext* context, v1::LoadWeightsResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* GradientService::LoadWeights(
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kLoadWeights, "LoadWeights");
   if (!caller.ok()) {
-    return new RefusedReactor<grpc::ServerReadReactor<v1::LoadWeightsRequest>>(caller.status());
+    return new RefusedReactor<grpc::ServerReadReactor<grpc::ByteBuffer>>(caller.status());
   }
   return new LoadWeightsReactor(this, context, response);
 }
 
-grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* GradientService::Backward(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* GradientService::Backward(
     grpc::CallbackServerContext* context) {
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "Backward");
   if (!caller.ok()) {
-    return new RefusedReactor<grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>>(
+    return new RefusedReactor<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>>(
         caller.status());
   }
   return new BackwardReactor(this, context, caller->client_id);

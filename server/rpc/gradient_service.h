@@ -13,6 +13,7 @@
 #include "rpc/backward_request.h"
 #include "rpc/stream_registry.h"
 #include "scheduling/gradient_core.h"
+#include "scheduling/memory_budget.h"
 #include "metrics/metrics.h"
 
 namespace attngrad::server {
@@ -21,9 +22,23 @@ struct ServiceLimits {
   BatchLimits batch;
   StreamLimits streams;   // Backward streams open at once, server-wide and per client; idle end
   int stream_window = 4;  // batches one stream may have queued or unanswered
+  // Host memory for data in flight (requests, answers not yet sent, LoadWeights staging,
+  // FetchGradients results), server-wide; <= 0: no limit. See MemoryBudget.
+  std::int64_t max_inflight_bytes = std::int64_t{4} << 30;
 };
 
-class GradientService final : public v1::AttentionGradient::CallbackService {
+// The generated callback service with Backward and LoadWeights taken as raw bytes
+// (grpc::ByteBuffer): the service parses them itself (rpc/raw_request.h), so that bytes that are
+// no message end the stream with INVALID_ARGUMENT (gRPC would end it as a clean half-close) and a
+// batch's activations stay in gRPC's receive buffers until a device worker copies them.
+using AttentionGradientBase = v1::AttentionGradient::WithCallbackMethod_GetModelInfo<
+    v1::AttentionGradient::WithRawCallbackMethod_LoadWeights<
+        v1::AttentionGradient::WithRawCallbackMethod_Backward<
+            v1::AttentionGradient::WithCallbackMethod_FetchGradients<
+                v1::AttentionGradient::WithCallbackMethod_ZeroGradients<
+                    v1::AttentionGradient::Service>>>>>;
+
+class GradientService final : public AttentionGradientBase {
  public:
   GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
                   Authenticator authenticator, std::string server_version);
@@ -31,9 +46,11 @@ class GradientService final : public v1::AttentionGradient::CallbackService {
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::GetModelInfoResponse* response) override;
-  grpc::ServerReadReactor<v1::LoadWeightsRequest>* LoadWeights(
-      grpc::CallbackServerContext* context, v1::LoadWeightsResponse* response) override;
-  grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* Backward(
+  // LoadWeightsRequest chunks in, a LoadWeightsResponse out.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* LoadWeights(grpc::CallbackServerContext* context,
+                                                         grpc::ByteBuffer* response) override;
+  // BackwardRequests in, BackwardResponses out.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Backward(
       grpc::CallbackServerContext* context) override;
   grpc::ServerWriteReactor<v1::GradientChunk>* FetchGradients(
       grpc::CallbackServerContext* context, const v1::FetchGradientsRequest* request) override;
@@ -45,6 +62,7 @@ class GradientService final : public v1::AttentionGradient::CallbackService {
   ServerMetrics& metrics() { return *metrics_; }
   const ServiceLimits& limits() const { return limits_; }
   StreamRegistry& streams() { return streams_; }
+  MemoryBudget& memory() { return memory_; }
   const Authenticator& authenticator() const { return authenticator_; }
 
  private:
@@ -59,6 +77,7 @@ class GradientService final : public v1::AttentionGradient::CallbackService {
   const Authenticator authenticator_;
   const std::string server_version_;
   StreamRegistry streams_;
+  MemoryBudget memory_;
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.

@@ -4,8 +4,15 @@
 #include <future>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/wire/dtype.h"
 
 namespace attngrad::server {
+
+std::size_t BatchJob::AnswerBytes() const {
+  std::size_t elements = activations();
+  if (return_weight_gradients) elements += PackedWeightLayout(config).total_elements;
+  return elements * wire::DTypeSize(response_dtype);
+}
 
 DeviceWorker::DeviceWorker(std::string device, ServerMetrics* metrics, int pipeline_depth)
     : device_(std::move(device)), metrics_(metrics), pipeline_depth_(pipeline_depth) {

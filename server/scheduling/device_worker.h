@@ -22,6 +22,8 @@
 
 #include "absl/status/status.h"
 #include "attngrad/backward.h"
+#include "scheduling/memory_budget.h"
+#include "scheduling/wire_tensor.h"
 #include "weights/layer_weights.h"
 #include "metrics/metrics.h"
 
@@ -31,11 +33,23 @@ namespace attngrad::server {
 // served decoder layers). Every worker holds all of them; batches and controls name a slot.
 using LayerSlots = std::vector<std::shared_ptr<const LayerWeights>>;
 
-// One batch: fp32 host inputs in, fp32 host outputs back, owned by whoever holds the pointer.
+// The answer's tensors in the response dtype, as the worker wrote them: grad_hidden_states
+// [B,S,hidden], then (RETURN) the six weight gradients in kAllWeights order. Sent as it is (gRPC
+// slices of this memory); holds the batch's share of the in-flight memory budget until then.
+struct AnswerBuffer {
+  std::unique_ptr<char[]> bytes;  // uninitialised until the worker writes it
+  std::size_t size = 0;
+  MemoryBudget::Reservation reservation;
+};
+
+// One batch, owned by whoever holds the pointer: its activations as they arrived (copied once by
+// the worker, to where the computation reads them), fp32 rotary tables, and the answer the worker
+// writes in the response dtype.
 struct BatchJob {
   int batch = 0;
   int seq_len = 0;
   int layer_slot = 0;  // which served layer (LayerSlots index)
+  LayerConfig config;  // its shape (the answer's tensor shapes)
   Scalars scalars;
   Precision precision = Precision::kAuto;
   // Add this batch's weight gradients to the worker's accumulator set `accumulator_set`.
@@ -44,11 +58,16 @@ struct BatchJob {
   // Return this batch's weight gradients in `weight_gradients` (RETURN mode). When neither flag is
   // set (an ACCUMULATE duplicate), the weight gradients are computed into scratch and dropped.
   bool return_weight_gradients = false;
-  std::vector<float> hidden_states, grad_output, cos, sin;  // [B,S,hidden] and [B,S,head_dim]
+  // [B,S,hidden] in a wire dtype each. Their values are checked to be finite where the worker
+  // copies them (a batch with an Inf or NaN fails with INVALID_ARGUMENT naming the element).
+  WireTensor hidden_states, grad_output;
+  std::vector<float> cos, sin;  // [B,S,head_dim]
+  int response_dtype = 1;       // attngrad.v1.DType of the answer (FLOAT32 = 1)
+  // The budget reservation of the received request, given back when the worker has copied it.
+  MemoryBudget::Reservation request_reservation;
 
   // Filled by the worker.
-  std::vector<float> grad_hidden_states;  // [B,S,hidden]
-  LayerTensors weight_gradients;          // RETURN only
+  AnswerBuffer answer;
   absl::Status status;
   std::string device;
   StageSeconds stages;
@@ -63,6 +82,12 @@ struct BatchJob {
   std::function<void(std::unique_ptr<BatchJob>)> on_done;
 
   long long tokens() const { return static_cast<long long>(batch) * seq_len; }
+  // Elements of one activation tensor, B*S*hidden.
+  std::size_t activations() const {
+    return static_cast<std::size_t>(tokens()) * static_cast<std::size_t>(config.hidden_size);
+  }
+  // Bytes of the answer: grad_hidden_states and, RETURN, the weight gradients, in response_dtype.
+  std::size_t AnswerBytes() const;
 };
 
 // What one of a worker's accumulator sets holds: the sums and what they cover.

@@ -2,7 +2,8 @@
 // ParseBackwardRequest). The input is a serialized attngrad.v1.BackwardRequest; it is validated
 // against a small layer (hidden 8, 2 heads, 1 KV head; head_dim 128 as the real one, so that the
 // rotary tables' exponents are the real ones) and a 64-token limit, so that valid requests are
-// small. An accepted request must have made finite, correctly sized tensors.
+// small. An accepted request must have made correctly sized tensors, and finite rotary tables (the
+// activations' values are checked where the device worker copies them).
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -38,13 +39,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const attngrad::server::BatchJob& job = *parsed->job;
   const std::size_t tokens = static_cast<std::size_t>(job.batch) * job.seq_len;
   if (job.batch < 1 || job.seq_len < 1 || tokens > 64) __builtin_trap();
-  if (job.hidden_states.size() != tokens * 8 || job.grad_output.size() != tokens * 8 ||
+  if (job.hidden_states.elements() != tokens * 8 || job.grad_output.elements() != tokens * 8 ||
       job.cos.size() != tokens * 128 || job.sin.size() != tokens * 128) {
     __builtin_trap();
   }
   // Found in issue 14: finite inputs that built NaN rotary tables were accepted.
-  if (!AllFinite(job.hidden_states) || !AllFinite(job.grad_output) || !AllFinite(job.cos) ||
-      !AllFinite(job.sin)) {
+  if (!AllFinite(job.cos) || !AllFinite(job.sin)) {
     __builtin_trap();
   }
   return 0;

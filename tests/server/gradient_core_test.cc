@@ -61,8 +61,9 @@ TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
     job->scalars.scaling = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
     job->precision = Precision::kFp32;
     job->accumulate = true;
-    job->hidden_states = batch.hidden_states;
-    job->grad_output = batch.grad_output;
+    job->config = config;
+    job->hidden_states = WireTensor::FromFloats(batch.hidden_states);
+    job->grad_output = WireTensor::FromFloats(batch.grad_output);
     job->cos = batch.cos;
     job->sin = batch.sin;
     auto done = std::make_shared<std::promise<absl::Status>>();

@@ -37,13 +37,26 @@ absl::Status CheckShape(absl::Span<const std::int64_t> shape, absl::string_view 
 absl::StatusOr<std::vector<std::int64_t>> CheckTensor(const v1::Tensor& tensor,
                                                       absl::string_view field,
                                                       absl::Span<const std::int64_t> expected);
+// The same checks on a tensor's parts: its dtype, its shape and the byte count of its raw data
+// (for a tensor whose raw data was kept out of the parsed message, see server/rpc/raw_request.h).
+absl::StatusOr<std::vector<std::int64_t>> CheckTensor(int dtype,
+                                                      absl::Span<const std::int64_t> shape,
+                                                      std::size_t raw_bytes,
+                                                      absl::string_view field,
+                                                      absl::Span<const std::int64_t> expected);
 
 // Converts raw little-endian elements of `dtype` to fp32 into `out`, which must hold exactly
 // raw.size() / DTypeSize(dtype) elements.
 absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view field,
                            absl::Span<float> out);
-// INVALID_ARGUMENT naming `field` and the first element that is Inf or NaN, if any.
-absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field);
+// INVALID_ARGUMENT naming `field` and the first element that is Inf or NaN, if any; elements are
+// numbered from `first_index` (for a tensor checked in parts).
+absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field,
+                         std::size_t first_index = 0);
+// The same on raw little-endian elements of a wire dtype, checked on their bits (the message
+// equals CheckFinite's on the decoded values).
+absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view field,
+                            std::size_t first_index = 0);
 
 // CheckTensor, then DecodeToFloat into `out` (resized to the tensor's element count).
 absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
@@ -51,6 +64,9 @@ absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
 
 // Appends `values` converted to `dtype` to `raw` (fp32 for any dtype but FLOAT16 and BFLOAT16).
 void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw);
+// The same into `out`, which holds values.size() * DTypeSize(dtype) bytes (fp32 for a dtype that
+// is not FLOAT16 or BFLOAT16: 4 bytes each).
+void EncodeFromFloat(absl::Span<const float> values, int dtype, char* out);
 
 // Sets `tensor` to `values` with `shape`, converted to `dtype` (FLOAT32 where it is not a
 // supported wire dtype).

@@ -1,0 +1,38 @@
+// Requests read from, and answers written as, the bytes gRPC moves (the service takes Backward and
+// LoadWeights as raw grpc::ByteBuffers, so that a message that does not parse is its own error to
+// answer, and so that a batch's activations are never copied out of gRPC's receive buffers on the
+// gRPC thread, nor its answer into a serialized message).
+#ifndef ATTNGRAD_SERVER_RAW_REQUEST_H_
+#define ATTNGRAD_SERVER_RAW_REQUEST_H_
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include "absl/status/statusor.h"
+#include "attngrad/v1/attngrad.pb.h"
+#include "rpc/backward_request.h"
+
+namespace attngrad::server {
+
+// Walks the message's fields on the received slices (protobuf's wire format: the last raw_data of
+// a tensor wins, as when protobuf merges repeated occurrences) and parses everything else with
+// protobuf. INVALID_ARGUMENT ("the message does not parse as an attngrad.v1.BackwardRequest")
+// for bytes that are not one: the stream must end then.
+absl::StatusOr<ReceivedBackwardRequest> ParseReceivedBackwardRequest(const grpc::ByteBuffer& bytes);
+
+// A whole message parsed from received bytes; INVALID_ARGUMENT naming the type when they do not
+// parse as one.
+absl::Status ParseReceivedMessage(grpc::ByteBuffer* bytes, google::protobuf::Message* message);
+
+// The response of a finished job: `response`'s fields (batch id, versions, ...) plus the job's
+// outputs (grad_hidden_states, RETURN weight gradients, in the job's response dtype, and its
+// timings), serialized without copying the outputs: their bytes go out as slices of the job's
+// answer buffer (BatchJob::answer), which the returned buffer keeps alive until gRPC has sent it.
+// The tensors' dtype and shape are encoded in `response`'s fields and their raw_data in a second
+// occurrence of each (protobuf parsers merge the two).
+grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job);
+// A message as bytes to send (an error answer, a LoadWeightsResponse).
+grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message);
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_RAW_REQUEST_H_

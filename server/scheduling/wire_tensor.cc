@@ -1,0 +1,100 @@
+// WireTensor: copies and decodes out of the received pieces.
+#include "scheduling/wire_tensor.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "attngrad/v1/tensor.pb.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/tensor.h"
+
+namespace attngrad::server {
+
+WireTensor::WireTensor(int dtype, std::vector<absl::string_view> pieces,
+                       std::shared_ptr<const void> owner)
+    : dtype_(dtype), pieces_(std::move(pieces)), owner_(std::move(owner)) {
+  starts_.reserve(pieces_.size());
+  for (absl::string_view piece : pieces_) {
+    starts_.push_back(size_bytes_);
+    size_bytes_ += piece.size();
+  }
+}
+
+WireTensor WireTensor::FromFloats(std::vector<float> values) {
+  auto owned = std::make_shared<std::vector<float>>(std::move(values));
+  const absl::string_view bytes(reinterpret_cast<const char*>(owned->data()),
+                                owned->size() * sizeof(float));
+  return WireTensor(v1::DTYPE_FLOAT32, {bytes}, std::move(owned));
+}
+
+WireTensor WireTensor::FromBytes(int dtype, std::string bytes) {
+  auto owned = std::make_shared<std::string>(std::move(bytes));
+  const absl::string_view view(*owned);
+  return WireTensor(dtype, {view}, std::move(owned));
+}
+
+std::size_t WireTensor::element_size() const { return wire::DTypeSize(dtype_); }
+
+std::size_t WireTensor::elements() const {
+  const std::size_t size = element_size();
+  return size == 0 ? 0 : size_bytes_ / size;
+}
+
+void WireTensor::CopyBytes(std::size_t offset, std::size_t size, void* destination) const {
+  char* out = static_cast<char*>(destination);
+  // The piece holding `offset`: the last one starting at or before it.
+  std::size_t index = static_cast<std::size_t>(
+      std::upper_bound(starts_.begin(), starts_.end(), offset) - starts_.begin());
+  index = index == 0 ? 0 : index - 1;
+  while (size > 0 && index < pieces_.size()) {
+    const absl::string_view piece = pieces_[index];
+    const std::size_t within = offset - starts_[index];
+    const std::size_t count = std::min(size, piece.size() - within);
+    if (count > 0) std::memcpy(out, piece.data() + within, count);
+    out += count;
+    offset += count;
+    size -= count;
+    ++index;
+  }
+}
+
+absl::Status WireTensor::CopyFinite(std::size_t first, std::size_t count, void* destination,
+                                    absl::string_view field) const {
+  const std::size_t size = element_size();
+  // In blocks that stay in the cache between the copy and the check.
+  constexpr std::size_t kBlockBytes = 256 << 10;
+  const std::size_t block_elements =
+      std::max<std::size_t>(1, kBlockBytes / std::max<std::size_t>(size, 1));
+  char* out = static_cast<char*>(destination);
+  for (std::size_t done = 0; done < count; done += block_elements) {
+    const std::size_t n = std::min(block_elements, count - done);
+    CopyBytes((first + done) * size, n * size, out + done * size);
+    ATTNGRAD_RETURN_IF_ERROR(wire::CheckFiniteRaw(absl::string_view(out + done * size, n * size),
+                                                  dtype_, field, first + done));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WireTensor::DecodeFinite(std::size_t first, absl::Span<float> out,
+                                      absl::string_view field) const {
+  const std::size_t size = element_size();
+  if (dtype_ == v1::DTYPE_FLOAT32) {
+    CopyBytes(first * size, out.size() * size, out.data());
+    return wire::CheckFinite(out, field, first);
+  }
+  // 16-bit elements: through a small buffer that stays in the cache.
+  constexpr std::size_t kBlock = 32 << 10;
+  std::string raw(kBlock * size, '\0');
+  for (std::size_t done = 0; done < out.size(); done += kBlock) {
+    const std::size_t n = std::min(kBlock, out.size() - done);
+    CopyBytes((first + done) * size, n * size, raw.data());
+    const absl::Span<float> block = out.subspan(done, n);
+    ATTNGRAD_RETURN_IF_ERROR(
+        wire::DecodeToFloat(absl::string_view(raw.data(), n * size), dtype_, field, block));
+    ATTNGRAD_RETURN_IF_ERROR(wire::CheckFinite(block, field, first + done));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attngrad::server

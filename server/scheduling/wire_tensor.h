@@ -1,0 +1,59 @@
+// A tensor as it arrived on the wire: raw little-endian elements of a wire dtype (fp32, fp16 or
+// bf16), in the pieces of the received message (gRPC's receive slices), kept alive by `owner`.
+// The copy-free batch path hands these to the device workers, which copy them once, straight into
+// the memory the computation reads: a GPU slot's pinned staging buffer (widened to fp32 on the
+// GPU), or the CPU backend's fp32 inputs (widened on the worker's thread).
+#ifndef ATTNGRAD_SERVER_WIRE_TENSOR_H_
+#define ATTNGRAD_SERVER_WIRE_TENSOR_H_
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace attngrad::server {
+
+class WireTensor {
+ public:
+  WireTensor() = default;
+  // `pieces` in order; `owner` keeps their memory alive.
+  WireTensor(int dtype, std::vector<absl::string_view> pieces, std::shared_ptr<const void> owner);
+  // fp32 values it owns (tests, and requests that were parsed as whole messages).
+  static WireTensor FromFloats(std::vector<float> values);
+  // Raw bytes it owns.
+  static WireTensor FromBytes(int dtype, std::string bytes);
+
+  int dtype() const { return dtype_; }
+  void set_dtype(int dtype) { dtype_ = dtype; }
+  std::size_t size_bytes() const { return size_bytes_; }
+  // size_bytes / the dtype's size (0 for an unsupported dtype).
+  std::size_t elements() const;
+  std::size_t element_size() const;
+
+  // Copies bytes [offset, offset + size) (within size_bytes) to `destination`.
+  void CopyBytes(std::size_t offset, std::size_t size, void* destination) const;
+  // Copies raw elements [first, first + count) to `destination` (count * element_size bytes) and
+  // checks on their bits that each is finite (INVALID_ARGUMENT naming `field` and the element,
+  // as wire::CheckFinite).
+  absl::Status CopyFinite(std::size_t first, std::size_t count, void* destination,
+                          absl::string_view field) const;
+  // Elements [first, first + out.size()) widened to fp32 (exactly; fp32 copied as they are), each
+  // checked to be finite.
+  absl::Status DecodeFinite(std::size_t first, absl::Span<float> out,
+                            absl::string_view field) const;
+
+ private:
+  int dtype_ = 0;
+  std::vector<absl::string_view> pieces_;
+  std::vector<std::size_t> starts_;  // byte offset of each piece
+  std::size_t size_bytes_ = 0;
+  std::shared_ptr<const void> owner_;
+};
+
+}  // namespace attngrad::server
+
+#endif  // ATTNGRAD_SERVER_WIRE_TENSOR_H_
