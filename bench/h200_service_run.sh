@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Device calls (H200) for the service issues (13, 14, 16). The carried folder $B (default
+# build-svc) holds svc.tar.xz: attngrad-server, attngrad-cli, attngrad_wire_ceiling,
+# attngrad_server_test, attngrad_soak_test, attngrad_gpu_tests (stripped, built sm_90a here) and
+# lib/ (their shared libraries: shared/tools/bundle-libs.sh). PHASE selects what runs:
+#   check:   in parallel: the server tests on the GPU workers (ATTNGRAD_TEST_DEVICES=0), the GPU
+#            tests of the finite check, the offload end-to-end check of issue 16
+#            (client/python/examples/h200_check_offload.sh), a GPU soak (scripts/soak.sh) of
+#            SOAK_SECONDS, then the SPEC section 4 check of each wire dtype choice (attngrad-cli
+#            backward --check).
+#   service: one server on GPU 0; attngrad-cli bench beside attngrad_wire_ceiling (protobuf and
+#            ByteBuffer) for the same bytes, channels, streams and in-flight window: fp32 and bf16
+#            ACCUMULATE, fp32 RETURN at 4x1024, and RETURN 1x128 with one batch in flight; the
+#            server's CPU seconds per run (from /proc).
+# Logs go to $OUT; a summary is printed last.
+set -u
+OUT=${OUT:-/tmp/out}
+B=${B:-build-svc}
+PHASE=${PHASE:-check}
+mkdir -p "$OUT"
+tar -xJf "$B/svc.tar.xz" -C "$B" || exit 1
+export LD_LIBRARY_PATH="$PWD/$B/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1
+INFO="$OUT/info.txt"
+nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$INFO"
+date -u +"start %F %T UTC" | tee -a "$INFO"
+
+if [ "$PHASE" = check ]; then
+  # The server and soak tests run attngrad-server and attngrad-cli from the paths of the build they
+  # were compiled in ($ROOT, absolute): put the carried binaries there.
+  ROOT=${ROOT:-/work/main/build-h200s}
+  mkdir -p "$ROOT/server" "$ROOT/client/cli"
+  cp "$B/attngrad-server" "$ROOT/server/"
+  cp "$B/attngrad-cli" "$ROOT/client/cli/"
+  (ATTNGRAD_TEST_DEVICES=0 timeout "${TEST_LIMIT:-420}" "$B/attngrad_server_test" \
+     --gtest_filter="${SERVER_FILTER:-*}" > "$OUT/server_tests_gpu.log" 2>&1
+   echo "exit $?" >> "$OUT/server_tests_gpu.log") &
+  (timeout 300 "$B/attngrad_gpu_tests" --gtest_filter='*Finite*' > "$OUT/finite_gpu.log" 2>&1
+   echo "exit $?" >> "$OUT/finite_gpu.log") &
+  (OUT="$OUT/offload" LIBS="$PWD/$B/lib" SERVER="$B/attngrad-server" DEVICES=0 \
+     timeout "${OFFLOAD_LIMIT:-420}" bash client/python/examples/h200_check_offload.sh \
+     > "$OUT/offload.log" 2>&1; echo "exit $?" >> "$OUT/offload.log") &
+  if [ "${SOAK_SECONDS:-0}" -gt 0 ]; then
+    mkdir -p build-soak/tests/server build-soak/server
+    cp "$B/attngrad_soak_test" build-soak/tests/server/
+    cp "$B/attngrad-server" build-soak/server/
+    (timeout $((SOAK_SECONDS + 120)) scripts/soak.sh --duration "$SOAK_SECONDS" --devices 0 \
+       --build-dir build-soak --csv "$OUT/soak_gpu.csv" > "$OUT/soak_gpu.log" 2>&1
+     echo "exit $?" >> "$OUT/soak_gpu.log") &
+  fi
+  wait
+  date -u +"checks done %T UTC" | tee -a "$INFO"
+  # What each wire dtype does to SPEC section 4's check (the reference of the rounded input).
+  "$B/attngrad-server" --devices=0 --listen=127.0.0.1:50051 --metrics_listen= \
+    > "$OUT/dtype_server.log" 2>&1 &
+  SERVER_PID=$!
+  sleep 8
+  for dtypes in float32:float32 bfloat16:float32 float16:float32 float32:bfloat16 \
+                bfloat16:bfloat16 float16:float16; do
+    echo "==== input ${dtypes%%:*} response ${dtypes##*:}" >> "$OUT/dtype_check.log"
+    "$B/attngrad-cli" backward --check --batch=2 --seq_len=600 --mode=return \
+      --input_dtype="${dtypes%%:*}" --response_dtype="${dtypes##*:}" \
+      >> "$OUT/dtype_check.log" 2>&1
+  done
+  kill -TERM $SERVER_PID; wait $SERVER_PID
+fi
+
+if [ "$PHASE" = service ]; then
+  "$B/attngrad-server" --devices=0 --listen=127.0.0.1:50051 --metrics_listen= \
+    > "$OUT/server.log" 2>&1 &
+  SERVER_PID=$!
+  sleep 8
+  cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$SERVER_PID/stat"; }
+  D=${DURATION:-10}
+  A="--batch=4 --seq_len=1024 --in_flight=2 --count=0 --duration_seconds=$D"
+  W="$B/attngrad_wire_ceiling"
+  pair() {  # $1 label, then flags for both programs
+    label=$1; shift
+    echo "==== $label: $*" | tee -a "$OUT/service.log"
+    before=$(cpu_seconds)
+    "$B/attngrad-cli" bench "$@" >> "$OUT/service.log" 2>&1
+    echo "server CPU seconds: $(echo "$(cpu_seconds) - $before" | bc)" >> "$OUT/service.log"
+    "$W" "$@" --json >> "$OUT/service.log" 2>&1
+    "$W" "$@" --transport=bytebuffer --json >> "$OUT/service.log" 2>&1
+  }
+  pair "fp32 ACCUMULATE 4 streams 1 channel" $A --streams=4 --channels=1
+  pair "fp32 ACCUMULATE 8 streams 8 channels" $A --streams=8 --channels=8
+  pair "bf16 ACCUMULATE 8 streams 8 channels" $A --streams=8 --channels=8 \
+    --input_dtype=bfloat16 --response_dtype=bfloat16
+  pair "fp32 RETURN 8 streams 8 channels" $A --streams=8 --channels=8 --mode=return
+  pair "bf16 RETURN 8 streams 8 channels" $A --streams=8 --channels=8 --mode=return \
+    --input_dtype=bfloat16 --response_dtype=bfloat16
+  pair "latency RETURN 1x128, 1 in flight" --mode=return --batch=1 --seq_len=128 --channels=1 \
+    --streams=1 --in_flight=1 --count=100
+  kill -TERM $SERVER_PID; wait $SERVER_PID
+fi
+date -u +"end %T UTC" | tee -a "$INFO"
+
+echo "==== summary"
+for f in "$OUT"/server_tests_gpu.log "$OUT"/finite_gpu.log; do
+  [ -f "$f" ] && { echo "--- $f"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|^exit|SKIPPED \]" "$f" | head -40; }
+done
+[ -f "$OUT/offload.log" ] && { echo "--- offload"; tail -30 "$OUT/offload.log"; }
+[ -f "$OUT/soak_gpu.log" ] && { echo "--- soak"; tail -15 "$OUT/soak_gpu.log"; }
+[ -f "$OUT/dtype_check.log" ] && grep -E "^====|check|PASS|FAIL" "$OUT/dtype_check.log" | head -40
+[ -f "$OUT/service.log" ] && grep -vE "^\s*$" "$OUT/service.log" | grep -E "====|tokens/s|server CPU|\{" | cut -c1-400
