@@ -212,7 +212,8 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     request_.Clear();  // the slices live on in `received` as long as it needs them
     if (!received.ok()) {
       // Not a message: nothing after it can be trusted to be one either. End the stream once the
-      // batches already handed in are answered. (The RPC metrics interceptor counts the call's end.)
+      // batches already handed in are answered. (The RPC metrics interceptor counts the call's
+      // end.)
       std::lock_guard<std::mutex> lock(mutex_);
       reads_done_ = true;
       if (end_status_.ok()) end_status_ = received.status();
