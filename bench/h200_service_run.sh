@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls (H200) for the service issues (13, 14, 16). The carried folder $B (default
 # build-svc) holds svc.tar.xz: attngrad-server, attngrad-cli, attngrad_wire_ceiling,
-# attngrad_server_test, attngrad_soak_test, attngrad_gpu_tests (stripped, built sm_90a here) and
+# attngrad_server_test, attngrad_server_wire_test, attngrad_soak_test, attngrad_gpu_tests (stripped, built sm_90a here) and
 # lib/ (their shared libraries: shared/tools/bundle-libs.sh). PHASE selects what runs:
 #   check:   in parallel: the server tests on the GPU workers (ATTNGRAD_TEST_DEVICES=0), the GPU
 #            tests of the finite check, the offload end-to-end check of issue 16
@@ -35,6 +35,8 @@ if [ "$PHASE" = check ]; then
   (ATTNGRAD_TEST_DEVICES=0 timeout "${TEST_LIMIT:-420}" "$B/attngrad_server_test" \
      --gtest_filter="${SERVER_FILTER:-*}" > "$OUT/server_tests_gpu.log" 2>&1
    echo "exit $?" >> "$OUT/server_tests_gpu.log") &
+  (ATTNGRAD_TEST_DEVICES=0 timeout 300 "$B/attngrad_server_wire_test" > "$OUT/wire_tests_gpu.log" 2>&1
+   echo "exit $?" >> "$OUT/wire_tests_gpu.log") &
   (timeout 300 "$B/attngrad_gpu_tests" --gtest_filter='*Finite*' > "$OUT/finite_gpu.log" 2>&1
    echo "exit $?" >> "$OUT/finite_gpu.log") &
   (OUT="$OUT/offload" LIBS="$PWD/$B/lib" SERVER="$B/attngrad-server" DEVICES=0 \
@@ -97,7 +99,7 @@ fi
 date -u +"end %T UTC" | tee -a "$INFO"
 
 echo "==== summary"
-for f in "$OUT"/server_tests_gpu.log "$OUT"/finite_gpu.log; do
+for f in "$OUT"/server_tests_gpu.log "$OUT"/wire_tests_gpu.log "$OUT"/finite_gpu.log; do
   [ -f "$f" ] && { echo "--- $f"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|^exit|SKIPPED \]" "$f" | head -40; }
 done
 [ -f "$OUT/offload.log" ] && { echo "--- offload"; tail -30 "$OUT/offload.log"; }
