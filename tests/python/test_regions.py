@@ -52,7 +52,9 @@ class RegionsAgainstServer(unittest.TestCase):
         self.assertTrue(self.client._free_regions, "no region was used")
         memory = self.client._free_regions[-1].memory
         first = MAX_BATCH_TOKENS // hidden.shape[1]  # sequences in the first part
-        part = hidden[:first] if kwargs.get("input_dtype") is None else hidden[:first].astype(np.float16)
+        part = hidden[:first]
+        if kwargs.get("input_dtype") == "float16":
+            part = part.astype(np.float16)
         raw = part.tobytes()
         self.assertEqual(bytes(memory.buf[:len(raw)]), raw)
         answer = np.asarray(result.grad_hidden_states[:first])
