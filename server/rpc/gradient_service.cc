@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -227,10 +228,28 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     const GradientCore& core = service_->core();
     absl::StatusOr<int> slot = core.SlotOf(
         request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt, "layer");
+    const absl::Status from_regions =
+        slot.ok() ? ReadActivationsFromRegions(service_->regions(), client_id_, &*received)
+                  : slot.status();
+    const bool answer_to_region = request.has_grad_hidden_states_region();
+    const v1::RegionSlice answer_slice = request.grad_hidden_states_region();
     absl::StatusOr<ParsedBackward> parsed =
-        slot.ok() ? ParseBackwardRequest(*std::move(received), core.config(*slot),
-                                         core.settings(*slot), service_->limits().batch)
-                  : absl::StatusOr<ParsedBackward>(slot.status());
+        from_regions.ok() ? ParseBackwardRequest(*std::move(received), core.config(*slot),
+                                                 core.settings(*slot), service_->limits().batch)
+                          : absl::StatusOr<ParsedBackward>(from_regions);
+    // Where the answer's grad_hidden_states goes instead of the response, when asked.
+    std::optional<RegionBytes> answer_region;
+    if (parsed.ok() && answer_to_region) {
+      const std::size_t element_size = wire::DTypeSize(parsed->response_dtype);
+      absl::StatusOr<RegionBytes> region = service_->regions().Resolve(
+          client_id_, answer_slice, element_size, parsed->job->activations() * element_size,
+          "grad_hidden_states_region");
+      if (region.ok()) {
+        answer_region = *std::move(region);
+      } else {
+        parsed = region.status();
+      }
+    }
     if (!parsed.ok()) {
       QueueResponse(ErrorResponse(batch_id, parsed.status()), /*job_finished=*/false);
       return;
@@ -248,7 +267,9 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     parsed->job->layer_slot = *slot;
     const int layer = core.settings(*slot).index;
     const std::string instance_id = core.instance_id();
-    parsed->job->on_done = [this, batch_id, layer, instance_id](std::unique_ptr<BatchJob> job) {
+    parsed->job->on_done = [this, batch_id, layer, instance_id,
+                            answer_region =
+                                std::move(answer_region)](std::unique_ptr<BatchJob> job) {
       v1::BackwardResponse fields;
       fields.set_weights_version(job->weights_version);
       fields.set_accumulation_window_id(job->window_id);
@@ -273,7 +294,14 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         fields.set_server_instance_id(instance_id);
         response = std::make_unique<Write>();
         response->payload_bytes = PayloadBytes(*job);
-        response->bytes = SerializeBackwardResponse(std::move(fields), *job);
+        if (answer_region.has_value()) {
+          // grad_hidden_states leads the answer buffer (SerializeBackwardResponse's order).
+          std::memcpy(answer_region->data, job->answer.bytes.get(), answer_region->size);
+          response->payload_bytes -= static_cast<std::int64_t>(answer_region->size);
+        }
+        response->bytes = SerializeBackwardResponse(std::move(fields), *job,
+                                                    /*grad_hidden_states_in_region=*/
+                                                    answer_region.has_value());
       }
       QueueResponse(std::move(response), /*job_finished=*/true);
     };
@@ -790,6 +818,30 @@ grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerCon
                 }
                 reactor->Finish(ToGrpcStatus(result.status()));
               });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GradientService::RegisterRegion(grpc::CallbackServerContext* context,
+                                                          const v1::RegisterRegionRequest* request,
+                                                          v1::RegisterRegionResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "RegisterRegion");
+  absl::StatusOr<std::uint64_t> id =
+      caller.ok() ? regions_.Register(caller->client_id, request->name(), request->byte_size())
+                  : absl::StatusOr<std::uint64_t>(caller.status());
+  if (id.ok()) response->set_region_id(*id);
+  reactor->Finish(ToGrpcStatus(id.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GradientService::UnregisterRegion(
+    grpc::CallbackServerContext* context, const v1::UnregisterRegionRequest* request,
+    v1::UnregisterRegionResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "UnregisterRegion");
+  const absl::Status status =
+      caller.ok() ? regions_.Unregister(caller->client_id, request->region_id()) : caller.status();
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 

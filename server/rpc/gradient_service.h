@@ -11,6 +11,7 @@
 #include "attngrad/v1/attngrad.grpc.pb.h"
 #include "rpc/auth.h"
 #include "rpc/backward_request.h"
+#include "rpc/regions.h"
 #include "rpc/stream_registry.h"
 #include "scheduling/gradient_core.h"
 #include "scheduling/memory_budget.h"
@@ -36,7 +37,9 @@ using AttentionGradientBase = v1::AttentionGradient::WithCallbackMethod_GetModel
         v1::AttentionGradient::WithRawCallbackMethod_Backward<
             v1::AttentionGradient::WithCallbackMethod_FetchGradients<
                 v1::AttentionGradient::WithCallbackMethod_ZeroGradients<
-                    v1::AttentionGradient::Service>>>>>;
+                    v1::AttentionGradient::WithCallbackMethod_RegisterRegion<
+                        v1::AttentionGradient::WithCallbackMethod_UnregisterRegion<
+                            v1::AttentionGradient::Service>>>>>>>;
 
 class GradientService final : public AttentionGradientBase {
  public:
@@ -57,6 +60,13 @@ class GradientService final : public AttentionGradientBase {
   grpc::ServerUnaryReactor* ZeroGradients(grpc::CallbackServerContext* context,
                                           const v1::ZeroGradientsRequest* request,
                                           v1::ZeroGradientsResponse* response) override;
+  // Shared-memory regions of the caller (rpc/regions.h).
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,
+                                           const v1::RegisterRegionRequest* request,
+                                           v1::RegisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* context,
+                                             const v1::UnregisterRegionRequest* request,
+                                             v1::UnregisterRegionResponse* response) override;
 
   GradientCore& core() { return *core_; }
   ServerMetrics& metrics() { return *metrics_; }
@@ -64,6 +74,7 @@ class GradientService final : public AttentionGradientBase {
   StreamRegistry& streams() { return streams_; }
   MemoryBudget& memory() { return memory_; }
   const Authenticator& authenticator() const { return authenticator_; }
+  const RegionRegistry& regions() const { return regions_; }
 
  private:
   // The caller of `context` when it may perform `operation` (named `method` in errors); otherwise
@@ -78,6 +89,7 @@ class GradientService final : public AttentionGradientBase {
   const std::string server_version_;
   StreamRegistry streams_;
   MemoryBudget memory_;
+  RegionRegistry regions_;  // unmapped when the service is destroyed
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.

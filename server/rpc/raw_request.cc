@@ -83,7 +83,8 @@ void SetShape(absl::Span<const std::int64_t> shape, int dtype, v1::Tensor* tenso
 
 }  // namespace
 
-grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job) {
+grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job,
+                                           bool grad_hidden_states_in_region) {
   constexpr int kGradHiddenStatesField = 4;  // BackwardResponse.grad_hidden_states
   constexpr int kWeightGradientsField = 5;   // BackwardResponse.weight_gradients
   const LayerConfig& config = job.config;
@@ -111,13 +112,17 @@ grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJ
   auto* answer = new AnswerBuffer(std::move(job.answer));
   const grpc::Slice whole(answer->bytes.get(), answer->size, DeleteAnswer, answer);
   std::size_t offset = 0;
-  auto add = [&](std::initializer_list<int> fields, std::size_t elements) {
+  auto add = [&](std::initializer_list<int> fields, std::size_t elements, bool send = true) {
     const std::size_t bytes = elements * element_size;
+    if (!send) {
+      offset += bytes;
+      return;
+    }
     slices.emplace_back(RawDataHeader(fields, bytes));
     if (bytes > 0) slices.push_back(whole.sub(offset, offset + bytes));
     offset += bytes;
   };
-  add({kGradHiddenStatesField}, job.activations());
+  add({kGradHiddenStatesField}, job.activations(), !grad_hidden_states_in_region);
   if (job.return_weight_gradients) {
     for (Weight weight : kAllWeights) {
       add({kWeightGradientsField, static_cast<int>(wire::WireWeightName(weight))},

@@ -273,6 +273,7 @@ class _Batch:
         self.parts = list(zip(ids, bounds))
         self.tokens = batch * seq_len
         self._responses: Dict[int, Any] = {}
+        self.region: Optional["_RegionLayout"] = None  # zero_copy: where each part's bytes are
 
     def request(self, part_index: int) -> "_WireRequest":
         part_id, (b0, b1) = self.parts[part_index]
@@ -282,8 +283,18 @@ class _Batch:
             expected_weights_version=self.expected_weights_version,
             accumulation_window_id=self.accumulation_window_id,
             response_dtype=_DTYPE_ENUM[self.response_dtype])
-        wire.add(message.hidden_states, (5,), self.hidden_states[b0:b1], self.input_dtype)
-        wire.add(message.grad_output, (6,), self.grad_output[b0:b1], self.input_dtype)
+        if self.region is not None:
+            # Same-host zero-copy: the activations are in the region (written by _RegionLayout),
+            # the answer goes there too; the message names them.
+            hidden_slice, grad_slice, answer_slice = self.region.slices(part_index)
+            wire.describe(message.hidden_states, self.hidden_states[b0:b1], self.input_dtype)
+            wire.describe(message.grad_output, self.grad_output[b0:b1], self.input_dtype)
+            message.hidden_states_region.CopyFrom(hidden_slice)
+            message.grad_output_region.CopyFrom(grad_slice)
+            message.grad_hidden_states_region.CopyFrom(answer_slice)
+        else:
+            wire.add(message.hidden_states, (5,), self.hidden_states[b0:b1], self.input_dtype)
+            wire.add(message.grad_output, (6,), self.grad_output[b0:b1], self.input_dtype)
         if self.cos is not None:
             wire.add(message.rotary_tables.cos, (7, 1), self.cos[b0:b1], self.wire_dtype)
             wire.add(message.rotary_tables.sin, (7, 2), self.sin[b0:b1], self.wire_dtype)
@@ -313,7 +324,9 @@ class _Batch:
     def result(self) -> BackwardResult:
         responses = [self._responses[part_id] for part_id, _ in self.parts]
         grads = [_decode(r.grad_hidden_states, "grad_hidden_states",
-                         _raw_of(r, "grad_hidden_states")) for r in responses]
+                         self.region.answer(index) if self.region is not None
+                         else _raw_of(r, "grad_hidden_states"))
+                 for index, r in enumerate(responses)]
         for (part_id, (b0, b1)), grad in zip(self.parts, grads):
             expected = (b1 - b0,) + self.shape[1:]
             if grad.shape != expected:
@@ -386,6 +399,11 @@ class _WireRequest:
         message.shape.extend(int(d) for d in array.shape)
         self._tensors.append((path, contiguous))
 
+    def describe(self, message, array: np.ndarray, dtype_name: str) -> None:
+        """The tensor's dtype and shape only (its bytes are in a shared-memory region)."""
+        message.dtype = _DTYPE_ENUM[dtype_name]
+        message.shape.extend(int(d) for d in array.shape)
+
     def serialize(self) -> bytes:
         pieces = [self.head.SerializeToString()]
         for path, array in self._tensors:
@@ -406,6 +424,79 @@ class _WireRequest:
     def to_message(self):
         """The equivalent parsed message (for tests)."""
         return pb.BackwardRequest.FromString(self.serialize())
+
+
+class _SharedRegion:
+    """A POSIX shared-memory object this client created and registered with the server (zero_copy);
+    reused by later batches that fit."""
+
+    def __init__(self, client: "Client", size: int):
+        from multiprocessing import shared_memory
+        self.memory = shared_memory.SharedMemory(create=True, size=size)
+        self.size = size
+        try:
+            self.region_id = client.register_region(self.memory.name, size)
+        except BaseException:
+            self.destroy(None)
+            raise
+
+    def destroy(self, client: Optional["Client"]) -> None:
+        if client is not None:
+            try:
+                client.unregister_region(self.region_id)
+            except errors.AttngradError:
+                pass  # the server is gone or restarted: nothing of it is mapped there any more
+        self.memory.close()
+        self.memory.unlink()
+
+
+class _RegionLayout:
+    """Where each part of a zero_copy batch lies in its region: [hidden | grad_output | answer] per
+    part, each aligned to 64 bytes. write_inputs() copies the caller's arrays in (the one copy the
+    host path makes); answer() copies a part's grad_hidden_states out."""
+
+    _ALIGN = 64
+
+    def __init__(self, batch: "_Batch"):
+        self.batch = batch
+        in_size = tensors.itemsize(batch.input_dtype)
+        out_size = tensors.itemsize(batch.response_dtype)
+        per_sequence = int(np.prod(batch.shape[1:]))
+        self.parts = []  # (hidden offset, grad offset, answer offset, input bytes, answer bytes)
+        offset = 0
+
+        def take(size):
+            nonlocal offset
+            start = offset
+            offset += -(-size // self._ALIGN) * self._ALIGN
+            return start
+
+        for _, (b0, b1) in batch.parts:
+            in_bytes = (b1 - b0) * per_sequence * in_size
+            out_bytes = (b1 - b0) * per_sequence * out_size
+            self.parts.append((take(in_bytes), take(in_bytes), take(out_bytes), in_bytes, out_bytes))
+        self.size = max(offset, self._ALIGN)
+        self.shared: Optional[_SharedRegion] = None
+
+    def _slice(self, offset: int, size: int):
+        return pb.RegionSlice(region_id=self.shared.region_id, offset=offset, byte_size=size)
+
+    def write_inputs(self, shared: _SharedRegion) -> None:
+        self.shared = shared
+        buffer = shared.memory.buf
+        for (_, (b0, b1)), (hidden, grad, _, in_bytes, _) in zip(self.batch.parts, self.parts):
+            for offset, array in ((hidden, self.batch.hidden_states), (grad, self.batch.grad_output)):
+                raw = memoryview(tensors.contiguous(array[b0:b1], self.batch.input_dtype)).cast("B")
+                buffer[offset:offset + in_bytes] = raw
+
+    def slices(self, part_index: int):
+        hidden, grad, answer, in_bytes, out_bytes = self.parts[part_index]
+        return (self._slice(hidden, in_bytes), self._slice(grad, in_bytes),
+                self._slice(answer, out_bytes))
+
+    def answer(self, part_index: int) -> bytes:
+        _, _, answer, _, out_bytes = self.parts[part_index]
+        return bytes(self.shared.memory.buf[answer:answer + out_bytes])
 
 
 class _WireChunk:
@@ -821,6 +912,8 @@ class Client:
             "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
             response_deserializer=_decode_health_response)
         self._limits: Optional[ModelInfo] = None
+        self._regions_lock = threading.Lock()
+        self._free_regions: List[_SharedRegion] = []  # zero_copy regions not in use
         self._batch_ids = itertools.count(random.SystemRandom().getrandbits(62) + 1)
 
     @property
@@ -858,6 +951,10 @@ class Client:
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
+        with self._regions_lock:
+            regions, self._free_regions = self._free_regions, []
+        for shared in regions:
+            shared.destroy(self)
         for raw in self._raw_channels:
             if raw is not None:
                 raw.close()
@@ -941,11 +1038,54 @@ class Client:
           wire_dtype: the wire dtype of every input tensor (cos/sin too) unless input_dtype says
             otherwise; response_dtype: the answer's. "float32" (default), "float16" or "bfloat16".
           timeout: the deadline of the stream in seconds.
+          zero_copy: same host only: the inputs are written into a POSIX shared-memory region this
+            client registers with the server (register_region; kept for later calls, removed by
+            close()), the request names them there and the server writes grad_hidden_states back
+            into it, so no activation bytes cross the connection. NumPy arrays and CPU torch
+            tensors; the results equal the bytes path's bit for bit.
         """
         timeout = kwargs.pop("timeout", None)
+        zero_copy = bool(kwargs.pop("zero_copy", False))
         batch = self._prepare(hidden_states, grad_output, cos, sin, **kwargs)
-        results = list(self._run([batch], timeout=timeout))
-        return results[0]
+        if not zero_copy:
+            return list(self._run([batch], timeout=timeout))[0]
+        layout = _RegionLayout(batch)
+        shared = self._take_region(layout.size)
+        try:
+            layout.write_inputs(shared)
+            batch.region = layout
+            return list(self._run([batch], timeout=timeout))[0]
+        finally:
+            self._give_back_region(shared)
+
+    # -- shared-memory regions (same host) -------------------------------------------------------
+
+    def register_region(self, name: str, size: int, *, timeout: Optional[float] = None) -> int:
+        """Maps the POSIX shared-memory object NAME (its first SIZE bytes) into the server for
+        batches to name tensors in; returns the region id. Only a server on this host, running as a
+        user that may open the object, can; the region belongs to this client's id."""
+        response = self._unary("RegisterRegion", self._stub.RegisterRegion,
+                               pb.RegisterRegionRequest(name=name, byte_size=int(size)), timeout)
+        return response.region_id
+
+    def unregister_region(self, region_id: int, *, timeout: Optional[float] = None) -> None:
+        """Unmaps a region of this client from the server."""
+        self._unary("UnregisterRegion", self._stub.UnregisterRegion,
+                    pb.UnregisterRegionRequest(region_id=int(region_id)), timeout)
+
+    def _take_region(self, size: int) -> _SharedRegion:
+        """A free region of at least SIZE bytes: a cached one, or a new one."""
+        with self._regions_lock:
+            for index, shared in enumerate(self._free_regions):
+                if shared.size >= size:
+                    return self._free_regions.pop(index)
+        return _SharedRegion(self, size)
+
+    def _give_back_region(self, shared: _SharedRegion) -> None:
+        with self._regions_lock:
+            self._free_regions.append(shared)
+            while len(self._free_regions) > 2:  # keep the newest two
+                self._free_regions.pop(0).destroy(self)
 
     def backward_many(self, batches: Iterable[Mapping[str, Any]], *,
                       timeout: Optional[float] = None, streams: int = 1) -> Iterator[BackwardResult]:

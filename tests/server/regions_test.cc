@@ -1,0 +1,269 @@
+// Shared-memory regions (issue 13 item 4, host memory) on the CPU backend: a client registers a
+// POSIX shared-memory object, batches read hidden_states / grad_output from it and write
+// grad_hidden_states into it, with the bits of the bytes path; every bad reference (unknown region,
+// another client's, out of bounds, misaligned, wrong size) is INVALID_ARGUMENT naming the field and
+// the stream goes on; unregistered regions can no longer be named.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/tensor.h"
+#include "server_test_util.h"
+
+namespace attngrad::server::testing {
+namespace {
+
+// A shared-memory object the test creates (as a client would) and removes.
+class SharedMemory {
+ public:
+  explicit SharedMemory(std::size_t size)
+      : name_("/attngrad-regions-test-" + std::to_string(getpid()) + "-" + std::to_string(next_++)),
+        size_(size) {
+    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << std::strerror(errno);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+    data_ = static_cast<char*>(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    EXPECT_NE(data_, MAP_FAILED);
+    close(fd);
+  }
+  ~SharedMemory() {
+    munmap(data_, size_);
+    shm_unlink(name_.c_str());
+  }
+  const std::string& name() const { return name_; }
+  char* data() const { return data_; }
+
+ private:
+  static inline int next_ = 0;
+  std::string name_;
+  std::size_t size_;
+  char* data_ = nullptr;
+};
+
+v1::RegionSlice Slice(std::uint64_t region, std::int64_t offset, std::int64_t bytes) {
+  v1::RegionSlice slice;
+  slice.set_region_id(region);
+  slice.set_offset(offset);
+  slice.set_byte_size(bytes);
+  return slice;
+}
+
+class RegionsTest : public ServerTest {
+ protected:
+  static constexpr int kBatch = 1, kSeqLen = 8;
+
+  std::size_t ActivationBytes() const {
+    return static_cast<std::size_t>(kBatch) * kSeqLen * config().hidden_size * sizeof(float);
+  }
+
+  grpc::Status Register(const std::string& name, std::int64_t size, std::uint64_t* id,
+                        const std::string& client_id = "") {
+    grpc::ClientContext context;
+    if (!client_id.empty()) context.AddMetadata("attngrad-client-id", client_id);
+    v1::RegisterRegionRequest request;
+    request.set_name(name);
+    request.set_byte_size(size);
+    v1::RegisterRegionResponse response;
+    const grpc::Status status = stub().RegisterRegion(&context, request, &response);
+    *id = response.region_id();
+    return status;
+  }
+  grpc::Status Unregister(std::uint64_t id, const std::string& client_id = "") {
+    grpc::ClientContext context;
+    if (!client_id.empty()) context.AddMetadata("attngrad-client-id", client_id);
+    v1::UnregisterRegionRequest request;
+    request.set_region_id(id);
+    v1::UnregisterRegionResponse response;
+    return stub().UnregisterRegion(&context, request, &response);
+  }
+
+  // The request with its activations moved into `memory` ([hidden | grad_output | answer]) and
+  // named by region; the answer asked into the region too.
+  v1::BackwardRequest InRegion(v1::BackwardRequest request, std::uint64_t region,
+                               SharedMemory& memory) {
+    const std::int64_t bytes = static_cast<std::int64_t>(ActivationBytes());
+    std::memcpy(memory.data(), request.hidden_states().raw_data().data(), bytes);
+    std::memcpy(memory.data() + bytes, request.grad_output().raw_data().data(), bytes);
+    request.mutable_hidden_states()->clear_raw_data();
+    request.mutable_grad_output()->clear_raw_data();
+    *request.mutable_hidden_states_region() = Slice(region, 0, bytes);
+    *request.mutable_grad_output_region() = Slice(region, bytes, bytes);
+    *request.mutable_grad_hidden_states_region() = Slice(region, 2 * bytes, bytes);
+    return request;
+  }
+};
+
+TEST_F(RegionsTest, ComputesFromAndIntoARegionWithTheBitsOfTheBytesPath) {
+  const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 5);
+  const v1::BackwardRequest bytes_request =
+      MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_RETURN);
+  const v1::BackwardResponse expected = RunOne(stub(), bytes_request);
+  ASSERT_FALSE(expected.has_error()) << expected.error().message();
+
+  const std::size_t bytes = ActivationBytes();
+  SharedMemory memory(3 * bytes);
+  std::uint64_t region = 0;
+  ASSERT_TRUE(Register(memory.name(), static_cast<std::int64_t>(3 * bytes), &region).ok());
+  ASSERT_NE(region, 0u);
+  std::memset(memory.data() + 2 * bytes, 0x7f, bytes);  // the answer overwrites this
+  const v1::BackwardResponse response = RunOne(stub(), InRegion(bytes_request, region, memory));
+  ASSERT_FALSE(response.has_error()) << response.error().message();
+
+  // grad_hidden_states came in the region, its dtype and shape in the message.
+  EXPECT_TRUE(response.grad_hidden_states().raw_data().empty());
+  EXPECT_EQ(response.grad_hidden_states().dtype(), v1::DTYPE_FLOAT32);
+  EXPECT_EQ(response.grad_hidden_states().shape_size(), 3);
+  ASSERT_EQ(expected.grad_hidden_states().raw_data().size(), bytes);
+  EXPECT_EQ(std::memcmp(memory.data() + 2 * bytes, expected.grad_hidden_states().raw_data().data(),
+                        bytes),
+            0);
+  // The weight gradients came in the message, the same bits.
+  EXPECT_EQ(response.weight_gradients().q_proj().raw_data(),
+            expected.weight_gradients().q_proj().raw_data());
+  EXPECT_EQ(response.weight_gradients().o_proj().raw_data(),
+            expected.weight_gradients().o_proj().raw_data());
+  EXPECT_EQ(response.weight_gradients().k_norm().raw_data(),
+            expected.weight_gradients().k_norm().raw_data());
+  // The inputs were only read.
+  EXPECT_EQ(std::memcmp(memory.data(), bytes_request.hidden_states().raw_data().data(), bytes), 0);
+  EXPECT_TRUE(Unregister(region).ok());
+}
+
+TEST_F(RegionsTest, A16BitAnswerGoesIntoTheRegionInTheResponseDtype) {
+  const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 6);
+  v1::BackwardRequest bytes_request = MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_RETURN);
+  bytes_request.set_response_dtype(v1::DTYPE_BFLOAT16);
+  const v1::BackwardResponse expected = RunOne(stub(), bytes_request);
+  ASSERT_FALSE(expected.has_error()) << expected.error().message();
+  const std::size_t bytes = ActivationBytes();
+  SharedMemory memory(3 * bytes);
+  std::uint64_t region = 0;
+  ASSERT_TRUE(Register(memory.name(), static_cast<std::int64_t>(3 * bytes), &region).ok());
+  v1::BackwardRequest request = InRegion(bytes_request, region, memory);
+  *request.mutable_grad_hidden_states_region() = Slice(region, 2 * bytes + 2, bytes / 2);
+  const v1::BackwardResponse response = RunOne(stub(), request);
+  ASSERT_FALSE(response.has_error()) << response.error().message();
+  EXPECT_EQ(response.grad_hidden_states().dtype(), v1::DTYPE_BFLOAT16);
+  ASSERT_EQ(expected.grad_hidden_states().raw_data().size(), bytes / 2);
+  EXPECT_EQ(std::memcmp(memory.data() + 2 * bytes + 2,
+                        expected.grad_hidden_states().raw_data().data(), bytes / 2),
+            0);
+}
+
+TEST_F(RegionsTest, EveryBadReferenceIsInvalidArgumentAndTheStreamGoesOn) {
+  const std::size_t bytes = ActivationBytes();
+  SharedMemory memory(3 * bytes);
+  SharedMemory others(3 * bytes);
+  std::uint64_t region = 0, other_region = 0;
+  ASSERT_TRUE(Register(memory.name(), static_cast<std::int64_t>(3 * bytes), &region).ok());
+  ASSERT_TRUE(
+      Register(others.name(), static_cast<std::int64_t>(3 * bytes), &other_region, "other").ok());
+  const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 7);
+  const v1::BackwardRequest good =
+      InRegion(MakeRequest(config(), batch, 0, v1::GRADIENT_MODE_RETURN), region, memory);
+  const std::int64_t size = static_cast<std::int64_t>(bytes);
+
+  std::map<std::uint64_t, std::string> expected_field;  // batch id -> the field the error names
+  std::vector<v1::BackwardRequest> requests;
+  auto bad = [&](const std::string& field, auto change) {
+    v1::BackwardRequest request = good;
+    request.set_batch_id(requests.size() + 1);
+    change(request);
+    expected_field[request.batch_id()] = field;
+    requests.push_back(request);
+  };
+  bad("hidden_states_region.region_id", [&](v1::BackwardRequest& r) {
+    r.mutable_hidden_states_region()->set_region_id(region + 100);
+  });
+  bad("grad_output_region.region_id",
+      [&](v1::BackwardRequest& r) { r.mutable_grad_output_region()->set_region_id(other_region); });
+  bad("hidden_states_region", [&](v1::BackwardRequest& r) {
+    r.mutable_hidden_states_region()->set_offset(2 * size + 4);  // runs past the end
+  });
+  bad("hidden_states_region",
+      [&](v1::BackwardRequest& r) { r.mutable_hidden_states_region()->set_offset(-4); });
+  bad("grad_output_region.offset", [&](v1::BackwardRequest& r) {
+    r.mutable_grad_output_region()->set_offset(size + 2);  // fp32 needs 4-byte alignment
+  });
+  bad("hidden_states_region.byte_size", [&](v1::BackwardRequest& r) {
+    r.mutable_hidden_states_region()->set_byte_size(size - 4);  // too small for the shape
+  });
+  bad("grad_hidden_states_region.byte_size", [&](v1::BackwardRequest& r) {
+    r.mutable_grad_hidden_states_region()->set_byte_size(size / 2);
+  });
+  bad("grad_hidden_states_region.region_id", [&](v1::BackwardRequest& r) {
+    r.mutable_grad_hidden_states_region()->set_region_id(other_region);
+  });
+  bad("grad_hidden_states_region", [&](v1::BackwardRequest& r) {
+    r.mutable_grad_hidden_states_region()->set_offset(2 * size + 4);
+  });
+  bad("hidden_states.raw_data", [&](v1::BackwardRequest& r) {
+    r.mutable_hidden_states()->set_raw_data(std::string(bytes, '\0'));
+  });
+  v1::BackwardRequest last = good;
+  last.set_batch_id(requests.size() + 1);
+  requests.push_back(last);
+
+  std::memset(others.data(), 0x55, 3 * bytes);
+  grpc::Status status;
+  const std::vector<v1::BackwardResponse> responses = RunStream(stub(), requests, &status);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(responses.size(), requests.size());
+  for (const v1::BackwardResponse& response : responses) {
+    auto field = expected_field.find(response.batch_id());
+    if (field == expected_field.end()) {
+      EXPECT_FALSE(response.has_error()) << response.error().message();  // the last, good one
+      continue;
+    }
+    EXPECT_EQ(response.error().code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << "batch " << response.batch_id() << ": " << response.error().message();
+    EXPECT_NE(response.error().message().find(field->second), std::string::npos)
+        << "batch " << response.batch_id() << " should name " << field->second << ": "
+        << response.error().message();
+  }
+  // Nothing was written into the other client's region.
+  for (std::size_t i = 0; i < 3 * bytes; ++i) {
+    if (others.data()[i] != 0x55) {
+      ADD_FAILURE() << "byte " << i << " of another client's region was written";
+      break;
+    }
+  }
+}
+
+TEST_F(RegionsTest, RegisterAndUnregisterCheckTheirArguments) {
+  SharedMemory memory(4096);
+  std::uint64_t id = 0;
+  EXPECT_EQ(Register("/attngrad-regions-test-missing", 4096, &id).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Register("a/b", 4096, &id).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Register(memory.name(), 0, &id).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const grpc::Status too_big = Register(memory.name(), 8192, &id);
+  EXPECT_EQ(too_big.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(too_big.error_message().find("byte_size"), std::string::npos);
+
+  // Without the leading '/', as Python's multiprocessing.shared_memory names them.
+  ASSERT_TRUE(Register(memory.name().substr(1), 4096, &id).ok());
+  EXPECT_EQ(Unregister(id, "other").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(Unregister(id).ok());
+  EXPECT_EQ(Unregister(id).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // An unregistered region can no longer be named.
+  const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 8);
+  v1::BackwardRequest request = MakeRequest(config(), batch, 9, v1::GRADIENT_MODE_RETURN);
+  request.mutable_hidden_states()->clear_raw_data();
+  *request.mutable_hidden_states_region() =
+      Slice(id, 0, static_cast<std::int64_t>(ActivationBytes()));
+  const v1::BackwardResponse response = RunOne(stub(), request);
+  EXPECT_EQ(response.error().code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << response.error().message();
+}
+
+}  // namespace
+}  // namespace attngrad::server::testing
