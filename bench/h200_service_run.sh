@@ -68,8 +68,9 @@ if [ "$PHASE" = check ]; then
 fi
 
 if [ "$PHASE" = service ]; then
+  # 16 GiB in-flight budget: 8 streams x 2 in flight of 4x1024 RETURN batches hold ~4 GB.
   "$B/attngrad-server" --devices=0 --listen=127.0.0.1:50051 --metrics_listen= \
-    > "$OUT/server.log" 2>&1 &
+    --max_inflight_bytes=17179869184 > "$OUT/server.log" 2>&1 &
   SERVER_PID=$!
   sleep 8
   cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$SERVER_PID/stat"; }
@@ -81,7 +82,7 @@ if [ "$PHASE" = service ]; then
     echo "==== $label: $*" | tee -a "$OUT/service.log"
     before=$(cpu_seconds)
     "$B/attngrad-cli" bench "$@" >> "$OUT/service.log" 2>&1
-    echo "server CPU seconds: $(echo "$(cpu_seconds) - $before" | bc)" >> "$OUT/service.log"
+    echo "server CPU seconds: $(awk -v a="$(cpu_seconds)" -v b="$before" 'BEGIN { print a - b }')" >> "$OUT/service.log"
     "$W" "$@" --json >> "$OUT/service.log" 2>&1
     "$W" "$@" --transport=bytebuffer --json >> "$OUT/service.log" 2>&1
   }
