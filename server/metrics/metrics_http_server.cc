@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -131,7 +133,14 @@ void MetricsHttpServer::Serve() {
     const int connection_fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (connection_fd < 0) continue;
     JoinFinishedConnections();
-    if (connections_.size() >= static_cast<std::size_t>(options_.max_connections)) {
+    const std::size_t limit = static_cast<std::size_t>(options_.max_connections);
+    // A connection that has sent its answer and closed may not have marked itself finished yet
+    // (its thread not scheduled since): give such connections up to 100 ms before refusing.
+    for (int attempt = 0; attempt < 20 && connections_.size() >= limit; ++attempt) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      JoinFinishedConnections();
+    }
+    if (connections_.size() >= limit) {
       // Busy: say so without waiting for the request (one non-blocking send; a client that does
       // not read it loses only its own answer).
       static constexpr char kBusy[] =
