@@ -525,10 +525,11 @@ class _Call:
         return result
 
 
-class _OffloadedAttention(torch.autograd.Function):
+class _OffloadedAttention(RemoteAttentionBackward):
     """apply(hidden_states, cos, sin, q_w, k_w, v_w, o_w, q_norm_w, k_norm_w, call, version):
     forward = the module's own forward, unchanged (run without recording a graph, so none of its
-    activations are kept); backward = the service (_remote_backward)."""
+    activations are kept); backward = RemoteAttentionBackward's (the service, same saved tensors
+    and ctx fields)."""
 
     @staticmethod
     def forward(ctx, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
@@ -539,15 +540,6 @@ class _OffloadedAttention(torch.autograd.Function):
                                                          q_norm_weight, k_norm_weight)]
         ctx.save_for_backward(hidden_states, cos, sin)
         return call.run(hidden_states)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        hidden_states, cos, sin = ctx.saved_tensors
-        grad_hidden, weight_grads = _remote_backward(
-            ctx.binding, hidden_states, cos, sin, grad_output, ctx.weights_version,
-            ctx.weight_meta, ctx.needs_input_grad[3:9])
-        grad_hidden = grad_hidden if ctx.needs_input_grad[0] else None
-        return (grad_hidden, None, None, *weight_grads, None, None)
 
 
 class OffloadHandle:
