@@ -290,6 +290,38 @@ void ExpectMeetsBar(const HostGradients& got, const HostGradients& want, const s
   }
 }
 
+// Two BackwardDevice calls on the same buffers, outputs poisoned with NaN before each: the first
+// meets SPEC section 4's bar against `want`, the second (a replay of the cached graph) is bitwise
+// equal to the first.
+void ExpectMeetsBarAndRepeatsBitwise(const HostProblem& host, DeviceProblem& device,
+                                     const attngrad::Scalars& scalars,
+                                     attngrad::Precision precision, const HostGradients& want,
+                                     const std::string& what) {
+  const std::size_t bytes =
+      attngrad::DeviceWorkspaceSize(host.config, host.batch, host.seq_len, precision);
+  ASSERT_GT(bytes, 0u) << what;
+  DeviceBuffer<unsigned char> workspace = Workspace(bytes);
+  HostGradients first(host.tokens(), host.config);
+  for (int call = 0; call < 2; ++call) {
+    device.SetOutputs(Filled(host.tokens(), NAN, host.config));
+    const attngrad::Status status = attngrad::BackwardDevice(
+        host.config, host.batch, host.seq_len, scalars, precision, false, device.Inputs(),
+        device.Outputs(), workspace.get(), bytes, nullptr);
+    ASSERT_TRUE(status.ok()) << what << ": " << status.message;
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const HostGradients got = device.GetOutputs();
+    if (call == 0) {
+      ExpectMeetsBar(got, want, what);
+      first = got;
+    } else {
+      for (int i = 0; i < kOutputs; ++i) {
+        EXPECT_EQ(got.tensors[i], first.tensors[i])
+            << what << " not deterministic, " << OutputName(i);
+      }
+    }
+  }
+}
+
 class GpuBackwardTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -549,34 +581,11 @@ TEST_F(GpuBackwardTest, SlidingWindowMatchesCpuBackendInEveryModeAndIsDeterminis
     const HostGradients want = Reference(host, false, nullptr, scalars);
     DeviceProblem device(host);
     for (int m = 0; m < 4; ++m) {
-      const auto precision = static_cast<attngrad::Precision>(kModes[m]);
-      const std::size_t bytes =
-          attngrad::DeviceWorkspaceSize(kConfig, c.batch, c.seq_len, precision);
-      ASSERT_GT(bytes, 0u);
-      DeviceBuffer<unsigned char> workspace = Workspace(bytes);
-      const std::string what = std::string(kModeNames[m]) + " B=" + std::to_string(c.batch) +
-                               " S=" + std::to_string(c.seq_len) +
-                               " window=" + std::to_string(c.window) +
-                               " softcap=" + std::to_string(c.softcap);
-      HostGradients first(host.tokens());
-      for (int call = 0; call < 2; ++call) {
-        device.SetOutputs(Filled(host.tokens(), NAN));
-        const attngrad::Status status = attngrad::BackwardDevice(
-            kConfig, c.batch, c.seq_len, scalars, precision, false, device.Inputs(),
-            device.Outputs(), workspace.get(), bytes, nullptr);
-        ASSERT_TRUE(status.ok()) << what << ": " << status.message;
-        ASSERT_CUDA(cudaDeviceSynchronize());
-        const HostGradients got = device.GetOutputs();
-        if (call == 0) {
-          ExpectMeetsBar(got, want, what);
-          first = got;
-        } else {
-          for (int i = 0; i < kOutputs; ++i) {
-            EXPECT_EQ(got.tensors[i], first.tensors[i])
-                << what << " not deterministic, " << OutputName(i);
-          }
-        }
-      }
+      ExpectMeetsBarAndRepeatsBitwise(
+          host, device, scalars, static_cast<attngrad::Precision>(kModes[m]), want,
+          std::string(kModeNames[m]) + " B=" + std::to_string(c.batch) +
+              " S=" + std::to_string(c.seq_len) + " window=" + std::to_string(c.window) +
+              " softcap=" + std::to_string(c.softcap));
     }
   }
 }
@@ -617,34 +626,11 @@ TEST_F(GpuBackwardTest, Gemma3HeadDim256LayersMatchCpuBackendInEveryModeAndAreDe
     const HostGradients want = Reference(host, false, nullptr, scalars);
     DeviceProblem device(host);
     for (int m = 0; m < 4; ++m) {
-      const auto precision = static_cast<attngrad::Precision>(kModes[m]);
-      const std::size_t bytes =
-          attngrad::DeviceWorkspaceSize(model.config, c.batch, c.seq_len, precision);
-      ASSERT_GT(bytes, 0u) << model.name;
-      DeviceBuffer<unsigned char> workspace = Workspace(bytes);
-      const std::string what = std::string(model.name) + (c.local ? " local " : " global ") +
-                               kModeNames[m] + " B=" + std::to_string(c.batch) +
-                               " S=" + std::to_string(c.seq_len) +
-                               " softcap=" + std::to_string(c.softcap);
-      HostGradients first(host.tokens(), model.config);
-      for (int call = 0; call < 2; ++call) {
-        device.SetOutputs(Filled(host.tokens(), NAN, model.config));
-        const attngrad::Status status = attngrad::BackwardDevice(
-            model.config, c.batch, c.seq_len, scalars, precision, false, device.Inputs(),
-            device.Outputs(), workspace.get(), bytes, nullptr);
-        ASSERT_TRUE(status.ok()) << what << ": " << status.message;
-        ASSERT_CUDA(cudaDeviceSynchronize());
-        const HostGradients got = device.GetOutputs();
-        if (call == 0) {
-          ExpectMeetsBar(got, want, what);
-          first = got;
-        } else {
-          for (int i = 0; i < kOutputs; ++i) {
-            EXPECT_EQ(got.tensors[i], first.tensors[i])
-                << what << " not deterministic, " << OutputName(i);
-          }
-        }
-      }
+      ExpectMeetsBarAndRepeatsBitwise(
+          host, device, scalars, static_cast<attngrad::Precision>(kModes[m]), want,
+          std::string(model.name) + (c.local ? " local " : " global ") + kModeNames[m] +
+              " B=" + std::to_string(c.batch) + " S=" + std::to_string(c.seq_len) +
+              " softcap=" + std::to_string(c.softcap));
     }
   }
 }
