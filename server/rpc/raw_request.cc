@@ -84,7 +84,8 @@ void SetShape(absl::Span<const std::int64_t> shape, int dtype, v1::Tensor* tenso
 }  // namespace
 
 grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job,
-                                           bool grad_hidden_states_in_region) {
+                                           bool grad_hidden_states_in_region,
+                                           bool weight_gradients_in_region) {
   constexpr int kGradHiddenStatesField = 4;  // BackwardResponse.grad_hidden_states
   constexpr int kWeightGradientsField = 5;   // BackwardResponse.weight_gradients
   const LayerConfig& config = job.config;
@@ -126,7 +127,7 @@ grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJ
   if (job.return_weight_gradients) {
     for (Weight weight : kAllWeights) {
       add({kWeightGradientsField, static_cast<int>(wire::WireWeightName(weight))},
-          WeightElements(config, weight));
+          WeightElements(config, weight), !weight_gradients_in_region);
     }
   }
   return grpc::ByteBuffer(slices.data(), slices.size());
