@@ -3,7 +3,7 @@ registers its CUDA tensors (attngrad.Client's zero_copy path, cuda_regions.py) a
 that name them, so that no activation byte crosses the connection.
 
   throughput: B x S ACCUMULATE batches over STREAMS Backward streams with IN_FLIGHT batches
-              outstanding on each, for DURATION seconds after a warm-up: tokens/s. The inputs are
+              outstanding on each (--configs), for DURATION seconds after a warm-up: tokens/s. The inputs are
               drawn once; each in-flight slot has its own answer tensor.
   latency:    one B x S batch at a time (RETURN: the weight gradients come back on the wire;
               ACCUMULATE: nothing but the response): the p50/p90 round trip of COUNT batches.
@@ -81,9 +81,9 @@ def backward_call(client):
         response_deserializer=pb.BackwardResponse.FromString)
 
 
-def throughput(args, client, hidden, device):
-    trainers = [Trainer(client, args.batch, args.seq_len, hidden, args.in_flight, device, seed=s)
-                for s in range(args.streams)]
+def throughput(args, client, hidden, device, streams, in_flight):
+    trainers = [Trainer(client, args.batch, args.seq_len, hidden, in_flight, device, seed=s)
+                for s in range(streams)]
     ids = iter(range(1, 1 << 62))
     lock = threading.Lock()
     done = {"batches": 0, "errors": 0, "compute": []}
@@ -91,7 +91,7 @@ def throughput(args, client, hidden, device):
     stop = threading.Event()
 
     def lane(trainer, index):
-        window = threading.Semaphore(args.in_flight)
+        window = threading.Semaphore(in_flight)
         channel_client = attngrad.Client(args.target, client_id=client_id_of(args),
                                          timeout=0) if index else client
 
@@ -102,7 +102,7 @@ def throughput(args, client, hidden, device):
                 with lock:
                     batch_id = next(ids)
                 yield trainer.request(batch_id, pb.GRADIENT_MODE_ACCUMULATE, slot)
-                slot = (slot + 1) % args.in_flight
+                slot = (slot + 1) % in_flight
 
         for response in backward_call(channel_client)(requests()):
             window.release()
@@ -133,7 +133,7 @@ def throughput(args, client, hidden, device):
     tokens = done["batches"] * args.batch * args.seq_len
     compute = statistics.median(done["compute"]) if done["compute"] else float("nan")
     return {"what": f"ACCUMULATE {args.batch}x{args.seq_len} over CUDA IPC",
-            "streams": args.streams, "in_flight": args.in_flight, "seconds": elapsed,
+            "streams": streams, "in_flight": in_flight, "seconds": elapsed,
             "batches": done["batches"], "errors": done["errors"],
             "tokens_per_second": tokens / elapsed, "server_compute_p50_ms": compute * 1e3}
 
@@ -214,8 +214,8 @@ def main():
     parser.add_argument("--client_id", default="cuda-ipc-bench")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=1024)
-    parser.add_argument("--streams", type=int, default=2)
-    parser.add_argument("--in_flight", type=int, default=3)
+    parser.add_argument("--configs", default="2x3,4x2",
+                        help="throughput runs: STREAMSxIN_FLIGHT, comma-separated")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--count", type=int, default=100, help="latency / bridge iterations")
@@ -229,8 +229,10 @@ def main():
     results = []
     parts = args.only.split(",")
     if "throughput" in parts:
-        results.append(throughput(args, client, info.hidden_size, device))
-        print(json.dumps(results[-1]), flush=True)
+        for config in args.configs.split(","):
+            streams, in_flight = (int(v) for v in config.split("x"))
+            results.append(throughput(args, client, info.hidden_size, device, streams, in_flight))
+            print(json.dumps(results[-1]), flush=True)
     if "latency" in parts:
         for mode, name, weights_region in (
                 (pb.GRADIENT_MODE_RETURN, "RETURN (weight gradients into a CUDA IPC region)", True),

@@ -33,7 +33,7 @@ date -u +"tests done %T UTC" | tee -a "$OUT/info.txt"
   > "$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 timeout "${BENCH_LIMIT:-150}" python3 "$B/py/bench/cuda_ipc_bench.py" --target=127.0.0.1:50051 \
-  --duration="${DURATION:-8}" --streams="${STREAMS:-2}" --in_flight="${IN_FLIGHT:-3}" \
+  --duration="${DURATION:-8}" --configs="${CONFIGS:-2x3,4x2}" \
   --json="$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "exit $?" >> "$OUT/bench.log"
 kill -TERM $SERVER_PID; wait $SERVER_PID

@@ -169,8 +169,7 @@ class CudaIpcAgainstServer(unittest.TestCase):
             # The good batch wrote grad_hidden_states into `answer`; the bytes path agrees.
             expected = self.client.backward(hidden.cpu(), grad.cpu(),
                                             position_ids=torch.arange(seq_len))
-            self.assert_same_bits(answer.cpu(), torch.from_numpy(expected.grad_hidden_states),
-                                  "good batch")
+            self.assert_same_bits(answer.cpu(), expected.grad_hidden_states, "good batch")
         finally:
             other.close()
 

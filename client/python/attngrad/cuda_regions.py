@@ -41,6 +41,25 @@ def torch_dtype(wire_dtype: str):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wire_dtype]
 
 
+_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def cuda_ipc_handle(torch_handle: bytes) -> bytes:
+    """The cudaIpcMemHandle_t in what `_share_cuda_()` returns: the 64 bytes themselves (older
+    torch), or a version byte, a type byte ('c': a cudaMalloc block) and the 64 bytes (torch 2.x's
+    caching allocator). Memory of expandable segments (type 'e') has no such handle."""
+    raw = bytes(torch_handle)
+    if len(raw) == _IPC_HANDLE_BYTES:
+        return raw
+    if len(raw) == _IPC_HANDLE_BYTES + 2 and raw[1] == ord("c"):
+        return raw[2:]
+    if len(raw) >= 2 and raw[1] == ord("e"):
+        raise ValueError("zero_copy with CUDA tensors needs cudaMalloc'd memory: this tensor lives "
+                         "in an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
+                         "True), which has no CUDA IPC memory handle; turn expandable segments off")
+    raise ValueError(f"unknown CUDA IPC handle format from torch ({len(raw)} bytes)")
+
+
 class CudaRegionCache:
     """The CUDA IPC regions a client has registered, by (device, handle, offset, size)."""
 
@@ -65,7 +84,7 @@ class CudaRegionCache:
         shared = storage._share_cuda_()
         device, handle, storage_bytes, storage_offset = shared[0], shared[1], shared[2], shared[3]
         self._release_torch_count(shared)
-        key = (int(device), bytes(handle), int(storage_offset), int(storage_bytes))
+        key = (int(device), cuda_ipc_handle(handle), int(storage_offset), int(storage_bytes))
         with self._lock:
             region = self._regions.get(key)
             if region is not None:
