@@ -5,7 +5,8 @@ path's bit for bit (RETURN, whose weight gradients go into this process's GPU me
 ACCUMULATE; fp32 and bf16 inputs, fp32 and fp16 answers; a batch split in parts along B); every bad reference into a CUDA IPC region (unknown region, another
 client's, out of bounds, misaligned, too small, a slice on another GPU's memory) is
 INVALID_ARGUMENT naming the field and the stream goes on; registrations are cached per storage and
-closed by close().
+closed by close(); a server on the CPU refuses the regions and the client falls back to the bytes
+path with a warning.
 
 Needs PyTorch with CUDA and a GPU build of attngrad-server (ATTNGRAD_SERVER); skips otherwise
 (label gpu: tests/python/CMakeLists.txt). ATTNGRAD_TEST_GPU: the GPU (default 0)."""
@@ -172,6 +173,21 @@ class CudaIpcAgainstServer(unittest.TestCase):
             self.assert_same_bits(answer.cpu(), expected.grad_hidden_states, "good batch")
         finally:
             other.close()
+
+    def test_a_server_on_the_cpu_refuses_and_the_client_falls_back_to_bytes(self):
+        server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"))  # --devices=cpu
+        try:
+            client = attngrad.Client(server.target, timeout=120)
+            server.wait_ready(client)
+            hidden, grad, positions = self.inputs(1, 16, 7)
+            with self.assertWarnsRegex(RuntimeWarning, "cuda_ipc"):
+                got = client.backward(hidden, grad, position_ids=positions, zero_copy=True)
+            expected = client.backward(hidden.cpu(), grad.cpu(), position_ids=positions)
+            self.assert_same_bits(got.grad_hidden_states.cpu(), expected.grad_hidden_states,
+                                  "fallback")
+            client.close()
+        finally:
+            server.stop()
 
     def test_registrations_are_cached_per_storage_and_closed(self):
         client = attngrad.Client(self.server.target, client_id="cache")

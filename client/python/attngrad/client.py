@@ -461,6 +461,11 @@ class _SharedRegion:
         self.memory.unlink()
 
 
+class _CudaIpcRefused(Exception):
+    """RegisterRegion refused this process's GPU memory: the server cannot open it (another host,
+    or a server on the CPU)."""
+
+
 class _CudaLayout:
     """Where each part of a zero_copy batch of CUDA tensors lies (CUDA IPC regions,
     cuda_regions.py): the caller's hidden_states and grad_output, and the answer tensor the server
@@ -989,6 +994,8 @@ class Client:
         self._regions_lock = threading.Lock()
         self._free_regions: List[_SharedRegion] = []  # zero_copy regions not in use
         self._cuda_regions: Optional[cuda_regions.CudaRegionCache] = None  # zero_copy, CUDA
+        # Why the server cannot open CUDA IPC regions (it is elsewhere or on the CPU), once seen.
+        self._cuda_ipc_refused: Optional[str] = None
         self._batch_ids = itertools.count(random.SystemRandom().getrandbits(62) + 1)
 
     @property
@@ -1134,7 +1141,16 @@ class Client:
         timeout = kwargs.pop("timeout", None)
         zero_copy = bool(kwargs.pop("zero_copy", False))
         if zero_copy and cuda_regions.is_cuda_tensor(hidden_states):
-            return self._backward_on_gpu(hidden_states, grad_output, cos, sin, timeout, kwargs)
+            if self._cuda_ipc_refused is None:
+                try:
+                    return self._backward_on_gpu(hidden_states, grad_output, cos, sin, timeout,
+                                                 dict(kwargs))
+                except _CudaIpcRefused as refused:
+                    self._cuda_ipc_refused = str(refused)
+                    warnings.warn(f"zero_copy: the server cannot open this process's GPU memory "
+                                  f"({refused}); CUDA tensors go as bytes from now on",
+                                  RuntimeWarning, stacklevel=2)
+            zero_copy = False  # the bytes path (a server elsewhere, or on the CPU)
         batch = self._prepare(hidden_states, grad_output, cos, sin, **kwargs)
         if not zero_copy:
             return list(self._run([batch], timeout=timeout))[0]
@@ -1173,8 +1189,13 @@ class Client:
             shapes = _weight_shapes(self._limits or self.info())
             weights = torch.empty((len(batch.parts), sum(int(np.prod(s)) for s in shapes)),
                                   dtype=cuda_regions.torch_dtype(answer_dtype), device=hidden.device)
-        batch.region = _CudaLayout(batch, self._cuda_region_cache(), hidden, grad, answer,
-                                   weights, shapes)
+        try:
+            batch.region = _CudaLayout(batch, self._cuda_region_cache(), hidden, grad, answer,
+                                       weights, shapes)
+        except (errors.FailedPreconditionError, errors.InvalidArgumentError) as error:
+            if error.method != "RegisterRegion":
+                raise
+            raise _CudaIpcRefused(str(error)) from None
         # The server reads the inputs as soon as the request arrives: their writes must be done.
         torch.cuda.current_stream(hidden.device).synchronize()
         return list(self._run([batch], timeout=timeout))[0]
