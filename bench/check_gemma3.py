@@ -21,7 +21,8 @@
    by both layer types, whose difference is the mask and the RoPE tables passed in) where
    --compile is given. With --timing-lock FILE, the compilation runs before the lock on FILE is
    taken and every timed section inside it, so that processes for different (model, shape) compile
-   in parallel and time one at a time (bench/h200_hd256_run.sh PHASE=compile).
+   in parallel and time one at a time (bench/h200_hd256_run.sh PHASE=compile); --ready-dir and
+   --ready-count make them wait until all have compiled before the first one times.
 
 Usage: python3 bench/check_gemma3.py --lib build-h200/kernels/libattngrad.so
           [--shapes 1:1,2:7,1:1000,2:2500] [--modes AUTO,FP32,TF32,FP16] [--models gemma-3-27b]
@@ -273,6 +274,18 @@ class TimingLock:
             self.file.close()  # releases the lock
 
 
+def wait_for_all(directory, count, limit_seconds=240):
+    """Marks this process ready in `directory` and waits until `count` processes are (a barrier:
+    no process times while another still compiles and runs its first steps on the same GPU)."""
+    if not directory:
+        return
+    open(os.path.join(directory, "ready.%d" % os.getpid()), "w").close()
+    deadline = time.time() + limit_seconds
+    while (len([f for f in os.listdir(directory) if f.startswith("ready.")]) < count
+           and time.time() < deadline):
+        time.sleep(0.5)
+
+
 def time_layers(lib, name, model, batch, seq_len, generator, args):
     """[name, B, S, attngrad local µs, global µs, eager local, eager global, compiled local,
     compiled global] (nan where not asked), or None when the GPU kernels do not compute the layer.
@@ -319,6 +332,7 @@ def time_layers(lib, name, model, batch, seq_len, generator, args):
                                                         time.time() - started), flush=True)
     flush = torch.empty(2 * 60 * 1024 * 1024 // 4 * 2, dtype=torch.float32, device="cuda")
     row = [name, batch, seq_len]
+    wait_for_all(args.ready_dir, args.ready_count)
     with TimingLock(args.timing_lock):
         for case, outputs_of_case, workspace in zip(cases, outputs, workspaces):
             def call(case=case, outputs_of_case=outputs_of_case, workspace=workspace):
@@ -362,6 +376,10 @@ def main():
     parser.add_argument("--timing-lock", default="",
                         help="a file to lock (flock) around the timed sections: for several "
                              "processes that compile in parallel and time one at a time")
+    parser.add_argument("--ready-dir", default="",
+                        help="with --ready-count N: wait before timing until N processes have "
+                             "compiled (a barrier; one (model, shape) per process)")
+    parser.add_argument("--ready-count", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
                         help="also report the attention kernels' device time (torch.profiler)")
     args = parser.parse_args()

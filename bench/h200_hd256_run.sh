@@ -8,10 +8,11 @@
 #          check_gemma3.py checks every Gemma-3 layer against transformers; then one A/B round.
 #   time:  check_gemma3.py --time (attngrad, eager TF32, then torch.compile) on TIME_SHAPES, then
 #          ROUNDS A/B rounds of attngrad_bench.
-#   compile: one check_gemma3.py process per (model, B×S) of COMPILE_MODELS × TIME_SHAPES, JOBS at
-#          a time: each compiles the layer with torch.compile for its shape (in parallel with the
-#          others), then times attngrad, eager TF32 and the compiled module while holding one lock
-#          (check_gemma3.py --timing-lock), so that no two processes time at once.
+#   compile: one check_gemma3.py process per (model, B×S) of COMPILE_MODELS × TIME_SHAPES, all at
+#          once: each compiles the layer with torch.compile for its shape (in parallel with the
+#          others), waits until all have compiled, then times attngrad, eager TF32 and the compiled
+#          module while holding one lock (check_gemma3.py --timing-lock), so that no two processes
+#          time at once and none times while another compiles.
 #   all:   check and time, in that order.
 # Logs go to $OUT (at most 8 files come back); a summary is printed last.
 set -u
@@ -69,18 +70,23 @@ if [ "$PHASE" = time ] || [ "$PHASE" = all ]; then
   bench_ab "${ROUNDS:-1}"
 fi
 if [ "$PHASE" = compile ]; then
-  mkdir -p /tmp/compile
+  rm -rf /tmp/compile && mkdir -p /tmp/compile
   export TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-2}
-  for model in $(echo "${COMPILE_MODELS:-gemma-3-270m,gemma-3-1b,gemma-3-4b,gemma-3-12b,gemma-3-27b}" | tr , ' '); do
-    for shape in $(echo "${TIME_SHAPES:-1:4096,4:1024,8:2048}" | tr , ' '); do
+  models=${COMPILE_MODELS:-gemma-3-270m,gemma-3-1b,gemma-3-4b,gemma-3-12b,gemma-3-27b}
+  shapes=${TIME_SHAPES:-1:4096,4:1024,8:2048}
+  jobs=$(( $(echo "$models" | tr , '\n' | wc -l) * $(echo "$shapes" | tr , '\n' | wc -l) ))
+  # All jobs at once: each waits for every other to have compiled before it times.
+  for model in $(echo "$models" | tr , ' '); do
+    for shape in $(echo "$shapes" | tr , ' '); do
       echo "$model $shape"
     done
-  done | xargs -P "${JOBS:-8}" -L 1 sh -c \
+  done | xargs -P "$jobs" -L 1 sh -c \
     'left=$(($0 - $(date +%s))); [ "$left" -gt 30 ] || exit 0
      timeout "$left" python3 "$1/check_gemma3.py" --lib "$1/libattngrad.so" \
        --no-check --time --torch --compile --models "$2" --time-shapes "$3" \
-       --timing-lock /tmp/compile/lock > "/tmp/compile/$2-$3.log" 2>&1
-     echo "exit $?" >> "/tmp/compile/$2-$3.log"' $(($(date +%s) + ${TIME_LIMIT:-500})) "$K"
+       --timing-lock /tmp/compile/lock --ready-dir /tmp/compile --ready-count "$4" \
+       > "/tmp/compile/$2-$3.log" 2>&1
+     echo "exit $?" >> "/tmp/compile/$2-$3.log"' $(($(date +%s) + ${TIME_LIMIT:-500})) "$K" "$jobs"
   cat /tmp/compile/*.log > "$OUT/time_compile.log"
   date -u +"compile timing done %T UTC" | tee -a "$INFO"
 fi
