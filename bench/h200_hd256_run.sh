@@ -83,10 +83,10 @@ if [ "$PHASE" = compile ]; then
   done | xargs -P "$jobs" -L 1 sh -c \
     'left=$(($0 - $(date +%s))); [ "$left" -gt 30 ] || exit 0
      timeout "$left" python3 "$1/check_gemma3.py" --lib "$1/libattngrad.so" \
-       --no-check --time --torch --compile --models "$2" --time-shapes "$3" \
-       --timing-lock /tmp/compile/lock --ready-dir /tmp/compile --ready-count "$4" \
-       > "/tmp/compile/$2-$3.log" 2>&1
-     echo "exit $?" >> "/tmp/compile/$2-$3.log"' $(($(date +%s) + ${TIME_LIMIT:-500})) "$K" "$jobs"
+       --no-check --time --torch --compile --models "$3" --time-shapes "$4" \
+       --timing-lock /tmp/compile/lock --ready-dir /tmp/compile --ready-count "$2" \
+       > "/tmp/compile/$3-$4.log" 2>&1
+     echo "exit $?" >> "/tmp/compile/$3-$4.log"' $(($(date +%s) + ${TIME_LIMIT:-500})) "$K" "$jobs"
   cat /tmp/compile/*.log > "$OUT/time_compile.log"
   date -u +"compile timing done %T UTC" | tee -a "$INFO"
 fi
