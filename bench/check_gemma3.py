@@ -39,6 +39,13 @@ import time
 
 import torch
 
+# The oracle is built the way the CI fixtures are (tests/fixtures/make_gemma3_fixtures.py: the
+# config, the RoPE tables and the window mask), at the model's full size here.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "fixtures"))
+import make_gemma3_fixtures as fixtures  # noqa: E402
+from make_gemma3_fixtures import rope_tables, window_mask  # noqa: E402
+
 MODELS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "proto", "models",
                            "gemma3.json")
 MODES = {"AUTO": 0, "FP32": 1, "TF32": 2, "FP16": 3}
@@ -78,41 +85,9 @@ def load_library(path):
     return lib
 
 
-def rope_tables(positions, head_dim, theta, linear_factor):
-    """cos/sin [B,S,D] (rotate-half layout) of integer positions [B,S]; linear scaling divides them."""
-    i = torch.arange(head_dim // 2, dtype=torch.float64, device=positions.device)
-    inv_freq = theta ** (-2.0 * i / head_dim) / linear_factor
-    freqs = positions.to(torch.float64)[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def window_mask(batch, seq_len, window, dtype, device):
-    """Additive mask [B,1,S,S]: 0 where i - window < j <= i (window 0: j <= i), else -inf."""
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
-    allowed = j <= i
-    if window:
-        allowed &= j > i - window
-    mask = torch.zeros(seq_len, seq_len, dtype=dtype, device=device).masked_fill(~allowed,
-                                                                                 float("-inf"))
-    return mask.expand(batch, 1, seq_len, seq_len)
-
-
 def hf_attention(model, layer_type, window, dtype):
-    from transformers import Gemma3TextConfig
-    from transformers.models.gemma3 import modeling_gemma3
-    hidden = model["hidden_size"]
-    config = Gemma3TextConfig(
-        hidden_size=hidden, num_attention_heads=model["num_attention_heads"],
-        num_key_value_heads=model["num_key_value_heads"], head_dim=model["head_dim"],
-        query_pre_attn_scalar=model["query_pre_attn_scalar"],
-        attn_logit_softcapping=model["attn_logit_softcapping"], rms_norm_eps=model["rms_norm_eps"],
-        sliding_window=window or 4096, layer_types=[layer_type], num_hidden_layers=1,
-        intermediate_size=4 * hidden, vocab_size=32, attention_dropout=0.0, attention_bias=False)
-    config._attn_implementation = "eager"
-    return modeling_gemma3.Gemma3Attention(config, layer_idx=0).to(device="cuda",
-                                                                   dtype=dtype).eval()
+    """transformers' Gemma3Attention at the model's full hidden size, on the GPU."""
+    return fixtures.hf_attention(model, layer_type, window, model["hidden_size"], dtype, "cuda")
 
 
 def load_weights(attention, weights):

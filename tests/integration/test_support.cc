@@ -271,4 +271,12 @@ absl::Status MakeTestCertificates(const std::string& directory) {
   return absl::OkStatus();
 }
 
+std::vector<float> NormalValues(std::size_t count, float scale, unsigned seed) {
+  std::mt19937 generator(seed);
+  std::normal_distribution<float> normal(0.f, scale);
+  std::vector<float> values(count);
+  for (float& value : values) value = normal(generator);
+  return values;
+}
+
 }  // namespace attngrad::testing

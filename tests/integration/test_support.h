@@ -57,6 +57,9 @@ int RunCommand(const std::vector<std::string>& argv, std::string* output,
 // A random loopback port in [20000, 60000) that could be bound just now.
 int PickPort();
 
+// `count` draws of N(0, scale²) from a generator seeded with `seed` (the same values every run).
+std::vector<float> NormalValues(std::size_t count, float scale, unsigned seed);
+
 // GET http://127.0.0.1:port<path> (attngrad/wire/http_get.h).
 using ::attngrad::wire::HttpResponse;
 absl::StatusOr<HttpResponse> HttpGet(int port, const std::string& path,

@@ -71,6 +71,12 @@ v1::BackwardRequest MakeRequest(const LayerConfig& config, const Batch& batch,
 }
 
 Gradients Reference(const LayerWeights& weights, const Batch& batch) {
+  Scalars scalars;  // the server's defaults: scaling 1/sqrt(head_dim), softcap 50, eps 1e-6
+  scalars.scaling = 1.0f / std::sqrt(static_cast<float>(weights.config.head_dim));
+  return Reference(weights, batch, scalars);
+}
+
+Gradients Reference(const LayerWeights& weights, const Batch& batch, const Scalars& scalars) {
   Gradients result;
   result.grad_hidden_states.assign(batch.hidden_states.size(), 0.f);
   result.weights = ZeroWeights<std::vector<float>>(weights.config);
@@ -83,8 +89,6 @@ Gradients Reference(const LayerWeights& weights, const Batch& batch) {
   BackwardOutputs out;
   out.grad_hidden_states = result.grad_hidden_states.data();
   out.weight_gradients = DataOf(result.weights);
-  Scalars scalars;  // the server's defaults: scaling 1/sqrt(head_dim), softcap 50, eps 1e-6
-  scalars.scaling = 1.0f / std::sqrt(static_cast<float>(weights.config.head_dim));
   EXPECT_EQ(BackwardHost(weights.config, batch.batch, batch.seq_len, scalars, false, in, out).code,
             ATTNGRAD_OK);
   return result;

@@ -40,6 +40,8 @@ struct Gradients {
 };
 // BackwardHost on the batch (accumulate=false).
 Gradients Reference(const LayerWeights& weights, const Batch& batch);
+// The same with the given scalars (window, soft-cap, scaling) in place of the server's defaults.
+Gradients Reference(const LayerWeights& weights, const Batch& batch, const Scalars& scalars);
 // The six weight gradients of a RETURN response, in LayerTensors order.
 LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response);
 
