@@ -102,9 +102,8 @@ class TestServer {
   int launches_ = 0;
 };
 
-// Writes, with the openssl CLI, into `directory`: ca.pem/ca.key, server.pem/server.key (for
-// localhost and 127.0.0.1, signed by ca), client.pem/client.key (signed by ca) and
-// other-ca.pem. An error carries openssl's output.
+// Writes, with the openssl CLI, the certificates of tests/common/test_certificates.h into
+// `directory`. An error carries openssl's output.
 absl::Status MakeTestCertificates(const std::string& directory);
 
 // Path of a binary built next to the tests (set by CMake).
