@@ -28,7 +28,7 @@ struct Answer {
 };
 
 Answer RunReturn(v1::AttentionGradient::Stub& stub, const LayerConfig& config, const Batch& batch,
-           v1::Precision precision, std::uint64_t batch_id, const std::string& what) {
+                 v1::Precision precision, std::uint64_t batch_id, const std::string& what) {
   v1::BackwardRequest request = MakeRequest(config, batch, batch_id, v1::GRADIENT_MODE_RETURN);
   request.set_precision(precision);
   const v1::BackwardResponse response = RunOne(stub, request);
@@ -60,9 +60,9 @@ TEST_F(ServerResidentWeightsGpuTest, NewWeightsReplaceTheResidentCopiesInEveryMo
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(-1);
   arguments.SetMaxSendMessageSize(-1);
-  auto other_stub = v1::AttentionGradient::NewStub(grpc::CreateCustomChannel(
-      "127.0.0.1:" + std::to_string((*other_server)->port()), grpc::InsecureChannelCredentials(),
-      arguments));
+  auto other_stub = v1::AttentionGradient::NewStub(
+      grpc::CreateCustomChannel("127.0.0.1:" + std::to_string((*other_server)->port()),
+                                grpc::InsecureChannelCredentials(), arguments));
 
   const Batch batch = MakeBatch(config(), 1, 128, 1700);
   const v1::Precision precisions[] = {v1::PRECISION_AUTO, v1::PRECISION_FP16, v1::PRECISION_FP32,
@@ -75,7 +75,8 @@ TEST_F(ServerResidentWeightsGpuTest, NewWeightsReplaceTheResidentCopiesInEveryMo
     initial.push_back(RunReturn(stub(), config(), batch, precision, batch_id++, mode + " initial"));
     ExpectSameBits(RunReturn(stub(), config(), batch, precision, batch_id++, mode), initial.back(),
                    mode + " initial weights, second batch");
-    other.push_back(RunReturn(*other_stub, config(), batch, precision, batch_id++, mode + " other"));
+    other.push_back(
+        RunReturn(*other_stub, config(), batch, precision, batch_id++, mode + " other"));
   }
   ASSERT_FALSE(BitwiseEqual(initial[0].grad_hidden_states, other[0].grad_hidden_states))
       << "the two weight versions give the same answer: the test cannot tell them apart";
@@ -91,8 +92,8 @@ TEST_F(ServerResidentWeightsGpuTest, NewWeightsReplaceTheResidentCopiesInEveryMo
   }
 
   // And back: the copies are re-made in place each time.
-  status = Upload(stub(), RandomLayerWeights(config(), kWeightsSeed), /*expected_version=*/2,
-                  &loaded);
+  status =
+      Upload(stub(), RandomLayerWeights(config(), kWeightsSeed), /*expected_version=*/2, &loaded);
   ASSERT_TRUE(status.ok()) << status.error_message();
   for (std::size_t i = 0; i < std::size(precisions); ++i) {
     const std::string mode = v1::Precision_Name(precisions[i]);

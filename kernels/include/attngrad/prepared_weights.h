@@ -76,7 +76,8 @@ class ATTNGRAD_API PreparedWeights {
   // [q_out + 2 kv_out, hidden], and Wo [hidden, q_out] right after it.
   const void* half_qkv() const { return half_; }
   const void* half_o() const {
-    return half_ == nullptr ? nullptr : static_cast<const unsigned char*>(half_) + OffsetOfO(config_);
+    return half_ == nullptr ? nullptr
+                            : static_cast<const unsigned char*>(half_) + OffsetOfO(config_);
   }
   // Bytes from the start of the copies to Wo's: [Wq; Wk; Wv] in fp16, rounded up to 256 bytes (the
   // alignment the workspace gives it in a plain call, which cuBLASLt's choice of algorithm sees).
@@ -97,8 +98,8 @@ class ATTNGRAD_API PreparedWeights {
 
 // The workspace a call with prepared weights needs (less than DeviceWorkspaceSize's: no room for
 // the fp16 weights); 0 for invalid arguments or an empty `weights`.
-ATTNGRAD_API std::size_t DeviceWorkspaceSize(const PreparedWeights& weights, int batch,
-                                             int seq_len, Precision precision);
+ATTNGRAD_API std::size_t DeviceWorkspaceSize(const PreparedWeights& weights, int batch, int seq_len,
+                                             Precision precision);
 
 // BackwardDevice (backward.h) with prepared weights: the configuration is weights.config();
 // in.weights must be weights.source() (else ATTNGRAD_INVALID_ARGUMENT, "in.weights are not the

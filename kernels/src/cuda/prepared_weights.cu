@@ -73,8 +73,8 @@ Status PreparedWeights::Prepare(const LayerConfig& config, const PerWeight<const
       {weights[Weight::kQProj], half, q_rows * hidden, 1.f},
       {weights[Weight::kKProj], half + q_rows * hidden, kv_rows * hidden, 1.f},
       {weights[Weight::kVProj], half + (q_rows + kv_rows) * hidden, kv_rows * hidden, 1.f},
-      {weights[Weight::kOProj], static_cast<__half*>(const_cast<void*>(half_o())),
-       hidden * q_rows, 1.f},
+      {weights[Weight::kOProj], static_cast<__half*>(const_cast<void*>(half_o())), hidden * q_rows,
+       1.f},
   };
   if (cuda::ConvertToHalf(segments, 4, static_cast<cudaStream_t>(stream)) != ATTNGRAD_OK) {
     Release();
