@@ -538,7 +538,7 @@ class GpuWorker final : public DeviceWorker {
     in.grad_output = device_in + activations;
     in.cos = device_in + 2 * activations;
     in.sin = device_in + 2 * activations + rotary;
-    in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());  // prepared's too
+    in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
     // Every batch computes its weight gradients into the slot; an ACCUMULATE batch's are added to
     // its accumulator set after the finite check, on the device (QueueFiniteCheck).
