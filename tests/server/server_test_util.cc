@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/http_get.h"
+#include "attngrad/wire/layer.h"
 #include "attngrad/wire/tensor.h"
 
 namespace attngrad::server::testing {
@@ -198,6 +199,36 @@ Fetched Fetch(v1::AttentionGradient::Stub& stub, const v1::FetchGradientsRequest
   }
   fetched.status = reader->Finish();
   return fetched;
+}
+
+grpc::Status Upload(v1::AttentionGradient::Stub& stub, const LayerWeights& weights,
+                    std::uint64_t expected_version, v1::LoadWeightsResponse* response,
+                    std::size_t chunk_elements, std::optional<Weight> skip_weight,
+                    std::vector<std::int64_t> shape_override) {
+  grpc::ClientContext context;
+  auto writer = stub.LoadWeights(&context, response);
+  for (Weight i : kAllWeights) {
+    if (skip_weight == i) continue;
+    const std::vector<float>& values = weights.values[i];
+    for (std::size_t offset = 0; offset < values.size(); offset += chunk_elements) {
+      v1::LoadWeightsRequest chunk;
+      chunk.set_name(wire::WireWeightName(i));
+      chunk.set_offset(static_cast<std::int64_t>(offset));
+      chunk.set_expected_weights_version(expected_version);
+      if (offset == 0) {
+        chunk.set_dtype(v1::DTYPE_FLOAT32);
+        const std::vector<std::int64_t> shape =
+            shape_override.empty() ? WeightShape(weights.config, i) : shape_override;
+        for (std::int64_t dim : shape) chunk.add_shape(dim);
+      }
+      const std::size_t count = std::min(chunk_elements, values.size() - offset);
+      wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset, count), v1::DTYPE_FLOAT32,
+                            chunk.mutable_data());
+      if (!writer->Write(chunk)) return writer->Finish();
+    }
+  }
+  writer->WritesDone();
+  return writer->Finish();
 }
 
 std::string TestDevices() {
