@@ -14,6 +14,12 @@
 // (attngrad/finite_check.h) then counts their NaN/Inf values on the device and, for ACCUMULATE,
 // adds them to the client's accumulator set only when there are none (issue 14, found #4).
 //
+// Resident weights: per served layer, the fp32 weights and their fp16 copies (a PreparedWeights,
+// attngrad/prepared_weights.h), made at startup and again, in the same memory, whenever the layer
+// gets a new version (a control, with nothing in flight); every batch reads them, so no batch
+// converts weights. A layer whose upload or preparation failed refuses its batches until a new
+// version uploads (ResidentLayer::resident), so no batch ever sees a stale or partial copy.
+//
 // Cross-device sums at a fetch (a control that reads the accumulators): with two or more workers
 // and NCCL usable, each worker, on its own thread and its own NCCL stream, calls ncclReduce (sum,
 // fp32, root = the first worker) of its accumulator buffer into the root's receive buffer, and
@@ -47,6 +53,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attngrad/cuda_resources.h"
+#include "attngrad/prepared_weights.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/v1/tensor.pb.h"
@@ -167,15 +174,23 @@ class GpuWorker final : public DeviceWorker {
     long long tokens = 0;
   };
 
-  // One served layer on this device: its weights uploaded once (and again only when replaced) and
-  // its accumulator sets.
+  // One served layer on this device: its weights uploaded once (and again only when replaced), with
+  // their fp16 copies, and its accumulator sets.
   struct ResidentLayer {
     explicit ResidentLayer(std::shared_ptr<const LayerWeights> layer_weights)
         : weights(std::move(layer_weights)), config(weights->config), layout(config) {}
-    std::shared_ptr<const LayerWeights> weights;
+    std::shared_ptr<const LayerWeights> weights;  // the version batches must be computed with
     const LayerConfig config;
     const PackedWeightLayout layout;
-    cuda::DeviceBuffer<float> device_weights;      // layout
+    cuda::DeviceBuffer<float> device_weights;  // layout
+    // The fp16 copies of device_weights' projections (1.5x the fp32 memory in all), re-made in the
+    // same memory at every upload; empty where the kernels do not support the layer.
+    PreparedWeights prepared;
+    // The version that device_weights and `prepared` hold: `weights` once both its upload and its
+    // preparation have completed; null while one is under way or after one failed (then every
+    // batch of the layer is refused with `upload_status`, never computed with a mix of versions).
+    std::shared_ptr<const LayerWeights> resident;
+    absl::Status upload_status;
     std::vector<AccumulatorSet> accumulator_sets;  // one per client window holding sums
   };
 
@@ -270,8 +285,16 @@ class GpuWorker final : public DeviceWorker {
     }
   }
 
-  // Synchronous upload of the six weights (the pipeline is drained when this runs).
+  // Synchronous upload of layer.weights and their fp16 copies (the pipeline is drained when this
+  // runs); layer.resident says whether it completed.
   absl::Status UploadWeights(ResidentLayer& layer) {
+    layer.resident = nullptr;
+    layer.upload_status = CopyAndPrepareWeights(layer);
+    if (layer.upload_status.ok()) layer.resident = layer.weights;
+    return layer.upload_status;
+  }
+
+  absl::Status CopyAndPrepareWeights(ResidentLayer& layer) {
     const LayerWeights& weights = *layer.weights;
     for (Weight weight : kAllWeights) {
       ATTNGRAD_CUDA_RETURN(cudaMemcpy(
@@ -280,6 +303,18 @@ class GpuWorker final : public DeviceWorker {
     }
     // A pageable host-to-device cudaMemcpy may return before its DMA lands, on the legacy stream.
     ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
+    const Status prepared = layer.prepared.Prepare(
+        layer.config, layer.layout.Pointers<const float>(layer.device_weights.get()),
+        compute_stream_.get());
+    // A layer the kernels do not support keeps no copies (its batches are refused by the kernels).
+    if (prepared.code == ATTNGRAD_UNSUPPORTED) return absl::OkStatus();
+    if (!prepared.ok()) {
+      return absl::InternalError(absl::StrCat(
+          "the fp16 copies of a layer's weights on ", device(), ": ", prepared.message,
+          " (each served layer needs 1.5x its fp32 weights' memory; serve fewer layers per server "
+          "with --layers)"));
+    }
+    ATTNGRAD_CUDA_RETURN(cudaStreamSynchronize(compute_stream_.get()));
     return absl::OkStatus();
   }
 
@@ -476,8 +511,18 @@ class GpuWorker final : public DeviceWorker {
       status =
           EnsureCapacity(&slot.device_grad_hidden, activations, "cudaMalloc(device_grad_hidden)");
     }
+    // Weights that did not finish uploading (or preparing) are never used.
+    if (status.ok() && layer.resident != layer.weights) {
+      status = absl::FailedPreconditionError(
+          absl::StrCat("the weights of this layer on ", device(), " are not usable: ",
+                       layer.upload_status.ok() ? "their upload is incomplete"
+                                                : std::string(layer.upload_status.message()),
+                       " (upload them again with LoadWeights)"));
+    }
     const std::size_t workspace_size =
-        DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
+        layer.prepared.ready()
+            ? DeviceWorkspaceSize(layer.prepared, job.batch, job.seq_len, job.precision)
+            : DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
     if (status.ok() && workspace_size > workspace_.size()) {
       // The workspace is shared by every batch on the compute stream: wait until it is unused.
       status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
@@ -553,9 +598,15 @@ class GpuWorker final : public DeviceWorker {
     BackwardOutputs out;
     out.grad_hidden_states = grad_hidden_states;
     out.weight_gradients = layer.layout.Pointers(gradients);
+    // With the layer's fp16 copies (of the resident version, checked in Launch) when it has them.
     const Status computed =
-        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision,
-                       /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(), compute);
+        layer.prepared.ready()
+            ? BackwardDevice(layer.prepared, job.batch, job.seq_len, job.scalars, job.precision,
+                             /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(),
+                             compute)
+            : BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision,
+                             /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(),
+                             compute);
     // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
     status = KernelStatus(computed, "BackwardDevice");
     if (!status.ok()) return status;
