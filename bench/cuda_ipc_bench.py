@@ -59,7 +59,7 @@ class Trainer:
     def request(self, batch_id, mode, slot):
         message = pb.BackwardRequest(batch_id=batch_id, mode=mode)
         for tensor in (message.hidden_states, message.grad_output):
-            tensor.dtype = pb.DTYPE_FLOAT32
+            tensor.dtype = client_module.tensor_pb2.DTYPE_FLOAT32
             tensor.shape.extend([self.batch, self.seq_len, self.hidden])
         message.positions.position_ids.extend(range(self.seq_len))
         for field, (region, offset, size) in (("hidden_states_region", self.hidden_slice),
