@@ -9,12 +9,17 @@
 #      on GPU 0: bit-for-bit equal to the bytes path, every bad reference INVALID_ARGUMENT;
 #   3. bench/cuda_ipc_bench.py against one server on GPU 0: 4x1024 ACCUMULATE tokens/s with
 #      several batches in flight, 1x128 round trips one in flight, the autograd bridge.
-# Logs go to $OUT; a summary is printed last.
+# ARCHIVE names another archive in $B (e.g. svc.tar.xz of bench/h200_service_run.sh, which holds
+# these binaries too); PY=. takes the Python client, its tests and the bench from the checkout
+# (then carry the generated stubs, client/python/attngrad/v1). Logs go to $OUT; a summary is
+# printed last.
 set -u
 OUT=${OUT:-/tmp/out}
 B=${B:-build-ipcr}
+PY=${PY:-$B/py}
 mkdir -p "$OUT"
-tar -xJf "$B/ipcr.tar.xz" -C "$B" || exit 1
+tar -xJf "$B/${ARCHIVE:-ipcr.tar.xz}" -C "$B" || exit 1
+SERVER_BINARY="$PWD/$B/attngrad-server"
 export LD_LIBRARY_PATH="$PWD/$B/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/info.txt"
@@ -24,7 +29,7 @@ date -u +"start %F %T UTC" | tee -a "$OUT/info.txt"
 
 (ATTNGRAD_TEST_DEVICES=0 timeout 120 "$B/attngrad_server_wire_test" --gtest_filter='Regions*' \
    > "$OUT/regions_gpu.log" 2>&1; echo "exit $?" >> "$OUT/regions_gpu.log")
-(cd "$B/py/tests/python" && ATTNGRAD_SERVER="$PWD/../../../attngrad-server" timeout 180 \
+(cd "$PY/tests/python" && ATTNGRAD_SERVER="$SERVER_BINARY" timeout 180 \
    python3 -m unittest -v test_cuda_ipc > "$OUT/test_cuda_ipc.log" 2>&1
  echo "exit $?" >> "$OUT/test_cuda_ipc.log")
 date -u +"tests done %T UTC" | tee -a "$OUT/info.txt"
@@ -32,7 +37,7 @@ date -u +"tests done %T UTC" | tee -a "$OUT/info.txt"
 "$B/attngrad-server" --devices=0 --listen=127.0.0.1:50051 --metrics_listen= \
   > "$OUT/server.log" 2>&1 &
 SERVER_PID=$!
-timeout "${BENCH_LIMIT:-150}" python3 "$B/py/bench/cuda_ipc_bench.py" --target=127.0.0.1:50051 \
+timeout "${BENCH_LIMIT:-150}" python3 "$PY/bench/cuda_ipc_bench.py" --target=127.0.0.1:50051 \
   --duration="${DURATION:-8}" --configs="${CONFIGS:-2x3,4x2}" \
   --json="$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "exit $?" >> "$OUT/bench.log"

@@ -9,10 +9,10 @@ namespace attngrad::testing {
 
 // A /bin/sh script that writes into `directory` (which exists): ca.pem/ca.key and
 // other-ca.pem/other-ca.key (two CAs); server.pem/server.key for localhost and 127.0.0.1 signed by
-// the CA; client.pem/client.key (CN trainer-a, clientAuth) signed by the CA; renewed.pem/renewed.key
-// (a server certificate signed by the other CA, for reload tests); stranger.pem/stranger.key (a
-// client certificate signed by the other CA). EC P-256 keys, valid two days. Exits non-zero on the
-// first failing command.
+// the CA; client.pem/client.key (CN trainer-a, clientAuth) signed by the CA;
+// renewed.pem/renewed.key (a server certificate signed by the other CA, for reload tests);
+// stranger.pem/stranger.key (a client certificate signed by the other CA). EC P-256 keys, valid two
+// days. Exits non-zero on the first failing command.
 std::string TestCertificatesScript(const std::string& directory);
 
 }  // namespace attngrad::testing
