@@ -27,9 +27,9 @@ absl::Status ParseReceivedMessage(grpc::ByteBuffer* bytes, google::protobuf::Mes
 // outputs (grad_hidden_states, RETURN weight gradients, in the job's response dtype, and its
 // timings), serialized without copying the outputs: their bytes go out as slices of the job's
 // answer buffer (BatchJob::answer), which the returned buffer keeps alive until gRPC has sent it.
-// The tensors' dtype and shape are encoded in `response`'s fields and their raw_data in a second
-// occurrence of each (protobuf parsers merge the two). With `grad_hidden_states_in_region` (the
-// answer was written into a shared-memory region) grad_hidden_states has its dtype and shape only.
+// Byte for byte protobuf's serialization of the whole response (wire::SerializeWithPayloads).
+// With `grad_hidden_states_in_region` (the answer was written into a shared-memory region)
+// grad_hidden_states has its dtype and shape only.
 grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job,
                                            bool grad_hidden_states_in_region = false);
 // A message as bytes to send (an error answer, a LoadWeightsResponse).
