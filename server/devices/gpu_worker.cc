@@ -589,9 +589,9 @@ class GpuWorker final : public DeviceWorker {
       // The answer (already in the response dtype and order in host_out): one copy, in parallel.
       const auto start = std::chrono::steady_clock::now();
       job.answer.size = job.AnswerBytes();
-      job.answer.bytes.reset(new char[job.answer.size]);
+      job.answer.bytes = answer_pool_->Acquire(job.answer.size);
       ParallelCopy(reinterpret_cast<const char*>(slot.host_out.get()), job.answer.size,
-                   job.answer.bytes.get());
+                   job.answer.bytes.data());
       const double host_copy_out_seconds = SecondsSince(start);
       job.stages.copy_in =
           slot.host_copy_in_seconds + ElapsedSeconds(slot.copy_in_start, slot.copy_in_done);
@@ -761,6 +761,8 @@ class GpuWorker final : public DeviceWorker {
   static constexpr std::size_t kCopyPartBytes = std::size_t{4} << 20;
   std::unique_ptr<ParallelTasks> copy_threads_ = std::make_unique<ParallelTasks>(
       static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u)));
+  // The answers' memory, reused once gRPC has sent them (see AnswerBuffer).
+  std::shared_ptr<wire::BufferPool> answer_pool_ = wire::BufferPool::Create(kAnswerPoolBytes);
 };
 
 }  // namespace

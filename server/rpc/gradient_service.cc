@@ -296,7 +296,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         response->payload_bytes = PayloadBytes(*job);
         if (answer_region.has_value()) {
           // grad_hidden_states leads the answer buffer (SerializeBackwardResponse's order).
-          std::memcpy(answer_region->data, job->answer.bytes.get(), answer_region->size);
+          std::memcpy(answer_region->data, job->answer.bytes.data(), answer_region->size);
           response->payload_bytes -= static_cast<std::int64_t>(answer_region->size);
         }
         response->bytes = SerializeBackwardResponse(std::move(fields), *job,
