@@ -7,9 +7,9 @@
 namespace attngrad::wire {
 
 const std::vector<FieldPath>& BackwardRequestActivationPaths() {
-  static const auto* const kPaths = new std::vector<FieldPath>{
-      {v1::BackwardRequest::kHiddenStatesFieldNumber},
-      {v1::BackwardRequest::kGradOutputFieldNumber}};
+  static const auto* const kPaths =
+      new std::vector<FieldPath>{{v1::BackwardRequest::kHiddenStatesFieldNumber},
+                                 {v1::BackwardRequest::kGradOutputFieldNumber}};
   return *kPaths;
 }
 

@@ -178,8 +178,8 @@ class Walker {
         }
         const std::size_t begin = reader_.position();
         if (!reader_.Skip(size, end)) {
-          return NotAMessage(type_,
-                             absl::StrCat("raw_data of field ", where, " is longer than its tensor"));
+          return NotAMessage(
+              type_, absl::StrCat("raw_data of field ", where, " is longer than its tensor"));
         }
         ranges_[static_cast<std::size_t>(tensor)] = Range(begin, reader_.position());
         continue;
@@ -261,8 +261,8 @@ class Splicer {
 
   absl::Status Fields(std::size_t end, const std::vector<std::size_t>& candidates,
                       std::size_t depth, std::vector<MessageSegment>* out, std::size_t* size) {
-    const absl::Status malformed = absl::InternalError(
-        "SpliceTensorPayloads: the serialized message is malformed");
+    const absl::Status malformed =
+        absl::InternalError("SpliceTensorPayloads: the serialized message is malformed");
     while (reader_.position() < end) {
       const std::size_t field_start = reader_.position();
       std::uint64_t tag = 0;
@@ -311,8 +311,8 @@ class Splicer {
         if (payload > 0) inner.push_back(MessageSegment{std::string(), tensor});
         spliced_[static_cast<std::size_t>(tensor)] = true;
       } else {
-        ATTNGRAD_RETURN_IF_ERROR(Fields(reader_.position() + length, inner_candidates, depth + 1,
-                                        &inner, &inner_size));
+        ATTNGRAD_RETURN_IF_ERROR(
+            Fields(reader_.position() + length, inner_candidates, depth + 1, &inner, &inner_size));
       }
       std::string header;
       AppendVarint(tag, &header);

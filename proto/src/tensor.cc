@@ -276,16 +276,17 @@ void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw
 
 void EncodeFromFloat(absl::Span<const float> values, int dtype, char* out) {
   switch (dtype) {
+    // One loop per dtype, dtype_bits.h's conversions inlined (the bf16 one vectorizes).
     case v1::DTYPE_FLOAT16:
-    case v1::DTYPE_BFLOAT16: {
-      const bool half = dtype == v1::DTYPE_FLOAT16;
       for (std::size_t i = 0; i < values.size(); ++i) {
-        const std::uint32_t value = BitsOfFloat(values[i]);
-        StoreBits16(half ? bits::FloatBitsToHalf(value) : bits::FloatBitsToBFloat16(value),
-                    out + 2 * i);
+        StoreBits16(bits::FloatBitsToHalf(BitsOfFloat(values[i])), out + 2 * i);
       }
       break;
-    }
+    case v1::DTYPE_BFLOAT16:
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        StoreBits16(bits::FloatBitsToBFloat16(BitsOfFloat(values[i])), out + 2 * i);
+      }
+      break;
     default:
       if (!values.empty()) std::memcpy(out, values.data(), values.size() * sizeof(float));
       break;

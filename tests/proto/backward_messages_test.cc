@@ -243,9 +243,9 @@ TEST(BackwardMessagesTest, DecodePiecesHandlesElementsAcrossPieces) {
       EXPECT_EQ(decoded, expected) << DTypeName(dtype) << " pieces of " << piece;
     }
     std::vector<float> too_many(values.size() + 1);
-    EXPECT_EQ(DecodePiecesToFloat({absl::string_view(raw)}, dtype, "x", absl::MakeSpan(too_many))
-                  .code(),
-              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(
+        DecodePiecesToFloat({absl::string_view(raw)}, dtype, "x", absl::MakeSpan(too_many)).code(),
+        absl::StatusCode::kInvalidArgument);
   }
 }
 
