@@ -27,6 +27,7 @@
 #include "attngrad/client.h"
 #include "attngrad/wire/backward_messages.h"
 #include "attngrad/wire/dtype.h"
+#include "attngrad/wire/host_memory.h"
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 #include "client_impl.h"
@@ -489,7 +490,8 @@ absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const
                                            part_shape, "grad_hidden_states"));
   // Straight into the batch's result: the whole of it, or the part's sequences.
   std::vector<float>& grad_hidden = result.grad_hidden_states;
-  grad_hidden.resize(static_cast<size_t>(result.parts == 1 ? elements : pending->batch * S * H));
+  wire::ResizeForOverwrite(
+      &grad_hidden, static_cast<size_t>(result.parts == 1 ? elements : pending->batch * S * H));
   ATTNGRAD_RETURN_IF_ERROR(DecodeAnswer(
       response.grad_hidden_states(), answer.payloads[0], "grad_hidden_states",
       absl::Span<float>(grad_hidden)
@@ -517,10 +519,11 @@ absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const
     decodes.push_back(
         [&sum, &tensor, &payload, what = std::move(what), count, first]() -> absl::Status {
           if (first) {
-            sum.data.resize(static_cast<size_t>(count));
+            wire::ResizeForOverwrite(&sum.data, static_cast<size_t>(count));
             return DecodeAnswer(tensor, payload, what, absl::Span<float>(sum.data));
           }
-          std::vector<float> piece(static_cast<size_t>(count));
+          std::vector<float> piece;
+          wire::ResizeForOverwrite(&piece, static_cast<size_t>(count));
           ATTNGRAD_RETURN_IF_ERROR(DecodeAnswer(tensor, payload, what, absl::Span<float>(piece)));
           for (size_t i = 0; i < piece.size(); ++i) sum.data[i] += piece[i];
           return absl::OkStatus();

@@ -3,6 +3,8 @@
 
 #include <utility>
 
+#include "attngrad/wire/host_memory.h"
+
 namespace attngrad::wire {
 
 BufferPool::Buffer::Buffer(std::shared_ptr<BufferPool> pool, std::unique_ptr<char[]> memory,
@@ -45,8 +47,9 @@ BufferPool::Buffer BufferPool::Acquire(std::size_t size) {
       return Buffer(shared_from_this(), std::move(memory), capacity, size);
     }
   }
-  return Buffer(shared_from_this(), std::unique_ptr<char[]>(new char[size == 0 ? 1 : size]), size,
-                size);
+  std::unique_ptr<char[]> memory(new char[size == 0 ? 1 : size]);
+  AdviseHugePages(memory.get(), size);
+  return Buffer(shared_from_this(), std::move(memory), size, size);
 }
 
 std::size_t BufferPool::cached_bytes() const {
