@@ -17,9 +17,12 @@
    B x S of --time-shapes: L2 flushed (2x L2 written) before every iteration, warm-up then timed
    iterations, CUDA events, median; the local layer's saving over the global one; and PyTorch eager
    TF32 (the same Gemma3Attention in fp32, forward + backward) where --torch is given, and the same
-   module through torch.compile (TF32, dynamic shapes: one compilation per model, reused by its
-   shapes and both layer types, whose difference is the mask and the RoPE tables passed in) where
-   --compile is given.
+   module through torch.compile (TF32, static shapes: one compilation per model and (B, S), reused
+   by both layer types, whose difference is the mask and the RoPE tables passed in) where
+   --compile is given. With --timing-lock FILE, the compilation runs before the lock on FILE is
+   taken and every timed section inside it, so that processes for different (model, shape) compile
+   in parallel and time one at a time (bench/h200_hd256_run.sh PHASE=compile); --ready-dir and
+   --ready-count make them wait until all have compiled before the first one times.
 
 Usage: python3 bench/check_gemma3.py --lib build-h200/kernels/libattngrad.so
           [--shapes 1:1,2:7,1:1000,2:2500] [--modes AUTO,FP32,TF32,FP16] [--models gemma-3-27b]
@@ -32,8 +35,16 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
+
+# The oracle is built the way the CI fixtures are (tests/fixtures/make_gemma3_fixtures.py: the
+# config, the RoPE tables and the window mask), at the model's full size here.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "fixtures"))
+import make_gemma3_fixtures as fixtures  # noqa: E402
+from make_gemma3_fixtures import rope_tables, window_mask  # noqa: E402
 
 MODELS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "proto", "models",
                            "gemma3.json")
@@ -74,41 +85,19 @@ def load_library(path):
     return lib
 
 
-def rope_tables(positions, head_dim, theta, linear_factor):
-    """cos/sin [B,S,D] (rotate-half layout) of integer positions [B,S]; linear scaling divides them."""
-    i = torch.arange(head_dim // 2, dtype=torch.float64, device=positions.device)
-    inv_freq = theta ** (-2.0 * i / head_dim) / linear_factor
-    freqs = positions.to(torch.float64)[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def window_mask(batch, seq_len, window, dtype, device):
-    """Additive mask [B,1,S,S]: 0 where i - window < j <= i (window 0: j <= i), else -inf."""
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
-    allowed = j <= i
-    if window:
-        allowed &= j > i - window
-    mask = torch.zeros(seq_len, seq_len, dtype=dtype, device=device).masked_fill(~allowed,
-                                                                                 float("-inf"))
-    return mask.expand(batch, 1, seq_len, seq_len)
-
-
 def hf_attention(model, layer_type, window, dtype):
-    from transformers import Gemma3TextConfig
-    from transformers.models.gemma3 import modeling_gemma3
-    hidden = model["hidden_size"]
-    config = Gemma3TextConfig(
-        hidden_size=hidden, num_attention_heads=model["num_attention_heads"],
-        num_key_value_heads=model["num_key_value_heads"], head_dim=model["head_dim"],
-        query_pre_attn_scalar=model["query_pre_attn_scalar"],
-        attn_logit_softcapping=model["attn_logit_softcapping"], rms_norm_eps=model["rms_norm_eps"],
-        sliding_window=window or 4096, layer_types=[layer_type], num_hidden_layers=1,
-        intermediate_size=4 * hidden, vocab_size=32, attention_dropout=0.0, attention_bias=False)
-    config._attn_implementation = "eager"
-    return modeling_gemma3.Gemma3Attention(config, layer_idx=0).to(device="cuda",
-                                                                   dtype=dtype).eval()
+    """transformers' Gemma3Attention at the model's full hidden size, on the GPU."""
+    return fixtures.hf_attention(model, layer_type, window, model["hidden_size"], dtype, "cuda")
+
+
+def load_weights(attention, weights):
+    """Copies [wq, wk, wv, wo, q_norm, k_norm] into the module (in its dtype); its parameters."""
+    params = (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight,
+              attention.o_proj.weight, attention.q_norm.weight, attention.k_norm.weight)
+    with torch.no_grad():
+        for parameter, value in zip(params, weights):
+            parameter.copy_(value)
+    return params
 
 
 class Case:
@@ -145,11 +134,7 @@ class Case:
     def reference(self, dtype=torch.float64):
         """transformers' gradients [grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_qn, grad_kn]."""
         attention = hf_attention(self.model, self.layer_type, self.window, dtype)
-        params = (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight,
-                  attention.o_proj.weight, attention.q_norm.weight, attention.k_norm.weight)
-        with torch.no_grad():
-            for parameter, value in zip(params, self.weights):
-                parameter.copy_(value.to(dtype))
+        params = load_weights(attention, self.weights)
         x = self.hidden_states.to(dtype).requires_grad_(True)
         output = attention(hidden_states=x,
                            position_embeddings=(self.cos.to(dtype), self.sin.to(dtype)),
@@ -245,6 +230,109 @@ def attention_kernel_us(fn, calls=5):
     return attention / calls, total / calls
 
 
+class TimingLock:
+    """An exclusive lock on a file (fcntl.flock), or nothing when path is empty: processes that
+    compile in parallel take it around their timed sections, so that no two time at once."""
+
+    def __init__(self, path):
+        self.path, self.file = path, None
+
+    def __enter__(self):
+        if self.path:
+            import fcntl
+            self.file = open(self.path, "a")
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.file:
+            self.file.close()  # releases the lock
+
+
+def wait_for_all(directory, count, limit_seconds=240):
+    """Marks this process ready in `directory` and waits until `count` processes are (a barrier:
+    no process times while another still compiles and runs its first steps on the same GPU)."""
+    if not directory:
+        return
+    open(os.path.join(directory, "ready.%d" % os.getpid()), "w").close()
+    deadline = time.time() + limit_seconds
+    while (len([f for f in os.listdir(directory) if f.startswith("ready.")]) < count
+           and time.time() < deadline):
+        time.sleep(0.5)
+
+
+def time_layers(lib, name, model, batch, seq_len, generator, args):
+    """[name, B, S, attngrad local µs, global µs, eager local, eager global, compiled local,
+    compiled global] (nan where not asked), or None when the GPU kernels do not compute the layer.
+    One module serves both layer types (their difference is the mask and the RoPE tables passed
+    in); torch.compile compiles it for this (B, S) before the timing lock is taken."""
+    layer_types = ("sliding_attention", "full_attention")
+    cases = [Case(model, layer_type, batch, seq_len, generator) for layer_type in layer_types]
+    cases[1].weights = cases[0].weights  # one set of weights: PyTorch's module holds one
+    sizes = [lib.attngrad_workspace_size_ex(ctypes.byref(case.layer), batch, seq_len,
+                                            MODES["AUTO"]) for case in cases]
+    if 0 in sizes:
+        print("%s B=%d S=%d: not computed by the GPU kernels" % (name, batch, seq_len))
+        return None
+    workspaces = [torch.empty(size, dtype=torch.uint8, device="cuda") for size in sizes]
+    outputs = [case.new_outputs() for case in cases]
+    attention = compiled = None
+    steps = []
+    if args.torch or args.compile:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        attention = hf_attention(model, cases[0].layer_type, cases[0].window, torch.float32)
+        load_weights(attention, cases[0].weights)
+        compiled = torch.compile(attention, dynamic=False) if args.compile else None
+        for case in cases:
+            mask = window_mask(batch, seq_len, case.window, torch.float32, "cuda")
+            x = case.hidden_states.clone().requires_grad_(True)
+
+            def step(layer, case=case, mask=mask, x=x):
+                attention.zero_grad(set_to_none=True)
+                x.grad = None
+                out = layer(hidden_states=x, position_embeddings=(case.cos, case.sin),
+                            attention_mask=mask)
+                (out[0] if isinstance(out, tuple) else out).backward(case.grad_output)
+            steps.append(step)
+        if compiled is not None:
+            started = time.time()
+            for step in steps:  # compiles on the first use; the second layer type reuses it
+                try:
+                    step(compiled)
+                except torch.OutOfMemoryError:  # others warming up at once: again under the lock
+                    torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            print("compiled %s B=%d S=%d in %.0f s" % (name, batch, seq_len,
+                                                        time.time() - started), flush=True)
+    flush = torch.empty(2 * 60 * 1024 * 1024 // 4 * 2, dtype=torch.float32, device="cuda")
+    row = [name, batch, seq_len]
+    wait_for_all(args.ready_dir, args.ready_count)
+    with TimingLock(args.timing_lock):
+        for case, outputs_of_case, workspace in zip(cases, outputs, workspaces):
+            def call(case=case, outputs_of_case=outputs_of_case, workspace=workspace):
+                return case.run(lib, MODES["AUTO"], outputs_of_case, workspace)
+            assert call() == 0
+            row.append(median_us(call, flush, args.warmup, args.iters))
+            if args.profile:
+                try:
+                    attention_us, kernels_us = attention_kernel_us(call)
+                    print("profile %s %s B=%d S=%d: attention kernels %.1f us of %.1f us of kernel"
+                          " time per call" % (name, case.layer_type, batch, seq_len, attention_us,
+                                              kernels_us), flush=True)
+                except Exception as error:  # the profiler may be unavailable there
+                    print("profile failed:", error, flush=True)
+        for layer, wanted in ((attention, args.torch), (compiled, args.compile)):
+            for step in steps or [None, None]:
+                row.append(median_us(lambda: step(layer), flush, 3, 10) if wanted
+                           else float("nan"))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print("timed", row, flush=True)
+    del cases, outputs, workspaces, attention, compiled, steps, flush
+    torch.cuda.empty_cache()
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lib", default="build-h200/kernels/libattngrad.so")
@@ -260,6 +348,13 @@ def main():
                         help="also time torch.compile (TF32) of the same layer")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--timing-lock", default="",
+                        help="a file to lock (flock) around the timed sections: for several "
+                             "processes that compile in parallel and time one at a time")
+    parser.add_argument("--ready-dir", default="",
+                        help="with --ready-count N: wait before timing until N processes have "
+                             "compiled (a barrier; one (model, shape) per process)")
+    parser.add_argument("--ready-count", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
                         help="also report the attention kernels' device time (torch.profiler)")
     args = parser.parse_args()
@@ -314,82 +409,15 @@ def main():
         print("correctness:", "ALL PASS" if all_passed else "SOME FAILED", flush=True)
 
     if args.time:
-        flush = torch.empty(2 * 60 * 1024 * 1024 // 4 * 2, dtype=torch.float32, device="cuda")
-        rows = []
-        torch_modules = {}  # per model: (eager module, compiled module or None)
-        for name, model in models.items():
-            for batch, seq_len in parse_shapes(args.time_shapes):
-                row = [name, batch, seq_len]
-                for layer_type in layer_types:
-                    case = Case(model, layer_type, batch, seq_len, generator)
-                    size = lib.attngrad_workspace_size_ex(ctypes.byref(case.layer), batch, seq_len,
-                                                          MODES["AUTO"])
-                    if size == 0:
-                        row = None
-                        break
-                    workspace = torch.empty(size, dtype=torch.uint8, device="cuda")
-                    outputs = case.new_outputs()
-                    assert case.run(lib, MODES["AUTO"], outputs, workspace) == 0
-                    row.append(median_us(lambda: case.run(lib, MODES["AUTO"], outputs, workspace),
-                                         flush, args.warmup, args.iters))
-                    if args.profile:
-                        try:
-                            attention_us, kernels_us = attention_kernel_us(
-                                lambda: case.run(lib, MODES["AUTO"], outputs, workspace))
-                            print("profile %s %s B=%d S=%d: attention kernels %.1f us of %.1f us"
-                                  " of kernel time per call" % (name, layer_type, batch, seq_len,
-                                                                attention_us, kernels_us),
-                                  flush=True)
-                        except Exception as error:  # the profiler may be unavailable there
-                            print("profile failed:", error, flush=True)
-                    if args.torch or args.compile:
-                        torch.backends.cuda.matmul.allow_tf32 = True
-                        torch.backends.cudnn.allow_tf32 = True
-                        if name not in torch_modules:
-                            module = hf_attention(model, layer_type, case.window, torch.float32)
-                            torch_modules[name] = (module, torch.compile(module, dynamic=True)
-                                                   if args.compile else None)
-                        attention, compiled = torch_modules[name]
-                        with torch.no_grad():
-                            for parameter, value in zip(
-                                    (attention.q_proj.weight, attention.k_proj.weight,
-                                     attention.v_proj.weight, attention.o_proj.weight,
-                                     attention.q_norm.weight, attention.k_norm.weight),
-                                    case.weights):
-                                parameter.copy_(value)
-                        mask = window_mask(batch, seq_len, case.window, torch.float32, "cuda")
-                        x = case.hidden_states.clone().requires_grad_(True)
-
-                        def step(layer):
-                            attention.zero_grad(set_to_none=True)
-                            x.grad = None
-                            out = layer(hidden_states=x, position_embeddings=(case.cos, case.sin),
-                                        attention_mask=mask)
-                            (out[0] if isinstance(out, tuple) else out).backward(case.grad_output)
-
-                        row.append(median_us(lambda: step(attention), flush, 3, 10)
-                                   if args.torch else float("nan"))
-                        if compiled is not None:
-                            step(compiled)  # compiles (first use) or recompiles for new shapes
-                            row.append(median_us(lambda: step(compiled), flush, 3, 10))
-                        else:
-                            row.append(float("nan"))
-                        torch.backends.cuda.matmul.allow_tf32 = False
-                        del attention, compiled, mask, x
-                    else:
-                        row += [float("nan"), float("nan")]
-                    del case, outputs, workspace
-                    torch.cuda.empty_cache()
-                if row is None:
-                    print("%s B=%d S=%d: not computed by the GPU kernels" % (name, batch, seq_len))
-                    continue
-                rows.append(row)
-                print("timed", row, flush=True)
+        rows = [row for name, model in models.items()
+                for batch, seq_len in parse_shapes(args.time_shapes)
+                for row in [time_layers(lib, name, model, batch, seq_len, generator, args)]
+                if row is not None]
         print("\n| model | B | S | attngrad local µs | attngrad global µs | local / global |"
               " local TFLOP/s | global TFLOP/s | eager TF32 local µs | eager TF32 global µs |"
               " compile TF32 local µs | compile TF32 global µs |")
         print("| --- | ---: | ---: |" + " ---: |" * 9)
-        for (name, batch, seq_len, local_us, local_torch, local_compiled, global_us, global_torch,
+        for (name, batch, seq_len, local_us, global_us, local_torch, global_torch, local_compiled,
              global_compiled) in rows:
             model = models[name]
             local_flops = layer_flops(model, batch, seq_len, model["sliding_window"])

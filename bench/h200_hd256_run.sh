@@ -8,7 +8,12 @@
 #          check_gemma3.py checks every Gemma-3 layer against transformers; then one A/B round.
 #   time:  check_gemma3.py --time (attngrad, eager TF32, then torch.compile) on TIME_SHAPES, then
 #          ROUNDS A/B rounds of attngrad_bench.
-#   all:   both, in that order.
+#   compile: one check_gemma3.py process per (model, B×S) of COMPILE_MODELS × TIME_SHAPES, all at
+#          once: each compiles the layer with torch.compile for its shape (in parallel with the
+#          others), waits until all have compiled, then times attngrad, eager TF32 and the compiled
+#          module while holding one lock (check_gemma3.py --timing-lock), so that no two processes
+#          time at once and none times while another compiles.
+#   all:   check and time, in that order.
 # Logs go to $OUT (at most 8 files come back); a summary is printed last.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -64,6 +69,27 @@ if [ "$PHASE" = time ] || [ "$PHASE" = all ]; then
   date -u +"gemma3 timing done %T UTC" | tee -a "$INFO"
   bench_ab "${ROUNDS:-1}"
 fi
+if [ "$PHASE" = compile ]; then
+  rm -rf /tmp/compile && mkdir -p /tmp/compile
+  export TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-2}
+  models=${COMPILE_MODELS:-gemma-3-270m,gemma-3-1b,gemma-3-4b,gemma-3-12b,gemma-3-27b}
+  shapes=${TIME_SHAPES:-1:4096,4:1024,8:2048}
+  jobs=$(( $(echo "$models" | tr , '\n' | wc -l) * $(echo "$shapes" | tr , '\n' | wc -l) ))
+  # All jobs at once: each waits for every other to have compiled before it times.
+  for model in $(echo "$models" | tr , ' '); do
+    for shape in $(echo "$shapes" | tr , ' '); do
+      echo "$model $shape"
+    done
+  done | xargs -P "$jobs" -L 1 sh -c \
+    'left=$(($0 - $(date +%s))); [ "$left" -gt 30 ] || exit 0
+     timeout "$left" python3 "$1/check_gemma3.py" --lib "$1/libattngrad.so" \
+       --no-check --time --torch --compile --models "$3" --time-shapes "$4" \
+       --timing-lock /tmp/compile/lock --ready-dir /tmp/compile --ready-count "$2" \
+       > "/tmp/compile/$3-$4.log" 2>&1
+     echo "exit $?" >> "/tmp/compile/$3-$4.log"' $(($(date +%s) + ${TIME_LIMIT:-500})) "$K" "$jobs"
+  cat /tmp/compile/*.log > "$OUT/time_compile.log"
+  date -u +"compile timing done %T UTC" | tee -a "$INFO"
+fi
 date -u +"end %T UTC" | tee -a "$INFO"
 
 echo "==== summary"
@@ -73,4 +99,5 @@ done
 [ -f "$OUT/check_gemma3.log" ] && grep -E "FAIL|correctness|exit" "$OUT/check_gemma3.log" | head -30
 [ -f "$OUT/check_gemma3.log" ] && echo "PASS lines: $(grep -c PASS "$OUT/check_gemma3.log")"
 [ -f "$OUT/time_gemma3.log" ] && grep -E "^\||exit|====" "$OUT/time_gemma3.log"
-grep -E "^====|geomean" "$OUT/bench_ab.log"
+[ -f "$OUT/time_compile.log" ] && grep -E "^\| gemma|^compiled|exit|Error" "$OUT/time_compile.log"
+[ -f "$OUT/bench_ab.log" ] && grep -E "^====|geomean" "$OUT/bench_ab.log"

@@ -189,6 +189,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
 
   // Workers.
   std::vector<std::unique_ptr<DeviceWorker>> workers;
+  std::shared_ptr<DeviceMemoryOpener> device_memory;  // CUDA IPC regions: GPU servers only
   if (devices.cpu) {
     auto worker =
         std::make_unique<CpuWorker>(layer_slots, options.cpu_threads, server->metrics_.get());
@@ -200,6 +201,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
                               CreateGpuWorkers(devices.gpus, layer_slots, options.queue_depth,
                                                nccl_mode, server->metrics_.get()));
     workers = std::move(gpu_workers.workers);
+    device_memory = std::move(gpu_workers.device_memory);
     server->uses_nccl_ = gpu_workers.sum.nccl;
     server->nccl_version_ = gpu_workers.sum.nccl_version;
     server->gradient_sum_ = gpu_workers.sum.description;
@@ -230,9 +232,9 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
         "may replace the weights, zero or fetch any client's sums (clients name themselves with "
         "the attngrad-client-id metadata)");
   }
-  server->service_ =
-      std::make_unique<GradientService>(server->core_.get(), server->metrics_.get(), limits,
-                                        std::move(authenticator), ATTNGRAD_VERSION);
+  server->service_ = std::make_unique<GradientService>(server->core_.get(), server->metrics_.get(),
+                                                       limits, std::move(authenticator),
+                                                       ATTNGRAD_VERSION, std::move(device_memory));
 
   // Metrics.
   if (!options.metrics_listen.empty()) {

@@ -190,7 +190,7 @@ int RunBench() {
       "channels, mode %s, input %s, response %s\n"
       "  throughput  %.1f tokens/s, %.2f batches/s, %.3f GB/s on the wire\n"
       "  latency     p50 %.4f s  p90 %.4f s  p99 %.4f s  max %.4f s (round trip per batch)\n"
-      "  server      mean total %.4f s: queue %.4f, copy_in %.4f, compute %.4f, copy_out %.4f\n"
+      "  server      mean total %.6f s: queue %.6f, copy_in %.6f, compute %.6f, copy_out %.6f\n"
       "  moved       %.3f GB in all (requests + answers, warm-up included)\n"
       "  errors      %d%s\n",
       totals.batches, B, S, totals.tokens, elapsed, totals.device, streams, in_flight,

@@ -14,6 +14,12 @@
 // (attngrad/finite_check.h) then counts their NaN/Inf values on the device and, for ACCUMULATE,
 // adds them to the client's accumulator set only when there are none (issue 14, found #4).
 //
+// Resident weights: per served layer, the fp32 weights and their fp16 copies (a PreparedWeights,
+// attngrad/prepared_weights.h), made at startup and again, in the same memory, whenever the layer
+// gets a new version (a control, with nothing in flight); every batch reads them, so no batch
+// converts weights. A layer whose upload or preparation failed refuses its batches until a new
+// version uploads (ResidentLayer::resident), so no batch ever sees a stale or partial copy.
+//
 // Cross-device sums at a fetch (a control that reads the accumulators): with two or more workers
 // and NCCL usable, each worker, on its own thread and its own NCCL stream, calls ncclReduce (sum,
 // fp32, root = the first worker) of its accumulator buffer into the root's receive buffer, and
@@ -47,8 +53,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attngrad/cuda_resources.h"
+#include "attngrad/prepared_weights.h"
+#include "attngrad/wire/dtype.h"
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/v1/tensor.pb.h"
+#include "devices/cuda_ipc_memory.h"
 #include "devices/nccl_abort.h"
 #include "devices/nccl_library.h"
 #include "devices/wire_convert.h"
@@ -165,15 +174,23 @@ class GpuWorker final : public DeviceWorker {
     long long tokens = 0;
   };
 
-  // One served layer on this device: its weights uploaded once (and again only when replaced) and
-  // its accumulator sets.
+  // One served layer on this device: its weights uploaded once (and again only when replaced), with
+  // their fp16 copies, and its accumulator sets.
   struct ResidentLayer {
     explicit ResidentLayer(std::shared_ptr<const LayerWeights> layer_weights)
         : weights(std::move(layer_weights)), config(weights->config), layout(config) {}
-    std::shared_ptr<const LayerWeights> weights;
+    std::shared_ptr<const LayerWeights> weights;  // the version batches must be computed with
     const LayerConfig config;
     const PackedWeightLayout layout;
-    cuda::DeviceBuffer<float> device_weights;      // layout
+    cuda::DeviceBuffer<float> device_weights;  // layout
+    // The fp16 copies of device_weights' projections (1.5x the fp32 memory in all), re-made in the
+    // same memory at every upload; empty where the kernels do not support the layer.
+    PreparedWeights prepared;
+    // The version that device_weights and `prepared` hold: `weights` once both its upload and its
+    // preparation have completed; null while one is under way or after one failed (then every
+    // batch of the layer is refused with `upload_status`, never computed with a mix of versions).
+    std::shared_ptr<const LayerWeights> resident;
+    absl::Status upload_status;
     std::vector<AccumulatorSet> accumulator_sets;  // one per client window holding sums
   };
 
@@ -196,6 +213,8 @@ class GpuWorker final : public DeviceWorker {
     cuda::Event copy_in_start, copy_in_done, compute_start, compute_done, copy_out_start,
         copy_out_done;
     double host_copy_in_seconds = 0;
+    // The batch's activations in a client's GPU memory (CUDA IPC), kept open until it retires.
+    WireTensor device_hidden_states, device_grad_output;
   };
 
   absl::Status Initialize() override {
@@ -266,8 +285,16 @@ class GpuWorker final : public DeviceWorker {
     }
   }
 
-  // Synchronous upload of the six weights (the pipeline is drained when this runs).
+  // Synchronous upload of layer.weights and their fp16 copies (the pipeline is drained when this
+  // runs); layer.resident says whether it completed.
   absl::Status UploadWeights(ResidentLayer& layer) {
+    layer.resident = nullptr;
+    layer.upload_status = CopyAndPrepareWeights(layer);
+    if (layer.upload_status.ok()) layer.resident = layer.weights;
+    return layer.upload_status;
+  }
+
+  absl::Status CopyAndPrepareWeights(ResidentLayer& layer) {
     const LayerWeights& weights = *layer.weights;
     for (Weight weight : kAllWeights) {
       ATTNGRAD_CUDA_RETURN(cudaMemcpy(
@@ -276,6 +303,18 @@ class GpuWorker final : public DeviceWorker {
     }
     // A pageable host-to-device cudaMemcpy may return before its DMA lands, on the legacy stream.
     ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
+    const Status prepared = layer.prepared.Prepare(
+        layer.config, layer.layout.Pointers<const float>(layer.device_weights.get()),
+        compute_stream_.get());
+    // A layer the kernels do not support keeps no copies (its batches are refused by the kernels).
+    if (prepared.code == ATTNGRAD_UNSUPPORTED) return absl::OkStatus();
+    if (!prepared.ok()) {
+      return absl::InternalError(absl::StrCat(
+          "the fp16 copies of a layer's weights on ", device(), ": ", prepared.message,
+          " (each served layer needs 1.5x its fp32 weights' memory; serve fewer layers per server "
+          "with --layers)"));
+    }
+    ATTNGRAD_CUDA_RETURN(cudaStreamSynchronize(compute_stream_.get()));
     return absl::OkStatus();
   }
 
@@ -324,6 +363,9 @@ class GpuWorker final : public DeviceWorker {
         // Nothing of this batch may still be running before its buffers are reused.
         cudaStreamSynchronize(copy_in_stream_.get());
         cudaStreamSynchronize(compute_stream_.get());
+        cudaStreamSynchronize(copy_out_stream_.get());
+        slot->device_hidden_states = WireTensor();
+        slot->device_grad_output = WireTensor();
         slot->job->status = status;
         FinishJob(std::move(slot->job));
       }
@@ -369,6 +411,7 @@ class GpuWorker final : public DeviceWorker {
     for (const auto& [tensor, field, region] :
          {std::tuple(&job.hidden_states, "hidden_states.raw_data", hidden_region),
           std::tuple(&job.grad_output, "grad_output.raw_data", grad_region)}) {
+      if (tensor->cuda_device() >= 0) continue;  // GPU memory: read there (CopyActivationsIn)
       const std::size_t element_size = tensor->element_size();
       const std::size_t per_part = kCopyPartBytes / element_size;
       for (std::size_t first = 0; first < activations; first += per_part) {
@@ -394,6 +437,27 @@ class GpuWorker final : public DeviceWorker {
       if (!status.ok()) return status;
     }
     return absl::OkStatus();
+  }
+
+  // Where the kernels read one activation tensor (`dtype`, `count` elements): fp32 in the client's
+  // GPU memory (`in_gpu_memory`, CUDA IPC) as it is; otherwise its place in device_in (`device`),
+  // filled on the copy-in stream from the host staging (`host`; in_gpu_memory is empty then) or,
+  // for fp16/bf16 in GPU memory, widened from there.
+  absl::StatusOr<const float*> ActivationsOnDevice(const WireTensor& in_gpu_memory, int dtype,
+                                                   const float* host, std::size_t count,
+                                                   float* device, std::uint16_t* device_raw,
+                                                   cudaStream_t stream) {
+    const WireTensor& tensor = in_gpu_memory;
+    if (tensor.cuda_device() < 0) {
+      ATTNGRAD_RETURN_IF_ERROR(CopyActivationsIn(host, dtype, count, device, device_raw, stream));
+      return device;
+    }
+    if (tensor.dtype() == v1::DTYPE_FLOAT32) {
+      return reinterpret_cast<const float*>(tensor.device_data());
+    }
+    ATTNGRAD_CUDA_RETURN(WidenToFloat(reinterpret_cast<const std::uint16_t*>(tensor.device_data()),
+                                      HalfFormatOf(tensor.dtype()), count, device, stream));
+    return device;
   }
 
   // Queues the copy of one activation tensor to device_in (its place there is `device`), widened
@@ -447,8 +511,18 @@ class GpuWorker final : public DeviceWorker {
       status =
           EnsureCapacity(&slot.device_grad_hidden, activations, "cudaMalloc(device_grad_hidden)");
     }
+    // Weights that did not finish uploading (or preparing) are never used.
+    if (status.ok() && layer.resident != layer.weights) {
+      status = absl::FailedPreconditionError(
+          absl::StrCat("the weights of this layer on ", device(), " are not usable: ",
+                       layer.upload_status.ok() ? "their upload is incomplete"
+                                                : std::string(layer.upload_status.message()),
+                       " (upload them again with LoadWeights)"));
+    }
     const std::size_t workspace_size =
-        DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
+        layer.prepared.ready()
+            ? DeviceWorkspaceSize(layer.prepared, job.batch, job.seq_len, job.precision)
+            : DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
     if (status.ok() && workspace_size > workspace_.size()) {
       // The workspace is shared by every batch on the compute stream: wait until it is unused.
       status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
@@ -460,9 +534,13 @@ class GpuWorker final : public DeviceWorker {
 
     const auto copy_start = std::chrono::steady_clock::now();
     status = StageInputs(slot, job);
+    // The received bytes are no longer needed; GPU memory is read from where it is.
     const int hidden_dtype = job.hidden_states.dtype();
     const int grad_dtype = job.grad_output.dtype();
-    // The received bytes are no longer needed.
+    slot.device_hidden_states =
+        job.hidden_states.cuda_device() >= 0 ? std::move(job.hidden_states) : WireTensor();
+    slot.device_grad_output =
+        job.grad_output.cuda_device() >= 0 ? std::move(job.grad_output) : WireTensor();
     job.hidden_states = WireTensor();
     job.grad_output = WireTensor();
     job.request_reservation.Release();
@@ -474,12 +552,15 @@ class GpuWorker final : public DeviceWorker {
     const cudaStream_t copy_out = copy_out_stream_.get();
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_start.get(), copy_in));
     std::uint16_t* const device_raw = reinterpret_cast<std::uint16_t*>(slot.device_raw.get());
-    ATTNGRAD_RETURN_IF_ERROR(CopyActivationsIn(slot.host_in.get(), hidden_dtype, activations,
-                                               slot.device_in.get(), device_raw, copy_in));
-    ATTNGRAD_RETURN_IF_ERROR(
-        CopyActivationsIn(slot.host_in.get() + activations, grad_dtype, activations,
-                          slot.device_in.get() + activations,
-                          device_raw == nullptr ? nullptr : device_raw + activations, copy_in));
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        const float* hidden_states,
+        ActivationsOnDevice(slot.device_hidden_states, hidden_dtype, slot.host_in.get(),
+                            activations, slot.device_in.get(), device_raw, copy_in));
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        const float* grad_output,
+        ActivationsOnDevice(slot.device_grad_output, grad_dtype, slot.host_in.get() + activations,
+                            activations, slot.device_in.get() + activations,
+                            device_raw == nullptr ? nullptr : device_raw + activations, copy_in));
     ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
         slot.device_in.get() + 2 * activations, slot.host_in.get() + 2 * activations,
         2 * rotary * sizeof(float), cudaMemcpyHostToDevice, copy_in));
@@ -489,30 +570,49 @@ class GpuWorker final : public DeviceWorker {
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_start.get(), compute));
     const float* device_in = slot.device_in.get();
     BackwardInputs in;
-    in.hidden_states = device_in;
-    in.grad_output = device_in + activations;
+    in.hidden_states = hidden_states;
+    in.grad_output = grad_output;
     in.cos = device_in + 2 * activations;
     in.sin = device_in + 2 * activations + rotary;
     in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
-    // Every batch computes its weight gradients into the slot; an ACCUMULATE batch's are added to
-    // its accumulator set after the finite check, on the device (QueueFiniteCheck).
-    float* gradients = slot.device_weight_gradients.get();
+    // Every batch computes its weight gradients into the slot (or, RETURN as fp32 into a client's
+    // GPU memory, straight there); an ACCUMULATE batch's are added to its accumulator set after
+    // the finite check, on the device (QueueFiniteCheck).
+    const BatchJob::DeviceDestination& weights_destination = job.weight_gradients_destination;
+    const bool weights_on_device = weights_destination.data != nullptr;
+    float* const gradients = weights_on_device && !half_answer
+                                 ? reinterpret_cast<float*>(weights_destination.data)
+                                 : slot.device_weight_gradients.get();
     AccumulatorSet* accumulator_set = nullptr;
     if (add) {
       ATTNGRAD_RETURN_IF_ERROR(AccumulatorSetAt(layer, job.accumulator_set, &accumulator_set));
     }
+    // grad_hidden_states: computed straight into the client's GPU memory when it goes there as
+    // fp32 (CUDA IPC), else into the slot (narrowed into the client's memory, or copied out).
+    const BatchJob::DeviceDestination& destination = job.grad_hidden_states_destination;
+    const bool answer_on_device = destination.data != nullptr;
+    float* const grad_hidden_states = answer_on_device && !half_answer
+                                          ? reinterpret_cast<float*>(destination.data)
+                                          : slot.device_grad_hidden.get();
     BackwardOutputs out;
-    out.grad_hidden_states = slot.device_grad_hidden.get();
+    out.grad_hidden_states = grad_hidden_states;
     out.weight_gradients = layer.layout.Pointers(gradients);
+    // With the layer's fp16 copies (of the resident version, checked in Launch) when it has them.
     const Status computed =
-        BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision,
-                       /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(), compute);
+        layer.prepared.ready()
+            ? BackwardDevice(layer.prepared, job.batch, job.seq_len, job.scalars, job.precision,
+                             /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(),
+                             compute)
+            : BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision,
+                             /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(),
+                             compute);
     // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
     status = KernelStatus(computed, "BackwardDevice");
     if (!status.ok()) return status;
-    ATTNGRAD_RETURN_IF_ERROR(QueueFiniteCheck(
-        slot, layer, activations, add ? accumulator_set->buffer.get() : nullptr, compute));
+    ATTNGRAD_RETURN_IF_ERROR(
+        QueueFiniteCheck(slot, layer, grad_hidden_states, gradients, activations,
+                         add ? accumulator_set->buffer.get() : nullptr, compute));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done.get(), compute));
 
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out, slot.compute_done.get(), 0));
@@ -521,10 +621,12 @@ class GpuWorker final : public DeviceWorker {
                                          slot.device_non_finite.bytes(), cudaMemcpyDeviceToHost,
                                          copy_out));
     if (!half_answer) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), slot.device_grad_hidden.get(),
-                                           activations * sizeof(float), cudaMemcpyDeviceToHost,
-                                           copy_out));
-      if (job.return_weight_gradients) {
+      if (!answer_on_device) {
+        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), slot.device_grad_hidden.get(),
+                                             activations * sizeof(float), cudaMemcpyDeviceToHost,
+                                             copy_out));
+      }
+      if (job.return_weight_gradients && !weights_on_device) {
         ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
             slot.host_out.get() + activations, slot.device_weight_gradients.get(),
             layer.layout.total_elements * sizeof(float), cudaMemcpyDeviceToHost, copy_out));
@@ -533,16 +635,25 @@ class GpuWorker final : public DeviceWorker {
       // Narrowed on the device (the weight gradients' layout is the answer's order), then copied.
       const HalfFormat format = HalfFormatOf(job.response_dtype);
       std::uint16_t* const answer = reinterpret_cast<std::uint16_t*>(slot.device_answer.get());
-      ATTNGRAD_CUDA_RETURN(
-          NarrowFromFloat(slot.device_grad_hidden.get(), format, activations, answer, copy_out));
+      ATTNGRAD_CUDA_RETURN(NarrowFromFloat(
+          slot.device_grad_hidden.get(), format, activations,
+          answer_on_device ? reinterpret_cast<std::uint16_t*>(destination.data) : answer,
+          copy_out));
       if (job.return_weight_gradients) {
-        ATTNGRAD_CUDA_RETURN(NarrowFromFloat(slot.device_weight_gradients.get(), format,
-                                             layer.layout.total_elements, answer + activations,
-                                             copy_out));
+        ATTNGRAD_CUDA_RETURN(NarrowFromFloat(
+            slot.device_weight_gradients.get(), format, layer.layout.total_elements,
+            weights_on_device ? reinterpret_cast<std::uint16_t*>(weights_destination.data)
+                              : answer + activations,
+            copy_out));
       }
-      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), answer,
-                                           output_elements * sizeof(std::uint16_t),
-                                           cudaMemcpyDeviceToHost, copy_out));
+      // Without the parts that went into the client's GPU memory.
+      const std::size_t first = answer_on_device ? activations : 0;
+      const std::size_t end = weights_on_device ? activations : output_elements;
+      if (end > first) {
+        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
+            reinterpret_cast<std::uint16_t*>(slot.host_out.get()) + first, answer + first,
+            (end - first) * sizeof(std::uint16_t), cudaMemcpyDeviceToHost, copy_out));
+      }
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
@@ -551,15 +662,16 @@ class GpuWorker final : public DeviceWorker {
   // On the compute stream after the batch: counts the non-finite values of its grad_hidden_states
   // and weight gradients into the slot's counts and, for an ACCUMULATE batch (`accumulators` set),
   // adds its gradients there only when every count is 0. Retire turns the counts into the answer.
-  absl::Status QueueFiniteCheck(Slot& slot, const ResidentLayer& layer, std::size_t activations,
-                                float* accumulators, cudaStream_t compute) {
+  absl::Status QueueFiniteCheck(Slot& slot, const ResidentLayer& layer,
+                                const float* grad_hidden_states, const float* weight_gradients,
+                                std::size_t activations, float* accumulators,
+                                cudaStream_t compute) {
     ATTNGRAD_CUDA_RETURN(
         cudaMemsetAsync(slot.device_non_finite.get(), 0, slot.device_non_finite.bytes(), compute));
-    const PerWeight<const float*> gradients =
-        layer.layout.Pointers<const float>(slot.device_weight_gradients.get());
+    const PerWeight<const float*> gradients = layer.layout.Pointers<const float>(weight_gradients);
     ATTNGRAD_RETURN_IF_ERROR(
-        KernelStatus(CountNonFiniteDevice(layer.config, slot.device_grad_hidden.get(), activations,
-                                          gradients, slot.device_non_finite.get(), compute),
+        KernelStatus(CountNonFiniteDevice(layer.config, grad_hidden_states, activations, gradients,
+                                          slot.device_non_finite.get(), compute),
                      "CountNonFiniteDevice"));
     if (accumulators == nullptr) return absl::OkStatus();
     return KernelStatus(
@@ -590,8 +702,16 @@ class GpuWorker final : public DeviceWorker {
       const auto start = std::chrono::steady_clock::now();
       job.answer.size = job.AnswerBytes();
       job.answer.bytes = answer_pool_->Acquire(job.answer.size);
-      ParallelCopy(reinterpret_cast<const char*>(slot.host_out.get()), job.answer.size,
-                   job.answer.bytes.data());
+      // grad_hidden_states, then the weight gradients; a part that went into the client's GPU
+      // memory is not in host_out (and not sent: the answer's layout stays the same).
+      const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);
+      const std::size_t first = job.grad_hidden_states_destination.data == nullptr ? 0 : grad_bytes;
+      const std::size_t end =
+          job.weight_gradients_destination.data == nullptr ? job.answer.size : grad_bytes;
+      if (end > first) {
+        ParallelCopy(reinterpret_cast<const char*>(slot.host_out.get()) + first, end - first,
+                     job.answer.bytes.data() + first);
+      }
       const double host_copy_out_seconds = SecondsSince(start);
       job.stages.copy_in =
           slot.host_copy_in_seconds + ElapsedSeconds(slot.copy_in_start, slot.copy_in_done);
@@ -609,6 +729,8 @@ class GpuWorker final : public DeviceWorker {
       retired_since_gauges_ = 0;
       UpdateMemoryGauges();
     }
+    slot.device_hidden_states = WireTensor();
+    slot.device_grad_output = WireTensor();
     FinishJob(std::move(slot.job));
   }
 
@@ -846,6 +968,7 @@ absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>& devices,
     }
     result.workers.push_back(std::move(worker));
   }
+  result.device_memory = MakeCudaIpcMemoryOpener(devices);
   return result;
 }
 

@@ -27,9 +27,13 @@ struct GradientSumPath {
   std::string description;   // one line for the log, saying why
 };
 
+class DeviceMemoryOpener;  // rpc/regions.h
+
 struct GpuWorkers {
   std::vector<std::unique_ptr<DeviceWorker>> workers;
   GradientSumPath sum;
+  // Opens same-host clients' CUDA IPC regions on these devices (devices/cuda_ipc_memory.h).
+  std::shared_ptr<DeviceMemoryOpener> device_memory;
 };
 
 // One started worker per CUDA device index in `devices`. Each uploads every layer of `layers` to

@@ -123,7 +123,10 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     Do(actions);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service_->regions().ForgetExitedOwners();  // a trainer that went away: close its regions
+    delete this;
+  }
 
  private:
   // Gives its stream slot back before finishing, so that a client that has seen the stream end
@@ -231,23 +234,31 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     const absl::Status from_regions =
         slot.ok() ? ReadActivationsFromRegions(service_->regions(), client_id_, &*received)
                   : slot.status();
-    const bool answer_to_region = request.has_grad_hidden_states_region();
-    const v1::RegionSlice answer_slice = request.grad_hidden_states_region();
+    // The output slices, kept before the request moves into the job.
+    const std::optional<v1::RegionSlice> grad_hidden_states_slice =
+        request.has_grad_hidden_states_region()
+            ? std::optional<v1::RegionSlice>(request.grad_hidden_states_region())
+            : std::nullopt;
+    const std::optional<v1::RegionSlice> weight_gradients_slice =
+        request.has_weight_gradients_region()
+            ? std::optional<v1::RegionSlice>(request.weight_gradients_region())
+            : std::nullopt;
     absl::StatusOr<ParsedBackward> parsed =
         from_regions.ok() ? ParseBackwardRequest(*std::move(received), core.config(*slot),
                                                  core.settings(*slot), service_->limits().batch)
                           : absl::StatusOr<ParsedBackward>(from_regions);
-    // Where the answer's grad_hidden_states goes instead of the response, when asked.
-    std::optional<RegionBytes> answer_region;
-    if (parsed.ok() && answer_to_region) {
-      const std::size_t element_size = wire::DTypeSize(parsed->response_dtype);
-      absl::StatusOr<RegionBytes> region = service_->regions().Resolve(
-          client_id_, answer_slice, element_size, parsed->job->activations() * element_size,
-          "grad_hidden_states_region");
-      if (region.ok()) {
-        answer_region = *std::move(region);
+    // Where outputs go instead of the response, when asked (rpc/regions.h).
+    OutputRegions outputs;
+    if (parsed.ok()) {
+      absl::StatusOr<OutputRegions> resolved = ResolveOutputRegions(
+          service_->regions(), client_id_,
+          grad_hidden_states_slice.has_value() ? &*grad_hidden_states_slice : nullptr,
+          weight_gradients_slice.has_value() ? &*weight_gradients_slice : nullptr,
+          parsed->job.get());
+      if (resolved.ok()) {
+        outputs = *std::move(resolved);
       } else {
-        parsed = region.status();
+        parsed = resolved.status();
       }
     }
     if (!parsed.ok()) {
@@ -268,8 +279,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     const int layer = core.settings(*slot).index;
     const std::string instance_id = core.instance_id();
     parsed->job->on_done = [this, batch_id, layer, instance_id,
-                            answer_region =
-                                std::move(answer_region)](std::unique_ptr<BatchJob> job) {
+                            outputs = std::move(outputs)](std::unique_ptr<BatchJob> job) {
       v1::BackwardResponse fields;
       fields.set_weights_version(job->weights_version);
       fields.set_accumulation_window_id(job->window_id);
@@ -294,14 +304,17 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         fields.set_server_instance_id(instance_id);
         response = std::make_unique<Write>();
         response->payload_bytes = PayloadBytes(*job);
-        if (answer_region.has_value()) {
-          // grad_hidden_states leads the answer buffer (SerializeBackwardResponse's order).
-          std::memcpy(answer_region->data, job->answer.bytes.data(), answer_region->size);
-          response->payload_bytes -= static_cast<std::int64_t>(answer_region->size);
+        CopyOutputsToRegions(outputs, *job);
+        const std::size_t grad_bytes = job->activations() * wire::DTypeSize(job->response_dtype);
+        if (outputs.grad_hidden_states_elsewhere) {
+          response->payload_bytes -= static_cast<std::int64_t>(grad_bytes);
         }
-        response->bytes = SerializeBackwardResponse(std::move(fields), *job,
-                                                    /*grad_hidden_states_in_region=*/
-                                                    answer_region.has_value());
+        if (outputs.weight_gradients_elsewhere) {
+          response->payload_bytes -= static_cast<std::int64_t>(job->AnswerBytes() - grad_bytes);
+        }
+        response->bytes =
+            SerializeBackwardResponse(std::move(fields), *job, outputs.grad_hidden_states_elsewhere,
+                                      outputs.weight_gradients_elsewhere);
       }
       QueueResponse(std::move(response), /*job_finished=*/true);
     };
@@ -685,14 +698,16 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
-                                 Authenticator authenticator, std::string server_version)
+                                 Authenticator authenticator, std::string server_version,
+                                 std::shared_ptr<DeviceMemoryOpener> device_memory)
     : core_(core),
       metrics_(metrics),
       limits_(limits),
       authenticator_(std::move(authenticator)),
       server_version_(std::move(server_version)),
       streams_(limits.streams),
-      memory_(limits.max_inflight_bytes) {}
+      memory_(limits.max_inflight_bytes),
+      regions_(std::move(device_memory)) {}
 
 absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext& context,
                                               Operation operation, const char* method) {
@@ -826,9 +841,8 @@ grpc::ServerUnaryReactor* GradientService::RegisterRegion(grpc::CallbackServerCo
                                                           v1::RegisterRegionResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "RegisterRegion");
-  absl::StatusOr<std::uint64_t> id =
-      caller.ok() ? regions_.Register(caller->client_id, request->name(), request->byte_size())
-                  : absl::StatusOr<std::uint64_t>(caller.status());
+  absl::StatusOr<std::uint64_t> id = caller.ok() ? regions_.Register(caller->client_id, *request)
+                                                 : absl::StatusOr<std::uint64_t>(caller.status());
   if (id.ok()) response->set_region_id(*id);
   reactor->Finish(ToGrpcStatus(id.status()));
   return reactor;

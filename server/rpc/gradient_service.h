@@ -43,8 +43,10 @@ using AttentionGradientBase = v1::AttentionGradient::WithCallbackMethod_GetModel
 
 class GradientService final : public AttentionGradientBase {
  public:
+  // `device_memory` opens CUDA IPC regions (null: a server without GPUs).
   GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
-                  Authenticator authenticator, std::string server_version);
+                  Authenticator authenticator, std::string server_version,
+                  std::shared_ptr<DeviceMemoryOpener> device_memory = nullptr);
 
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
@@ -60,7 +62,7 @@ class GradientService final : public AttentionGradientBase {
   grpc::ServerUnaryReactor* ZeroGradients(grpc::CallbackServerContext* context,
                                           const v1::ZeroGradientsRequest* request,
                                           v1::ZeroGradientsResponse* response) override;
-  // Shared-memory regions of the caller (rpc/regions.h).
+  // Same-host regions of the caller: shared memory or CUDA IPC (rpc/regions.h).
   grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,
                                            const v1::RegisterRegionRequest* request,
                                            v1::RegisterRegionResponse* response) override;
@@ -89,7 +91,7 @@ class GradientService final : public AttentionGradientBase {
   const std::string server_version_;
   StreamRegistry streams_;
   MemoryBudget memory_;
-  RegionRegistry regions_;  // unmapped when the service is destroyed
+  RegionRegistry regions_;  // unmapped (closed) when the service is destroyed
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.

@@ -45,7 +45,8 @@ void SetShape(absl::Span<const std::int64_t> shape, int dtype, v1::Tensor* tenso
 }  // namespace
 
 grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job,
-                                           bool grad_hidden_states_in_region) {
+                                           bool grad_hidden_states_in_region,
+                                           bool weight_gradients_in_region) {
   const LayerConfig& config = job.config;
   const int dtype = job.response_dtype;
   const std::size_t element_size = wire::DTypeSize(dtype);
@@ -82,7 +83,7 @@ grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJ
   add(0, job.activations(), !grad_hidden_states_in_region);
   if (job.return_weight_gradients) {
     for (std::size_t w = 0; w < kAllWeights.size(); ++w) {
-      add(w + 1, WeightElements(config, kAllWeights[w]));
+      add(w + 1, WeightElements(config, kAllWeights[w]), !weight_gradients_in_region);
     }
   }
   absl::StatusOr<grpc::ByteBuffer> bytes = wire::SerializeWithPayloads(response, paths, payloads);

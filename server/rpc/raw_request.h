@@ -28,10 +28,11 @@ absl::Status ParseReceivedMessage(grpc::ByteBuffer* bytes, google::protobuf::Mes
 // timings), serialized without copying the outputs: their bytes go out as slices of the job's
 // answer buffer (BatchJob::answer), which the returned buffer keeps alive until gRPC has sent it.
 // Byte for byte protobuf's serialization of the whole response (wire::SerializeWithPayloads).
-// With `grad_hidden_states_in_region` (the answer was written into a shared-memory region)
-// grad_hidden_states has its dtype and shape only.
+// With `grad_hidden_states_in_region` / `weight_gradients_in_region` (those outputs were written
+// into a region: rpc/regions.h) those tensors have their dtype and shape only.
 grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job,
-                                           bool grad_hidden_states_in_region = false);
+                                           bool grad_hidden_states_in_region = false,
+                                           bool weight_gradients_in_region = false);
 // A message as bytes to send (an error answer, a LoadWeightsResponse).
 grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message);
 

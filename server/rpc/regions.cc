@@ -1,5 +1,5 @@
-// RegionRegistry: shm_open + mmap of the clients' shared-memory objects, and the checks of every
-// reference into them.
+// RegionRegistry: shm_open + mmap of the clients' shared-memory objects, CUDA IPC memory through
+// the DeviceMemoryOpener, and the checks of every reference into them.
 #include "rpc/regions.h"
 
 #include <fcntl.h>
@@ -9,14 +9,38 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/status_macros.h"
 
 namespace attngrad::server {
+
+namespace {
+
+// The start time of process `pid` (field 22 of /proc/<pid>/stat, in clock ticks since boot);
+// NOT_FOUND when there is no such process.
+absl::StatusOr<std::string> ProcessStartTime(std::int64_t pid) {
+  if (pid <= 0) return absl::NotFoundError("no process");
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  if (!stat) return absl::NotFoundError("no process");
+  const std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const std::size_t name_end = text.rfind(')');  // the command name may hold spaces
+  if (name_end == std::string::npos) return absl::NotFoundError("no process");
+  const std::vector<std::string> fields =
+      absl::StrSplit(text.substr(name_end + 1), ' ', absl::SkipEmpty());
+  constexpr std::size_t kStartTime = 22 - 3;  // fields after the name start at field 3 (state)
+  if (fields.size() <= kStartTime) return absl::NotFoundError("no process");
+  return fields[kStartTime];
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<MappedRegion>> MappedRegion::Map(const std::string& name,
                                                                 std::int64_t byte_size) {
@@ -60,18 +84,65 @@ absl::StatusOr<std::unique_ptr<MappedRegion>> MappedRegion::Map(const std::strin
 MappedRegion::~MappedRegion() { munmap(data_, size_); }
 
 absl::StatusOr<std::uint64_t> RegionRegistry::Register(const std::string& client_id,
-                                                       const std::string& name,
-                                                       std::int64_t byte_size) {
-  absl::StatusOr<std::unique_ptr<MappedRegion>> region = MappedRegion::Map(name, byte_size);
-  if (!region.ok()) return region.status();
+                                                       const v1::RegisterRegionRequest& request) {
+  ForgetExitedOwners();
+  absl::StatusOr<std::string> owner_start = std::string();
+  if (request.owner_pid() != 0) {
+    owner_start = ProcessStartTime(request.owner_pid());
+    if (!owner_start.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "owner_pid: ", request.owner_pid(),
+          " is no process this server can see (same host and PID namespace); leave it 0"));
+    }
+  }
+  std::unique_ptr<RegionMemory> memory;
+  if (request.has_cuda_ipc()) {
+    if (!request.name().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "name: \"", request.name(),
+          "\" given together with cuda_ipc; expected one of them (host or GPU memory)"));
+    }
+    if (device_memory_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "cuda_ipc: this server computes on the CPU (--devices=cpu), so it cannot open GPU "
+          "memory; register host memory (name) instead, or use a server on the GPU");
+    }
+    if (request.byte_size() <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("byte_size: ", request.byte_size(), "; expected > 0 bytes"));
+    }
+    ATTNGRAD_ASSIGN_OR_RETURN(memory,
+                              device_memory_->Open(request.cuda_ipc(), request.byte_size()));
+  } else {
+    ATTNGRAD_ASSIGN_OR_RETURN(memory, MappedRegion::Map(request.name(), request.byte_size()));
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   const std::uint64_t id = next_id_++;
-  regions_.emplace(id,
-                   Entry{client_id, name, std::shared_ptr<const MappedRegion>(std::move(*region))});
+  regions_.emplace(id, Entry{client_id, std::shared_ptr<const RegionMemory>(std::move(memory)),
+                             request.owner_pid(), *std::move(owner_start)});
   return id;
 }
 
+void RegionRegistry::ForgetExitedOwners() const {
+  std::vector<std::shared_ptr<const RegionMemory>> gone;  // unmapped (closed) after the lock
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto entry = regions_.begin(); entry != regions_.end();) {
+    const bool exited = [&] {
+      if (entry->second.owner_pid == 0) return false;
+      const absl::StatusOr<std::string> start = ProcessStartTime(entry->second.owner_pid);
+      return !start.ok() || *start != entry->second.owner_start;
+    }();
+    if (exited) {
+      gone.push_back(std::move(entry->second.region));
+      entry = regions_.erase(entry);
+    } else {
+      ++entry;
+    }
+  }
+}
+
 absl::Status RegionRegistry::Unregister(const std::string& client_id, std::uint64_t region_id) {
+  ForgetExitedOwners();
   std::lock_guard<std::mutex> lock(mutex_);
   auto found = regions_.find(region_id);
   if (found == regions_.end() || found->second.client_id != client_id) {
@@ -87,7 +158,7 @@ absl::StatusOr<RegionBytes> RegionRegistry::Resolve(const std::string& client_id
                                                     std::size_t alignment,
                                                     std::size_t expected_bytes,
                                                     absl::string_view field) const {
-  std::shared_ptr<const MappedRegion> region;
+  std::shared_ptr<const RegionMemory> region;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = regions_.find(slice.region_id());
@@ -114,6 +185,13 @@ absl::StatusOr<RegionBytes> RegionRegistry::Resolve(const std::string& client_id
   if (alignment > 1 && static_cast<std::uint64_t>(offset) % alignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".offset: ", offset, " is not a multiple of the element size ", alignment));
+  }
+  if (region->cuda_device() >= 0 &&
+      reinterpret_cast<std::uintptr_t>(region->data() + offset) % kDeviceRegionAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".offset: ", offset, " makes a GPU address that is not a multiple of ",
+                     kDeviceRegionAlignment, " bytes (CUDA IPC regions: the region's start, ",
+                     "cuda_ipc.offset, and the slice's offset together must be)"));
   }
   RegionBytes bytes;
   bytes.data = region->data() + offset;
@@ -155,8 +233,14 @@ absl::Status ReadFromRegion(const RegionRegistry& regions, const std::string& cl
   ATTNGRAD_ASSIGN_OR_RETURN(
       RegionBytes region,
       regions.Resolve(client_id, slice, wire::DTypeSize(tensor.dtype()), expected, field));
-  *bytes = WireTensor(tensor.dtype(), {absl::string_view(region.data, region.size)},
-                      std::move(region.region));
+  if (region.cuda_device() >= 0) {
+    const int device = region.cuda_device();
+    *bytes = WireTensor::OnDevice(tensor.dtype(), region.data, region.size, device,
+                                  std::move(region.region));
+  } else {
+    *bytes = WireTensor(tensor.dtype(), {absl::string_view(region.data, region.size)},
+                        std::move(region.region));
+  }
   return absl::OkStatus();
 }
 
@@ -175,7 +259,84 @@ absl::Status ReadActivationsFromRegions(const RegionRegistry& regions, const std
                                             message.grad_output_region(), "grad_output",
                                             &request->grad_output));
   }
+  const int hidden_device = request->hidden_states.cuda_device();
+  const int grad_device = request->grad_output.cuda_device();
+  if (hidden_device >= 0 && grad_device >= 0 && hidden_device != grad_device) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad_output_region: GPU memory of cuda:", grad_device,
+                     " but hidden_states_region is on cuda:", hidden_device,
+                     "; a batch's CUDA IPC regions must be on one GPU"));
+  }
   return absl::OkStatus();
+}
+
+namespace {
+
+// One output slice resolved for `job`: host memory into *host; GPU memory into *destination.
+absl::Status ResolveOutput(const RegionRegistry& regions, const std::string& client_id,
+                           const v1::RegionSlice& slice, std::size_t elements, const char* field,
+                           const BatchJob& job, std::optional<RegionBytes>* host,
+                           BatchJob::DeviceDestination* destination) {
+  const std::size_t element_size = wire::DTypeSize(job.response_dtype);
+  ATTNGRAD_ASSIGN_OR_RETURN(RegionBytes region, regions.Resolve(client_id, slice, element_size,
+                                                                elements * element_size, field));
+  const int device = region.cuda_device();
+  if (device < 0) {
+    *host = std::move(region);
+    return absl::OkStatus();
+  }
+  if (job.cuda_device() >= 0 && device != job.cuda_device()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": GPU memory of cuda:", device, " but the batch's other slices are on",
+        " cuda:", job.cuda_device(), "; a batch's CUDA IPC regions must be on one GPU"));
+  }
+  destination->data = region.data;
+  destination->size = region.size;
+  destination->cuda_device = device;
+  destination->owner = std::move(region.region);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<OutputRegions> ResolveOutputRegions(const RegionRegistry& regions,
+                                                   const std::string& client_id,
+                                                   const v1::RegionSlice* grad_hidden_states,
+                                                   const v1::RegionSlice* weight_gradients,
+                                                   BatchJob* job) {
+  OutputRegions outputs;
+  if (grad_hidden_states != nullptr) {
+    ATTNGRAD_RETURN_IF_ERROR(ResolveOutput(
+        regions, client_id, *grad_hidden_states, job->activations(), "grad_hidden_states_region",
+        *job, &outputs.grad_hidden_states, &job->grad_hidden_states_destination));
+    outputs.grad_hidden_states_elsewhere = true;
+  }
+  if (weight_gradients != nullptr) {
+    if (!job->return_weight_gradients) {
+      return absl::InvalidArgumentError(
+          "weight_gradients_region: only with mode GRADIENT_MODE_RETURN (ACCUMULATE adds the "
+          "weight gradients on the server)");
+    }
+    ATTNGRAD_RETURN_IF_ERROR(
+        ResolveOutput(regions, client_id, *weight_gradients,
+                      PackedWeightLayout(job->config).total_elements, "weight_gradients_region",
+                      *job, &outputs.weight_gradients, &job->weight_gradients_destination));
+    outputs.weight_gradients_elsewhere = true;
+  }
+  return outputs;
+}
+
+void CopyOutputsToRegions(const OutputRegions& outputs, const BatchJob& job) {
+  // The answer buffer: grad_hidden_states, then the weight gradients (BatchJob::answer).
+  const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);
+  if (outputs.grad_hidden_states.has_value()) {
+    std::memcpy(outputs.grad_hidden_states->data, job.answer.bytes.data(),
+                outputs.grad_hidden_states->size);
+  }
+  if (outputs.weight_gradients.has_value()) {
+    std::memcpy(outputs.weight_gradients->data, job.answer.bytes.data() + grad_bytes,
+                outputs.weight_gradients->size);
+  }
 }
 
 }  // namespace attngrad::server

@@ -68,7 +68,13 @@ void BuildRotaryTables(absl::Span<const std::int64_t> positions, int batch, int 
   const std::vector<double> inv_freq =
       ScaledInverseFrequencies(head_dim, theta, linear_scaling_factor);
   const bool shared = positions.size() == static_cast<std::size_t>(seq_len);
+  const std::size_t sequence_elements = static_cast<std::size_t>(seq_len) * head_dim;
   for (int b = 0; b < batch; ++b) {
+    if (shared && b > 0) {  // every sequence has the first one's positions: the same tables
+      std::copy(cos.begin(), cos.begin() + sequence_elements, cos.begin() + b * sequence_elements);
+      std::copy(sin.begin(), sin.begin() + sequence_elements, sin.begin() + b * sequence_elements);
+      continue;
+    }
     for (int s = 0; s < seq_len; ++s) {
       const std::size_t token = static_cast<std::size_t>(b) * seq_len + s;
       const double position = static_cast<double>(positions[shared ? s : token]);

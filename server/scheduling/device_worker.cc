@@ -14,6 +14,15 @@ std::size_t BatchJob::AnswerBytes() const {
   return elements * wire::DTypeSize(response_dtype);
 }
 
+int BatchJob::cuda_device() const {
+  if (hidden_states.cuda_device() >= 0) return hidden_states.cuda_device();
+  if (grad_output.cuda_device() >= 0) return grad_output.cuda_device();
+  if (grad_hidden_states_destination.cuda_device >= 0) {
+    return grad_hidden_states_destination.cuda_device;
+  }
+  return weight_gradients_destination.cuda_device;
+}
+
 DeviceWorker::DeviceWorker(std::string device, ServerMetrics* metrics, int pipeline_depth)
     : device_(std::move(device)), metrics_(metrics), pipeline_depth_(pipeline_depth) {
   metrics_->QueueCapacity(device_).Set(pipeline_depth_);

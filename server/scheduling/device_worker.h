@@ -69,6 +69,20 @@ struct BatchJob {
   WireTensor hidden_states, grad_output;
   std::vector<float> cos, sin;  // [B,S,head_dim]
   int response_dtype = 1;       // attngrad.v1.DType of the answer (FLOAT32 = 1)
+  // Same-host zero-copy over CUDA IPC (rpc/regions.h): hidden_states / grad_output may be GPU
+  // memory (WireTensor::OnDevice), read there by the GPU worker of their device; and
+  // grad_hidden_states may go to GPU memory instead of the answer buffer (response_dtype,
+  // activations() elements), written there by that worker before the job is finished.
+  struct DeviceDestination {
+    char* data = nullptr;  // null: grad_hidden_states is in the answer buffer
+    std::size_t size = 0;
+    int cuda_device = -1;
+    std::shared_ptr<const void> owner;  // keeps the memory open
+  };
+  DeviceDestination grad_hidden_states_destination;
+  // RETURN: the weight gradients (response_dtype, PackedWeightLayout order) into GPU memory
+  // instead of the answer buffer, the same way.
+  DeviceDestination weight_gradients_destination;
   // The budget reservation of the received request, given back when the worker has copied it.
   MemoryBudget::Reservation request_reservation;
 
@@ -94,6 +108,9 @@ struct BatchJob {
   }
   // Bytes of the answer: grad_hidden_states and, RETURN, the weight gradients, in response_dtype.
   std::size_t AnswerBytes() const;
+  // The CUDA device of the job's GPU memory (CUDA IPC tensors or destination), which the job must
+  // run on; -1 when it has none. The parser makes sure that they are all on one device.
+  int cuda_device() const;
 };
 
 // What one of a worker's accumulator sets holds: the sums and what they cover.

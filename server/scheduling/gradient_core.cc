@@ -204,11 +204,28 @@ DeviceWorker& GradientCore::LeastBusyWorker() {
   return *best;
 }
 
+DeviceWorker* GradientCore::WorkerOf(const std::string& device) {
+  for (const std::unique_ptr<DeviceWorker>& worker : workers_) {
+    if (worker->device() == device) return worker.get();
+  }
+  return nullptr;
+}
+
 absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
                                               const std::string& client_id, std::uint64_t batch_id,
                                               std::uint64_t expected_weights_version,
                                               std::uint64_t expected_window_id) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A batch in a client's GPU memory (CUDA IPC) runs on that GPU's worker.
+  DeviceWorker* worker = &LeastBusyWorker();
+  if (job->cuda_device() >= 0) {
+    worker = WorkerOf(absl::StrCat("cuda:", job->cuda_device()));
+    if (worker == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the batch's CUDA IPC regions are on cuda:", job->cuda_device(),
+                       ", which this server does not compute on"));
+    }
+  }
   const int slot = job->layer_slot;
   LayerState& layer = layers_[static_cast<std::size_t>(slot)];
   const std::uint64_t layer_version = layer.weights_version;
@@ -279,7 +296,7 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
   job->weights_version = admission.weights_version;
   job->window_id = admission.window_id;
   job->duplicate = admission.duplicate;
-  LeastBusyWorker().Submit(std::move(job));
+  worker->Submit(std::move(job));
   return admission;
 }
 

@@ -143,6 +143,8 @@ class GradientCore {
   };
 
   DeviceWorker& LeastBusyWorker();
+  // The worker of `device` ("cuda:0"), or null.
+  DeviceWorker* WorkerOf(const std::string& device);
   // The client's window, started when it has none (caller holds mutex_). RESOURCE_EXHAUSTED when
   // kMaxClientWindows clients have windows and none of them is empty.
   using WindowKey = std::pair<std::string, int>;  // (client id, layer slot)

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
+
 #include "attngrad/v1/tensor.pb.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/status_macros.h"
@@ -34,6 +36,24 @@ WireTensor WireTensor::FromBytes(int dtype, std::string bytes) {
   return WireTensor(dtype, {view}, std::move(owned));
 }
 
+absl::Status WireTensor::RefuseDeviceMemory(absl::string_view field) const {
+  if (cuda_device_ < 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(field, ": the bytes are GPU memory of cuda:", cuda_device_,
+                   " (a CUDA IPC region), which only that GPU's worker reads"));
+}
+
+WireTensor WireTensor::OnDevice(int dtype, const char* data, std::size_t size_bytes,
+                                int cuda_device, std::shared_ptr<const void> owner) {
+  WireTensor tensor;
+  tensor.dtype_ = dtype;
+  tensor.size_bytes_ = size_bytes;
+  tensor.owner_ = std::move(owner);
+  tensor.device_data_ = data;
+  tensor.cuda_device_ = cuda_device;
+  return tensor;
+}
+
 std::size_t WireTensor::element_size() const { return wire::DTypeSize(dtype_); }
 
 std::size_t WireTensor::elements() const {
@@ -42,6 +62,7 @@ std::size_t WireTensor::elements() const {
 }
 
 void WireTensor::CopyBytes(std::size_t offset, std::size_t size, void* destination) const {
+  if (cuda_device_ >= 0) return;  // GPU memory: not readable here
   char* out = static_cast<char*>(destination);
   // The piece holding `offset`: the last one starting at or before it.
   std::size_t index = static_cast<std::size_t>(
@@ -61,6 +82,7 @@ void WireTensor::CopyBytes(std::size_t offset, std::size_t size, void* destinati
 
 absl::Status WireTensor::CopyFinite(std::size_t first, std::size_t count, void* destination,
                                     absl::string_view field) const {
+  ATTNGRAD_RETURN_IF_ERROR(RefuseDeviceMemory(field));
   const std::size_t size = element_size();
   // In blocks that stay in the cache between the copy and the check.
   constexpr std::size_t kBlockBytes = 256 << 10;
@@ -78,6 +100,7 @@ absl::Status WireTensor::CopyFinite(std::size_t first, std::size_t count, void* 
 
 absl::Status WireTensor::DecodeFinite(std::size_t first, absl::Span<float> out,
                                       absl::string_view field) const {
+  ATTNGRAD_RETURN_IF_ERROR(RefuseDeviceMemory(field));
   const std::size_t size = element_size();
   if (dtype_ == v1::DTYPE_FLOAT32) {
     CopyBytes(first * size, out.size() * size, out.data());

@@ -26,6 +26,12 @@ class WireTensor {
   static WireTensor FromFloats(std::vector<float> values);
   // Raw bytes it owns.
   static WireTensor FromBytes(int dtype, std::string bytes);
+  // `size_bytes` bytes of GPU memory at `data` on CUDA device `cuda_device` (a client's memory
+  // opened over CUDA IPC: rpc/regions.h), kept open by `owner`. Only that device's GPU worker
+  // reads it (from the device); the host copies below refuse it (FAILED_PRECONDITION, CopyBytes
+  // copies nothing).
+  static WireTensor OnDevice(int dtype, const char* data, std::size_t size_bytes, int cuda_device,
+                             std::shared_ptr<const void> owner);
 
   int dtype() const { return dtype_; }
   void set_dtype(int dtype) { dtype_ = dtype; }
@@ -33,6 +39,10 @@ class WireTensor {
   // size_bytes / the dtype's size (0 for an unsupported dtype).
   std::size_t elements() const;
   std::size_t element_size() const;
+  // The CUDA device of a tensor made by OnDevice, else -1 (host memory).
+  int cuda_device() const { return cuda_device_; }
+  // OnDevice's `data` (null for host tensors).
+  const char* device_data() const { return device_data_; }
 
   // Copies bytes [offset, offset + size) (within size_bytes) to `destination`.
   void CopyBytes(std::size_t offset, std::size_t size, void* destination) const;
@@ -47,11 +57,16 @@ class WireTensor {
                             absl::string_view field) const;
 
  private:
+  // FAILED_PRECONDITION naming `field` for a tensor in GPU memory.
+  absl::Status RefuseDeviceMemory(absl::string_view field) const;
+
   int dtype_ = 0;
   std::vector<absl::string_view> pieces_;
   std::vector<std::size_t> starts_;  // byte offset of each piece
   std::size_t size_bytes_ = 0;
   std::shared_ptr<const void> owner_;
+  const char* device_data_ = nullptr;
+  int cuda_device_ = -1;
 };
 
 }  // namespace attngrad::server

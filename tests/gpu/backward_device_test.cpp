@@ -1,7 +1,9 @@
 // GPU backend (attngrad_backward) against the CPU reference backend (attngrad_backward_host) on
 // small and odd shapes in every precision mode, under SPEC section 4's rule; accumulate; FP16 with
 // grad_output far outside fp16's range; determinism (two calls bitwise equal); CUDA-graph capture;
-// concurrent calls from two threads; bad arguments. Skipped without a GPU.
+// concurrent calls from two threads; bad arguments; prepared weights (bitwise equal to the plain
+// call in every mode, shape, window and soft-cap setting, captured, re-prepared, misused).
+// Skipped without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +19,7 @@
 #include "attngrad/backward.h"
 #include "attngrad/cuda_resources.h"
 #include "attngrad/layer_weights.h"
+#include "attngrad/prepared_weights.h"
 
 namespace {
 
@@ -705,6 +708,182 @@ TEST_F(GpuBackwardTest, ErrorsNameTheCheckThatFailed) {
   status = call(other_head_dim, device.Inputs(), bytes);
   EXPECT_EQ(status.code, ATTNGRAD_UNSUPPORTED);
   EXPECT_STREQ(status.message, "the GPU kernels support head_dim 128 and 256 only");
+}
+
+// ---- Prepared weights (attngrad/prepared_weights.h) ------------------------------------------
+
+// The outputs of one BackwardDevice call on `device`'s buffers (outputs poisoned with NaN first),
+// with the weights prepared in `prepared` or, when it is null, converted by the call.
+HostGradients RunDevice(DeviceProblem& device, const attngrad::Scalars& scalars,
+                        attngrad::Precision precision, bool accumulate,
+                        const attngrad::PreparedWeights* prepared, const HostGradients* initial,
+                        const std::string& what) {
+  const HostProblem& host = device.host;
+  const std::size_t bytes =
+      prepared != nullptr
+          ? attngrad::DeviceWorkspaceSize(*prepared, host.batch, host.seq_len, precision)
+          : attngrad::DeviceWorkspaceSize(host.config, host.batch, host.seq_len, precision);
+  EXPECT_GT(bytes, 0u) << what;
+  DeviceBuffer<unsigned char> workspace = Workspace(bytes);
+  // Stale workspace contents must not matter.
+  EXPECT_EQ(cudaMemset(workspace.get(), 0x5a, bytes), cudaSuccess);
+  device.SetOutputs(initial != nullptr ? *initial : Filled(host.tokens(), NAN, host.config));
+  const attngrad::Status status =
+      prepared != nullptr
+          ? attngrad::BackwardDevice(*prepared, host.batch, host.seq_len, scalars, precision,
+                                     accumulate, device.Inputs(), device.Outputs(), workspace.get(),
+                                     bytes, nullptr)
+          : attngrad::BackwardDevice(host.config, host.batch, host.seq_len, scalars, precision,
+                                     accumulate, device.Inputs(), device.Outputs(), workspace.get(),
+                                     bytes, nullptr);
+  EXPECT_TRUE(status.ok()) << what << ": " << status.message;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+  return device.GetOutputs();
+}
+
+attngrad::PreparedWeights Prepare(const DeviceProblem& device) {
+  attngrad::PreparedWeights prepared;
+  PerWeight<const float*> weights;
+  for (Weight weight : kAllWeights) weights[weight] = device.weights[weight].get();
+  const attngrad::Status status = prepared.Prepare(device.host.config, weights, nullptr);
+  EXPECT_TRUE(status.ok()) << status.message;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return prepared;
+}
+
+TEST_F(GpuBackwardTest, PreparedWeightsGiveTheSameBitsInEveryModeShapeWindowAndSoftCap) {
+  // Prepared and plain calls on the same inputs: bitwise equal outputs, first call (direct) and
+  // three more (graph capture, then replays), in AUTO, FP32, TF32 and FP16; head_dim 128 (the
+  // SPEC layer) and 256 (Gemma-3 12B's layer, 270M's with one kv head); full causal and sliding
+  // windows; soft-cap on and off; overwrite and accumulate.
+  struct Case {
+    attngrad::LayerConfig config;
+    int batch, seq_len, window;
+    float scaling, softcap;
+    bool accumulate;
+  };
+  const attngrad::LayerConfig hd256_12b{3840, 16, 8, 256}, hd256_270m{640, 4, 1, 256};
+  const Case cases[] = {{kConfig, 1, 1, 0, kScaling, kSoftcap, false},
+                        {kConfig, 1, 128, 0, kScaling, kSoftcap, false},
+                        {kConfig, 2, 130, 64, kScaling, 0.f, false},
+                        {kConfig, 3, 7, 0, kScaling, 0.f, true},
+                        {kConfig, 1, 700, 512, kScaling, kSoftcap, true},
+                        {hd256_12b, 1, 300, 0, 0.0625f, 0.f, false},
+                        {hd256_12b, 2, 70, 64, 0.0625f, kSoftcap, true},
+                        {hd256_270m, 1, 1000, 512, 0.0625f, 0.f, false}};
+  unsigned seed = 501;
+  for (const Case& c : cases) {
+    const HostProblem host(c.batch, c.seq_len, seed++, c.config);
+    DeviceProblem device(host);
+    const attngrad::PreparedWeights prepared = Prepare(device);
+    ASSERT_TRUE(prepared.ready());
+    attngrad::Scalars scalars{c.scaling, c.softcap, kEps};
+    scalars.sliding_window = c.window;
+    HostGradients initial(host.tokens(), host.config);
+    for (auto& tensor : initial.tensors) {
+      for (std::size_t i = 0; i < tensor.size(); ++i) tensor[i] = 0.01f * static_cast<float>(i % 7);
+    }
+    for (int m = 0; m < 4; ++m) {
+      const auto precision = static_cast<attngrad::Precision>(kModes[m]);
+      const std::string what =
+          std::string(kModeNames[m]) + " D=" + std::to_string(c.config.head_dim) +
+          " B=" + std::to_string(c.batch) + " S=" + std::to_string(c.seq_len) +
+          " window=" + std::to_string(c.window) + " softcap=" + std::to_string(c.softcap) +
+          (c.accumulate ? " accumulate" : "");
+      const HostGradients* start = c.accumulate ? &initial : nullptr;
+      const HostGradients plain =
+          RunDevice(device, scalars, precision, c.accumulate, nullptr, start, what + " plain");
+      for (int call = 0; call < 4; ++call) {
+        const HostGradients got = RunDevice(device, scalars, precision, c.accumulate, &prepared,
+                                            start, what + " prepared");
+        ExpectBitwiseEqual(plain, got, what + " prepared call " + std::to_string(call));
+      }
+    }
+  }
+}
+
+TEST_F(GpuBackwardTest, PreparedWeightsCapturedInACallersGraphGiveTheSameBits) {
+  const HostProblem host(1, 200, 3);
+  DeviceProblem device(host);
+  const attngrad::PreparedWeights prepared = Prepare(device);
+  const auto precision = attngrad::Precision::kAuto;
+  const attngrad::Scalars scalars{kScaling, kSoftcap, kEps};
+  const HostGradients plain = RunDevice(device, scalars, precision, false, nullptr, nullptr, "");
+  const std::size_t bytes = attngrad::DeviceWorkspaceSize(prepared, 1, 200, precision);
+  DeviceBuffer<unsigned char> workspace = Workspace(bytes);
+  attngrad::cuda::Stream owned_stream;
+  ASSERT_CUDA(attngrad::cuda::Stream::Create(&owned_stream));
+  const cudaStream_t stream = owned_stream.get();
+  device.SetOutputs(Filled(host.tokens(), NAN));
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const attngrad::Status status =
+      attngrad::BackwardDevice(prepared, 1, 200, scalars, precision, false, device.Inputs(),
+                               device.Outputs(), workspace.get(), bytes, stream);
+  ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(status.ok()) << status.message;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  ExpectBitwiseEqual(plain, device.GetOutputs(), "captured with prepared weights");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST_F(GpuBackwardTest, PreparedWeightsFollowARePrepareAndRefuseOtherWeights) {
+  // New contents in the same fp32 buffers: the prepared copies are what the FP16 calls read, so
+  // they give the old weights' results until Prepare runs again, then the new ones' (bitwise equal
+  // to plain calls), through the same cached graph (the pointers did not change).
+  const HostProblem host(1, 64, 601), other(1, 64, 602);
+  DeviceProblem device(host);
+  attngrad::PreparedWeights prepared = Prepare(device);
+  const void* copies = prepared.half_qkv();
+  const auto precision = attngrad::Precision::kFp16;
+  const attngrad::Scalars scalars{kScaling, kSoftcap, kEps};
+  RunDevice(device, scalars, precision, false, &prepared, nullptr, "");  // direct
+  RunDevice(device, scalars, precision, false, &prepared, nullptr, "");  // captured from here on
+  device.LoadInputs(other);
+  const HostGradients plain_other =
+      RunDevice(device, scalars, precision, false, nullptr, nullptr, "plain, new weights");
+  const HostGradients stale =
+      RunDevice(device, scalars, precision, false, &prepared, nullptr, "not prepared again");
+  EXPECT_NE(std::memcmp(stale.tensors[0].data(), plain_other.tensors[0].data(),
+                        stale.tensors[0].size() * sizeof(float)),
+            0)
+      << "the FP16 call read the fp32 projection weights instead of the prepared copies";
+  PerWeight<const float*> weights = prepared.source();
+  ASSERT_TRUE(prepared.Prepare(host.config, weights, nullptr).ok());
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(prepared.half_qkv(), copies) << "a Prepare of the same configuration reallocated";
+  ExpectBitwiseEqual(
+      plain_other, RunDevice(device, scalars, precision, false, &prepared, nullptr, "re-prepared"),
+      "after a second Prepare");
+
+  // Other fp32 weights than the prepared ones, an empty object, a smaller workspace.
+  const std::size_t bytes = attngrad::DeviceWorkspaceSize(prepared, 1, 64, precision);
+  EXPECT_LT(bytes, attngrad::DeviceWorkspaceSize(kConfig, 1, 64, precision));
+  EXPECT_EQ(attngrad::DeviceWorkspaceSize(prepared, 1, 64, attngrad::Precision::kFp32),
+            attngrad::DeviceWorkspaceSize(kConfig, 1, 64, attngrad::Precision::kFp32));
+  DeviceBuffer<unsigned char> workspace = Workspace(bytes);
+  attngrad::BackwardInputs in = device.Inputs();
+  in.weights[Weight::kKProj] = device.weights[Weight::kVProj].get();
+  attngrad::Status status =
+      attngrad::BackwardDevice(prepared, 1, 64, scalars, precision, false, in, device.Outputs(),
+                               workspace.get(), bytes, nullptr);
+  EXPECT_EQ(status.code, ATTNGRAD_INVALID_ARGUMENT);
+  EXPECT_STREQ(status.message,
+               "in.weights are not the weights the PreparedWeights were prepared from");
+  const attngrad::PreparedWeights moved = std::move(prepared);
+  EXPECT_TRUE(moved.ready());
+  EXPECT_FALSE(prepared.ready());  // NOLINT(bugprone-use-after-move): moved-from is empty
+  status = attngrad::BackwardDevice(prepared, 1, 64, scalars, precision, false, device.Inputs(),
+                                    device.Outputs(), workspace.get(), bytes, nullptr);
+  EXPECT_NE(status.code, ATTNGRAD_OK);
+  status = attngrad::BackwardDevice(moved, 1, 64, scalars, precision, false, device.Inputs(),
+                                    device.Outputs(), workspace.get(), bytes - 1, nullptr);
+  EXPECT_EQ(status.code, ATTNGRAD_WORKSPACE_TOO_SMALL);
+  ASSERT_CUDA(cudaDeviceSynchronize());
 }
 
 }  // namespace

@@ -140,6 +140,26 @@ TEST_F(FiniteCheckTest, AnyNonFiniteValueIsCountedAndNothingIsAdded) {
   }
 }
 
+TEST_F(FiniteCheckTest, MisalignedTensorsAreCheckedElementByElement) {
+  // The kernels read 16 bytes at a time from 16-byte aligned tensors; one starting 4 bytes past
+  // an alignment boundary goes through the element-wise loop, with the same counts.
+  const std::size_t activations = 1024 * 256 * 2 + 7;
+  Fill(activations);
+  grad_hidden[1] = std::numeric_limits<float>::quiet_NaN();
+  grad_hidden[4] = std::numeric_limits<float>::infinity();
+  grad_hidden[activations - 1] = -std::numeric_limits<float>::infinity();
+  Upload();
+  PerWeight<const float*> gradient_pointers;
+  for (Weight weight : kAllWeights) gradient_pointers[weight] = device_gradients[weight].get();
+  ASSERT_TRUE(attngrad::CountNonFiniteDevice(kConfig, device_grad_hidden.get() + 1, activations - 1,
+                                             gradient_pointers, counts.get(), nullptr)
+                  .ok());
+  NonFiniteCounts result{};
+  ASSERT_CUDA(cudaMemcpy(result.data(), counts.get(), counts.bytes(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(result[0], 3u);
+  for (Weight weight : kAllWeights) EXPECT_EQ(result[CountIndexOf(weight)], 0u);
+}
+
 TEST_F(FiniteCheckTest, NonFiniteGradHiddenStatesAloneBlocksTheAdd) {
   Fill(2560);
   grad_hidden[0] = std::numeric_limits<float>::infinity();

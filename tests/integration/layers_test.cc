@@ -3,7 +3,6 @@
 // layer-addressed batches, per-layer accumulation, FetchLayers and a per-layer Zero, an unknown
 // layer refused naming the range, and the CLI's --layer / fetch --layers.
 #include <memory>
-#include <random>
 #include <vector>
 
 #include "attngrad/client.h"
@@ -15,19 +14,12 @@ namespace attngrad {
 namespace {
 
 using ::attngrad::testing::CliBinary;
+using ::attngrad::testing::NormalValues;
 using ::attngrad::testing::RunCommand;
 using ::attngrad::testing::TestServer;
 using ::testing::HasSubstr;
 
 constexpr int kHidden = 640;  // gemma-3-270m
-
-std::vector<float> Normal(std::size_t count, float scale, unsigned seed) {
-  std::mt19937 generator(seed);
-  std::normal_distribution<float> normal(0.f, scale);
-  std::vector<float> values(count);
-  for (float& value : values) value = normal(generator);
-  return values;
-}
 
 TEST(LayersTest, ClientAndCliAddressTheServersLayers) {
   auto server = TestServer::Start({"--model=gemma-3-270m", "--layers=4-5"});
@@ -41,8 +33,8 @@ TEST(LayersTest, ClientAndCliAddressTheServersLayers) {
   EXPECT_EQ(info.layers(1).type(), v1::ATTENTION_TYPE_FULL);
 
   const int seq_len = 5;
-  const std::vector<float> hidden = Normal(seq_len * kHidden, 0.04f, 1);
-  const std::vector<float> grad = Normal(seq_len * kHidden, 1.f, 2);
+  const std::vector<float> hidden = NormalValues(seq_len * kHidden, 0.04f, 1);
+  const std::vector<float> grad = NormalValues(seq_len * kHidden, 1.f, 2);
   BackwardBatch batch;
   batch.batch = 1;
   batch.seq_len = seq_len;

@@ -8,7 +8,6 @@
 // bit) and `attngrad-cli bench --channels --input_dtype`.
 #include <fstream>
 #include <memory>
-#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -28,19 +27,12 @@ namespace attngrad {
 namespace {
 
 using ::attngrad::testing::CliBinary;
+using ::attngrad::testing::NormalValues;
 using ::attngrad::testing::RunCommand;
 using ::attngrad::testing::TestServer;
 using ::testing::HasSubstr;
 
 constexpr int kHidden = 640;  // gemma-3-270m
-
-std::vector<float> Normal(std::size_t count, float scale, unsigned seed) {
-  std::mt19937 generator(seed);
-  std::normal_distribution<float> normal(0.f, scale);
-  std::vector<float> values(count);
-  for (float& value : values) value = normal(generator);
-  return values;
-}
 
 // ESTABLISHED TCP connections whose remote end is port `port` on loopback: the client side of each
 // connection to a server listening there (the server's side has it as its local port).
@@ -85,8 +77,8 @@ class ShardedTest : public ::testing::Test {
   }
 
   BackwardBatch Batch(int layer, int seq_len, v1::GradientMode mode) {
-    hidden_ = Normal(static_cast<std::size_t>(seq_len) * kHidden, 0.04f, ++seed_);
-    grad_ = Normal(static_cast<std::size_t>(seq_len) * kHidden, 1.f, ++seed_);
+    hidden_ = NormalValues(static_cast<std::size_t>(seq_len) * kHidden, 0.04f, ++seed_);
+    grad_ = NormalValues(static_cast<std::size_t>(seq_len) * kHidden, 1.f, ++seed_);
     BackwardBatch batch;
     batch.batch = 1;
     batch.seq_len = seq_len;

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "attngrad/client.h"
+#include "test_certificates.h"
 
 extern char** environ;
 
@@ -249,26 +250,20 @@ absl::Status TestServer::Launch() {
 }
 
 absl::Status MakeTestCertificates(const std::string& directory) {
-  const std::string script = absl::StrCat(
-      "set -e; cd '", directory, "'\n",
-      "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out \"$1\"; }\n",
-      "key ca.key; openssl req -x509 -new -key ca.key -out ca.pem -days 2 -subj "
-      "/CN=attngrad-test-ca\n",
-      "key other-ca.key; openssl req -x509 -new -key other-ca.key -out other-ca.pem -days 2 "
-      "-subj /CN=attngrad-other-ca\n",
-      "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext\n",
-      "key server.key; openssl req -new -key server.key -out server.csr -subj /CN=localhost\n",
-      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem "
-      "-days 2 -extfile server.ext\n",
-      "printf 'extendedKeyUsage=clientAuth\\n' > client.ext\n",
-      "key client.key; openssl req -new -key client.key -out client.csr -subj /CN=trainer\n",
-      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem "
-      "-days 2 -extfile client.ext\n");
+  const std::string script = TestCertificatesScript(directory);
   std::string output;
   if (RunCommand({"/bin/sh", "-c", script}, &output) != 0) {
     return absl::InternalError(absl::StrCat("openssl: ", output));
   }
   return absl::OkStatus();
+}
+
+std::vector<float> NormalValues(std::size_t count, float scale, unsigned seed) {
+  std::mt19937 generator(seed);
+  std::normal_distribution<float> normal(0.f, scale);
+  std::vector<float> values(count);
+  for (float& value : values) value = normal(generator);
+  return values;
 }
 
 }  // namespace attngrad::testing

@@ -57,6 +57,9 @@ int RunCommand(const std::vector<std::string>& argv, std::string* output,
 // A random loopback port in [20000, 60000) that could be bound just now.
 int PickPort();
 
+// `count` draws of N(0, scale²) from a generator seeded with `seed` (the same values every run).
+std::vector<float> NormalValues(std::size_t count, float scale, unsigned seed);
+
 // GET http://127.0.0.1:port<path> (attngrad/wire/http_get.h).
 using ::attngrad::wire::HttpResponse;
 absl::StatusOr<HttpResponse> HttpGet(int port, const std::string& path,
@@ -99,9 +102,8 @@ class TestServer {
   int launches_ = 0;
 };
 
-// Writes, with the openssl CLI, into `directory`: ca.pem/ca.key, server.pem/server.key (for
-// localhost and 127.0.0.1, signed by ca), client.pem/client.key (signed by ca) and
-// other-ca.pem. An error carries openssl's output.
+// Writes, with the openssl CLI, the certificates of tests/common/test_certificates.h into
+// `directory`. An error carries openssl's output.
 absl::Status MakeTestCertificates(const std::string& directory);
 
 // Path of a binary built next to the tests (set by CMake).

@@ -142,31 +142,7 @@ Gradients LayerReference(const LayerWeights& weights, Batch batch, double theta,
                          const Scalars& scalars) {
   RotaryTables(weights.config.head_dim, batch.batch, batch.seq_len, theta, factor, &batch.cos,
                &batch.sin);
-  Gradients result;
-  result.grad_hidden_states.assign(batch.hidden_states.size(), 0.f);
-  result.weights = ZeroWeights<std::vector<float>>(weights.config);
-  BackwardInputs in;
-  in.weights = DataOf(weights.values);
-  in.hidden_states = batch.hidden_states.data();
-  in.grad_output = batch.grad_output.data();
-  in.cos = batch.cos.data();
-  in.sin = batch.sin.data();
-  BackwardOutputs out;
-  out.grad_hidden_states = result.grad_hidden_states.data();
-  out.weight_gradients = DataOf(result.weights);
-  EXPECT_EQ(BackwardHost(weights.config, batch.batch, batch.seq_len, scalars, false, in, out).code,
-            ATTNGRAD_OK);
-  return result;
-}
-
-// The scalars config.json gives `layer` of the tiny model.
-Scalars TinyScalars(int layer) {
-  Scalars scalars;
-  scalars.scaling = static_cast<float>(1.0 / std::sqrt(kQueryPreAttnScalar));
-  scalars.softcap = 0.f;
-  scalars.eps = 1e-6f;
-  scalars.sliding_window = IsSliding(layer) ? kWindow : 0;
-  return scalars;
+  return Reference(weights, batch, scalars);
 }
 
 Gradients TinyReference(const LayerWeights& weights, const Batch& batch, int layer) {

@@ -2,11 +2,15 @@
 // POSIX shared-memory object, batches read hidden_states / grad_output from it and write
 // grad_hidden_states into it, with the bits of the bytes path; every bad reference (unknown region,
 // another client's, out of bounds, misaligned, wrong size) is INVALID_ARGUMENT naming the field and
-// the stream goes on; unregistered regions can no longer be named.
+// the stream goes on; unregistered regions can no longer be named; CUDA IPC regions are refused
+// clearly where they cannot be opened.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <cstring>
 #include <map>
@@ -136,6 +140,45 @@ TEST_F(RegionsTest, ComputesFromAndIntoARegionWithTheBitsOfTheBytesPath) {
   EXPECT_TRUE(Unregister(region).ok());
 }
 
+// RETURN's weight gradients into a region (weight_gradients_region): the six packed in
+// q, k, v, o, q_norm, k_norm order with the bytes path's bits, the message carrying their dtypes
+// and shapes only; with ACCUMULATE the field is INVALID_ARGUMENT naming it.
+TEST_F(RegionsTest, WeightGradientsGoIntoARegionWithTheBitsOfTheBytesPath) {
+  const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 12);
+  v1::BackwardRequest bytes_request = MakeRequest(config(), batch, 3, v1::GRADIENT_MODE_RETURN);
+  const v1::BackwardResponse expected = RunOne(stub(), bytes_request);
+  ASSERT_FALSE(expected.has_error()) << expected.error().message();
+  const std::size_t bytes = ActivationBytes();
+  const std::size_t weight_bytes = PackedWeightLayout(config()).total_elements * sizeof(float);
+  SharedMemory memory(3 * bytes + weight_bytes);
+  std::uint64_t region = 0;
+  ASSERT_TRUE(
+      Register(memory.name(), static_cast<std::int64_t>(3 * bytes + weight_bytes), &region).ok());
+  v1::BackwardRequest request = InRegion(bytes_request, region, memory);
+  *request.mutable_weight_gradients_region() =
+      Slice(region, static_cast<std::int64_t>(3 * bytes), static_cast<std::int64_t>(weight_bytes));
+  const v1::BackwardResponse response = RunOne(stub(), request);
+  ASSERT_FALSE(response.has_error()) << response.error().message();
+  std::string packed;
+  for (const v1::Tensor* tensor :
+       {&expected.weight_gradients().q_proj(), &expected.weight_gradients().k_proj(),
+        &expected.weight_gradients().v_proj(), &expected.weight_gradients().o_proj(),
+        &expected.weight_gradients().q_norm(), &expected.weight_gradients().k_norm()}) {
+    packed += tensor->raw_data();
+  }
+  ASSERT_EQ(packed.size(), weight_bytes);
+  EXPECT_EQ(std::memcmp(memory.data() + 3 * bytes, packed.data(), weight_bytes), 0);
+  EXPECT_TRUE(response.weight_gradients().q_proj().raw_data().empty());
+  EXPECT_EQ(response.weight_gradients().q_proj().shape_size(), 2);
+  EXPECT_EQ(response.weight_gradients().k_norm().dtype(), v1::DTYPE_FLOAT32);
+
+  request.set_mode(v1::GRADIENT_MODE_ACCUMULATE);
+  const v1::BackwardResponse refused = RunOne(stub(), request);
+  EXPECT_EQ(refused.error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error().message().find("weight_gradients_region"), std::string::npos)
+      << refused.error().message();
+}
+
 TEST_F(RegionsTest, A16BitAnswerGoesIntoTheRegionInTheResponseDtype) {
   const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 6);
   v1::BackwardRequest bytes_request = MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_RETURN);
@@ -235,6 +278,92 @@ TEST_F(RegionsTest, EveryBadReferenceIsInvalidArgumentAndTheStreamGoesOn) {
       break;
     }
   }
+}
+
+// CUDA IPC regions (GPU memory) are opened only by a server on that GPU: on the CPU backend any
+// such request is FAILED_PRECONDITION naming cuda_ipc; on a GPU server a device it does not
+// compute on is FAILED_PRECONDITION naming cuda_ipc.device and a handle that does not open is
+// INVALID_ARGUMENT naming cuda_ipc.handle (the real handles are tests/python/test_cuda_ipc.py's,
+// from a second process). The server keeps serving: a region and a batch work afterwards.
+TEST_F(RegionsTest, CudaIpcRegionsAreRefusedClearlyWhereTheyCannotBeOpened) {
+  auto register_ipc = [&](const std::string& handle, int device, const std::string& name = "") {
+    grpc::ClientContext context;
+    v1::RegisterRegionRequest request;
+    request.set_name(name);
+    request.set_byte_size(4096);
+    request.mutable_cuda_ipc()->set_handle(handle);
+    request.mutable_cuda_ipc()->set_device(device);
+    v1::RegisterRegionResponse response;
+    return stub().RegisterRegion(&context, request, &response);
+  };
+  const std::string zero_handle(64, '\0');
+  auto expect = [](const grpc::Status& status, grpc::StatusCode code, const std::string& field) {
+    EXPECT_EQ(status.error_code(), code) << status.error_message();
+    EXPECT_NE(status.error_message().find(field), std::string::npos)
+        << "should name " << field << ": " << status.error_message();
+  };
+  expect(register_ipc(zero_handle, 0, "/attngrad-both"), grpc::StatusCode::INVALID_ARGUMENT,
+         "name");
+  if (!TestOnGpu()) {
+    expect(register_ipc(zero_handle, 0), grpc::StatusCode::FAILED_PRECONDITION, "cuda_ipc");
+  } else {
+    expect(register_ipc(zero_handle, 99), grpc::StatusCode::FAILED_PRECONDITION, "cuda_ipc.device");
+    expect(register_ipc(zero_handle.substr(1), 0), grpc::StatusCode::INVALID_ARGUMENT,
+           "cuda_ipc.handle");
+    expect(register_ipc(zero_handle, 0), grpc::StatusCode::INVALID_ARGUMENT, "cuda_ipc.handle");
+  }
+
+  const std::size_t bytes = ActivationBytes();
+  SharedMemory memory(3 * bytes);
+  std::uint64_t region = 0;
+  ASSERT_TRUE(Register(memory.name(), static_cast<std::int64_t>(3 * bytes), &region).ok());
+  const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 11);
+  grpc::Status status;
+  const std::vector<v1::BackwardResponse> responses = RunStream(
+      stub(), {InRegion(MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_RETURN), region, memory)},
+      &status);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(responses.size(), 1u);
+  EXPECT_FALSE(responses[0].has_error()) << responses[0].error().message();
+}
+
+// A region registered with owner_pid goes away once that process has exited (the next
+// RegisterRegion / UnregisterRegion / stream end notices); an owner_pid that is no process is
+// INVALID_ARGUMENT naming owner_pid.
+TEST_F(RegionsTest, ARegionGoesAwayWithItsOwnerProcess) {
+  auto register_owned = [&](const std::string& name, std::int64_t owner, std::uint64_t* id) {
+    grpc::ClientContext context;
+    v1::RegisterRegionRequest request;
+    request.set_name(name);
+    request.set_byte_size(4096);
+    request.set_owner_pid(owner);
+    v1::RegisterRegionResponse response;
+    const grpc::Status status = stub().RegisterRegion(&context, request, &response);
+    *id = response.region_id();
+    return status;
+  };
+  SharedMemory memory(4096);
+  std::uint64_t id = 0;
+  const grpc::Status no_process = register_owned(memory.name(), 0x7ffffff0, &id);
+  EXPECT_EQ(no_process.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(no_process.error_message().find("owner_pid"), std::string::npos);
+
+  const pid_t owner = fork();
+  ASSERT_GE(owner, 0);
+  if (owner == 0) {  // the owner: waits to be killed
+    pause();
+    _exit(0);
+  }
+  std::uint64_t owned = 0, mine = 0;
+  ASSERT_TRUE(register_owned(memory.name(), owner, &owned).ok());
+  ASSERT_TRUE(register_owned(memory.name(), getpid(), &mine).ok());
+  kill(owner, SIGKILL);
+  waitpid(owner, nullptr, 0);
+  std::uint64_t other = 0;
+  ASSERT_TRUE(Register(memory.name(), 4096, &other).ok());  // notices the exit
+  EXPECT_EQ(Unregister(owned).error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // gone
+  EXPECT_TRUE(Unregister(mine).ok());  // its owner (this process) lives
+  EXPECT_TRUE(Unregister(other).ok());
 }
 
 TEST_F(RegionsTest, RegisterAndUnregisterCheckTheirArguments) {

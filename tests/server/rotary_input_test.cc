@@ -80,6 +80,25 @@ TEST(RotaryInputTest, AcceptedPositionsMakeFiniteTables) {
   }
 }
 
+// Positions shared by every sequence ([S]) give each sequence the tables of the same positions
+// given per sequence ([B,S]), bit for bit (the shared tables are computed once and copied).
+TEST(RotaryInputTest, SharedPositionsGiveEverySequenceTheSameTables) {
+  constexpr int kBatch = 3, kSeqLen = 5, kHeadDim = 8;
+  const std::vector<std::int64_t> shared = {0, 7, 3, 100000, -2};
+  std::vector<std::int64_t> per_sequence;
+  for (int b = 0; b < kBatch; ++b)
+    per_sequence.insert(per_sequence.end(), shared.begin(), shared.end());
+  const std::size_t size = kBatch * kSeqLen * kHeadDim;
+  std::vector<float> cos_shared(size), sin_shared(size), cos_each(size), sin_each(size);
+  BuildRotaryTables(shared, kBatch, kSeqLen, kHeadDim, 10000.0, absl::MakeSpan(cos_shared),
+                    absl::MakeSpan(sin_shared));
+  BuildRotaryTables(per_sequence, kBatch, kSeqLen, kHeadDim, 10000.0, absl::MakeSpan(cos_each),
+                    absl::MakeSpan(sin_each));
+  EXPECT_EQ(cos_shared, cos_each);
+  EXPECT_EQ(sin_shared, sin_each);
+  EXPECT_NE(cos_shared[kSeqLen * kHeadDim + kHeadDim], 1.0f);  // sequence 1, position 7: filled
+}
+
 TEST(RotaryInputTest, CheckRotaryInputs) {
   const std::int64_t lowest = std::numeric_limits<std::int64_t>::min();
   const std::int64_t highest = std::numeric_limits<std::int64_t>::max();

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/http_get.h"
+#include "attngrad/wire/layer.h"
 #include "attngrad/wire/tensor.h"
 
 namespace attngrad::server::testing {
@@ -71,6 +72,12 @@ v1::BackwardRequest MakeRequest(const LayerConfig& config, const Batch& batch,
 }
 
 Gradients Reference(const LayerWeights& weights, const Batch& batch) {
+  Scalars scalars;  // the server's defaults: scaling 1/sqrt(head_dim), softcap 50, eps 1e-6
+  scalars.scaling = 1.0f / std::sqrt(static_cast<float>(weights.config.head_dim));
+  return Reference(weights, batch, scalars);
+}
+
+Gradients Reference(const LayerWeights& weights, const Batch& batch, const Scalars& scalars) {
   Gradients result;
   result.grad_hidden_states.assign(batch.hidden_states.size(), 0.f);
   result.weights = ZeroWeights<std::vector<float>>(weights.config);
@@ -83,8 +90,6 @@ Gradients Reference(const LayerWeights& weights, const Batch& batch) {
   BackwardOutputs out;
   out.grad_hidden_states = result.grad_hidden_states.data();
   out.weight_gradients = DataOf(result.weights);
-  Scalars scalars;  // the server's defaults: scaling 1/sqrt(head_dim), softcap 50, eps 1e-6
-  scalars.scaling = 1.0f / std::sqrt(static_cast<float>(weights.config.head_dim));
   EXPECT_EQ(BackwardHost(weights.config, batch.batch, batch.seq_len, scalars, false, in, out).code,
             ATTNGRAD_OK);
   return result;
@@ -194,6 +199,36 @@ Fetched Fetch(v1::AttentionGradient::Stub& stub, const v1::FetchGradientsRequest
   }
   fetched.status = reader->Finish();
   return fetched;
+}
+
+grpc::Status Upload(v1::AttentionGradient::Stub& stub, const LayerWeights& weights,
+                    std::uint64_t expected_version, v1::LoadWeightsResponse* response,
+                    std::size_t chunk_elements, std::optional<Weight> skip_weight,
+                    std::vector<std::int64_t> shape_override) {
+  grpc::ClientContext context;
+  auto writer = stub.LoadWeights(&context, response);
+  for (Weight i : kAllWeights) {
+    if (skip_weight == i) continue;
+    const std::vector<float>& values = weights.values[i];
+    for (std::size_t offset = 0; offset < values.size(); offset += chunk_elements) {
+      v1::LoadWeightsRequest chunk;
+      chunk.set_name(wire::WireWeightName(i));
+      chunk.set_offset(static_cast<std::int64_t>(offset));
+      chunk.set_expected_weights_version(expected_version);
+      if (offset == 0) {
+        chunk.set_dtype(v1::DTYPE_FLOAT32);
+        const std::vector<std::int64_t> shape =
+            shape_override.empty() ? WeightShape(weights.config, i) : shape_override;
+        for (std::int64_t dim : shape) chunk.add_shape(dim);
+      }
+      const std::size_t count = std::min(chunk_elements, values.size() - offset);
+      wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset, count), v1::DTYPE_FLOAT32,
+                            chunk.mutable_data());
+      if (!writer->Write(chunk)) return writer->Finish();
+    }
+  }
+  writer->WritesDone();
+  return writer->Finish();
 }
 
 std::string TestDevices() {

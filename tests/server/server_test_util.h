@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,8 @@ struct Gradients {
 };
 // BackwardHost on the batch (accumulate=false).
 Gradients Reference(const LayerWeights& weights, const Batch& batch);
+// The same with the given scalars (window, soft-cap, scaling) in place of the server's defaults.
+Gradients Reference(const LayerWeights& weights, const Batch& batch, const Scalars& scalars);
 // The six weight gradients of a RETURN response, in LayerTensors order.
 LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response);
 
@@ -53,6 +56,14 @@ LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response);
 // The body of an HTTP/1.0 GET of `path` on a loopback port (attngrad/wire/http_get.h); empty, with
 // a test failure, when the GET fails.
 std::string HttpGet(int port, const std::string& path);
+
+// LoadWeights: streams `weights` (fp32) in chunks of at most chunk_elements; skip_weight leaves one
+// out and shape_override replaces every declared shape (the refusal tests).
+grpc::Status Upload(v1::AttentionGradient::Stub& stub, const LayerWeights& weights,
+                    std::uint64_t expected_version, v1::LoadWeightsResponse* response,
+                    std::size_t chunk_elements = 1 << 18,
+                    std::optional<Weight> skip_weight = std::nullopt,
+                    std::vector<std::int64_t> shape_override = {});
 
 // ATTNGRAD_TEST_DEVICES (environment): --devices for the fixture's server ("cpu" when unset), so
 // the same tests can drive the GPU workers on a GPU machine. On a GPU, tolerances widen to 1e-3

@@ -14,38 +14,6 @@
 namespace attngrad::server::testing {
 namespace {
 
-// Streams `weights` in chunks of at most chunk_elements, in `dtype`.
-grpc::Status Upload(v1::AttentionGradient::Stub& stub, const LayerWeights& weights,
-                    std::uint64_t expected_version, v1::LoadWeightsResponse* response,
-                    std::size_t chunk_elements = 1 << 18,
-                    std::optional<Weight> skip_weight = std::nullopt,
-                    std::vector<std::int64_t> shape_override = {}) {
-  grpc::ClientContext context;
-  auto writer = stub.LoadWeights(&context, response);
-  for (Weight i : kAllWeights) {
-    if (skip_weight == i) continue;
-    const std::vector<float>& values = weights.values[i];
-    for (std::size_t offset = 0; offset < values.size(); offset += chunk_elements) {
-      v1::LoadWeightsRequest chunk;
-      chunk.set_name(wire::WireWeightName(i));
-      chunk.set_offset(static_cast<std::int64_t>(offset));
-      chunk.set_expected_weights_version(expected_version);
-      if (offset == 0) {
-        chunk.set_dtype(v1::DTYPE_FLOAT32);
-        const std::vector<std::int64_t> shape =
-            shape_override.empty() ? WeightShape(weights.config, i) : shape_override;
-        for (std::int64_t dim : shape) chunk.add_shape(dim);
-      }
-      const std::size_t count = std::min(chunk_elements, values.size() - offset);
-      wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset, count), v1::DTYPE_FLOAT32,
-                            chunk.mutable_data());
-      if (!writer->Write(chunk)) return writer->Finish();
-    }
-  }
-  writer->WritesDone();
-  return writer->Finish();
-}
-
 class ServerLoadWeightsTest : public ServerTest {};
 
 TEST_F(ServerLoadWeightsTest, UploadBumpsTheVersionAndIsUsed) {

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import os
 import queue
 import random
 import threading
@@ -30,7 +31,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import grpc
 import numpy as np
 
-from . import _proto, errors, tensors
+from . import _proto, cuda_regions, errors, tensors
 
 tensor_pb2, pb, pb_grpc = _proto.load()
 
@@ -273,7 +274,8 @@ class _Batch:
         self.parts = list(zip(ids, bounds))
         self.tokens = batch * seq_len
         self._responses: Dict[int, Any] = {}
-        self.region: Optional["_RegionLayout"] = None  # zero_copy: where each part's bytes are
+        # zero_copy: where each part's bytes are (_RegionLayout, or _CudaLayout for CUDA IPC).
+        self.region: Optional[Any] = None
 
     def request(self, part_index: int) -> "_WireRequest":
         part_id, (b0, b1) = self.parts[part_index]
@@ -292,6 +294,9 @@ class _Batch:
             message.hidden_states_region.CopyFrom(hidden_slice)
             message.grad_output_region.CopyFrom(grad_slice)
             message.grad_hidden_states_region.CopyFrom(answer_slice)
+            weights_slice = self.region.weights_slice(part_index) if self.region.on_device else None
+            if weights_slice is not None:
+                message.weight_gradients_region.CopyFrom(weights_slice)
         else:
             wire.add(message.hidden_states, (5,), self.hidden_states[b0:b1], self.input_dtype)
             wire.add(message.grad_output, (6,), self.grad_output[b0:b1], self.input_dtype)
@@ -323,20 +328,26 @@ class _Batch:
 
     def result(self) -> BackwardResult:
         responses = [self._responses[part_id] for part_id, _ in self.parts]
-        grads = [_decode(r.grad_hidden_states, "grad_hidden_states",
-                         self.region.answer(index) if self.region is not None
-                         else _raw_of(r, "grad_hidden_states"))
-                 for index, r in enumerate(responses)]
-        for (part_id, (b0, b1)), grad in zip(self.parts, grads):
-            expected = (b1 - b0,) + self.shape[1:]
-            if grad.shape != expected:
-                raise errors.AttngradError(
-                    grpc.StatusCode.INTERNAL,
-                    f"grad_hidden_states has shape {list(grad.shape)}, expected {list(expected)}",
-                    batch_id=part_id, method="Backward")
-        grad_hidden = grads[0] if len(grads) == 1 else np.concatenate(grads, axis=0)
+        if self.region is not None and self.region.on_device:
+            # CUDA IPC: the server wrote grad_hidden_states into the client's tensor.
+            grad_hidden = self.region.grad_hidden_states
+        else:
+            grads = [_decode(r.grad_hidden_states, "grad_hidden_states",
+                             self.region.answer(index) if self.region is not None
+                             else _raw_of(r, "grad_hidden_states"))
+                     for index, r in enumerate(responses)]
+            for (part_id, (b0, b1)), grad in zip(self.parts, grads):
+                expected = (b1 - b0,) + self.shape[1:]
+                if grad.shape != expected:
+                    raise errors.AttngradError(
+                        grpc.StatusCode.INTERNAL,
+                        f"grad_hidden_states has shape {list(grad.shape)}, expected {list(expected)}",
+                        batch_id=part_id, method="Backward")
+            grad_hidden = grads[0] if len(grads) == 1 else np.concatenate(grads, axis=0)
         weight_gradients = None
-        if self.mode != pb.GRADIENT_MODE_ACCUMULATE:
+        if self.region is not None and self.region.on_device:
+            weight_gradients = self.region.weight_gradients()  # CUDA IPC RETURN: summed on the GPU
+        elif self.mode != pb.GRADIENT_MODE_ACCUMULATE:
             weight_gradients = {}
             for name in WEIGHT_NAMES:
                 parts = [_decode(getattr(r.weight_gradients, name), f"weight_gradients.{name}",
@@ -450,12 +461,68 @@ class _SharedRegion:
         self.memory.unlink()
 
 
+class _CudaIpcRefused(Exception):
+    """RegisterRegion refused this process's GPU memory: the server cannot open it (another host,
+    or a server on the CPU)."""
+
+
+class _CudaLayout:
+    """Where each part of a zero_copy batch of CUDA tensors lies (CUDA IPC regions,
+    cuda_regions.py): the caller's hidden_states and grad_output, and the answer tensor the server
+    writes grad_hidden_states into, each registered through its storage."""
+
+    on_device = True
+
+    def __init__(self, batch: "_Batch", cache, hidden, grad, answer, weights=None, shapes=None):
+        self.batch = batch
+        self.grad_hidden_states = answer
+        self._tensors = [(cache.slice_of(tensor), tensor[0].numel() * tensor.element_size())
+                         for tensor in (hidden, grad, answer)]
+        # RETURN: each part's six weight gradients, packed in WEIGHT_NAMES order (a row of
+        # `weights` per part; SHAPES: the six shapes).
+        self._weights, self._shapes = weights, shapes
+        self._weights_slice = cache.slice_of(weights) if weights is not None else None
+
+    def slices(self, part_index: int):
+        _, (b0, b1) = self.batch.parts[part_index]
+        return tuple(pb.RegionSlice(region_id=region, offset=offset + b0 * per_sequence,
+                                    byte_size=(b1 - b0) * per_sequence)
+                     for (region, offset, _), per_sequence in self._tensors)
+
+    def weights_slice(self, part_index: int):
+        if self._weights_slice is None:
+            return None
+        region, offset, _ = self._weights_slice
+        row = self._weights[0].numel() * self._weights.element_size()
+        return pb.RegionSlice(region_id=region, offset=offset + part_index * row, byte_size=row)
+
+    def weight_gradients(self):
+        """The six weight gradients summed over the parts (in part order, in the dtype the bytes
+        path decodes to: bfloat16 widened to float32), or None."""
+        if self._weights is None:
+            return None
+        import torch
+
+        totals = {}
+        for row in self._weights:
+            if row.dtype == torch.bfloat16:
+                row = row.float()
+            start = 0
+            for name, shape in zip(WEIGHT_NAMES, self._shapes):
+                count = int(np.prod(shape))
+                value = row[start:start + count].view(shape)
+                totals[name] = value if name not in totals else totals[name] + value
+                start += count
+        return totals
+
+
 class _RegionLayout:
     """Where each part of a zero_copy batch lies in its region: [hidden | grad_output | answer] per
     part, each aligned to 64 bytes. write_inputs() copies the caller's arrays in (the one copy the
     host path makes); answer() copies a part's grad_hidden_states out."""
 
     _ALIGN = 64
+    on_device = False
 
     def __init__(self, batch: "_Batch"):
         self.batch = batch
@@ -634,6 +701,9 @@ def _torch_from_numpy(array: np.ndarray, device, dtype):
 
 
 def _to_torch_like(result: BackwardResult, like) -> None:
+    if tensors.is_torch_tensor(result.grad_hidden_states):  # CUDA IPC: already the caller's kind
+        result.grad_hidden_states = result.grad_hidden_states.to(like.dtype)
+        return
     result.grad_hidden_states = _torch_from_numpy(result.grad_hidden_states, like.device, like.dtype)
     if result.weight_gradients is not None:
         result.weight_gradients = {name: _torch_from_numpy(value, like.device, None)
@@ -766,6 +836,15 @@ def _weight_gradient_bytes(hidden_size: int, info: "ModelInfo", dtype_name: str)
     kv_out = info.num_kv_heads * info.head_dim
     elements = 2 * q_out * hidden_size + 2 * kv_out * hidden_size + 2 * info.head_dim
     return elements * tensors.itemsize(dtype_name)
+
+
+def _weight_shapes(info: "ModelInfo") -> List[Tuple[int, ...]]:
+    """The six weights' shapes in WEIGHT_NAMES order."""
+    q_out = info.num_heads * info.head_dim
+    kv_out = info.num_kv_heads * info.head_dim
+    hidden = info.hidden_size
+    return [(q_out, hidden), (kv_out, hidden), (kv_out, hidden), (hidden, q_out),
+            (info.head_dim,), (info.head_dim,)]
 
 
 def sequences_per_part(limits: "ModelInfo", batch: int, seq_len: int, request_per_sequence: int,
@@ -914,6 +993,9 @@ class Client:
         self._limits: Optional[ModelInfo] = None
         self._regions_lock = threading.Lock()
         self._free_regions: List[_SharedRegion] = []  # zero_copy regions not in use
+        self._cuda_regions: Optional[cuda_regions.CudaRegionCache] = None  # zero_copy, CUDA
+        # Why the server cannot open CUDA IPC regions (it is elsewhere or on the CPU), once seen.
+        self._cuda_ipc_refused: Optional[str] = None
         self._batch_ids = itertools.count(random.SystemRandom().getrandbits(62) + 1)
 
     @property
@@ -953,8 +1035,14 @@ class Client:
     def close(self) -> None:
         with self._regions_lock:
             regions, self._free_regions = self._free_regions, []
+            cuda_cache, self._cuda_regions = self._cuda_regions, None
         for shared in regions:
             shared.destroy(self)
+        if cuda_cache is not None:
+            try:
+                cuda_cache.close()
+            except errors.AttngradError:
+                pass  # the server is gone or restarted: nothing of it is open there any more
         for raw in self._raw_channels:
             if raw is not None:
                 raw.close()
@@ -1042,10 +1130,27 @@ class Client:
             client registers with the server (register_region; kept for later calls, removed by
             close()), the request names them there and the server writes grad_hidden_states back
             into it, so no activation bytes cross the connection. NumPy arrays and CPU torch
-            tensors; the results equal the bytes path's bit for bit.
+            tensors; the results equal the bytes path's bit for bit. CUDA torch tensors (a server
+            on their GPU): their own memory is registered over CUDA IPC (register_cuda_region,
+            remembered per storage, unregistered by close()) and the server computes straight
+            from it and writes grad_hidden_states into a new CUDA tensor, with no copy at all
+            (inputs in float32, float16 or bfloat16: their dtype unless input_dtype says
+            otherwise, then converted on the GPU). The client synchronises the tensors' current
+            stream before sending; do not change the inputs until backward() has returned.
         """
         timeout = kwargs.pop("timeout", None)
         zero_copy = bool(kwargs.pop("zero_copy", False))
+        if zero_copy and cuda_regions.is_cuda_tensor(hidden_states):
+            if self._cuda_ipc_refused is None:
+                try:
+                    return self._backward_on_gpu(hidden_states, grad_output, cos, sin, timeout,
+                                                 dict(kwargs))
+                except _CudaIpcRefused as refused:
+                    self._cuda_ipc_refused = str(refused)
+                    warnings.warn(f"zero_copy: the server cannot open this process's GPU memory "
+                                  f"({refused}); CUDA tensors go as bytes from now on",
+                                  RuntimeWarning, stacklevel=2)
+            zero_copy = False  # the bytes path (a server elsewhere, or on the CPU)
         batch = self._prepare(hidden_states, grad_output, cos, sin, **kwargs)
         if not zero_copy:
             return list(self._run([batch], timeout=timeout))[0]
@@ -1057,6 +1162,68 @@ class Client:
             return list(self._run([batch], timeout=timeout))[0]
         finally:
             self._give_back_region(shared)
+
+    def _backward_on_gpu(self, hidden_states, grad_output, cos, sin, timeout, kwargs):
+        """backward(zero_copy=True) of CUDA tensors: CUDA IPC regions (cuda_regions.py)."""
+        import torch
+
+        if not cuda_regions.is_cuda_tensor(grad_output) or grad_output.device != hidden_states.device:
+            raise ValueError("zero_copy with CUDA tensors: grad_output must be on hidden_states' "
+                             f"device {hidden_states.device}, got {grad_output.device}")
+        input_dtype = kwargs.pop("input_dtype", None)
+        if input_dtype is None:
+            input_dtype = cuda_regions.torch_wire_dtype(hidden_states) or "float32"
+        inputs = tensors.wire_dtype_name(input_dtype)
+        answer_dtype = tensors.wire_dtype_name(kwargs.pop("response_dtype", "float32"))
+        # Converted (and made contiguous) on the GPU when they are not already.
+        hidden = hidden_states.to(cuda_regions.torch_dtype(inputs)).contiguous()
+        grad = grad_output.to(cuda_regions.torch_dtype(inputs)).contiguous()
+        answer = torch.empty(tuple(hidden.shape), dtype=cuda_regions.torch_dtype(answer_dtype),
+                             device=hidden.device)
+        batch = self._prepare(hidden, grad, cos, sin, input_dtype=inputs,
+                              response_dtype=answer_dtype, keep_on_device=True, **kwargs)
+        batch.like = hidden_states
+        weights = shapes = None
+        if batch.mode != pb.GRADIENT_MODE_ACCUMULATE:
+            # The weight gradients go into this process's GPU memory too: one row per part.
+            shapes = _weight_shapes(self._limits or self.info())
+            weights = torch.empty((len(batch.parts), sum(int(np.prod(s)) for s in shapes)),
+                                  dtype=cuda_regions.torch_dtype(answer_dtype), device=hidden.device)
+        try:
+            batch.region = _CudaLayout(batch, self._cuda_region_cache(), hidden, grad, answer,
+                                       weights, shapes)
+        except (errors.FailedPreconditionError, errors.InvalidArgumentError) as error:
+            if error.method != "RegisterRegion":
+                raise
+            raise _CudaIpcRefused(str(error)) from None
+        # The server reads the inputs as soon as the request arrives: their writes must be done.
+        torch.cuda.current_stream(hidden.device).synchronize()
+        return list(self._run([batch], timeout=timeout))[0]
+
+    def _cuda_region_cache(self) -> cuda_regions.CudaRegionCache:
+        with self._regions_lock:
+            if self._cuda_regions is None:
+                self._cuda_regions = cuda_regions.CudaRegionCache(
+                    lambda handle, device, offset, size: self.register_cuda_region(
+                        handle, device, size, offset=offset),
+                    self.unregister_region)
+            return self._cuda_regions
+
+    def register_cuda_region(self, handle: bytes, device: int, size: int, *, offset: int = 0,
+                             owner_pid: Optional[int] = None,
+                             timeout: Optional[float] = None) -> int:
+        """Opens GPU memory of this process in the server (same host, a server computing on that
+        GPU): HANDLE, the 64 bytes of a cudaIpcMemHandle_t of an allocation on CUDA device DEVICE
+        (as the server numbers its GPUs), and the region's SIZE bytes from OFFSET in it; returns the
+        region id (unregister_region closes it; so does the server once OWNER_PID, this process
+        unless given, 0 for none, has exited)."""
+        request = pb.RegisterRegionRequest(
+            byte_size=int(size), owner_pid=os.getpid() if owner_pid is None else int(owner_pid))
+        request.cuda_ipc.handle = bytes(handle)
+        request.cuda_ipc.device = int(device)
+        request.cuda_ipc.offset = int(offset)
+        response = self._unary("RegisterRegion", self._stub.RegisterRegion, request, timeout)
+        return response.region_id
 
     # -- shared-memory regions (same host) -------------------------------------------------------
 
@@ -1111,10 +1278,14 @@ class Client:
                  eps: Optional[float] = None, expected_weights_version: int = 0,
                  accumulation_window_id: int = 0, batch_id: Optional[int] = None,
                  wire_dtype="float32", response_dtype="float32", layer: Optional[int] = None,
-                 sliding_window: Optional[int] = None, input_dtype=None) -> _Batch:
+                 sliding_window: Optional[int] = None, input_dtype=None,
+                 keep_on_device: bool = False) -> _Batch:
         like = hidden_states if tensors.is_torch_tensor(hidden_states) else None
-        hidden = tensors.to_numpy(hidden_states)
-        grad = tensors.to_numpy(grad_output)
+        if keep_on_device:  # CUDA IPC: the tensors stay where they are (_CudaLayout)
+            hidden, grad = hidden_states, grad_output
+        else:
+            hidden = tensors.to_numpy(hidden_states)
+            grad = tensors.to_numpy(grad_output)
         if hidden.ndim != 3:
             raise ValueError(f"hidden_states must be [B,S,hidden_size], got shape {list(hidden.shape)}")
         if grad.shape != hidden.shape:

@@ -122,8 +122,10 @@ class _Binding:
 
     def __init__(self, client, *, config, mode: str, precision: str, scaling: float, softcap: float,
                  eps: float, wire_dtype: str, layer: Optional[int] = None,
-                 sliding_window: Optional[int] = None, input_dtype: Optional[str] = None):
+                 sliding_window: Optional[int] = None, input_dtype: Optional[str] = None,
+                 zero_copy: bool = False):
         self.client = client
+        self.zero_copy = zero_copy  # same host: CUDA IPC / shared memory (Client.backward)
         self.config = config
         self.mode = mode
         self.precision = precision
@@ -155,6 +157,8 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
         extra["sliding_window"] = binding.sliding_window
     if binding.input_dtype is not None:
         extra["input_dtype"] = binding.input_dtype
+    if binding.zero_copy:
+        extra["zero_copy"] = True
     result = binding.client.backward(
         hidden_states, grad_output, cos, sin, mode=binding.mode, precision=binding.precision,
         scaling=binding.scaling, softcap=binding.softcap, eps=binding.eps,
@@ -235,13 +239,15 @@ class RemoteGemma3Attention(nn.Module):
         the traffic when the server lists it).
       init: "random" draws the weights as in SPEC section 3 (projections randn·sqrt(2/hidden),
         norms randn·0.02); "server" leaves them zero for load_state_dict.
+      zero_copy: a server on this host: CUDA activations go over CUDA IPC (the server computes
+        straight from the trainer's GPU memory), CPU ones through shared memory (Client.backward).
     forward(hidden_states [B,S,hidden], cos [B,S,D] or [S,D], sin) -> [B,S,hidden].
     """
 
     def __init__(self, client, *, mode: str = "return", precision: str = "auto",
                  scaling: Optional[float] = None, softcap: Optional[float] = None,
                  eps: Optional[float] = None, wire_dtype: str = "float32", init: str = "random",
-                 device=None, dtype=torch.float32):
+                 device=None, dtype=torch.float32, zero_copy: bool = False):
         super().__init__()
         if mode not in ("return", "accumulate"):
             raise ValueError(f"mode must be 'return' or 'accumulate', got {mode!r}")
@@ -264,7 +270,8 @@ class RemoteGemma3Attention(nn.Module):
             client, config=info, mode=mode, precision=precision,
             scaling=info.default_scaling if scaling is None else scaling,
             softcap=info.default_softcap if softcap is None else softcap,
-            eps=info.default_eps if eps is None else eps, wire_dtype=wire_dtype)
+            eps=info.default_eps if eps is None else eps, wire_dtype=wire_dtype,
+            zero_copy=zero_copy)
         self._uploaded: Optional[Tuple] = None
         self.weights_version: Optional[int] = None
         if mode == "accumulate":

@@ -12,7 +12,9 @@
 //   rope_rmsnorm_bwd     dq, dk (+ dv) as one operand, norm-weight gradients (steps 7-8)
 //   grad_x GEMM          dX = [dq dk dv] [Wq;Wk;Wv]                  (step 9)
 //   grad_w_qkv GEMMs     dWq, dWk, dWv (+)= [dq dk dv]^T X            (step 9)
-// and the attngrad::BackwardDevice / DeviceWorkspaceSize / DeviceCount entry points of backward.h.
+// and the attngrad::BackwardDevice / DeviceWorkspaceSize / DeviceCount entry points of backward.h,
+// with the overloads of prepared_weights.h: there the FP16 mode reads the projection weights' fp16
+// copies a PreparedWeights holds and converts only X and dY (the same values, so the same bits).
 //
 // Two streams forked from and joined back to the caller's stream with events: the critical path
 // on a lane of the greatest priority, the independent work beside it on a side stream of the
@@ -36,6 +38,7 @@
 #include <cstring>
 
 #include "attngrad/backward.h"
+#include "attngrad/prepared_weights.h"
 #include "cuda/attention.h"
 #include "cuda/pipeline.h"
 #include "cuda/projection_gemm.h"
@@ -97,7 +100,9 @@ struct WorkspaceLayout {
   std::size_t attention_workspace_bytes = 0;
   std::size_t total = 0;  // including the slack to align the start
 
-  WorkspaceLayout(const LayerConfig& config, int batch, int seq_len, const ModeChoice& mode) {
+  // weights_prepared: the fp16 weights come from a PreparedWeights (no room for them here).
+  WorkspaceLayout(const LayerConfig& config, int batch, int seq_len, const ModeChoice& mode,
+                  bool weights_prepared) {
     const std::size_t tokens = static_cast<std::size_t>(batch) * seq_len;
     const std::size_t hidden = config.hidden_size;
     const std::size_t q_width = config.q_out();
@@ -113,8 +118,10 @@ struct WorkspaceLayout {
     if (mode.half()) {
       x_half = carve(tokens * hidden * sizeof(__half));
       grad_y_half = carve(tokens * hidden * sizeof(__half));
-      w_qkv_half = carve(qkv_width * hidden * sizeof(__half));
-      w_o_half = carve(hidden * q_width * sizeof(__half));
+      if (!weights_prepared) {
+        w_qkv_half = carve(qkv_width * hidden * sizeof(__half));
+        w_o_half = carve(hidden * q_width * sizeof(__half));
+      }
       attention_out_half = carve(tokens * q_width * sizeof(__half));
       gradient_scale = carve(sizeof(GradientScale));
     }
@@ -155,7 +162,7 @@ struct PipelinePlan {
   WorkspaceLayout layout;
 
   PipelinePlan(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
-               const ModeChoice& choice)
+               const ModeChoice& choice, bool weights_prepared)
       : mode(choice),
         tokens(batch * seq_len),
         hidden(config.hidden_size),
@@ -166,7 +173,7 @@ struct PipelinePlan {
         qkv_first_row{0, q_width, q_width + kv_width},
         operand_bytes(choice.half() ? sizeof(__half) : sizeof(float)),
         attention(ProblemOf(config, batch, seq_len, scalars, choice)),
-        layout(config, batch, seq_len, choice) {
+        layout(config, batch, seq_len, choice, weights_prepared) {
     heads.tokens = tokens;
     heads.num_heads = config.num_heads;
     heads.num_kv_heads = config.num_kv_heads;
@@ -181,8 +188,8 @@ struct PipelineBuffers {
   // FP16 mode only (null otherwise).
   __half* x_half = nullptr;
   __half* grad_y_half = nullptr;
-  __half* w_qkv_half = nullptr;  // [Wq; Wk; Wv], contiguous
-  __half* w_o_half = nullptr;
+  __half* w_qkv_half = nullptr;  // [Wq; Wk; Wv], contiguous (null: prepared, not converted here)
+  __half* w_o_half = nullptr;    // (null: prepared)
   GradientScale* gradient_scale = nullptr;  // dY's power of two; the output GEMMs' alpha and beta
   // The projection GEMMs' operands.
   const void* x = nullptr;
@@ -210,7 +217,9 @@ struct PipelineBuffers {
   void* gemm_workspace = nullptr;       // cuBLASLt's, for the lane's GEMMs
   void* side_gemm_workspace = nullptr;  // and for the side stream's
 
-  PipelineBuffers(const PipelinePlan& plan, const BackwardInputs& in, void* workspace) {
+  // `prepared`: the fp16 weights to read in FP16 mode (null: converted into the workspace).
+  PipelineBuffers(const PipelinePlan& plan, const BackwardInputs& in, void* workspace,
+                  const PreparedWeights* prepared) {
     auto* base =
         reinterpret_cast<unsigned char*>(RoundUp(reinterpret_cast<std::uintptr_t>(workspace)));
     auto at = [base](std::size_t offset) { return static_cast<void*>(base + offset); };
@@ -222,14 +231,21 @@ struct PipelineBuffers {
     if (plan.mode.half()) {
       x_half = static_cast<__half*>(at(layout.x_half));
       grad_y_half = static_cast<__half*>(at(layout.grad_y_half));
-      w_qkv_half = static_cast<__half*>(at(layout.w_qkv_half));
-      w_o_half = static_cast<__half*>(at(layout.w_o_half));
       gradient_scale = static_cast<GradientScale*>(at(layout.gradient_scale));
       x = x_half;
       grad_y = grad_y_half;
-      w_o = w_o_half;
+      const __half* qkv_weights = nullptr;
+      if (prepared != nullptr) {
+        qkv_weights = static_cast<const __half*>(prepared->half_qkv());
+        w_o = prepared->half_o();
+      } else {
+        w_qkv_half = static_cast<__half*>(at(layout.w_qkv_half));
+        w_o_half = static_cast<__half*>(at(layout.w_o_half));
+        qkv_weights = w_qkv_half;
+        w_o = w_o_half;
+      }
       for (int i = 0; i < 3; ++i) {
-        w_qkv[i] = w_qkv_half + static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden;
+        w_qkv[i] = qkv_weights + static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden;
       }
       attention_out_half = at(layout.attention_out_half);
     } else {
@@ -330,29 +346,33 @@ struct PipelineCall {
 // FP16 mode: X, dY (with its power of two s), Wq|Wk|Wv and Wo -> fp16 operands. The side stream
 // converts dY and Wo for its grad_attn GEMM while the lane converts X and Wq|Wk|Wv for the qkv
 // GEMM. (Converting X and Wq|Wk|Wv first, alone, measured slower at small T on the H200:
-// bench/RESULTS.md run 7.)
+// bench/RESULTS.md run 7.) With prepared weights only X and dY (the weights' segments are left
+// out; every element is converted alone, so the rest are the same values).
 Status ConvertOperands(const PipelineCall& call) {
   const PipelinePlan& plan = call.plan;
   const PipelineBuffers& buffers = call.buffers;
   const std::size_t activations = static_cast<std::size_t>(plan.tokens) * plan.hidden;
+  const bool convert_weights = buffers.w_qkv_half != nullptr;
   const ConvertSegment side_segments[] = {
       {call.in.grad_output, buffers.grad_y_half, activations, 1.f, buffers.gradient_scale},
       {call.in.weights[Weight::kOProj], buffers.w_o_half,
        static_cast<std::size_t>(plan.hidden) * plan.q_width, 1.f},
   };
-  ATTNGRAD_RETURN_IF_ERROR(StepStatus(ConvertToHalf(side_segments, 2, call.side),
-                                      "conversion of grad_output and o_proj to fp16 failed"));
+  ATTNGRAD_RETURN_IF_ERROR(
+      StepStatus(ConvertToHalf(side_segments, convert_weights ? 2 : 1, call.side),
+                 "conversion of grad_output and o_proj to fp16 failed"));
   ATTNGRAD_RETURN_IF_ERROR(StepStatus(RescaleToHalf(side_segments[0], call.side),
                                       "rescale of grad_output to fp16 failed"));
   ConvertSegment lane_segments[4] = {{call.in.hidden_states, buffers.x_half, activations, 1.f}};
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 3 && convert_weights; ++i) {
     lane_segments[1 + i] = {
         call.in.weights[kQkvWeights[i]],
         buffers.w_qkv_half + static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden,
         static_cast<std::size_t>(plan.qkv_rows[i]) * plan.hidden, 1.f};
   }
-  ATTNGRAD_RETURN_IF_ERROR(StepStatus(ConvertToHalf(lane_segments, 4, call.lane),
-                                      "conversion of hidden_states and q/k/v_proj to fp16 failed"));
+  ATTNGRAD_RETURN_IF_ERROR(
+      StepStatus(ConvertToHalf(lane_segments, convert_weights ? 4 : 1, call.lane),
+                 "conversion of hidden_states and q/k/v_proj to fp16 failed"));
   call.StageDone("convert");
   return {};
 }
@@ -608,6 +628,29 @@ Status CheckCall(const LayerConfig& config, int batch, int seq_len, const Scalar
   return {};
 }
 
+// A call with prepared weights: they are ready, of the call's configuration, and `in.weights` are
+// the weights they were prepared from.
+Status CheckPrepared(const PreparedWeights& prepared, const LayerConfig& config,
+                     const BackwardInputs& in) {
+  if (!prepared.ready()) {
+    return {ATTNGRAD_INVALID_ARGUMENT,
+            "the PreparedWeights are empty (not prepared, or moved from)"};
+  }
+  const LayerConfig& own = prepared.config();
+  if (own.hidden_size != config.hidden_size || own.num_heads != config.num_heads ||
+      own.num_kv_heads != config.num_kv_heads || own.head_dim != config.head_dim) {
+    return {ATTNGRAD_INVALID_ARGUMENT,
+            "the LayerConfig is not the one the PreparedWeights were prepared for"};
+  }
+  for (Weight weight : kAllWeights) {
+    if (in.weights[weight] != prepared.source()[weight]) {
+      return {ATTNGRAD_INVALID_ARGUMENT,
+              "in.weights are not the weights the PreparedWeights were prepared from"};
+    }
+  }
+  return {};
+}
+
 // The workspace must hold `needed` bytes (WorkspaceLayout::total, what DeviceWorkspaceSize says).
 Status CheckWorkspace(const void* workspace, std::size_t workspace_size, std::size_t needed) {
   if (workspace == nullptr) return {ATTNGRAD_WORKSPACE_TOO_SMALL, "workspace is null"};
@@ -631,12 +674,15 @@ Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
                            const Scalars& scalars, Precision precision, bool accumulate,
                            const BackwardInputs& in, const BackwardOutputs& out, void* workspace,
                            std::size_t workspace_size, cudaStream_t caller_stream,
-                           StageObserver* observer, SideStream* given_side) {
+                           StageObserver* observer, SideStream* given_side,
+                           const PreparedWeights* prepared) {
   ATTNGRAD_RETURN_IF_ERROR(CheckCall(config, batch, seq_len, scalars, precision, in, out));
+  if (prepared != nullptr) ATTNGRAD_RETURN_IF_ERROR(CheckPrepared(*prepared, config, in));
   const PipelinePlan plan(config, batch, seq_len, scalars,
-                          ChoiceOf(ResolvePrecision(precision, batch, seq_len)));
+                          ChoiceOf(ResolvePrecision(precision, batch, seq_len)),
+                          /*weights_prepared=*/prepared != nullptr);
   ATTNGRAD_RETURN_IF_ERROR(CheckWorkspace(workspace, workspace_size, plan.layout.total));
-  const PipelineBuffers buffers(plan, in, workspace);
+  const PipelineBuffers buffers(plan, in, workspace, prepared);
 
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
@@ -688,14 +734,32 @@ Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
 
 }  // namespace cuda
 
-std::size_t DeviceWorkspaceSize(const LayerConfig& config, int batch, int seq_len,
-                                Precision precision) {
-  if (!IsValidPrecision(static_cast<int>(precision)) || !cuda::Supported(config) || batch < 1 ||
+namespace cuda {
+namespace {
+
+std::size_t WorkspaceSize(const LayerConfig& config, int batch, int seq_len, Precision precision,
+                          bool weights_prepared) {
+  if (!IsValidPrecision(static_cast<int>(precision)) || !Supported(config) || batch < 1 ||
       seq_len < 1 || static_cast<long long>(batch) * seq_len > kMaxTokens) {
     return 0;
   }
-  const cuda::ModeChoice mode = cuda::ChoiceOf(cuda::ResolvePrecision(precision, batch, seq_len));
-  return cuda::WorkspaceLayout(config, batch, seq_len, mode).total;
+  const ModeChoice mode = ChoiceOf(ResolvePrecision(precision, batch, seq_len));
+  return WorkspaceLayout(config, batch, seq_len, mode, weights_prepared).total;
+}
+
+}  // namespace
+}  // namespace cuda
+
+std::size_t DeviceWorkspaceSize(const LayerConfig& config, int batch, int seq_len,
+                                Precision precision) {
+  return cuda::WorkspaceSize(config, batch, seq_len, precision, /*weights_prepared=*/false);
+}
+
+std::size_t DeviceWorkspaceSize(const PreparedWeights& weights, int batch, int seq_len,
+                                Precision precision) {
+  if (!weights.ready()) return 0;
+  return cuda::WorkspaceSize(weights.config(), batch, seq_len, precision,
+                             /*weights_prepared=*/true);
 }
 
 namespace cuda {
@@ -704,7 +768,8 @@ namespace {
 // Every argument of a call, for the graph cache (pipeline_graph.h).
 PipelineKey KeyOf(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
                   Precision precision, bool accumulate, const BackwardInputs& in,
-                  const BackwardOutputs& out, const void* workspace, std::size_t workspace_size) {
+                  const BackwardOutputs& out, const void* workspace, std::size_t workspace_size,
+                  const PreparedWeights* prepared) {
   PipelineKey key{};
   std::size_t next = 0;
   auto add = [&key, &next](std::uint64_t word) { key[next++] = word; };
@@ -721,6 +786,7 @@ PipelineKey KeyOf(const LayerConfig& config, int batch, int seq_len, const Scala
     add_pointer(tensor);
   }
   for (const float* weight : in.weights) add_pointer(weight);
+  add_pointer(prepared != nullptr ? prepared->half_qkv() : nullptr);  // Wo's copy follows it
   add_pointer(out.grad_hidden_states);
   for (const float* gradient : out.weight_gradients) add_pointer(gradient);
   add_pointer(workspace);
@@ -739,24 +805,29 @@ PipelineKey KeyOf(const LayerConfig& config, int batch, int seq_len, const Scala
 }  // namespace
 }  // namespace cuda
 
-Status BackwardDevice(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
-                      Precision precision, bool accumulate, const BackwardInputs& in,
-                      const BackwardOutputs& out, void* workspace, std::size_t workspace_size,
-                      void* stream) {
-  const auto caller_stream = static_cast<cudaStream_t>(stream);
+namespace cuda {
+namespace {
+
+// Both BackwardDevice entry points (prepared: null, or the weights' fp16 copies to read).
+Status Backward(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                Precision precision, bool accumulate, const PreparedWeights* prepared,
+                const BackwardInputs& in, const BackwardOutputs& out, void* workspace,
+                std::size_t workspace_size, cudaStream_t caller_stream) {
   // Checked before the graph cache sees the call (a bad call is never remembered).
-  Status checked = cuda::CheckCall(config, batch, seq_len, scalars, precision, in, out);
+  Status checked = CheckCall(config, batch, seq_len, scalars, precision, in, out);
+  if (checked.ok() && prepared != nullptr) checked = CheckPrepared(*prepared, config, in);
   if (checked.ok()) {
-    checked = cuda::CheckWorkspace(workspace, workspace_size,
-                                   DeviceWorkspaceSize(config, batch, seq_len, precision));
+    checked = CheckWorkspace(
+        workspace, workspace_size,
+        WorkspaceSize(config, batch, seq_len, precision, /*weights_prepared=*/prepared != nullptr));
   }
   if (!checked.ok()) return checked;
   // The graph cache's enqueue callback returns a code; the message of a failure is kept here.
   Status failed;
-  auto enqueue = [&](cudaStream_t on, cuda::SideStream* side) {
+  auto enqueue = [&](cudaStream_t on, SideStream* side) {
     const Status status =
-        cuda::RunBackwardPipeline(config, batch, seq_len, scalars, precision, accumulate, in, out,
-                                  workspace, workspace_size, on, /*observer=*/nullptr, side);
+        RunBackwardPipeline(config, batch, seq_len, scalars, precision, accumulate, in, out,
+                            workspace, workspace_size, on, /*observer=*/nullptr, side, prepared);
     if (!status.ok()) failed = status;
     return status.code;
   };
@@ -772,15 +843,35 @@ Status BackwardDevice(const LayerConfig& config, int batch, int seq_len, const S
   }
   if (capture != cudaStreamCaptureStatusNone) return result(enqueue(caller_stream, nullptr), "");
   int device = 0;
-  cuda::DeviceContext* context = nullptr;
+  DeviceContext* context = nullptr;
   if (cudaGetDevice(&device) != cudaSuccess) return {ATTNGRAD_CUDA_ERROR, "cudaGetDevice failed"};
-  const attngrad_status got = cuda::DeviceContextRegistry::Instance().Get(device, &context);
+  const attngrad_status got = DeviceContextRegistry::Instance().Get(device, &context);
   if (got != ATTNGRAD_OK) return {got, "creating the device's cuBLASLt context failed"};
   return result(
-      context->pipeline_graphs().Run(cuda::KeyOf(config, batch, seq_len, scalars, precision,
-                                                 accumulate, in, out, workspace, workspace_size),
+      context->pipeline_graphs().Run(KeyOf(config, batch, seq_len, scalars, precision, accumulate,
+                                           in, out, workspace, workspace_size, prepared),
                                      enqueue, caller_stream, context),
       "launching the pipeline's CUDA graph failed");
+}
+
+}  // namespace
+}  // namespace cuda
+
+Status BackwardDevice(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                      Precision precision, bool accumulate, const BackwardInputs& in,
+                      const BackwardOutputs& out, void* workspace, std::size_t workspace_size,
+                      void* stream) {
+  return cuda::Backward(config, batch, seq_len, scalars, precision, accumulate,
+                        /*prepared=*/nullptr, in, out, workspace, workspace_size,
+                        static_cast<cudaStream_t>(stream));
+}
+
+Status BackwardDevice(const PreparedWeights& weights, int batch, int seq_len,
+                      const Scalars& scalars, Precision precision, bool accumulate,
+                      const BackwardInputs& in, const BackwardOutputs& out, void* workspace,
+                      std::size_t workspace_size, void* stream) {
+  return cuda::Backward(weights.config(), batch, seq_len, scalars, precision, accumulate, &weights,
+                        in, out, workspace, workspace_size, static_cast<cudaStream_t>(stream));
 }
 
 int DeviceCount() {

@@ -26,15 +26,44 @@ __device__ __forceinline__ bool NotFinite(float value) {
   return (__float_as_uint(value) & 0x7f800000u) == 0x7f800000u;
 }
 
+__device__ __forceinline__ unsigned int NotFiniteCount(float4 v) {
+  return (NotFinite(v.x) ? 1u : 0u) + (NotFinite(v.y) ? 1u : 0u) + (NotFinite(v.z) ? 1u : 0u) +
+         (NotFinite(v.w) ? 1u : 0u);
+}
+
+__device__ __forceinline__ bool Aligned16(const void* pointer) {
+  return (reinterpret_cast<unsigned long long>(pointer) & 15ull) == 0;
+}
+
+// Both kernels stream through memory: 16-byte loads (when the tensors are 16-byte aligned, as
+// cudaMalloc'd buffers and the packed layouts are), kUnroll of them in flight per thread, a grid-
+// stride loop of this block's share; the < 4 elements past the last whole vector one at a time.
+constexpr int kUnroll = 4;
+
 __global__ void CountNonFiniteKernel(Segments segments, unsigned long long* counts) {
   const int tensor = static_cast<int>(blockIdx.y);
   const float* source = segments.source[tensor];
   const unsigned long long elements = segments.elements[tensor];
   const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
+  const unsigned long long first =
+      static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   unsigned int count = 0;
-  for (unsigned long long i =
-           static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < elements; i += stride) {
+  unsigned long long done = 0;
+  if (Aligned16(source)) {
+    const float4* vectors = reinterpret_cast<const float4*>(source);
+    const unsigned long long vector_count = elements / 4;
+    unsigned long long i = first;
+    for (; i + (kUnroll - 1) * stride < vector_count; i += kUnroll * stride) {
+      float4 values[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) values[u] = vectors[i + u * stride];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) count += NotFiniteCount(values[u]);
+    }
+    for (; i < vector_count; i += stride) count += NotFiniteCount(vectors[i]);
+    done = vector_count * 4;
+  }
+  for (unsigned long long i = done + first; i < elements; i += stride) {
     count += NotFinite(source[i]) ? 1u : 0u;
   }
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -52,9 +81,31 @@ __global__ void AccumulateIfFiniteKernel(Segments segments, const unsigned long 
   float* destination = segments.destination[tensor];
   const unsigned long long elements = segments.elements[tensor];
   const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
-  for (unsigned long long i =
-           static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < elements; i += stride) {
+  const unsigned long long first =
+      static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  unsigned long long done = 0;
+  if (Aligned16(source) && Aligned16(destination)) {
+    const float4* sources = reinterpret_cast<const float4*>(source);
+    float4* destinations = reinterpret_cast<float4*>(destination);
+    const unsigned long long vector_count = elements / 4;
+    auto add = [](float4 sum, float4 term) {
+      return make_float4(sum.x + term.x, sum.y + term.y, sum.z + term.z, sum.w + term.w);
+    };
+    unsigned long long i = first;
+    for (; i + (kUnroll - 1) * stride < vector_count; i += kUnroll * stride) {
+      float4 terms[kUnroll], sums[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        terms[u] = sources[i + u * stride];
+        sums[u] = destinations[i + u * stride];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) destinations[i + u * stride] = add(sums[u], terms[u]);
+    }
+    for (; i < vector_count; i += stride) destinations[i] = add(destinations[i], sources[i]);
+    done = vector_count * 4;
+  }
+  for (unsigned long long i = done + first; i < elements; i += stride) {
     destination[i] += source[i];
   }
 }

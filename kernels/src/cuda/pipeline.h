@@ -9,6 +9,7 @@
 #include <cstddef>
 
 #include "attngrad/backward.h"
+#include "attngrad/prepared_weights.h"
 
 namespace attngrad::cuda {
 
@@ -26,13 +27,15 @@ Precision ResolvePrecision(Precision precision, int batch, int seq_len);
 
 // Enqueues the whole pipeline on `stream`: forked onto the two streams of `side` when given, else
 // of one leased from the device's pool, and joined back (with an observer everything runs on
-// `stream`). The Status names the check or the stage that failed.
+// `stream`). The Status names the check or the stage that failed. With `prepared` (its config
+// must be `config`, in.weights its source()) the FP16 mode reads its fp16 weights instead of
+// converting them, and the workspace is DeviceWorkspaceSize(*prepared, ...).
 class SideStream;
 Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
                            const Scalars& scalars, Precision precision, bool accumulate,
                            const BackwardInputs& in, const BackwardOutputs& out, void* workspace,
                            std::size_t workspace_size, cudaStream_t stream, StageObserver* observer,
-                           SideStream* side = nullptr);
+                           SideStream* side = nullptr, const PreparedWeights* prepared = nullptr);
 
 }  // namespace attngrad::cuda
 

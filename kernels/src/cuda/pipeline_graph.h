@@ -29,7 +29,7 @@ class DeviceContext;
 class SideStream;
 
 // Every argument of one call, as 64-bit words (pointers, ints, float bits).
-inline constexpr int kPipelineKeyWords = 32;
+inline constexpr int kPipelineKeyWords = 36;
 using PipelineKey = std::array<std::uint64_t, kPipelineKeyWords>;
 
 // Enqueues the whole pipeline on `stream`; `side`, when not null, is the second stream it must use

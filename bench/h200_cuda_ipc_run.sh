@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call (H200) for CUDA IPC regions (issue 13 item 4). The carried folder $B (default
+# build-ipcr) holds ipcr.tar.xz: attngrad-server and attngrad_server_wire_test (stripped, built
+# sm_90a), lib/ (their shared libraries: shared/tools/bundle-libs.sh) and py/ (client/python with
+# its generated stubs, tests/python, bench/cuda_ipc_bench.py of the branch). In order:
+#   1. the region tests on the GPU worker (ATTNGRAD_TEST_DEVICES=0): shared memory, and CUDA IPC
+#      requests refused clearly (regions_test.cc);
+#   2. tests/python/test_cuda_ipc.py: this interpreter's PyTorch as the trainer process, a server
+#      on GPU 0: bit-for-bit equal to the bytes path, every bad reference INVALID_ARGUMENT;
+#   3. bench/cuda_ipc_bench.py against one server on GPU 0: 4x1024 ACCUMULATE tokens/s with
+#      several batches in flight, 1x128 round trips one in flight, the autograd bridge.
+# Logs go to $OUT; a summary is printed last.
+set -u
+OUT=${OUT:-/tmp/out}
+B=${B:-build-ipcr}
+mkdir -p "$OUT"
+tar -xJf "$B/ipcr.tar.xz" -C "$B" || exit 1
+export LD_LIBRARY_PATH="$PWD/$B/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/info.txt"
+python3 -c "import torch, grpc; print('torch', torch.__version__, 'grpcio', grpc.__version__)" \
+  | tee -a "$OUT/info.txt"
+date -u +"start %F %T UTC" | tee -a "$OUT/info.txt"
+
+(ATTNGRAD_TEST_DEVICES=0 timeout 120 "$B/attngrad_server_wire_test" --gtest_filter='Regions*' \
+   > "$OUT/regions_gpu.log" 2>&1; echo "exit $?" >> "$OUT/regions_gpu.log")
+(cd "$B/py/tests/python" && ATTNGRAD_SERVER="$PWD/../../../attngrad-server" timeout 180 \
+   python3 -m unittest -v test_cuda_ipc > "$OUT/test_cuda_ipc.log" 2>&1
+ echo "exit $?" >> "$OUT/test_cuda_ipc.log")
+date -u +"tests done %T UTC" | tee -a "$OUT/info.txt"
+
+"$B/attngrad-server" --devices=0 --listen=127.0.0.1:50051 --metrics_listen= \
+  > "$OUT/server.log" 2>&1 &
+SERVER_PID=$!
+timeout "${BENCH_LIMIT:-150}" python3 "$B/py/bench/cuda_ipc_bench.py" --target=127.0.0.1:50051 \
+  --duration="${DURATION:-8}" --configs="${CONFIGS:-2x3,4x2}" \
+  --json="$OUT/bench.json" > "$OUT/bench.log" 2>&1
+echo "exit $?" >> "$OUT/bench.log"
+kill -TERM $SERVER_PID; wait $SERVER_PID
+date -u +"end %T UTC" | tee -a "$OUT/info.txt"
+
+echo "==== summary"
+grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|^exit" "$OUT/regions_gpu.log"
+grep -E "^test_|^Ran|^OK|^FAILED|Error|exit" "$OUT/test_cuda_ipc.log" | head -30
+cat "$OUT/bench.log" | tail -20
