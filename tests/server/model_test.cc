@@ -145,6 +145,16 @@ Gradients LayerReference(const LayerWeights& weights, Batch batch, double theta,
   return Reference(weights, batch, scalars);
 }
 
+// The scalars config.json gives `layer` of the tiny model.
+Scalars TinyScalars(int layer) {
+  Scalars scalars;
+  scalars.scaling = static_cast<float>(1.0 / std::sqrt(kQueryPreAttnScalar));
+  scalars.softcap = 0.f;
+  scalars.eps = 1e-6f;
+  scalars.sliding_window = IsSliding(layer) ? kWindow : 0;
+  return scalars;
+}
+
 Gradients TinyReference(const LayerWeights& weights, const Batch& batch, int layer) {
   return LayerReference(weights, batch, IsSliding(layer) ? kLocalTheta : kGlobalTheta,
                         IsSliding(layer) ? 1.0 : kGlobalFactor, TinyScalars(layer));
