@@ -11,7 +11,7 @@
 #   service: one server on GPU 0; attngrad-cli bench beside attngrad_wire_ceiling (protobuf and
 #            ByteBuffer) for the same bytes, channels, streams and in-flight window: fp32 and bf16
 #            ACCUMULATE, fp32 RETURN at 4x1024, and RETURN 1x128 with one batch in flight; the
-#            server's CPU seconds per run (from /proc).
+#            server's CPU seconds per run (from /proc) and per GB moved (the bench's "moved" line).
 # Logs go to $OUT; a summary is printed last.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -82,7 +82,12 @@ if [ "$PHASE" = service ]; then
     echo "==== $label: $*" | tee -a "$OUT/service.log"
     before=$(cpu_seconds)
     "$B/attngrad-cli" bench "$@" >> "$OUT/service.log" 2>&1
-    echo "server CPU seconds: $(awk -v a="$(cpu_seconds)" -v b="$before" 'BEGIN { print a - b }')" >> "$OUT/service.log"
+    # Server CPU per GB moved: its CPU seconds over this bench / the bench's bytes (warm-up in both).
+    used=$(awk -v a="$(cpu_seconds)" -v b="$before" 'BEGIN { print a - b }')
+    moved=$(grep -E "^  moved " "$OUT/service.log" | tail -1 | awk '{print $2}')
+    echo "server CPU seconds: $used, $(awk -v c="$used" -v g="${moved:-0}" \
+      'BEGIN { if (g > 0) printf "%.3f", c / g; else print "?" }') CPU s per GB moved ($moved GB)" \
+      >> "$OUT/service.log"
     "$W" "$@" --json >> "$OUT/service.log" 2>&1
     "$W" "$@" --transport=bytebuffer --json >> "$OUT/service.log" 2>&1
   }

@@ -25,7 +25,8 @@ struct Totals {
   std::vector<double> latencies ABSL_GUARDED_BY(mu);  // seconds, timed batches only
   int64_t batches ABSL_GUARDED_BY(mu) = 0;
   int64_t tokens ABSL_GUARDED_BY(mu) = 0;
-  double bytes ABSL_GUARDED_BY(mu) = 0;
+  double bytes ABSL_GUARDED_BY(mu) = 0;      // timed batches
+  double all_bytes ABSL_GUARDED_BY(mu) = 0;  // every answered batch, warm-up included
   int64_t errors ABSL_GUARDED_BY(mu) = 0;
   std::string first_error ABSL_GUARDED_BY(mu);
   v1::StageTimings stages ABSL_GUARDED_BY(mu);  // sums
@@ -107,7 +108,11 @@ int RunBench() {
     // Warm-up: a few batches answered before the clock starts (connections, allocations).
     for (int w = 0; w < warmup; ++w) {
       auto id = (*stream)->Submit(batch);
-      if (!id.ok() || !(*stream)->Await(*id).ok()) break;
+      if (!id.ok()) break;
+      auto result = (*stream)->Await(*id);
+      if (!result.ok()) break;
+      absl::MutexLock lock(&totals.mu);
+      totals.all_bytes += static_cast<double>(result->request_bytes + result->response_bytes);
     }
     if (warmed.fetch_add(1) + 1 == streams) {
       timing_start = absl::Now();
@@ -128,6 +133,7 @@ int RunBench() {
       ++totals.batches;
       totals.tokens += B * S;
       totals.bytes += static_cast<double>(result->request_bytes + result->response_bytes);
+      totals.all_bytes += static_cast<double>(result->request_bytes + result->response_bytes);
       const v1::StageTimings& t = result->timings;
       totals.stages.set_queue_seconds(totals.stages.queue_seconds() + t.queue_seconds());
       totals.stages.set_copy_in_seconds(totals.stages.copy_in_seconds() + t.copy_in_seconds());
@@ -185,6 +191,7 @@ int RunBench() {
       "  throughput  %.1f tokens/s, %.2f batches/s, %.3f GB/s on the wire\n"
       "  latency     p50 %.4f s  p90 %.4f s  p99 %.4f s  max %.4f s (round trip per batch)\n"
       "  server      mean total %.6f s: queue %.6f, copy_in %.6f, compute %.6f, copy_out %.6f\n"
+      "  moved       %.3f GB in all (requests + answers, warm-up included)\n"
       "  errors      %d%s\n",
       totals.batches, B, S, totals.tokens, elapsed, totals.device, streams, in_flight,
       absl::GetFlag(FLAGS_channels), ModeName(*mode), wire::DTypeName(*input_dtype),
@@ -193,7 +200,8 @@ int RunBench() {
       Percentile(totals.latencies, 90), Percentile(totals.latencies, 99),
       Percentile(totals.latencies, 100), totals.stages.total_seconds() / n,
       totals.stages.queue_seconds() / n, totals.stages.copy_in_seconds() / n,
-      totals.stages.compute_seconds() / n, totals.stages.copy_out_seconds() / n, totals.errors,
+      totals.stages.compute_seconds() / n, totals.stages.copy_out_seconds() / n,
+      totals.all_bytes / 1e9, totals.errors,
       totals.first_error.empty() ? "" : absl::StrCat(" (first: ", totals.first_error, ")"));
   return totals.errors == 0 && totals.batches > 0 ? 0 : 1;
 }

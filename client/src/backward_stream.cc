@@ -1,15 +1,23 @@
 // BackwardStream: one bidirectional attngrad.v1 Backward stream with many batches in flight. Submit
 // splits a batch along B when it exceeds the server's limits, writes the parts, and a reader thread
 // matches the responses to their parts by batch_id, reassembles grad_hidden_states and sums the
-// weight gradients of RETURN-mode parts.
+// weight gradients of RETURN-mode parts. Requests and answers travel as grpc::ByteBuffers: a
+// request's activations are encoded once, into a pooled buffer that goes out as its own slices
+// (the rest of the message serialized by protobuf around them: wire::SerializeWithPayloads), and
+// an answer's tensors are decoded straight from the received slices (wire::WalkMessage), so that
+// no protobuf message ever holds the big bytes fields.
 #include <algorithm>
 #include <deque>
+#include <functional>
+#include <future>
 #include <memory>
 #include <set>
 #include <thread>
 #include <unordered_map>
 
 #include <grpcpp/client_context.h>
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/sync_stream.h>
 
 #include "attngrad/wire/layer.h"
@@ -17,7 +25,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "attngrad/client.h"
+#include "attngrad/wire/backward_messages.h"
 #include "attngrad/wire/dtype.h"
+#include "attngrad/wire/host_memory.h"
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 #include "client_impl.h"
@@ -50,11 +60,49 @@ void AddTimings(const v1::StageTimings& part, v1::StageTimings* sum) {
   sum->set_total_seconds(sum->total_seconds() + part.total_seconds());
 }
 
-// Decodes a tensor of the server's answer into `out` after checking it against `expected`; a bad
-// one is INTERNAL (the server's fault), naming `what`.
-absl::Status ReadAnswerTensor(const v1::Tensor& tensor, const std::vector<int64_t>& expected,
-                              absl::string_view what, std::vector<float>* out) {
-  absl::Status status = wire::DecodeTensor(tensor, what, expected, out);
+// The method the generated stub calls; this stream calls it with grpc::ByteBuffer messages.
+constexpr char kBackwardMethod[] = "/attngrad.v1.AttentionGradient/Backward";
+
+using ReceivedAnswer = wire::ReceivedBackwardResponse;
+
+// The element count of a tensor of the server's answer (its dtype, shape and raw_data `payload`
+// checked against `expected`); a bad one is INTERNAL (the server's fault), naming `what`.
+absl::StatusOr<int64_t> AnswerElements(const v1::Tensor& tensor,
+                                       const std::vector<absl::string_view>& payload,
+                                       const std::vector<int64_t>& expected,
+                                       absl::string_view what) {
+  std::size_t bytes = 0;
+  for (absl::string_view piece : payload) bytes += piece.size();
+  absl::StatusOr<std::vector<int64_t>> shape = wire::CheckTensor(
+      tensor.dtype(), std::vector<int64_t>(tensor.shape().begin(), tensor.shape().end()), bytes,
+      what, expected);
+  if (!shape.ok()) {
+    return absl::InternalError(
+        absl::StrCat("server sent a bad ", what, ": ", shape.status().message()));
+  }
+  return wire::NumElements(*shape);
+}
+
+// Runs `tasks` at once, the first on this thread and each other on a thread of its own; the first
+// failure in order, or OK.
+absl::Status RunInParallel(const std::vector<std::function<absl::Status()>>& tasks) {
+  if (tasks.empty()) return absl::OkStatus();
+  std::vector<std::future<absl::Status>> others;
+  for (std::size_t i = 1; i < tasks.size(); ++i) {
+    others.push_back(std::async(std::launch::async, tasks[i]));
+  }
+  absl::Status status = tasks[0]();
+  for (std::future<absl::Status>& other : others) {
+    absl::Status next = other.get();
+    if (status.ok()) status = std::move(next);
+  }
+  return status;
+}
+
+// Decodes a checked answer tensor into `out` (AnswerElements' count).
+absl::Status DecodeAnswer(const v1::Tensor& tensor, const std::vector<absl::string_view>& payload,
+                          absl::string_view what, absl::Span<float> out) {
+  absl::Status status = wire::DecodePiecesToFloat(payload, tensor.dtype(), what, out);
   if (status.ok()) return status;
   return absl::InternalError(absl::StrCat("server sent a bad ", what, ": ", status.message()));
 }
@@ -82,7 +130,14 @@ class BackwardStream::Impl {
                                                               absl::Duration deadline,
                                                               std::function<void()> on_result) {
     auto impl = std::make_unique<Impl>(std::move(client), deadline, std::move(on_result));
-    impl->stream_ = impl->client_->NextStreamStub().Backward(&impl->context_);
+    // The generated stub's own call (ClientReaderWriterFactory is how it opens a bidirectional
+    // stream), with grpc::ByteBuffer as the message type on both sides.
+    const std::shared_ptr<grpc::Channel>& channel = impl->client_->NextStreamChannel();
+    impl->stream_.reset(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+            channel.get(),
+            grpc::internal::RpcMethod(kBackwardMethod, grpc::internal::RpcMethod::BIDI_STREAMING),
+            &impl->context_));
     if (impl->stream_ == nullptr) return absl::InternalError("Backward: could not open the stream");
     impl->reader_ = std::thread([raw = impl.get()]() { raw->ReadLoop(); });
     return std::unique_ptr<BackwardStream>(new BackwardStream(std::move(impl)));
@@ -116,15 +171,15 @@ class BackwardStream::Impl {
   };
 
   void ReadLoop();
-  void HandleResponse(const v1::BackwardResponse& response);
-  absl::Status MergePart(const v1::BackwardResponse& response, const Part& part, Pending* pending);
+  void HandleResponse(const ReceivedAnswer& answer);
+  absl::Status MergePart(const ReceivedAnswer& answer, const Part& part, Pending* pending);
   absl::Status BrokenStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::shared_ptr<Client::Impl> client_;
   const LayerConfig layer_config_;         // from the model info when the stream opened
   const std::function<void()> on_result_;  // may be empty
   grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>> stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
   std::thread reader_;
 
   absl::Mutex write_mu_;
@@ -139,6 +194,8 @@ class BackwardStream::Impl {
   std::deque<BackwardResult> completed_ ABSL_GUARDED_BY(mu_);
   bool stream_done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status stream_status_ ABSL_GUARDED_BY(mu_);
+  // An answer that was not a BackwardResponse: the stream was cancelled, and this is why.
+  absl::Status bad_answer_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status BackwardStream::Impl::BrokenStatusLocked() const {
@@ -274,10 +331,15 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     auto slice = [&](absl::Span<const float> span, int64_t width) {
       return parts == 1 ? span : span.subspan(first * S * width, count * S * width);
     };
-    wire::EncodeTensor(slice(batch.hidden_states, H), {count, S, H}, input_dtype,
-                       request.mutable_hidden_states());
-    wire::EncodeTensor(slice(batch.grad_output, H), {count, S, H}, input_dtype,
-                       request.mutable_grad_output());
+    // The activations' dtype and shape here, their bytes encoded once into a pooled buffer that
+    // gRPC sends as it is.
+    const absl::Span<const float> activations[2] = {slice(batch.hidden_states, H),
+                                                    slice(batch.grad_output, H)};
+    v1::Tensor* described[2] = {request.mutable_hidden_states(), request.mutable_grad_output()};
+    for (v1::Tensor* tensor : described) {
+      tensor->set_dtype(input_dtype);
+      for (int64_t dimension : {count, S, H}) tensor->add_shape(dimension);
+    }
     if (tables) {
       wire::EncodeTensor(slice(batch.cos, D), {count, S, D}, v1::DTYPE_FLOAT32,
                          request.mutable_rotary_tables()->mutable_cos());
@@ -298,13 +360,17 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     if (batch.eps) request.set_eps(*batch.eps);
     if (batch.layer) request.set_layer(*batch.layer);
     if (batch.sliding_window) request.set_sliding_window(*batch.sliding_window);
-    const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong());
+    ATTNGRAD_ASSIGN_OR_RETURN(grpc::ByteBuffer bytes,
+                              wire::EncodeBackwardRequest(request, activations[0], activations[1],
+                                                          input_dtype, client_->request_pool()));
     {
       absl::MutexLock lock(&mu_);
       auto it = pending_.find(batch_id);
-      if (it != pending_.end()) it->second->result.request_bytes += bytes;
+      if (it != pending_.end()) {
+        it->second->result.request_bytes += static_cast<int64_t>(bytes.Length());
+      }
     }
-    if (!stream_->Write(request)) {
+    if (!stream_->Write(bytes)) {
       // The stream is broken; the reader thread learns why from Finish.
       absl::MutexLock lock(&mu_);
       while (!stream_done_) changed_.Wait(&mu_);
@@ -315,12 +381,26 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
 }
 
 void BackwardStream::Impl::ReadLoop() {
-  v1::BackwardResponse response;
-  while (stream_->Read(&response)) HandleResponse(response);
+  grpc::ByteBuffer bytes;
+  while (stream_->Read(&bytes)) {
+    absl::StatusOr<ReceivedAnswer> answer = wire::ReadBackwardResponse(bytes);
+    bytes.Clear();
+    if (!answer.ok()) {
+      // Not a BackwardResponse: nothing more on this stream can be trusted.
+      {
+        absl::MutexLock lock(&mu_);
+        bad_answer_ = absl::InternalError(absl::StrCat(
+            "Backward stream: the server sent a bad answer: ", answer.status().message()));
+      }
+      context_.TryCancel();
+      break;
+    }
+    HandleResponse(*answer);
+  }
   const grpc::Status finished = stream_->Finish();
   absl::ReleasableMutexLock lock(&mu_);
   stream_done_ = true;
-  stream_status_ = FromGrpc(finished, "Backward stream");
+  stream_status_ = bad_answer_.ok() ? FromGrpc(finished, "Backward stream") : bad_answer_;
   if (stream_status_.ok() && !pending_.empty()) {
     stream_status_ =
         absl::InternalError(absl::StrCat("Backward stream: the server closed the stream with ",
@@ -338,7 +418,8 @@ void BackwardStream::Impl::ReadLoop() {
   if (on_result_) on_result_();
 }
 
-void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) {
+void BackwardStream::Impl::HandleResponse(const ReceivedAnswer& answer) {
+  const v1::BackwardResponse& response = answer.response;
   Part part;
   Pending* pending = nullptr;
   {
@@ -349,7 +430,7 @@ void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) 
     parts_.erase(it);
     pending = pending_.at(part.batch_id).get();
   }
-  absl::Status status = MergePart(response, part, pending);
+  absl::Status status = MergePart(answer, part, pending);
   if (!status.ok() && pending->result.status.ok()) {
     if (pending->result.parts > 1) {
       status = absl::Status(
@@ -361,7 +442,7 @@ void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) 
     pending->result.status = status;
   }
   absl::ReleasableMutexLock lock(&mu_);
-  pending->result.response_bytes += static_cast<int64_t>(response.ByteSizeLong());
+  pending->result.response_bytes += answer.bytes;
   if (--pending->parts_left > 0) return;
   BackwardResult& result = pending->result;
   result.latency = absl::Now() - pending->start;
@@ -377,8 +458,9 @@ void BackwardStream::Impl::HandleResponse(const v1::BackwardResponse& response) 
   if (on_result_) on_result_();
 }
 
-absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& response, const Part& part,
+absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const Part& part,
                                              Pending* pending) {
+  const v1::BackwardResponse& response = answer.response;
   BackwardResult& result = pending->result;
   if (response.has_error() && response.error().code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(response.error().code()),
@@ -403,17 +485,18 @@ absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& respons
 
   const int64_t S = pending->seq_len, H = layer_config_.hidden_size;
   const std::vector<int64_t> part_shape = {part.sequences, S, H};
-  if (result.parts == 1) {
-    ATTNGRAD_RETURN_IF_ERROR(ReadAnswerTensor(response.grad_hidden_states(), part_shape,
-                                              "grad_hidden_states", &result.grad_hidden_states));
-  } else {
-    std::vector<float> piece;
-    ATTNGRAD_RETURN_IF_ERROR(
-        ReadAnswerTensor(response.grad_hidden_states(), part_shape, "grad_hidden_states", &piece));
-    result.grad_hidden_states.resize(static_cast<size_t>(pending->batch * S * H));
-    std::copy(piece.begin(), piece.end(),
-              result.grad_hidden_states.begin() + part.first_sequence * S * H);
-  }
+  ATTNGRAD_ASSIGN_OR_RETURN(const int64_t elements,
+                            AnswerElements(response.grad_hidden_states(), answer.payloads[0],
+                                           part_shape, "grad_hidden_states"));
+  // Straight into the batch's result: the whole of it, or the part's sequences.
+  std::vector<float>& grad_hidden = result.grad_hidden_states;
+  wire::ResizeForOverwrite(
+      &grad_hidden, static_cast<size_t>(result.parts == 1 ? elements : pending->batch * S * H));
+  ATTNGRAD_RETURN_IF_ERROR(DecodeAnswer(
+      response.grad_hidden_states(), answer.payloads[0], "grad_hidden_states",
+      absl::Span<float>(grad_hidden)
+          .subspan(static_cast<size_t>(result.parts == 1 ? 0 : part.first_sequence * S * H),
+                   static_cast<size_t>(elements))));
 
   if (pending->mode == v1::GRADIENT_MODE_ACCUMULATE) return absl::OkStatus();
   if (!response.has_weight_gradients()) {
@@ -422,22 +505,31 @@ absl::Status BackwardStream::Impl::MergePart(const v1::BackwardResponse& respons
   }
   const bool first = !result.weight_gradients.has_value();
   if (first) result.weight_gradients.emplace();
-  for (Weight weight : kAllWeights) {
+  // Checked here, then decoded (~100 MB in all for a Gemma-3 layer) one weight per thread.
+  std::vector<std::function<absl::Status()>> decodes;
+  for (std::size_t w = 0; w < kAllWeights.size(); ++w) {
+    const Weight weight = kAllWeights[w];
     HostTensor& sum = (*result.weight_gradients)[weight];
     const std::vector<int64_t> shape = WeightShape(layer_config_, weight);
-    const std::string what = absl::StrCat("weight_gradients.", WeightModuleName(weight));
-    if (first) {
-      sum.shape = shape;
-      ATTNGRAD_RETURN_IF_ERROR(ReadAnswerTensor(
-          wire::GradientTensor(response.weight_gradients(), weight), shape, what, &sum.data));
-      continue;
-    }
-    std::vector<float> piece;
-    ATTNGRAD_RETURN_IF_ERROR(ReadAnswerTensor(
-        wire::GradientTensor(response.weight_gradients(), weight), shape, what, &piece));
-    for (size_t i = 0; i < piece.size(); ++i) sum.data[i] += piece[i];
+    std::string what = absl::StrCat("weight_gradients.", WeightModuleName(weight));
+    const v1::Tensor& tensor = wire::GradientTensor(response.weight_gradients(), weight);
+    const std::vector<absl::string_view>& payload = answer.payloads[w + 1];
+    ATTNGRAD_ASSIGN_OR_RETURN(const int64_t count, AnswerElements(tensor, payload, shape, what));
+    if (first) sum.shape = shape;
+    decodes.push_back(
+        [&sum, &tensor, &payload, what = std::move(what), count, first]() -> absl::Status {
+          if (first) {
+            wire::ResizeForOverwrite(&sum.data, static_cast<size_t>(count));
+            return DecodeAnswer(tensor, payload, what, absl::Span<float>(sum.data));
+          }
+          std::vector<float> piece;
+          wire::ResizeForOverwrite(&piece, static_cast<size_t>(count));
+          ATTNGRAD_RETURN_IF_ERROR(DecodeAnswer(tensor, payload, what, absl::Span<float>(piece)));
+          for (size_t i = 0; i < piece.size(); ++i) sum.data[i] += piece[i];
+          return absl::OkStatus();
+        });
   }
-  return absl::OkStatus();
+  return RunInParallel(decodes);
 }
 
 absl::StatusOr<BackwardResult> BackwardStream::Impl::Next(absl::Duration timeout) {

@@ -149,7 +149,8 @@ Client::Impl::Impl(std::string target, ClientOptions options,
     : target_(std::move(target)),
       options_(std::move(options)),
       channels_(std::move(channels)),
-      generic_stub_(std::make_unique<grpc::GenericStub>(channels_.front())) {
+      generic_stub_(std::make_unique<grpc::GenericStub>(channels_.front())),
+      request_pool_(wire::BufferPool::Create(kRequestPoolBytes)) {
   for (const std::shared_ptr<grpc::Channel>& channel : channels_) {
     stubs_.push_back(v1::AttentionGradient::NewStub(channel));
   }
@@ -159,8 +160,8 @@ Client::Impl::Impl(std::string target, ClientOptions options,
   next_batch_id_ = (seed % ((uint64_t{1} << 62) - 1)) + 1;
 }
 
-v1::AttentionGradient::Stub& Client::Impl::NextStreamStub() {
-  return *stubs_[next_stream_channel_.fetch_add(1) % stubs_.size()];
+const std::shared_ptr<grpc::Channel>& Client::Impl::NextStreamChannel() {
+  return channels_[next_stream_channel_.fetch_add(1) % channels_.size()];
 }
 
 uint64_t Client::Impl::NewBatchId() {

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "attngrad/client.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
+#include "attngrad/wire/buffer_pool.h"
 
 namespace attngrad {
 
@@ -63,8 +64,12 @@ class Client::Impl {
   const ClientOptions& options() const { return options_; }
   v1::AttentionGradient::Stub& stub() { return *stubs_.front(); }
   grpc::GenericStub& generic_stub() { return *generic_stub_; }
-  // The stub of the next channel in turn (for a new Backward stream).
-  v1::AttentionGradient::Stub& NextStreamStub();
+  // The next channel in turn (for a new Backward stream).
+  const std::shared_ptr<grpc::Channel>& NextStreamChannel();
+  // Host buffers for the requests' tensor bytes, reused once gRPC has sent them (shared by the
+  // client's streams; keeps up to kRequestPoolBytes of free buffers).
+  wire::BufferPool& request_pool() { return *request_pool_; }
+  static constexpr std::size_t kRequestPoolBytes = std::size_t{1} << 30;
   int channel_count() const { return static_cast<int>(stubs_.size()); }
 
   // Runs `attempt` up to options.max_attempts times while it fails with a retryable code
@@ -95,6 +100,7 @@ class Client::Impl {
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::AttentionGradient::Stub>> stubs_;  // one per channel
   std::unique_ptr<grpc::GenericStub> generic_stub_;
+  std::shared_ptr<wire::BufferPool> request_pool_;
   std::atomic<uint64_t> next_batch_id_;
   std::atomic<uint64_t> next_stream_channel_{0};
 

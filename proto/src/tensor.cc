@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attngrad/wire/dtype.h"
+#include "attngrad/wire/dtype_bits.h"
 #include "attngrad/wire/status_macros.h"
 
 namespace attngrad::wire {
@@ -34,6 +35,18 @@ std::uint16_t LoadBits16(const char* bytes) {
 }
 
 void StoreBits16(std::uint16_t bits, char* bytes) { std::memcpy(bytes, &bits, sizeof bits); }
+
+float FloatOfBits(std::uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+std::uint32_t BitsOfFloat(float value) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
 
 }  // namespace
 
@@ -112,29 +125,44 @@ absl::StatusOr<std::vector<std::int64_t>> CheckTensor(int dtype,
   return shape;
 }
 
-absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view field,
-                           absl::Span<float> out) {
+namespace {
+
+// INVALID_ARGUMENT unless `bytes` are `elements` elements of a supported `dtype`.
+absl::Status CheckRawSize(std::size_t bytes, int dtype, absl::string_view field,
+                          std::size_t elements) {
   const std::size_t element_size = DTypeSize(dtype);
   if (element_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".dtype: ", DTypeName(dtype), " is not supported"));
   }
-  if (raw.size() != out.size() * element_size) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": got ", raw.size(), " bytes, expected ",
-                                                   out.size() * element_size, " (", out.size(),
+  if (bytes != elements * element_size) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": got ", bytes, " bytes, expected ",
+                                                   elements * element_size, " (", elements,
                                                    " elements of ", DTypeName(dtype), ")"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view field,
+                           absl::Span<float> out) {
+  ATTNGRAD_RETURN_IF_ERROR(CheckRawSize(raw.size(), dtype, field, out.size()));
   const char* bytes = raw.data();
   switch (dtype) {
     case v1::DTYPE_FLOAT32:
       if (!raw.empty()) std::memcpy(out.data(), bytes, raw.size());
       break;
+    // dtype_bits.h's conversions inlined here (HalfToFloat and BFloat16ToFloat are the same
+    // functions out of line): these loops are the client's and the CPU backend's wire codec.
     case v1::DTYPE_FLOAT16:
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = HalfToFloat(LoadBits16(bytes + 2 * i));
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        out[i] = FloatOfBits(bits::HalfToFloatBits(LoadBits16(bytes + 2 * i)));
+      }
       break;
     case v1::DTYPE_BFLOAT16:
       for (std::size_t i = 0; i < out.size(); ++i) {
-        out[i] = BFloat16ToFloat(LoadBits16(bytes + 2 * i));
+        out[i] = FloatOfBits(bits::BFloat16ToFloatBits(LoadBits16(bytes + 2 * i)));
       }
       break;
   }
@@ -206,6 +234,38 @@ absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
   return DecodeToFloat(tensor.raw_data(), tensor.dtype(), field, absl::MakeSpan(*out));
 }
 
+absl::Status DecodePiecesToFloat(absl::Span<const absl::string_view> pieces, int dtype,
+                                 absl::string_view field, absl::Span<float> out) {
+  std::size_t bytes = 0;
+  for (absl::string_view piece : pieces) bytes += piece.size();
+  ATTNGRAD_RETURN_IF_ERROR(CheckRawSize(bytes, dtype, field, out.size()));
+  const std::size_t element_size = DTypeSize(dtype);
+  std::size_t done = 0;  // elements decoded
+  char carry[sizeof(float)];
+  std::size_t carried = 0;  // bytes of a straddling element held in `carry`
+  for (absl::string_view piece : pieces) {
+    if (carried > 0) {
+      const std::size_t take = std::min(element_size - carried, piece.size());
+      std::memcpy(carry + carried, piece.data(), take);
+      carried += take;
+      piece.remove_prefix(take);
+      if (carried < element_size) continue;
+      ATTNGRAD_RETURN_IF_ERROR(DecodeToFloat(absl::string_view(carry, element_size), dtype, field,
+                                             out.subspan(done, 1)));
+      ++done;
+      carried = 0;
+    }
+    const std::size_t whole = piece.size() / element_size;
+    ATTNGRAD_RETURN_IF_ERROR(DecodeToFloat(piece.substr(0, whole * element_size), dtype, field,
+                                           out.subspan(done, whole)));
+    done += whole;
+    piece.remove_prefix(whole * element_size);
+    std::memcpy(carry, piece.data(), piece.size());
+    carried = piece.size();
+  }
+  return absl::OkStatus();
+}
+
 void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw) {
   const std::size_t start = raw->size();
   const std::size_t element_size =
@@ -216,14 +276,17 @@ void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw
 
 void EncodeFromFloat(absl::Span<const float> values, int dtype, char* out) {
   switch (dtype) {
+    // One loop per dtype, dtype_bits.h's conversions inlined (the bf16 one vectorizes).
     case v1::DTYPE_FLOAT16:
-    case v1::DTYPE_BFLOAT16: {
-      const bool half = dtype == v1::DTYPE_FLOAT16;
       for (std::size_t i = 0; i < values.size(); ++i) {
-        StoreBits16(half ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]), out + 2 * i);
+        StoreBits16(bits::FloatBitsToHalf(BitsOfFloat(values[i])), out + 2 * i);
       }
       break;
-    }
+    case v1::DTYPE_BFLOAT16:
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        StoreBits16(bits::FloatBitsToBFloat16(BitsOfFloat(values[i])), out + 2 * i);
+      }
+      break;
     default:
       if (!values.empty()) std::memcpy(out, values.data(), values.size() * sizeof(float));
       break;

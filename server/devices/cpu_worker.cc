@@ -137,8 +137,8 @@ void CpuWorker::Compute(BatchJob& job) {
   if (job.status.ok()) {
     // The answer, in the response dtype.
     job.answer.size = job.AnswerBytes();
-    job.answer.bytes.reset(new char[job.answer.size]);
-    char* answer = job.answer.bytes.get();
+    job.answer.bytes = answer_pool_->Acquire(job.answer.size);
+    char* answer = job.answer.bytes.data();
     const std::size_t element_size = wire::DTypeSize(job.response_dtype);
     wire::EncodeFromFloat(grad_hidden_states_, job.response_dtype, answer);
     if (job.return_weight_gradients) {

@@ -701,7 +701,7 @@ class GpuWorker final : public DeviceWorker {
       // The answer (already in the response dtype and order in host_out): one copy, in parallel.
       const auto start = std::chrono::steady_clock::now();
       job.answer.size = job.AnswerBytes();
-      job.answer.bytes.reset(new char[job.answer.size]);
+      job.answer.bytes = answer_pool_->Acquire(job.answer.size);
       // grad_hidden_states, then the weight gradients; a part that went into the client's GPU
       // memory is not in host_out (and not sent: the answer's layout stays the same).
       const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);
@@ -710,7 +710,7 @@ class GpuWorker final : public DeviceWorker {
           job.weight_gradients_destination.data == nullptr ? job.answer.size : grad_bytes;
       if (end > first) {
         ParallelCopy(reinterpret_cast<const char*>(slot.host_out.get()) + first, end - first,
-                     job.answer.bytes.get() + first);
+                     job.answer.bytes.data() + first);
       }
       const double host_copy_out_seconds = SecondsSince(start);
       job.stages.copy_in =
@@ -883,6 +883,8 @@ class GpuWorker final : public DeviceWorker {
   static constexpr std::size_t kCopyPartBytes = std::size_t{4} << 20;
   std::unique_ptr<ParallelTasks> copy_threads_ = std::make_unique<ParallelTasks>(
       static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u)));
+  // The answers' memory, reused once gRPC has sent them (see AnswerBuffer).
+  std::shared_ptr<wire::BufferPool> answer_pool_ = wire::BufferPool::Create(kAnswerPoolBytes);
 };
 
 }  // namespace

@@ -27,10 +27,9 @@ absl::Status ParseReceivedMessage(grpc::ByteBuffer* bytes, google::protobuf::Mes
 // outputs (grad_hidden_states, RETURN weight gradients, in the job's response dtype, and its
 // timings), serialized without copying the outputs: their bytes go out as slices of the job's
 // answer buffer (BatchJob::answer), which the returned buffer keeps alive until gRPC has sent it.
-// The tensors' dtype and shape are encoded in `response`'s fields and their raw_data in a second
-// occurrence of each (protobuf parsers merge the two). With `grad_hidden_states_in_region` /
-// `weight_gradients_in_region` (those outputs were written into a region: rpc/regions.h) those
-// tensors have their dtype and shape only.
+// Byte for byte protobuf's serialization of the whole response (wire::SerializeWithPayloads).
+// With `grad_hidden_states_in_region` / `weight_gradients_in_region` (those outputs were written
+// into a region: rpc/regions.h) those tensors have their dtype and shape only.
 grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job,
                                            bool grad_hidden_states_in_region = false,
                                            bool weight_gradients_in_region = false);

@@ -330,11 +330,11 @@ void CopyOutputsToRegions(const OutputRegions& outputs, const BatchJob& job) {
   // The answer buffer: grad_hidden_states, then the weight gradients (BatchJob::answer).
   const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);
   if (outputs.grad_hidden_states.has_value()) {
-    std::memcpy(outputs.grad_hidden_states->data, job.answer.bytes.get(),
+    std::memcpy(outputs.grad_hidden_states->data, job.answer.bytes.data(),
                 outputs.grad_hidden_states->size);
   }
   if (outputs.weight_gradients.has_value()) {
-    std::memcpy(outputs.weight_gradients->data, job.answer.bytes.get() + grad_bytes,
+    std::memcpy(outputs.weight_gradients->data, job.answer.bytes.data() + grad_bytes,
                 outputs.weight_gradients->size);
   }
 }

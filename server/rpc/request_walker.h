@@ -1,13 +1,12 @@
 // A serialized BackwardRequest read where its bytes lie (any number of pieces, e.g. gRPC's receive
-// slices) without copying the activations: the protobuf wire format walked field by field; the
-// raw_data of hidden_states and grad_output is referred to, everything else re-encoded and parsed
-// by protobuf. Free of gRPC (rpc/raw_request.h adapts grpc::ByteBuffer; the fuzz build uses this).
+// slices) without copying the activations: the message walked by the wire library's walker
+// (attngrad/wire/message_walker.h), the raw_data of hidden_states and grad_output referred to,
+// everything else parsed by protobuf. Free of gRPC (rpc/raw_request.h adapts grpc::ByteBuffer; the
+// fuzz build uses this).
 #ifndef ATTNGRAD_SERVER_REQUEST_WALKER_H_
 #define ATTNGRAD_SERVER_REQUEST_WALKER_H_
 
-#include <cstdint>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -18,16 +17,10 @@ namespace attngrad::server {
 
 // The request in `pieces` (in order), its activations' WireTensors referring to them (kept alive by
 // `owner`). The last raw_data of a tensor wins, as when protobuf merges repeated occurrences.
-// INVALID_ARGUMENT (NotAMessage) for bytes that are not a BackwardRequest, including groups
+// INVALID_ARGUMENT (wire::NotAMessage) for bytes that are not a BackwardRequest, including groups
 // (deprecated wire types 3 and 4, which no attngrad message has).
 absl::StatusOr<ReceivedBackwardRequest> WalkBackwardRequest(
     const std::vector<absl::string_view>& pieces, std::shared_ptr<const void> owner);
-
-// INVALID_ARGUMENT: "the message does not parse as an <type> (<why>); the stream was ended: ...".
-absl::Status NotAMessage(const char* type, const std::string& why);
-
-// Appends a protobuf base-128 varint.
-void AppendVarint(std::uint64_t value, std::string* out);
 
 }  // namespace attngrad::server
 

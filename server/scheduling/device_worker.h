@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "attngrad/backward.h"
+#include "attngrad/wire/buffer_pool.h"
 #include "scheduling/memory_budget.h"
 #include "scheduling/wire_tensor.h"
 #include "weights/layer_weights.h"
@@ -35,9 +36,14 @@ using LayerSlots = std::vector<std::shared_ptr<const LayerWeights>>;
 
 // The answer's tensors in the response dtype, as the worker wrote them: grad_hidden_states
 // [B,S,hidden], then (RETURN) the six weight gradients in kAllWeights order. Sent as it is (gRPC
-// slices of this memory); holds the batch's share of the in-flight memory budget until then.
+// slices of this memory); holds the batch's share of the in-flight memory budget until then. The
+// memory comes from the worker's answer pool (wire::BufferPool), to which it goes back once sent:
+// a fresh 100 MB answer (RETURN's weight gradients) costs more in page faults than in copying.
+// Free answer memory a worker's pool keeps for reuse (beyond the in-flight budget).
+inline constexpr std::size_t kAnswerPoolBytes = std::size_t{1} << 30;
+
 struct AnswerBuffer {
-  std::unique_ptr<char[]> bytes;  // uninitialised until the worker writes it
+  wire::BufferPool::Buffer bytes;  // uninitialised until the worker writes it
   std::size_t size = 0;
   MemoryBudget::Reservation reservation;
 };

@@ -7,6 +7,11 @@
 //
 // Thread safety: a Client may be shared by any number of threads; a BackwardStream is used by one
 // thread at a time (Submit and Next/Await may be called from two different threads).
+//
+// Memory: Submit encodes a batch's activations once, into a host buffer that gRPC sends as it is
+// (the batch's spans are not read after Submit returns); sent buffers are kept for reuse by the
+// next batches, up to 1 GiB per Client, and freed with it. Answers are decoded straight from the
+// received bytes into the result's vectors.
 #ifndef ATTNGRAD_CLIENT_H_
 #define ATTNGRAD_CLIENT_H_
 

@@ -49,6 +49,10 @@ absl::StatusOr<std::vector<std::int64_t>> CheckTensor(int dtype,
 // raw.size() / DTypeSize(dtype) elements.
 absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view field,
                            absl::Span<float> out);
+// The same on raw elements held in pieces, in order (e.g. the slices a message arrived in; an
+// element may straddle two pieces): out.size() elements, exactly as many as the pieces hold.
+absl::Status DecodePiecesToFloat(absl::Span<const absl::string_view> pieces, int dtype,
+                                 absl::string_view field, absl::Span<float> out);
 // INVALID_ARGUMENT naming `field` and the first element that is Inf or NaN, if any; elements are
 // numbered from `first_index` (for a tensor checked in parts).
 absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field,

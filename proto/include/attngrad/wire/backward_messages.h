@@ -1,0 +1,45 @@
+// attngrad.v1 Backward requests and answers as the grpc::ByteBuffers client and server exchange,
+// with their big bytes fields kept out of protobuf messages: which tensors those are, a request
+// encoded with its activations as slices of their own, and an answer read on its received slices.
+#ifndef ATTNGRAD_WIRE_BACKWARD_MESSAGES_H_
+#define ATTNGRAD_WIRE_BACKWARD_MESSAGES_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "attngrad/v1/attngrad.pb.h"
+#include "attngrad/wire/backward_paths.h"
+#include "attngrad/wire/buffer_pool.h"
+#include "attngrad/wire/message_walker.h"
+
+namespace attngrad::wire {
+
+// `request` (hidden_states and grad_output with their dtype `dtype` and shape, no raw_data) with
+// `hidden_states` and `grad_output` encoded to `dtype` (one pass each, into one buffer of `pool`,
+// sent as its own slices): byte for byte protobuf's serialization of the request with those
+// tensors set by EncodeTensor.
+absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(const v1::BackwardRequest& request,
+                                                       absl::Span<const float> hidden_states,
+                                                       absl::Span<const float> grad_output,
+                                                       int dtype, BufferPool& pool);
+
+// An answer: its fields but the tensors' raw_data, which are `payloads` (in
+// BackwardResponseTensorPaths' order) in the received slices that `owner` keeps alive.
+struct ReceivedBackwardResponse {
+  v1::BackwardResponse response;
+  std::vector<std::vector<absl::string_view>> payloads;
+  std::shared_ptr<const void> owner;
+  std::int64_t bytes = 0;  // the serialized size
+};
+// INVALID_ARGUMENT (NotAMessage) for bytes that are not a BackwardResponse.
+absl::StatusOr<ReceivedBackwardResponse> ReadBackwardResponse(const grpc::ByteBuffer& bytes);
+
+}  // namespace attngrad::wire
+
+#endif  // ATTNGRAD_WIRE_BACKWARD_MESSAGES_H_
