@@ -194,12 +194,15 @@ class CudaIpcAgainstServer(unittest.TestCase):
         try:
             hidden, grad, positions = self.inputs(1, 32, 6)
             client.backward(hidden, grad, position_ids=positions, zero_copy=True)
-            after_one = len(client._cuda_regions)  # hidden, grad, the answer, weight gradients
+            after_one = len(client._cuda_regions)  # hidden, grad and the call's outputs
+            hidden_region = client._cuda_region_cache().slice_of(hidden)[0]
             for _ in range(3):
                 client.backward(hidden, grad, position_ids=positions, zero_copy=True)
-            # The inputs' registrations are reused, and the caching allocator gives each call's new
-            # outputs the memory of the last call's: far fewer than one set per call.
-            self.assertLess(len(client._cuda_regions), 2 * after_one)
+            # The inputs' storages are registered once (the same region every call); each call's
+            # new outputs at most once more (H200, 06:31 UTC: 10 regions after four calls, where
+            # registering per call would make 4 * after_one).
+            self.assertEqual(client._cuda_region_cache().slice_of(hidden)[0], hidden_region)
+            self.assertLessEqual(len(client._cuda_regions), 2 + 4 * (after_one - 2))
             region = client._cuda_region_cache().slice_of(hidden)[0]
         finally:
             client.close()
