@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,39 @@ class ServerProcess:
         except OSError:
             pass
         return self.process.returncode
+
+
+class ServerTestCase(unittest.TestCase):
+    """Tests against one attngrad-server process per class (ATTNGRAD_SERVER with the flags
+    `server_flags`, CPU backend unless they say otherwise) and an attngrad.Client of it: cls.server,
+    cls.client and cls.info (its GetModelInfo). `set_up_class` runs once the server is ready (the
+    server is stopped when it fails); the tear-down closes the client and fails when the server does
+    not exit 0 on SIGTERM."""
+
+    server_flags: tuple = ()
+
+    @classmethod
+    def setUpClass(cls):
+        import attngrad
+        cls.server = ServerProcess(required_env("ATTNGRAD_SERVER"), *cls.server_flags)
+        try:
+            cls.client = attngrad.Client(cls.server.target, timeout=120)
+            cls.info = cls.server.wait_ready(cls.client)
+            cls.set_up_class()
+        except BaseException:
+            cls.server.stop()
+            raise
+
+    @classmethod
+    def set_up_class(cls):
+        """The class's own set-up that needs the server (override)."""
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        code = cls.server.stop()
+        if code != 0:
+            raise AssertionError(f"attngrad-server exited with {code} on SIGTERM")
 
 
 def required_env(name: str) -> str:

@@ -22,29 +22,16 @@ MAX_MESSAGE_BYTES = 128 << 20
 MAX_BATCH_TOKENS = 16
 
 
-class ClientAgainstServer(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.reference = t.Reference(t.required_env("ATTNGRAD_LIBRARY"))
-        cls.server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"),
-                                     f"--max_message_bytes={MAX_MESSAGE_BYTES}",
-                                     f"--max_batch_tokens={MAX_BATCH_TOKENS}")
-        try:
-            cls.client = attngrad.Client(cls.server.target, timeout=120)
-            cls.server.wait_ready(cls.client)
-            cls.rng = np.random.default_rng(20261129)
-            cls.weights = t.random_weights(cls.rng)
-            cls.version = cls.client.load_weights(cls.weights)
-        except BaseException:
-            cls.server.stop()
-            raise
+class ClientAgainstServer(t.ServerTestCase):
+    server_flags = (f"--max_message_bytes={MAX_MESSAGE_BYTES}",
+                    f"--max_batch_tokens={MAX_BATCH_TOKENS}")
 
     @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        code = cls.server.stop()
-        if code != 0:
-            raise AssertionError(f"attngrad-server exited with {code} on SIGTERM")
+    def set_up_class(cls):
+        cls.reference = t.Reference(t.required_env("ATTNGRAD_LIBRARY"))
+        cls.rng = np.random.default_rng(20261129)
+        cls.weights = t.random_weights(cls.rng)
+        cls.version = cls.client.load_weights(cls.weights)
 
     def assert_matches(self, output, reference, what, atol=0.0067):
         passed, matched = t.within_spec(output, reference, atol=atol)

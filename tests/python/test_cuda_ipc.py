@@ -31,26 +31,13 @@ MAX_BATCH_TOKENS = 256
 
 
 @unittest.skipUnless(HAVE_GPU, "needs PyTorch with a CUDA GPU")
-class CudaIpcAgainstServer(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"), f"--devices={GPU}",
-                                     f"--max_batch_tokens={MAX_BATCH_TOKENS}")
-        try:
-            cls.client = attngrad.Client(cls.server.target, timeout=120)
-            info = cls.server.wait_ready(cls.client)
-            cls.hidden = info.hidden_size
-            cls.device = torch.device("cuda", GPU)
-        except BaseException:
-            cls.server.stop()
-            raise
+class CudaIpcAgainstServer(t.ServerTestCase):
+    server_flags = (f"--devices={GPU}", f"--max_batch_tokens={MAX_BATCH_TOKENS}")
 
     @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        code = cls.server.stop()
-        if code != 0:
-            raise AssertionError(f"attngrad-server exited with {code} on SIGTERM")
+    def set_up_class(cls):
+        cls.hidden = cls.info.hidden_size
+        cls.device = torch.device("cuda", GPU)
 
     def inputs(self, batch, seq_len, seed):
         generator = torch.Generator(device=self.device).manual_seed(seed)

@@ -17,25 +17,12 @@ import attngrad  # noqa: E402  (attngrad_testing puts client/python on sys.path)
 HIDDEN, HEAD_DIM = 640, 256
 
 
-class LayersAgainstServer(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"), "--model=gemma-3-270m",
-                                     "--layers=4-5")
-        try:
-            cls.client = attngrad.Client(cls.server.target, timeout=120)
-            cls.server.wait_ready(cls.client)
-        except BaseException:
-            cls.server.stop()
-            raise
-        cls.rng = np.random.default_rng(16)
+class LayersAgainstServer(t.ServerTestCase):
+    server_flags = ("--model=gemma-3-270m", "--layers=4-5")
 
     @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        code = cls.server.stop()
-        if code != 0:
-            raise AssertionError(f"attngrad-server exited with {code} on SIGTERM")
+    def set_up_class(cls):
+        cls.rng = np.random.default_rng(16)
 
     def batch(self, seq_len=6):
         hidden = self.rng.standard_normal((1, seq_len, HIDDEN), dtype=np.float32) / np.float32(25.0)

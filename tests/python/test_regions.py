@@ -19,25 +19,12 @@ import attngrad  # noqa: E402  (attngrad_testing puts client/python on sys.path)
 MAX_BATCH_TOKENS = 16
 
 
-class RegionsAgainstServer(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"),
-                                     f"--max_batch_tokens={MAX_BATCH_TOKENS}")
-        try:
-            cls.client = attngrad.Client(cls.server.target, timeout=120)
-            cls.server.wait_ready(cls.client)
-            cls.rng = np.random.default_rng(20261202)
-        except BaseException:
-            cls.server.stop()
-            raise
+class RegionsAgainstServer(t.ServerTestCase):
+    server_flags = (f"--max_batch_tokens={MAX_BATCH_TOKENS}",)
 
     @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        code = cls.server.stop()
-        if code != 0:
-            raise AssertionError(f"attngrad-server exited with {code} on SIGTERM")
+    def set_up_class(cls):
+        cls.rng = np.random.default_rng(20261202)
 
     def assert_same_bits(self, zero_copy, expected):
         np.testing.assert_array_equal(np.asarray(zero_copy.grad_hidden_states).view(np.uint8),

@@ -20,25 +20,14 @@ import attngrad  # noqa: E402
 
 
 @unittest.skipIf(torch is None, "PyTorch is not installed for this interpreter")
-class TorchBridgeAgainstServer(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        import attngrad.torch as bridge
-        cls.bridge = bridge
-        cls.server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"),
-                                     "--max_batch_tokens=16")
-        try:
-            cls.client = attngrad.Client(cls.server.target, timeout=120)
-            cls.server.wait_ready(cls.client)
-        except BaseException:
-            cls.server.stop()
-            raise
-        torch.manual_seed(1234)
+class TorchBridgeAgainstServer(t.ServerTestCase):
+    server_flags = ("--max_batch_tokens=16",)
 
     @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
+    def set_up_class(cls):
+        import attngrad.torch as bridge
+        cls.bridge = bridge
+        torch.manual_seed(1234)
 
     def inputs(self, batch, seq_len):
         hidden = (torch.randn(batch, seq_len, 3072) / 3072 ** 0.5).requires_grad_()
