@@ -14,25 +14,21 @@
 # (then carry the generated stubs, client/python/attngrad/v1). Logs go to $OUT; a summary is
 # printed last.
 set -u
-OUT=${OUT:-/tmp/out}
 B=${B:-build-ipcr}
 PY=${PY:-$B/py}
-mkdir -p "$OUT"
-tar -xJf "$B/${ARCHIVE:-ipcr.tar.xz}" -C "$B" || exit 1
+source bench/device_setup.sh  # (run from the repository root)
+device_setup "$B" "${ARCHIVE:-ipcr.tar.xz}"
 SERVER_BINARY="$PWD/$B/attngrad-server"
-export LD_LIBRARY_PATH="$PWD/$B/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/info.txt"
+export PYTHONDONTWRITEBYTECODE=1
 python3 -c "import torch, grpc; print('torch', torch.__version__, 'grpcio', grpc.__version__)" \
-  | tee -a "$OUT/info.txt"
-date -u +"start %F %T UTC" | tee -a "$OUT/info.txt"
+  | tee -a "$INFO"
 
 (ATTNGRAD_TEST_DEVICES=0 timeout 120 "$B/attngrad_server_wire_test" --gtest_filter='Regions*' \
    > "$OUT/regions_gpu.log" 2>&1; echo "exit $?" >> "$OUT/regions_gpu.log")
 (cd "$PY/tests/python" && ATTNGRAD_SERVER="$SERVER_BINARY" timeout 180 \
    python3 -m unittest -v test_cuda_ipc > "$OUT/test_cuda_ipc.log" 2>&1
  echo "exit $?" >> "$OUT/test_cuda_ipc.log")
-date -u +"tests done %T UTC" | tee -a "$OUT/info.txt"
+date -u +"tests done %T UTC" | tee -a "$INFO"
 
 "$B/attngrad-server" --devices=0 --listen=127.0.0.1:50051 --metrics_listen= \
   > "$OUT/server.log" 2>&1 &
@@ -42,7 +38,7 @@ timeout "${BENCH_LIMIT:-150}" python3 "$PY/bench/cuda_ipc_bench.py" --target=127
   --json="$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "exit $?" >> "$OUT/bench.log"
 kill -TERM $SERVER_PID; wait $SERVER_PID
-date -u +"end %T UTC" | tee -a "$OUT/info.txt"
+date -u +"end %T UTC" | tee -a "$INFO"
 
 echo "==== summary"
 grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|^exit" "$OUT/regions_gpu.log"

@@ -16,16 +16,10 @@
 #   all:   check and time, in that order.
 # Logs go to $OUT (at most 8 files come back); a summary is printed last.
 set -u
-OUT=${OUT:-/tmp/out}
 K=${K:-build-k256}
 PHASE=${PHASE:-check}
-mkdir -p "$OUT"
-tar -xJf "$K/bundle.tar.xz" -C "$K" || exit 1
-export LD_LIBRARY_PATH="$PWD/$K/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1
-INFO="$OUT/info.txt"
-nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$INFO"
-date -u +"start %F %T UTC" | tee -a "$INFO"
+source bench/device_setup.sh  # (run from the repository root)
+device_setup "$K" bundle.tar.xz
 
 bench_ab() {  # $1 rounds: this build, then the previous one, alternating
   for round in $(seq 1 "$1"); do

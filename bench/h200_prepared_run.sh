@@ -12,15 +12,10 @@
 #      x 2 in flight), fp32 on the wire; the server's stage means (compute is the GPU's part).
 # Logs go to $OUT; a summary is printed last.
 set -u
-OUT=${OUT:-/tmp/out}
 K=${K:-build-prep}
 ROUNDS=${ROUNDS:-2}
-mkdir -p "$OUT"
-tar -xJf "$K/bundle.tar.xz" -C "$K" || exit 1
-export LD_LIBRARY_PATH="$PWD/$K/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-INFO="$OUT/info.txt"
-nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$INFO"
-date -u +"start %F %T UTC" | tee -a "$INFO"
+source bench/device_setup.sh  # (run from the repository root)
+device_setup "$K" bundle.tar.xz
 
 (timeout "${TEST_LIMIT:-150}" "$K/attngrad_gpu_tests" --gtest_filter='*Prepared*:FiniteCheck*:*MatchesCpuBackendOnSmall*:*TwoCalls*:*Graph*:*Concurrent*:*BadArguments*:*Errors*:*WithoutSoftCap*:*Accumulate*' \
    > "$OUT/gpu_tests.log" 2>&1; echo "exit $?" >> "$OUT/gpu_tests.log") &

@@ -14,16 +14,10 @@
 #            server's CPU seconds per run (from /proc) and per GB moved (the bench's "moved" line).
 # Logs go to $OUT; a summary is printed last.
 set -u
-OUT=${OUT:-/tmp/out}
 B=${B:-build-svc}
 PHASE=${PHASE:-check}
-mkdir -p "$OUT"
-tar -xJf "$B/svc.tar.xz" -C "$B" || exit 1
-export LD_LIBRARY_PATH="$PWD/$B/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1
-INFO="$OUT/info.txt"
-nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$INFO"
-date -u +"start %F %T UTC" | tee -a "$INFO"
+source bench/device_setup.sh  # (run from the repository root)
+device_setup "$B" svc.tar.xz
 
 if [ "$PHASE" = check ]; then
   # The server and soak tests run attngrad-server and attngrad-cli from the paths of the build they
