@@ -36,18 +36,6 @@ std::uint16_t LoadBits16(const char* bytes) {
 
 void StoreBits16(std::uint16_t bits, char* bytes) { std::memcpy(bytes, &bits, sizeof bits); }
 
-float FloatOfBits(std::uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-std::uint32_t BitsOfFloat(float value) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
-
 }  // namespace
 
 std::string ShapeString(absl::Span<const std::int64_t> shape) {
@@ -157,12 +145,12 @@ absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view f
     // functions out of line): these loops are the client's and the CPU backend's wire codec.
     case v1::DTYPE_FLOAT16:
       for (std::size_t i = 0; i < out.size(); ++i) {
-        out[i] = FloatOfBits(bits::HalfToFloatBits(LoadBits16(bytes + 2 * i)));
+        out[i] = bits::FloatOfBits(bits::HalfToFloatBits(LoadBits16(bytes + 2 * i)));
       }
       break;
     case v1::DTYPE_BFLOAT16:
       for (std::size_t i = 0; i < out.size(); ++i) {
-        out[i] = FloatOfBits(bits::BFloat16ToFloatBits(LoadBits16(bytes + 2 * i)));
+        out[i] = bits::FloatOfBits(bits::BFloat16ToFloatBits(LoadBits16(bytes + 2 * i)));
       }
       break;
   }
@@ -279,12 +267,12 @@ void EncodeFromFloat(absl::Span<const float> values, int dtype, char* out) {
     // One loop per dtype, dtype_bits.h's conversions inlined (the bf16 one vectorizes).
     case v1::DTYPE_FLOAT16:
       for (std::size_t i = 0; i < values.size(); ++i) {
-        StoreBits16(bits::FloatBitsToHalf(BitsOfFloat(values[i])), out + 2 * i);
+        StoreBits16(bits::FloatBitsToHalf(bits::BitsOfFloat(values[i])), out + 2 * i);
       }
       break;
     case v1::DTYPE_BFLOAT16:
       for (std::size_t i = 0; i < values.size(); ++i) {
-        StoreBits16(bits::FloatBitsToBFloat16(BitsOfFloat(values[i])), out + 2 * i);
+        StoreBits16(bits::FloatBitsToBFloat16(bits::BitsOfFloat(values[i])), out + 2 * i);
       }
       break;
     default:

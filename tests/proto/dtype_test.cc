@@ -12,20 +12,13 @@
 
 #include <gtest/gtest.h>
 
+#include "attngrad/wire/dtype_bits.h"
+
 namespace attngrad::wire {
 namespace {
 
-float FloatOfBits(std::uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-std::uint32_t BitsOfFloat(float value) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
+using bits::BitsOfFloat;
+using bits::FloatOfBits;
 
 // A 16-bit binary format with `mantissa_bits` stored bits and exponents down to `min_exponent`.
 struct Format {

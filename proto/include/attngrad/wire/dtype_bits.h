@@ -8,6 +8,7 @@
 #define ATTNGRAD_WIRE_DTYPE_BITS_H_
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define ATTNGRAD_WIRE_HOST_DEVICE __host__ __device__
@@ -87,6 +88,19 @@ ATTNGRAD_WIRE_HOST_DEVICE inline std::uint16_t FloatBitsToBFloat16(std::uint32_t
   const std::uint32_t quiet_nan = (value >> 16) | kBFloat16QuietBit;  // the payload's top bits
   const bool nan = (value & 0x7fffffffu) > kFloatExponentMask;
   return static_cast<std::uint16_t>(nan ? quiet_nan : rounded);
+}
+
+// The bits of an fp32 value and back (host).
+inline std::uint32_t BitsOfFloat(float value) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+inline float FloatOfBits(std::uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
 }
 
 }  // namespace attngrad::wire::bits
