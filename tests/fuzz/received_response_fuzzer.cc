@@ -15,6 +15,7 @@
 #include "attngrad/wire/backward_paths.h"
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/message_walker.h"
+#include "received_pieces.h"
 
 namespace {
 
@@ -30,12 +31,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   using attngrad::kAllWeights;
   namespace wire = attngrad::wire;
   if (size == 0) return 0;
-  const std::size_t piece_size = static_cast<std::size_t>(data[0]) + 1;
-  const std::string message(reinterpret_cast<const char*>(data + 1), size - 1);
-  std::vector<absl::string_view> pieces;
-  for (std::size_t offset = 0; offset < message.size(); offset += piece_size) {
-    pieces.push_back(absl::string_view(message).substr(offset, piece_size));
-  }
+  attngrad::fuzz::ReceivedPieces input;
+  attngrad::fuzz::CutIntoPieces(data, size, &input);
+  const std::string& message = input.message;
+  const std::vector<absl::string_view>& pieces = input.pieces;
   absl::StatusOr<wire::WalkedMessage> walked = wire::WalkMessage(
       pieces, wire::BackwardResponseTensorPaths(), "attngrad.v1.BackwardResponse");
   attngrad::v1::BackwardResponse parsed;
