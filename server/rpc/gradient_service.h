@@ -9,6 +9,7 @@
 #include <string>
 
 #include "attngrad/v1/attngrad.grpc.pb.h"
+#include "attngrad/wire/buffer_pool.h"
 #include "rpc/auth.h"
 #include "rpc/backward_request.h"
 #include "rpc/regions.h"
@@ -43,10 +44,13 @@ using AttentionGradientBase = v1::AttentionGradient::WithCallbackMethod_GetModel
 
 class GradientService final : public AttentionGradientBase {
  public:
-  // `device_memory` opens CUDA IPC regions (null: a server without GPUs).
+  // `device_memory` opens CUDA IPC regions (null: a server without GPUs); `arrival_staging`:
+  // page-locked memory that Backward batches are copied into as they arrive, on the receiving
+  // thread (scheduling/staging.h; null: the workers copy them).
   GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
                   Authenticator authenticator, std::string server_version,
-                  std::shared_ptr<DeviceMemoryOpener> device_memory = nullptr);
+                  std::shared_ptr<DeviceMemoryOpener> device_memory = nullptr,
+                  std::shared_ptr<wire::BufferPool> arrival_staging = nullptr);
 
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
@@ -77,6 +81,7 @@ class GradientService final : public AttentionGradientBase {
   MemoryBudget& memory() { return memory_; }
   const Authenticator& authenticator() const { return authenticator_; }
   const RegionRegistry& regions() const { return regions_; }
+  wire::BufferPool* arrival_staging() const { return arrival_staging_.get(); }
 
  private:
   // The caller of `context` when it may perform `operation` (named `method` in errors); otherwise
@@ -92,6 +97,7 @@ class GradientService final : public AttentionGradientBase {
   StreamRegistry streams_;
   MemoryBudget memory_;
   RegionRegistry regions_;  // unmapped (closed) when the service is destroyed
+  const std::shared_ptr<wire::BufferPool> arrival_staging_;
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.
