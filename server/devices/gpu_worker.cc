@@ -397,7 +397,8 @@ class GpuWorker final : public DeviceWorker {
 
   // The slot's host staging (scheduling/staging.h), in parts on the copy threads.
   absl::Status StageInputs(Slot& slot, BatchJob& job) {
-    return CopyToStaging(job, slot.host_in.get(), copy_threads_.get(), kCopyPartBytes);
+    return CopyToStaging(job, slot.host_in.get(), copy_threads_.get(),
+                         ParallelTasks::kCopyPartBytes);
   }
 
   // Where the kernels read one activation tensor (`dtype`, `count` elements): fp32 in the client's
@@ -848,9 +849,8 @@ class GpuWorker final : public DeviceWorker {
   std::vector<Slot> slots_;
   int retired_since_gauges_ = 0;
   // The host copies (staging in, answers out), in parts on these threads.
-  static constexpr std::size_t kCopyPartBytes = std::size_t{4} << 20;
-  std::unique_ptr<ParallelTasks> copy_threads_ = std::make_unique<ParallelTasks>(
-      static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u)));
+  std::unique_ptr<ParallelTasks> copy_threads_ =
+      std::make_unique<ParallelTasks>(ParallelTasks::CopyThreads());
   // The answers' page-locked memory, reused once gRPC has sent them (see AnswerBuffer).
   std::shared_ptr<wire::BufferPool> answer_pool_ = MakePinnedBufferPool(kPinnedAnswerPoolBytes);
 };

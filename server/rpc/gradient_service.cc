@@ -278,7 +278,8 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     parsed->job->answer.reservation = *std::move(memory);
     // GPU servers: the one host copy of the inputs, here on the receiving thread.
     if (service_->arrival_staging() != nullptr) {
-      absl::Status staged = StageOnArrival(*service_->arrival_staging(), *parsed->job);
+      absl::Status staged = StageOnArrival(*service_->arrival_staging(),
+                                           service_->arrival_copy_threads(), *parsed->job);
       if (!staged.ok()) {
         QueueResponse(ErrorResponse(batch_id, staged), /*job_finished=*/false);
         return;
@@ -718,7 +719,10 @@ GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, Ser
       streams_(limits.streams),
       memory_(limits.max_inflight_bytes),
       regions_(std::move(device_memory)),
-      arrival_staging_(std::move(arrival_staging)) {}
+      arrival_staging_(std::move(arrival_staging)),
+      arrival_copy_threads_(arrival_staging_ == nullptr
+                                ? nullptr
+                                : std::make_unique<ParallelTasks>(ParallelTasks::CopyThreads())) {}
 
 absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext& context,
                                               Operation operation, const char* method) {

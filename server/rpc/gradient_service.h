@@ -6,6 +6,7 @@
 #define ATTNGRAD_SERVER_GRADIENT_SERVICE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "attngrad/v1/attngrad.grpc.pb.h"
@@ -16,6 +17,7 @@
 #include "rpc/stream_registry.h"
 #include "scheduling/gradient_core.h"
 #include "scheduling/memory_budget.h"
+#include "scheduling/parallel_tasks.h"
 #include "metrics/metrics.h"
 
 namespace attngrad::server {
@@ -82,6 +84,8 @@ class GradientService final : public AttentionGradientBase {
   const Authenticator& authenticator() const { return authenticator_; }
   const RegionRegistry& regions() const { return regions_; }
   wire::BufferPool* arrival_staging() const { return arrival_staging_.get(); }
+  // The threads of the arrival copies (with arrival_staging only).
+  ParallelTasks& arrival_copy_threads() { return *arrival_copy_threads_; }
 
  private:
   // The caller of `context` when it may perform `operation` (named `method` in errors); otherwise
@@ -98,6 +102,7 @@ class GradientService final : public AttentionGradientBase {
   MemoryBudget memory_;
   RegionRegistry regions_;  // unmapped (closed) when the service is destroyed
   const std::shared_ptr<wire::BufferPool> arrival_staging_;
+  std::unique_ptr<ParallelTasks> arrival_copy_threads_;
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.

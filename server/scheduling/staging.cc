@@ -65,7 +65,7 @@ absl::Status CopyToStaging(const BatchJob& job, float* staging, ParallelTasks* t
   return absl::OkStatus();
 }
 
-absl::Status StageOnArrival(wire::BufferPool& pool, BatchJob& job) {
+absl::Status StageOnArrival(wire::BufferPool& pool, ParallelTasks& threads, BatchJob& job) {
   if (job.hidden_states.cuda_device() >= 0 || job.grad_output.cuda_device() >= 0) {
     return absl::OkStatus();
   }
@@ -74,8 +74,8 @@ absl::Status StageOnArrival(wire::BufferPool& pool, BatchJob& job) {
   wire::BufferPool::Buffer buffer = pool.Acquire(bytes);
   if (buffer.data() == nullptr) return absl::OkStatus();  // the worker stages it
   // Page-locked memory from cudaHostAlloc is page-aligned: floats may be written there.
-  ATTNGRAD_RETURN_IF_ERROR(CopyToStaging(job, reinterpret_cast<float*>(buffer.data()),
-                                         /*threads=*/nullptr, std::size_t{4} << 20));
+  ATTNGRAD_RETURN_IF_ERROR(CopyToStaging(job, reinterpret_cast<float*>(buffer.data()), &threads,
+                                         ParallelTasks::kCopyPartBytes));
   job.hidden_states.DropBytes();
   job.grad_output.DropBytes();
   job.staged_inputs = std::move(buffer);

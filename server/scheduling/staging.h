@@ -27,11 +27,12 @@ std::size_t StagingElements(const BatchJob& job);
 absl::Status CopyToStaging(const BatchJob& job, float* staging, ParallelTasks* threads,
                            std::size_t part_bytes);
 
-// On the calling thread: the job's inputs copied into a buffer of `pool` (page-locked memory) as
-// BatchJob::staged_inputs, the received bytes let go, and the seconds it took in
-// job.stages.copy_in. Nothing is done for a job with an activation in GPU memory, or when the
-// pool cannot allocate the buffer (the worker stages such a job). Errors as CopyToStaging's.
-absl::Status StageOnArrival(wire::BufferPool& pool, BatchJob& job);
+// The job's inputs copied into a buffer of `pool` (page-locked memory) as BatchJob::staged_inputs,
+// in parts on `threads` (shared by the receiving threads: each takes part in its own copy), the
+// received bytes let go, and the seconds it took in job.stages.copy_in. Nothing is done for a job
+// with an activation in GPU memory, or when the pool cannot allocate the buffer (the worker stages
+// such a job). Errors as CopyToStaging's.
+absl::Status StageOnArrival(wire::BufferPool& pool, ParallelTasks& threads, BatchJob& job);
 
 }  // namespace attngrad::server
 
