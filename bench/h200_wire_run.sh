@@ -12,6 +12,8 @@
 #   TEST_LIMIT  seconds for the checks (in parallel; default 75)
 #   D           seconds per timed run (default 3)
 #   CHECKS=0    skips the checks; REGION_TESTS=1 runs the regions tests on the GPU worker last
+#   SHORT=1     only the 8-connection fp32/bf16 ACCUMULATE, fp32 RETURN and latency settings on
+#               the new server, and fp32 ACCUMULATE on the others; no bridge
 #   CEILINGS=main  times the ceiling for the 8-connection ACCUMULATE and fp32 RETURN settings and
 #               the latency only (default: every setting)
 set -u
@@ -97,11 +99,12 @@ bench() {  # $1 label, then the flags of both programs
 F8="--streams=8 --channels=8"
 RUN=0
 serve new "$NEW"
-bench "fp32 ACC 4x1 conn" $A --streams=4 --channels=1
+[ "${SHORT:-0}" = 1 ] || bench "fp32 ACC 4x1 conn" $A --streams=4 --channels=1
 MAIN=1 bench "fp32 ACC 8/8" $A $F8
 MAIN=1 bench "bf16 ACC 8/8" $A $F8 --input_dtype=bfloat16 --response_dtype=bfloat16
 MAIN=1 bench "fp32 RET 8/8" $A $F8 --mode=return
-bench "bf16 RET 8/8" $A $F8 --mode=return --input_dtype=bfloat16 --response_dtype=bfloat16
+[ "${SHORT:-0}" = 1 ] ||
+  bench "bf16 RET 8/8" $A $F8 --mode=return --input_dtype=bfloat16 --response_dtype=bfloat16
 MAIN=1 bench "RET 1x128 1 in flight" --mode=return --batch=1 --seq_len=128 --channels=1 \
   --streams=1 --in_flight=1 --count=100
 if command -v perf > /dev/null; then  # where the server's CPU goes at 8 connections
@@ -112,7 +115,7 @@ if command -v perf > /dev/null; then  # where the server's CPU goes at 8 connect
     grep -vE "^#|^$" | grep -E "^ +[0-9]" | head -40 > "$OUT/perf.txt"
 fi
 bridge() {  # $1: what to time (cuda_ipc_bench.py --only)
-  [ -d "$PY/bench" ] || return
+  [ -d "$PY/bench" ] && [ "${SHORT:-0}" != 1 ] || return
   timeout 90 python3 "$PY/bench/cuda_ipc_bench.py" --only="$1" --count="${BRIDGE_COUNT:-40}" \
     2>&1 | grep -E "^\{|Error" | cut -c1-200 | sed "s/^/B $SERVER /" | tee -a "$OUT/timing.txt"
 }
@@ -121,12 +124,12 @@ unserve
 CEIL=0
 serve nostage "$NEW" --stage_on_arrival=false
 bench "fp32 ACC 8/8" $A $F8
-bench "fp32 RET 8/8" $A $F8 --mode=return
+[ "${SHORT:-0}" = 1 ] || bench "fp32 RET 8/8" $A $F8 --mode=return
 unserve
 if [ -x "$OLD" ]; then
   serve old "$OLD"
   bench "fp32 ACC 8/8" $A $F8
-  bench "fp32 RET 8/8" $A $F8 --mode=return
+  [ "${SHORT:-0}" = 1 ] || bench "fp32 RET 8/8" $A $F8 --mode=return
   bridge "${OLD_BRIDGE:-bridge}"
   unserve
 fi
