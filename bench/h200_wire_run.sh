@@ -109,8 +109,9 @@ MAIN=1 bench "RET 1x128 1 in flight" --mode=return --batch=1 --seq_len=128 --cha
   --streams=1 --in_flight=1 --count=100
 if command -v perf > /dev/null; then  # where the server's CPU goes at 8 connections
   perf record -F 499 -g -p "$SERVER_PID" -o "$W/perf.data" -- sleep "$D" > /dev/null 2>&1 &
+  PERF_PID=$!
   CEIL=0 bench "fp32 ACC 8/8 (perf)" $A $F8
-  wait
+  wait "$PERF_PID"
   perf report -i "$W/perf.data" --no-children --sort dso,sym --stdio 2> /dev/null |
     grep -vE "^#|^$" | grep -E "^ +[0-9]" | head -40 > "$OUT/perf.txt"
 fi
