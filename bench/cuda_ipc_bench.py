@@ -8,7 +8,8 @@ that name them, so that no activation byte crosses the connection.
   latency:    one B x S batch at a time (RETURN: the weight gradients come back on the wire;
               ACCUMULATE: nothing but the response): the p50/p90 round trip of COUNT batches.
   bridge:     attngrad.torch's RemoteGemma3Attention (zero_copy=True, ACCUMULATE), one B x S
-              backward in a loop: p50 wall time of loss.backward().
+              backward in a loop: p50 wall time of loss.backward(); bridge_tcp: the same with
+              zero_copy=False (the tensors' bytes over the connection).
 
 Prints one line per measurement (and JSON with --json). Run against a server on the same GPU:
   attngrad-server --devices=0 --listen=127.0.0.1:50051 &
@@ -174,11 +175,11 @@ def latency(args, client, hidden, device, mode, batch, seq_len, label, weights_r
             "p50_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3}
 
 
-def bridge(args, client, device):
+def bridge(args, client, device, zero_copy):
     import attngrad.torch as bridge_module
 
     layer = bridge_module.RemoteGemma3Attention(client, mode="accumulate", device=device,
-                                                zero_copy=True)
+                                                zero_copy=zero_copy)
     layer.sync_weights()
     info = client.info()
     hidden = torch.randn(1, args.bridge_seq_len, info.hidden_size, device=device,
@@ -198,7 +199,7 @@ def bridge(args, client, device):
         if index >= 5:
             times.append(elapsed)
     times.sort()
-    return {"what": f"attngrad.torch zero_copy=True ACCUMULATE 1x{args.bridge_seq_len} "
+    return {"what": f"attngrad.torch zero_copy={zero_copy} ACCUMULATE 1x{args.bridge_seq_len} "
                     "loss.backward()", "count": len(times),
             "p50_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3}
 
@@ -220,7 +221,8 @@ def main():
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--count", type=int, default=100, help="latency / bridge iterations")
     parser.add_argument("--bridge_seq_len", type=int, default=1024)
-    parser.add_argument("--only", default="throughput,latency,bridge")
+    parser.add_argument("--only", default="throughput,latency,bridge",
+                        help="bridge: over CUDA IPC (zero_copy=True); bridge_tcp: the bytes path")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
@@ -241,9 +243,11 @@ def main():
             results.append(latency(args, client, info.hidden_size, device, mode, 1, 128,
                                    f"{name} 1x128 over CUDA IPC, one in flight", weights_region))
             print(json.dumps(results[-1]), flush=True)
-    if "bridge" in parts:
+    for part, zero_copy in (("bridge", True), ("bridge_tcp", False)):
+        if part not in parts:
+            continue
         client.zero_gradients()
-        results.append(bridge(args, client, device))
+        results.append(bridge(args, client, device, zero_copy))
         print(json.dumps(results[-1]), flush=True)
     client.close()
     if args.json:

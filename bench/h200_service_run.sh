@@ -105,4 +105,9 @@ done
 [ -f "$OUT/offload.log" ] && { echo "--- offload"; tail -30 "$OUT/offload.log"; }
 [ -f "$OUT/soak_gpu.log" ] && { echo "--- soak"; tail -15 "$OUT/soak_gpu.log"; }
 [ -f "$OUT/dtype_check.log" ] && grep -E "^====|check|PASS|FAIL" "$OUT/dtype_check.log" | head -40
-[ -f "$OUT/service.log" ] && grep -vE "^\s*$" "$OUT/service.log" | grep -E "====|tokens/s|server CPU|\{" | cut -c1-400
+# Compact: the bench's throughput, latency and server stage lines and the ceiling's tokens/s, p50
+# and CPU (bench/h200_wire_run.sh prints one line per run).
+[ -f "$OUT/service.log" ] && grep -vE "^\s*$" "$OUT/service.log" |
+  grep -E "====|throughput|^  latency|^  server|server CPU|\{" |
+  sed -E 's/"(channels|streams|in_flight|batch|seq_len|mode|input_dtype|response_dtype|rotary|hidden_size|num_heads|num_kv_heads|head_dim|batches|tokens|seconds|request_bytes|response_bytes|request_bytes_per_batch|response_bytes_per_batch|request_gb_per_second|response_gb_per_second|p90_seconds|p99_seconds|max_seconds|server_received_bytes|server_sent_bytes|server_batches|server_cpu_seconds|client_cpu_seconds|errors|first_error)":("[^"]*"|[^,}]*),?//g' |
+  cut -c1-300

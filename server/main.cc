@@ -80,6 +80,10 @@ ABSL_FLAG(std::int64_t, max_inflight_bytes, std::int64_t{4} << 30,
 ABSL_FLAG(int, queue_depth, 4,
           "Batches one Backward stream may have in the server at once; also each GPU's pipeline "
           "depth (at least 3)");
+ABSL_FLAG(bool, stage_on_arrival, true,
+          "GPU servers: copy each batch's activations into page-locked memory on the thread that "
+          "received them (the copies of several streams at once) instead of on the GPU worker's "
+          "copy threads");
 ABSL_FLAG(int, shutdown_grace_seconds, 30,
           "On SIGTERM/SIGINT: how long running RPCs may take to finish before they are cancelled");
 ABSL_FLAG(int, cpu_threads, 0, "Threads of the CPU backend (0 = all cores)");
@@ -195,6 +199,7 @@ int main(int argc, char** argv) {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   options.queue_depth = absl::GetFlag(FLAGS_queue_depth);
+  options.stage_on_arrival = absl::GetFlag(FLAGS_stage_on_arrival);
   options.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   options.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   options.stream_idle_timeout_seconds = absl::GetFlag(FLAGS_stream_idle_timeout_seconds);

@@ -190,6 +190,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   // Workers.
   std::vector<std::unique_ptr<DeviceWorker>> workers;
   std::shared_ptr<DeviceMemoryOpener> device_memory;  // CUDA IPC regions: GPU servers only
+  std::shared_ptr<wire::BufferPool> arrival_staging;  // GPU servers with --stage_on_arrival
   if (devices.cpu) {
     auto worker =
         std::make_unique<CpuWorker>(layer_slots, options.cpu_threads, server->metrics_.get());
@@ -202,6 +203,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
                                                nccl_mode, server->metrics_.get()));
     workers = std::move(gpu_workers.workers);
     device_memory = std::move(gpu_workers.device_memory);
+    if (options.stage_on_arrival) arrival_staging = std::move(gpu_workers.arrival_staging);
     server->uses_nccl_ = gpu_workers.sum.nccl;
     server->nccl_version_ = gpu_workers.sum.nccl_version;
     server->gradient_sum_ = gpu_workers.sum.description;
@@ -232,9 +234,9 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
         "may replace the weights, zero or fetch any client's sums (clients name themselves with "
         "the attngrad-client-id metadata)");
   }
-  server->service_ = std::make_unique<GradientService>(server->core_.get(), server->metrics_.get(),
-                                                       limits, std::move(authenticator),
-                                                       ATTNGRAD_VERSION, std::move(device_memory));
+  server->service_ = std::make_unique<GradientService>(
+      server->core_.get(), server->metrics_.get(), limits, std::move(authenticator),
+      ATTNGRAD_VERSION, std::move(device_memory), std::move(arrival_staging));
 
   // Metrics.
   if (!options.metrics_listen.empty()) {

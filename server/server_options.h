@@ -32,6 +32,8 @@ struct ServerOptions {
   int tls_reload_interval_seconds = 10;  // how often the TLS files are checked for changes
   std::string tokens_file;  // "token role [client_id]" lines; empty = authentication off
   int queue_depth = 4;      // batches per stream in flight; GPU pipeline depth (at least 3)
+  // GPU servers: activations staged into page-locked memory by the receiving thread.
+  bool stage_on_arrival = true;
   // Host memory for data in flight, server-wide (MemoryBudget); 0 = no limit.
   std::int64_t max_inflight_bytes = std::int64_t{4} << 30;
   int cpu_threads = 0;  // CPU backend threads (0 = all cores)

@@ -5,10 +5,13 @@
 // copy-in, compute and copy-out. Each batch in flight owns a slot (pinned host staging buffers,
 // device input/output buffers, timing events); with three slots the copy-in of batch n+1, the
 // compute of batch n and the copy-out of batch n-1 overlap. The host side of a batch is one copy
-// each way, in parallel on the worker's copy threads: the activations from gRPC's receive slices
-// into the slot's pinned staging as they arrived (fp32/fp16/bf16; fp16/bf16 widened on the GPU,
-// wire_convert.h), and the answer, in the response dtype (narrowed on the GPU), from the pinned
-// buffer into the job's answer buffer, which gRPC sends as it is. Kernels run in order on the
+// in and none out: the activations go from gRPC's receive slices into page-locked staging as
+// they arrived (fp32/fp16/bf16; fp16/bf16 widened on the GPU, wire_convert.h), copied on arrival
+// by the receiving thread (BatchJob::staged_inputs, scheduling/staging.h; the copies of several
+// streams run at once) or else here, in parallel on the worker's copy threads, into the slot's
+// staging; the answer, in the response dtype (narrowed on the GPU), is copied by the GPU straight
+// into the job's answer buffer, page-locked memory of the worker's pool (devices/pinned_pool.h),
+// which gRPC sends as it is. Kernels run in order on the
 // compute stream, so the accumulators and the shared workspace need no further synchronisation.
 // Every batch computes its weight gradients into its slot's buffer; the finite check
 // (attngrad/finite_check.h) then counts their NaN/Inf values on the device and, for ACCUMULATE,
@@ -60,9 +63,11 @@
 #include "devices/cuda_ipc_memory.h"
 #include "devices/nccl_abort.h"
 #include "devices/nccl_library.h"
+#include "devices/pinned_pool.h"
 #include "devices/wire_convert.h"
 #include "scheduling/finite_check.h"
 #include "scheduling/parallel_tasks.h"
+#include "scheduling/staging.h"
 
 namespace attngrad::server {
 namespace {
@@ -138,6 +143,14 @@ class NcclSum {};  // never made: this build has no nccl.h
 const CollectiveWaitOptions kNcclWait = {std::chrono::seconds(60), std::chrono::microseconds(200)};
 #endif
 
+// Free page-locked answer memory a GPU worker keeps for reuse: a RETURN answer of the SPEC layer is
+// ~113 MB (fp32), and the answers in flight (16 of them in a bench of 8 streams) must not each
+// allocate and lock their memory again.
+constexpr std::size_t kPinnedAnswerPoolBytes = std::size_t{4} << 30;
+// Free page-locked staging memory the server keeps for batches staged on arrival (a 4x1024 fp32
+// batch of the SPEC layer stages 27 MB).
+constexpr std::size_t kArrivalStagingPoolBytes = std::size_t{1} << 30;
+
 class GpuWorker final : public DeviceWorker {
  public:
   // `nccl`: null for host-side sums; else this worker is rank `rank` of it (rank 0 is the root).
@@ -197,11 +210,10 @@ class GpuWorker final : public DeviceWorker {
   // One batch in flight and the buffers it uses (grown as batches need, never shrunk).
   struct Slot {
     std::unique_ptr<BatchJob> job;
-    // hidden_states | grad_output (each as received: fp32, or fp16/bf16 in its first half) | cos |
-    // sin (fp32).
+    // The staging layout (scheduling/staging.h), for a job not staged on arrival.
     cuda::PinnedBuffer<float> host_in;
-    // The answer in the response dtype: grad_hidden_states [| weight gradients (RETURN)].
-    cuda::PinnedBuffer<float> host_out;
+    // A job's inputs staged on arrival, kept until its copy-in is done (the batch retires).
+    wire::BufferPool::Buffer staged_inputs;
     cuda::DeviceBuffer<float> device_in;      // hidden_states | grad_output | cos | sin, all fp32
     cuda::DeviceBuffer<float> device_raw;     // fp16/bf16 activations before widening (2 per float)
     cuda::DeviceBuffer<float> device_answer;  // a fp16/bf16 answer after narrowing (2 per float)
@@ -366,6 +378,7 @@ class GpuWorker final : public DeviceWorker {
         cudaStreamSynchronize(copy_out_stream_.get());
         slot->device_hidden_states = WireTensor();
         slot->device_grad_output = WireTensor();
+        slot->staged_inputs = wire::BufferPool::Buffer();
         slot->job->status = status;
         FinishJob(std::move(slot->job));
       }
@@ -382,61 +395,10 @@ class GpuWorker final : public DeviceWorker {
     return CudaStatus(Buffer::Create(elements, buffer), what);
   }
 
-  // Copies `bytes` from `source` to `destination` on the copy threads, in parts of kCopyPartBytes.
-  void ParallelCopy(const char* source, std::size_t bytes, char* destination) {
-    const std::size_t parts = (bytes + kCopyPartBytes - 1) / kCopyPartBytes;
-    copy_threads_->Run(parts, [&](std::size_t part) {
-      const std::size_t offset = part * kCopyPartBytes;
-      std::memcpy(destination + offset, source + offset, std::min(kCopyPartBytes, bytes - offset));
-    });
-  }
-
-  // The slot's host staging: the activations copied once from the received slices (as they
-  // arrived: fp32, fp16 or bf16, checked to be finite on the way) and the rotary tables, in parts
-  // on the copy threads. The first failing part in order names the error.
+  // The slot's host staging (scheduling/staging.h), in parts on the copy threads.
   absl::Status StageInputs(Slot& slot, BatchJob& job) {
-    const std::size_t activations = job.activations();
-    const std::size_t rotary = job.cos.size();
-    char* const hidden_region = reinterpret_cast<char*>(slot.host_in.get());
-    char* const grad_region = reinterpret_cast<char*>(slot.host_in.get() + activations);
-    float* const rotary_region = slot.host_in.get() + 2 * activations;
-    struct Part {
-      const WireTensor* tensor = nullptr;  // null: a rotary table
-      const char* field = nullptr;
-      std::size_t first = 0, count = 0;  // elements
-      char* destination = nullptr;
-      const std::vector<float>* table = nullptr;
-    };
-    std::vector<Part> parts;
-    for (const auto& [tensor, field, region] :
-         {std::tuple(&job.hidden_states, "hidden_states.raw_data", hidden_region),
-          std::tuple(&job.grad_output, "grad_output.raw_data", grad_region)}) {
-      if (tensor->cuda_device() >= 0) continue;  // GPU memory: read there (CopyActivationsIn)
-      const std::size_t element_size = tensor->element_size();
-      const std::size_t per_part = kCopyPartBytes / element_size;
-      for (std::size_t first = 0; first < activations; first += per_part) {
-        parts.push_back(Part{tensor, field, first, std::min(per_part, activations - first),
-                             region + first * element_size, nullptr});
-      }
-    }
-    parts.push_back(
-        Part{nullptr, nullptr, 0, rotary, reinterpret_cast<char*>(rotary_region), &job.cos});
-    parts.push_back(Part{nullptr, nullptr, 0, rotary,
-                         reinterpret_cast<char*>(rotary_region + rotary), &job.sin});
-    std::vector<absl::Status> statuses(parts.size());
-    copy_threads_->Run(parts.size(), [&](std::size_t index) {
-      const Part& part = parts[index];
-      if (part.tensor == nullptr) {
-        std::memcpy(part.destination, part.table->data(), part.count * sizeof(float));
-        return;
-      }
-      statuses[index] =
-          part.tensor->CopyFinite(part.first, part.count, part.destination, part.field);
-    });
-    for (absl::Status& status : statuses) {
-      if (!status.ok()) return status;
-    }
-    return absl::OkStatus();
+    return CopyToStaging(job, slot.host_in.get(), copy_threads_.get(),
+                         ParallelTasks::kCopyPartBytes);
   }
 
   // Where the kernels read one activation tensor (`dtype`, `count` elements): fp32 in the client's
@@ -487,15 +449,25 @@ class GpuWorker final : public DeviceWorker {
     job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
     const std::size_t activations = job.activations();
     const std::size_t rotary = job.cos.size();
-    const std::size_t input_elements = 2 * activations + 2 * rotary;
+    const std::size_t input_elements = StagingElements(job);
     const std::size_t output_elements =
         activations + (job.return_weight_gradients ? layer.layout.total_elements : 0);
     const bool half_inputs = job.hidden_states.dtype() != v1::DTYPE_FLOAT32 ||
                              job.grad_output.dtype() != v1::DTYPE_FLOAT32;
     const bool half_answer = job.response_dtype != v1::DTYPE_FLOAT32;
-    absl::Status status = EnsureCapacity(&slot.host_in, input_elements, "cudaMallocHost(host_in)");
+    const bool staged = job.staged_inputs.data() != nullptr;
+    absl::Status status =
+        staged ? absl::OkStatus()
+               : EnsureCapacity(&slot.host_in, input_elements, "cudaMallocHost(host_in)");
+    // The answer's page-locked memory, which the GPU copies it into and gRPC sends from.
     if (status.ok()) {
-      status = EnsureCapacity(&slot.host_out, output_elements, "cudaMallocHost(host_out)");
+      job.answer.size = job.AnswerBytes();
+      job.answer.bytes = answer_pool_->Acquire(job.answer.size);
+      if (job.answer.bytes.data() == nullptr) {
+        status = absl::ResourceExhaustedError(
+            absl::StrCat("no page-locked host memory on ", device(), " for the answer (",
+                         job.answer.size, " bytes): send fewer or smaller batches at once"));
+      }
     }
     if (status.ok()) {
       status = EnsureCapacity(&slot.device_in, input_elements, "cudaMalloc(device_in)");
@@ -533,7 +505,13 @@ class GpuWorker final : public DeviceWorker {
     if (!status.ok()) return status;
 
     const auto copy_start = std::chrono::steady_clock::now();
-    status = StageInputs(slot, job);
+    // On arrival already (its seconds in stages.copy_in), or here.
+    double host_copy_in_seconds = job.stages.copy_in;
+    if (staged) {
+      slot.staged_inputs = std::move(job.staged_inputs);
+    } else {
+      status = StageInputs(slot, job);
+    }
     // The received bytes are no longer needed; GPU memory is read from where it is.
     const int hidden_dtype = job.hidden_states.dtype();
     const int grad_dtype = job.grad_output.dtype();
@@ -545,7 +523,11 @@ class GpuWorker final : public DeviceWorker {
     job.grad_output = WireTensor();
     job.request_reservation.Release();
     if (!status.ok()) return status;
-    slot.host_copy_in_seconds = SecondsSince(copy_start);
+    if (!staged) host_copy_in_seconds += SecondsSince(copy_start);
+    slot.host_copy_in_seconds = host_copy_in_seconds;
+    float* const host_in =
+        staged ? reinterpret_cast<float*>(slot.staged_inputs.data()) : slot.host_in.get();
+    char* const host_out = job.answer.bytes.data();
 
     const cudaStream_t copy_in = copy_in_stream_.get();
     const cudaStream_t compute = compute_stream_.get();
@@ -554,16 +536,16 @@ class GpuWorker final : public DeviceWorker {
     std::uint16_t* const device_raw = reinterpret_cast<std::uint16_t*>(slot.device_raw.get());
     ATTNGRAD_ASSIGN_OR_RETURN(
         const float* hidden_states,
-        ActivationsOnDevice(slot.device_hidden_states, hidden_dtype, slot.host_in.get(),
-                            activations, slot.device_in.get(), device_raw, copy_in));
+        ActivationsOnDevice(slot.device_hidden_states, hidden_dtype, host_in, activations,
+                            slot.device_in.get(), device_raw, copy_in));
     ATTNGRAD_ASSIGN_OR_RETURN(
         const float* grad_output,
-        ActivationsOnDevice(slot.device_grad_output, grad_dtype, slot.host_in.get() + activations,
-                            activations, slot.device_in.get() + activations,
+        ActivationsOnDevice(slot.device_grad_output, grad_dtype, host_in + activations, activations,
+                            slot.device_in.get() + activations,
                             device_raw == nullptr ? nullptr : device_raw + activations, copy_in));
-    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
-        slot.device_in.get() + 2 * activations, slot.host_in.get() + 2 * activations,
-        2 * rotary * sizeof(float), cudaMemcpyHostToDevice, copy_in));
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.device_in.get() + 2 * activations,
+                                         host_in + 2 * activations, 2 * rotary * sizeof(float),
+                                         cudaMemcpyHostToDevice, copy_in));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_done.get(), copy_in));
 
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(compute, slot.copy_in_done.get(), 0));
@@ -622,13 +604,13 @@ class GpuWorker final : public DeviceWorker {
                                          copy_out));
     if (!half_answer) {
       if (!answer_on_device) {
-        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_out.get(), slot.device_grad_hidden.get(),
+        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(host_out, slot.device_grad_hidden.get(),
                                              activations * sizeof(float), cudaMemcpyDeviceToHost,
                                              copy_out));
       }
       if (job.return_weight_gradients && !weights_on_device) {
         ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
-            slot.host_out.get() + activations, slot.device_weight_gradients.get(),
+            host_out + activations * sizeof(float), slot.device_weight_gradients.get(),
             layer.layout.total_elements * sizeof(float), cudaMemcpyDeviceToHost, copy_out));
       }
     } else {
@@ -650,9 +632,9 @@ class GpuWorker final : public DeviceWorker {
       const std::size_t first = answer_on_device ? activations : 0;
       const std::size_t end = weights_on_device ? activations : output_elements;
       if (end > first) {
-        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
-            reinterpret_cast<std::uint16_t*>(slot.host_out.get()) + first, answer + first,
-            (end - first) * sizeof(std::uint16_t), cudaMemcpyDeviceToHost, copy_out));
+        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(reinterpret_cast<std::uint16_t*>(host_out) + first,
+                                             answer + first, (end - first) * sizeof(std::uint16_t),
+                                             cudaMemcpyDeviceToHost, copy_out));
       }
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
@@ -698,26 +680,12 @@ class GpuWorker final : public DeviceWorker {
       job.status = NonFiniteGradientsStatus(counts);  // not accumulated then (QueueFiniteCheck)
     }
     if (job.status.ok()) {
-      // The answer (already in the response dtype and order in host_out): one copy, in parallel.
-      const auto start = std::chrono::steady_clock::now();
-      job.answer.size = job.AnswerBytes();
-      job.answer.bytes = answer_pool_->Acquire(job.answer.size);
-      // grad_hidden_states, then the weight gradients; a part that went into the client's GPU
-      // memory is not in host_out (and not sent: the answer's layout stays the same).
-      const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);
-      const std::size_t first = job.grad_hidden_states_destination.data == nullptr ? 0 : grad_bytes;
-      const std::size_t end =
-          job.weight_gradients_destination.data == nullptr ? job.answer.size : grad_bytes;
-      if (end > first) {
-        ParallelCopy(reinterpret_cast<const char*>(slot.host_out.get()) + first, end - first,
-                     job.answer.bytes.data() + first);
-      }
-      const double host_copy_out_seconds = SecondsSince(start);
+      // The answer is in job.answer already (the GPU copied it there, in the response dtype and
+      // order; a part that went into the client's GPU memory is not, and is not sent).
       job.stages.copy_in =
           slot.host_copy_in_seconds + ElapsedSeconds(slot.copy_in_start, slot.copy_in_done);
       job.stages.compute = ElapsedSeconds(slot.compute_start, slot.compute_done);
-      job.stages.copy_out =
-          ElapsedSeconds(slot.copy_out_start, slot.copy_out_done) + host_copy_out_seconds;
+      job.stages.copy_out = ElapsedSeconds(slot.copy_out_start, slot.copy_out_done);
       if (job.accumulate && !job.return_weight_gradients) {
         AccumulatorSet& accumulator_set =
             layer.accumulator_sets[static_cast<std::size_t>(job.accumulator_set)];
@@ -731,6 +699,7 @@ class GpuWorker final : public DeviceWorker {
     }
     slot.device_hidden_states = WireTensor();
     slot.device_grad_output = WireTensor();
+    slot.staged_inputs = wire::BufferPool::Buffer();
     FinishJob(std::move(slot.job));
   }
 
@@ -880,11 +849,10 @@ class GpuWorker final : public DeviceWorker {
   std::vector<Slot> slots_;
   int retired_since_gauges_ = 0;
   // The host copies (staging in, answers out), in parts on these threads.
-  static constexpr std::size_t kCopyPartBytes = std::size_t{4} << 20;
-  std::unique_ptr<ParallelTasks> copy_threads_ = std::make_unique<ParallelTasks>(
-      static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u)));
-  // The answers' memory, reused once gRPC has sent them (see AnswerBuffer).
-  std::shared_ptr<wire::BufferPool> answer_pool_ = wire::BufferPool::Create(kAnswerPoolBytes);
+  std::unique_ptr<ParallelTasks> copy_threads_ =
+      std::make_unique<ParallelTasks>(ParallelTasks::CopyThreads());
+  // The answers' page-locked memory, reused once gRPC has sent them (see AnswerBuffer).
+  std::shared_ptr<wire::BufferPool> answer_pool_ = MakePinnedBufferPool(kPinnedAnswerPoolBytes);
 };
 
 }  // namespace
@@ -969,6 +937,7 @@ absl::StatusOr<GpuWorkers> CreateGpuWorkers(const std::vector<int>& devices,
     result.workers.push_back(std::move(worker));
   }
   result.device_memory = MakeCudaIpcMemoryOpener(devices);
+  result.arrival_staging = MakePinnedBufferPool(kArrivalStagingPoolBytes);
   return result;
 }
 

@@ -13,6 +13,7 @@
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 #include "rpc/raw_request.h"
+#include "scheduling/staging.h"
 
 namespace attngrad::server {
 namespace {
@@ -275,6 +276,15 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     }
     parsed->job->request_reservation = memory->Split(received_bytes);
     parsed->job->answer.reservation = *std::move(memory);
+    // GPU servers: the one host copy of the inputs, here on the receiving thread.
+    if (service_->arrival_staging() != nullptr) {
+      absl::Status staged = StageOnArrival(*service_->arrival_staging(),
+                                           service_->arrival_copy_threads(), *parsed->job);
+      if (!staged.ok()) {
+        QueueResponse(ErrorResponse(batch_id, staged), /*job_finished=*/false);
+        return;
+      }
+    }
     parsed->job->layer_slot = *slot;
     const int layer = core.settings(*slot).index;
     const std::string instance_id = core.instance_id();
@@ -699,7 +709,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
                                  Authenticator authenticator, std::string server_version,
-                                 std::shared_ptr<DeviceMemoryOpener> device_memory)
+                                 std::shared_ptr<DeviceMemoryOpener> device_memory,
+                                 std::shared_ptr<wire::BufferPool> arrival_staging)
     : core_(core),
       metrics_(metrics),
       limits_(limits),
@@ -707,7 +718,11 @@ GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, Ser
       server_version_(std::move(server_version)),
       streams_(limits.streams),
       memory_(limits.max_inflight_bytes),
-      regions_(std::move(device_memory)) {}
+      regions_(std::move(device_memory)),
+      arrival_staging_(std::move(arrival_staging)),
+      arrival_copy_threads_(arrival_staging_ == nullptr
+                                ? nullptr
+                                : std::make_unique<ParallelTasks>(ParallelTasks::CopyThreads())) {}
 
 absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext& context,
                                               Operation operation, const char* method) {

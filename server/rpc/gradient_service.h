@@ -6,15 +6,18 @@
 #define ATTNGRAD_SERVER_GRADIENT_SERVICE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "attngrad/v1/attngrad.grpc.pb.h"
+#include "attngrad/wire/buffer_pool.h"
 #include "rpc/auth.h"
 #include "rpc/backward_request.h"
 #include "rpc/regions.h"
 #include "rpc/stream_registry.h"
 #include "scheduling/gradient_core.h"
 #include "scheduling/memory_budget.h"
+#include "scheduling/parallel_tasks.h"
 #include "metrics/metrics.h"
 
 namespace attngrad::server {
@@ -43,10 +46,13 @@ using AttentionGradientBase = v1::AttentionGradient::WithCallbackMethod_GetModel
 
 class GradientService final : public AttentionGradientBase {
  public:
-  // `device_memory` opens CUDA IPC regions (null: a server without GPUs).
+  // `device_memory` opens CUDA IPC regions (null: a server without GPUs); `arrival_staging`:
+  // page-locked memory that Backward batches are copied into as they arrive, on the receiving
+  // thread (scheduling/staging.h; null: the workers copy them).
   GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
                   Authenticator authenticator, std::string server_version,
-                  std::shared_ptr<DeviceMemoryOpener> device_memory = nullptr);
+                  std::shared_ptr<DeviceMemoryOpener> device_memory = nullptr,
+                  std::shared_ptr<wire::BufferPool> arrival_staging = nullptr);
 
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
@@ -77,6 +83,9 @@ class GradientService final : public AttentionGradientBase {
   MemoryBudget& memory() { return memory_; }
   const Authenticator& authenticator() const { return authenticator_; }
   const RegionRegistry& regions() const { return regions_; }
+  wire::BufferPool* arrival_staging() const { return arrival_staging_.get(); }
+  // The threads of the arrival copies (with arrival_staging only).
+  ParallelTasks& arrival_copy_threads() { return *arrival_copy_threads_; }
 
  private:
   // The caller of `context` when it may perform `operation` (named `method` in errors); otherwise
@@ -92,6 +101,8 @@ class GradientService final : public AttentionGradientBase {
   StreamRegistry streams_;
   MemoryBudget memory_;
   RegionRegistry regions_;  // unmapped (closed) when the service is destroyed
+  const std::shared_ptr<wire::BufferPool> arrival_staging_;
+  std::unique_ptr<ParallelTasks> arrival_copy_threads_;
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.

@@ -85,6 +85,11 @@ struct BatchJob {
   DeviceDestination weight_gradients_destination;
   // The budget reservation of the received request, given back when the worker has copied it.
   MemoryBudget::Reservation request_reservation;
+  // GPU servers: the host inputs copied on arrival, by the thread that received them, into
+  // page-locked memory in the staging layout (scheduling/staging.h), from which the GPU copies
+  // them; hidden_states and grad_output then keep their dtypes but no bytes. Empty otherwise (the
+  // worker stages them itself).
+  wire::BufferPool::Buffer staged_inputs;
 
   // Filled by the worker.
   AnswerBuffer answer;

@@ -19,41 +19,43 @@ ParallelTasks::~ParallelTasks() {
   for (std::thread& thread : threads_) thread.join();
 }
 
-std::size_t ParallelTasks::TakeParts(std::unique_lock<std::mutex>& lock) {
-  std::size_t ran = 0;
-  while (part_ != nullptr && next_ < count_) {
-    const std::size_t index = next_++;
-    const std::function<void(std::size_t)>* part = part_;
-    lock.unlock();
-    (*part)(index);
-    lock.lock();
-    ++ran;
-    if (++done_ == count_) finished_.notify_all();
-  }
-  return ran;
+int ParallelTasks::CopyThreads() {
+  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
+}
+
+void ParallelTasks::RunNextPart(Job* job, std::unique_lock<std::mutex>& lock) {
+  const std::size_t index = job->next++;
+  if (job->next == job->count) jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
+  const std::function<void(std::size_t)>* part = job->part;
+  lock.unlock();
+  (*part)(index);
+  lock.lock();
+  // The job's caller may return (and the job end) as soon as the lock is released after this.
+  if (++job->done == job->count) finished_.notify_all();
 }
 
 void ParallelTasks::Run(std::size_t count, const std::function<void(std::size_t)>& part) {
   if (count == 0) return;
+  Job job;
+  job.part = &part;
+  job.count = count;
   std::unique_lock<std::mutex> lock(mutex_);
-  part_ = &part;
-  count_ = count;
-  next_ = 0;
-  done_ = 0;
-  lock.unlock();
-  work_.notify_all();
-  lock.lock();
-  TakeParts(lock);
-  finished_.wait(lock, [this] { return done_ == count_; });
-  part_ = nullptr;
+  jobs_.push_back(&job);
+  if (count > 1) {
+    lock.unlock();
+    work_.notify_all();
+    lock.lock();
+  }
+  while (job.next < job.count) RunNextPart(&job, lock);
+  finished_.wait(lock, [&job] { return job.done == job.count; });
 }
 
 void ParallelTasks::Helper() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    work_.wait(lock, [this] { return stopping_ || (part_ != nullptr && next_ < count_); });
+    work_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
     if (stopping_) return;
-    TakeParts(lock);
+    RunNextPart(jobs_.front(), lock);
   }
 }
 

@@ -54,6 +54,13 @@ WireTensor WireTensor::OnDevice(int dtype, const char* data, std::size_t size_by
   return tensor;
 }
 
+void WireTensor::DropBytes() {
+  pieces_.clear();
+  starts_.clear();
+  size_bytes_ = 0;
+  owner_.reset();
+}
+
 std::size_t WireTensor::element_size() const { return wire::DTypeSize(dtype_); }
 
 std::size_t WireTensor::elements() const {

@@ -44,6 +44,10 @@ class WireTensor {
   // OnDevice's `data` (null for host tensors).
   const char* device_data() const { return device_data_; }
 
+  // Lets the bytes go (their owner too), keeping the dtype: for a host tensor whose bytes have
+  // been copied to where the computation reads them.
+  void DropBytes();
+
   // Copies bytes [offset, offset + size) (within size_bytes) to `destination`.
   void CopyBytes(std::size_t offset, std::size_t size, void* destination) const;
   // Copies raw elements [first, first + count) to `destination` (count * element_size bytes) and

@@ -1,0 +1,111 @@
+// The staging of a batch's inputs (scheduling/staging.h), which GPU servers do on arrival into
+// page-locked memory: here with an ordinary wire::BufferPool, since the copy does not depend on
+// where the pool's memory comes from. The layout is the one the GPU worker copies in
+// (hidden_states | grad_output, each in a float-sized slot per element, | cos | sin), values as
+// received (16-bit ones too), a value that is not finite is INVALID_ARGUMENT naming the element,
+// and a staged job keeps its dtypes but lets the received bytes go.
+#include "scheduling/staging.h"
+
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attngrad/v1/tensor.pb.h"
+#include "attngrad/wire/tensor.h"
+#include "gtest/gtest.h"
+
+namespace attngrad::server {
+namespace {
+
+// A job of B=1, S=3 on a layer of hidden size 4 whose activations arrive as `dtype`, each in
+// several pieces (as gRPC's slices), with rotary tables of head_dim 2.
+struct SmallJob {
+  explicit SmallJob(int dtype) {
+    job.batch = 1;
+    job.seq_len = 3;
+    job.config.hidden_size = 4;
+    job.config.num_heads = 2;
+    job.config.num_kv_heads = 1;
+    job.config.head_dim = 2;
+    for (int i = 0; i < 12; ++i) {
+      hidden.push_back(0.5f * static_cast<float>(i) - 1.f);
+      grad.push_back(2.f - 0.25f * static_cast<float>(i));
+    }
+    job.hidden_states = InPieces(hidden, dtype, &hidden_bytes);
+    job.grad_output = InPieces(grad, dtype, &grad_bytes);
+    job.cos = {1.f, 2.f, 3.f, 4.f, 5.f, 6.f};
+    job.sin = {-1.f, -2.f, -3.f, -4.f, -5.f, -6.f};
+  }
+
+  // `values` encoded as `dtype` into *bytes and cut into pieces of 5 bytes (not whole elements).
+  static WireTensor InPieces(const std::vector<float>& values, int dtype, std::string* bytes) {
+    bytes->clear();
+    wire::EncodeFromFloat(values, dtype, bytes);
+    std::vector<absl::string_view> pieces;
+    for (std::size_t at = 0; at < bytes->size(); at += 5) {
+      pieces.push_back(absl::string_view(*bytes).substr(at, 5));
+    }
+    return WireTensor(dtype, std::move(pieces), nullptr);
+  }
+
+  std::vector<float> hidden, grad;
+  std::string hidden_bytes, grad_bytes;
+  BatchJob job;
+};
+
+TEST(StagingTest, StagedInputsAreTheReceivedBytesInTheWorkersLayout) {
+  for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT16}) {
+    SmallJob small(dtype);
+    ASSERT_EQ(StagingElements(small.job), 2u * 12 + 6 + 6);
+    auto pool = wire::BufferPool::Create(1 << 20);
+    ParallelTasks threads(3);
+    ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
+    ASSERT_NE(small.job.staged_inputs.data(), nullptr);
+    const char* staged = small.job.staged_inputs.data();
+    // hidden_states at float 0, grad_output at float 12, as received; cos and sin after them.
+    EXPECT_EQ(std::memcmp(staged, small.hidden_bytes.data(), small.hidden_bytes.size()), 0)
+        << "dtype " << dtype;
+    EXPECT_EQ(
+        std::memcmp(staged + 12 * sizeof(float), small.grad_bytes.data(), small.grad_bytes.size()),
+        0)
+        << "dtype " << dtype;
+    const float* tables = reinterpret_cast<const float*>(staged) + 24;
+    EXPECT_EQ(std::vector<float>(tables, tables + 6), small.job.cos);
+    EXPECT_EQ(std::vector<float>(tables + 6, tables + 12), small.job.sin);
+    // The dtypes stay; the received bytes are let go.
+    EXPECT_EQ(small.job.hidden_states.dtype(), dtype);
+    EXPECT_EQ(small.job.grad_output.dtype(), dtype);
+    EXPECT_EQ(small.job.hidden_states.size_bytes(), 0u);
+    EXPECT_EQ(small.job.grad_output.size_bytes(), 0u);
+    EXPECT_GT(small.job.stages.copy_in, 0.0);
+  }
+}
+
+TEST(StagingTest, ANonFiniteValueIsInvalidArgumentNamingTheElement) {
+  SmallJob small(v1::DTYPE_FLOAT32);
+  small.grad[7] = std::numeric_limits<float>::quiet_NaN();
+  small.job.grad_output = SmallJob::InPieces(small.grad, v1::DTYPE_FLOAT32, &small.grad_bytes);
+  auto pool = wire::BufferPool::Create(1 << 20);
+  ParallelTasks threads(2);
+  const absl::Status status = StageOnArrival(*pool, threads, small.job);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("grad_output.raw_data"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("7"), std::string::npos) << status;
+  EXPECT_EQ(small.job.staged_inputs.data(), nullptr);
+}
+
+TEST(StagingTest, WithoutMemoryFromThePoolTheJobIsLeftToTheWorker) {
+  SmallJob small(v1::DTYPE_FLOAT32);
+  wire::BufferPool::Allocator none;
+  none.allocate = [](std::size_t) -> char* { return nullptr; };
+  none.free = [](char*) {};
+  auto pool = wire::BufferPool::Create(0, std::move(none));
+  ParallelTasks threads(1);
+  ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
+  EXPECT_EQ(small.job.staged_inputs.data(), nullptr);
+  EXPECT_EQ(small.job.hidden_states.size_bytes(), small.hidden_bytes.size());  // still received
+}
+
+}  // namespace
+}  // namespace attngrad::server
