@@ -494,10 +494,12 @@ double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, i
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool check = true, timing = true;
+  bool check = true, timing = true, fp16_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check-only")) timing = false;
     if (!std::strcmp(argv[i], "--time-only")) check = false;
+    // timing: the fp16 workloads and tile variants only (no tf32, short-sequence variants, fp32)
+    if (!std::strcmp(argv[i], "--fp16-only")) fp16_only = true;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -524,6 +526,7 @@ int main(int argc, char** argv) {
                                 {2, 1024}, {2, 2048}, {4, 128},  {4, 256},  {4, 1024}, {8, 128},
                                 {8, 512},  {16, 256}, {32, 128}, {64, 256}};
     for (AttentionOperand op : {AttentionOperand::kFp16, AttentionOperand::kTf32}) {
+      if (fp16_only && op != AttentionOperand::kFp16) continue;
       double log_sum = 0;
       for (const auto& w : workloads) log_sum += std::log(Time(w[0], w[1], op, rng, 20));
       std::printf("geomean %s fwd+bwd over the 16 workloads: %.1f us\n", Name(op),
@@ -536,6 +539,8 @@ int main(int argc, char** argv) {
         Time(w[0], w[1], AttentionOperand::kFp16, rng, 10, t);
       }
     }
+  }
+  if (timing && !fp16_only) {
     // Short sequences: the tiled kernels against the whole-sequence ones.
     const int short_workloads[][2] = {{1, 128}, {4, 128}, {8, 128},  {32, 128},
                                       {1, 256}, {4, 256}, {16, 256}, {64, 256}};

@@ -632,6 +632,18 @@ inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
 // Launches it (after DeltaKernel; SumPartialsKernel follows when params.kv_split).
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);
 
+// The Hopper backward (attention_backward_hopper.cu): the dK/dV and dQ kernels on wgmma, for fp16
+// operands at head_dim 128 on a compute-capability-9.0 GPU (its code is the sm_90a build); the
+// mma.sync kernels serve every other case.
+bool HopperBackwardFitsDevice();
+inline bool HopperBackwardApplies(const AttentionProblem& problem) {
+  return problem.operand == AttentionOperand::kFp16 && problem.head_dim == 128 &&
+         HopperBackwardFitsDevice();
+}
+// Launch the dK/dV kernel and the dQ kernel.
+attngrad_status LaunchHopperKeyValue(const AttentionParams& params, cudaStream_t stream);
+attngrad_status LaunchHopperQuery(const AttentionParams& params, cudaStream_t stream);
+
 // dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
 enum class KeyValueTiling { kSmall, kSmallSplit, kShort, kShortSplit };
 inline bool IsSplit(KeyValueTiling tiling) {
