@@ -11,6 +11,10 @@
 //     layout of S^T is the A-fragment layout of the next product).
 //   HopperQueryKernel: one block of kGroups warpgroups per (64 * kGroups queries, query head,
 //     batch); per step of 64 keys: S = Q K^T, dP = dO V^T, dS in registers, dQ += dS K.
+// Overlap: one warpgroup per block and two blocks per SM (the element-wise work of one runs while
+// the other's products do), and inside a warpgroup the products are committed as separate groups
+// so that P is computed while dP runs and dS while dV runs (SoftmaxGradient split at dP:
+// ProbabilityAndWeight, ScaledGradient).
 // Shared-memory tiles are 128 columns of fp16 stored as two 64-column halves of 128-byte rows with
 // the 128-byte swizzle (hopper_wgmma.cuh), so one tile serves as a K-major operand (Q K^T) and as
 // an MN-major one (dS K). Deterministic: every dK, dV, dQ element is summed in one fixed order (no
@@ -37,6 +41,24 @@ constexpr int TileBytes(int rows) { return rows * kHeadDim * 2; }
 
 #ifdef ATTNGRAD_HOPPER_WGMMA
 constexpr int kScoreTiles = kStepRows / 8;  // 8-column tiles of a score accumulator
+
+// The backward's element-wise work in two halves, so that the first runs while the tensor cores
+// still compute dP: SoftmaxGradient of attention_common.cuh split at dP. First: P = exp(c - lse)
+// (0 when masked) and the factor w = P (1 - t^2) scaling sigma that dP - Delta is multiplied by.
+__device__ __forceinline__ float ProbabilityAndWeight(const AttentionParams& p, float s,
+                                                      float lse_log2, float ds_factor, bool masked,
+                                                      float& weight) {
+  float tanh_value;
+  const float c = CappedLog2<Op>(p, s, tanh_value);
+  float prob = FastExp2(c - lse_log2);
+  if (masked) prob = 0.f;
+  weight = prob * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
+  return prob;
+}
+// Second: dS (times sigma) = w (dP - Delta), clamped to fp16's range.
+__device__ __forceinline__ float ScaledGradient(float weight, float dp, float delta) {
+  return fminf(fmaxf(weight * (dp - delta), -kHalfMax), kHalfMax);
+}
 
 // One warpgroup's score-like product: acc[64 x 64] = A[64 x 128] B[64 x 128]^T, A the 64 rows from
 // a_row0 of a tile of kARows rows, B a whole 64-row tile, both K-major.
@@ -70,7 +92,7 @@ struct HopperKeyValueLayout {
   static constexpr int kKeys = kGroupRows * kGroups;
   static constexpr int kKeysOffset = 0;
   static constexpr int kValuesOffset = kKeysOffset + TileBytes(kKeys);
-  static constexpr int kQueriesOffset = kValuesOffset + TileBytes(kKeys);         // [2]
+  static constexpr int kQueriesOffset = kValuesOffset + TileBytes(kKeys);           // [2]
   static constexpr int kGradOutOffset = kQueriesOffset + 2 * TileBytes(kStepRows);  // [2]
   static constexpr int kLseOffset = kGradOutOffset + 2 * TileBytes(kStepRows);      // [2][64]
   static constexpr int kDeltaOffset = kLseOffset + 2 * kStepRows * 4;               // [2][64]
@@ -99,7 +121,8 @@ __device__ __forceinline__ unsigned char* AlignedShared(unsigned char* raw) {
 #endif
 
 template <int kGroups>
-__global__ void __launch_bounds__(kGroups * 128, 1) HopperKeyValueKernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
+    HopperKeyValueKernel(const AttentionParams p) {
 #ifdef ATTNGRAD_HOPPER_WGMMA
   using Layout = HopperKeyValueLayout<kGroups>;
   constexpr int kThreads = kGroups * 128;
@@ -145,13 +168,18 @@ __global__ void __launch_bounds__(kGroups * 128, 1) HopperKeyValueKernel(const A
     hopper::LoadSwizzledTileAsync<kStepRows, kHeadDim, kThreads>(
         do_tiles + stage * TileBytes(kStepRows), do_base0 + head * kHeadDim, p.ldo, q0, seq_len,
         threadIdx.x);
-    if (threadIdx.x < kStepRows) {
-      const int row = q0 + threadIdx.x;
-      const long long stat =
-          (static_cast<long long>(item.batch) * p.num_heads + head) * seq_len + row;
-      lse_tiles[stage * kStepRows + threadIdx.x] =
-          row < seq_len ? p.lse_in[stat] * kLog2e : INFINITY;
-      delta_tiles[stage * kStepRows + threadIdx.x] = row < seq_len ? p.delta[stat] : 0.f;
+    // lse (natural log) and Delta of the step's rows; rows past the sequence get 0 and 0 (their
+    // q and dO rows are zero too, so P^T dO and dS^T Q gain nothing from them).
+    if (threadIdx.x < 2 * kStepRows) {
+      const int index = threadIdx.x % kStepRows;
+      const int row = q0 + index;
+      const long long stat = (static_cast<long long>(item.batch) * p.num_heads + head) * seq_len +
+                             (row < seq_len ? row : 0);
+      if (threadIdx.x < kStepRows) {
+        CpAsync4(lse_tiles + stage * kStepRows + index, p.lse_in + stat, row < seq_len);
+      } else {
+        CpAsync4(delta_tiles + stage * kStepRows + index, p.delta + stat, row < seq_len);
+      }
     }
   };
 
@@ -186,41 +214,56 @@ __global__ void __launch_bounds__(kGroups * 128, 1) HopperKeyValueKernel(const A
     const int q0 = (first_q_tile + step % q_tiles_per_head) * kStepRows;
     // Skip a warpgroup whose keys all follow this tile's queries, or all precede the window of
     // its first query.
-    if (q0 + kStepRows - 1 >= group_key0 &&
-        group_key0 + kGroupRows - 1 >= FirstVisibleKey(p, q0)) {
+    if (q0 + kStepRows - 1 >= group_key0 && group_key0 + kGroupRows - 1 >= FirstVisibleKey(p, q0)) {
+      // Four groups in flight in turn: S^T, dP^T (P^T computed while dP^T runs), dV += P^T dO
+      // (dS^T computed while it runs), dK += dS^T Q.
       float s[kScoreTiles][4], dp[kScoreTiles][4];
       hopper::WgmmaFence();
       ScoreProduct<kKeys>(s, k_tile, group * kGroupRows, q_tile);
+      hopper::WgmmaCommit();
       ScoreProduct<kKeys>(dp, v_tile, group * kGroupRows, do_tile);
       hopper::WgmmaCommit();
-      hopper::WgmmaWait<0>();
+      hopper::WgmmaWait<1>();
       hopper::FenceAccumulators(s);
-      hopper::FenceAccumulators(dp);
 
       const float* lse_tile = lse_tiles + stage * kStepRows;
       const float* delta_tile = delta_tiles + stage * kStepRows;
+      std::uint32_t prob_a[kScoreTiles / 2][4], ds_a[kScoreTiles / 2][4];
+      {
+        float prob[kScoreTiles][4];
+#pragma unroll
+        for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int column = n * 8 + 2 * t + (e & 1);
+            const int key = e < 2 ? key_a : key_b;
+            prob[n][e] = ProbabilityAndWeight(p, s[n][e], lse_tile[column] * kLog2e, ds_factor,
+                                              IsMasked(p, key, q0 + column), s[n][e]);
+          }
+        }
+        hopper::AccumulatorToOperand(prob, 1.f, prob_a);
+      }
+      hopper::FenceAccumulators(acc_dv);
+      hopper::WgmmaFence();
+      OutputProduct(acc_dv, prob_a, do_tile);
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<1>();  // dP^T done (dV may still run)
+      hopper::FenceAccumulators(dp);
 #pragma unroll
       for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int column = n * 8 + 2 * t + (e & 1);
-          const int key = e < 2 ? key_a : key_b;
-          float ds;
-          s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], lse_tile[column], delta_tile[column],
-                                        ds_factor, IsMasked(p, key, q0 + column), ds);
-          dp[n][e] = ds;
+          dp[n][e] = ScaledGradient(s[n][e], dp[n][e], delta_tile[n * 8 + 2 * t + (e & 1)]);
         }
       }
-      std::uint32_t prob_a[kScoreTiles / 2][4], ds_a[kScoreTiles / 2][4];
-      hopper::AccumulatorToOperand(s, 1.f, prob_a);
       hopper::AccumulatorToOperand(dp, 1.f, ds_a);
-      hopper::FenceAccumulators(acc_dv);
       hopper::FenceAccumulators(acc_dk);
       hopper::WgmmaFence();
-      OutputProduct(acc_dv, prob_a, do_tile);
       OutputProduct(acc_dk, ds_a, q_tile);
       hopper::WgmmaCommit();
       hopper::WgmmaWait<0>();
+      hopper::FenceOperand(prob_a);
+      hopper::FenceOperand(ds_a);
       hopper::FenceAccumulators(acc_dv);
       hopper::FenceAccumulators(acc_dk);
     }
@@ -243,7 +286,8 @@ __global__ void __launch_bounds__(kGroups * 128, 1) HopperKeyValueKernel(const A
 }
 
 template <int kGroups>
-__global__ void __launch_bounds__(kGroups * 128, 1) HopperQueryKernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
+    HopperQueryKernel(const AttentionParams p) {
 #ifdef ATTNGRAD_HOPPER_WGMMA
   using Layout = HopperQueryLayout<kGroups>;
   constexpr int kThreads = kGroups * 128;
@@ -314,27 +358,33 @@ __global__ void __launch_bounds__(kGroups * 128, 1) HopperQueryKernel(const Atte
     const std::uint32_t k_tile = k_tiles + stage * TileBytes(kStepRows);
     const std::uint32_t v_tile = v_tiles + stage * TileBytes(kStepRows);
     const int key0 = (first_kv_tile + j) * kStepRows;
-    if (key0 <= group_q0 + kGroupRows - 1 &&
-        key0 + kStepRows - 1 >= FirstVisibleKey(p, group_q0)) {
+    if (key0 <= group_q0 + kGroupRows - 1 && key0 + kStepRows - 1 >= FirstVisibleKey(p, group_q0)) {
+      // S, then dP (the weights w computed from S while dP runs), then dQ += dS K.
       float s[kScoreTiles][4], dp[kScoreTiles][4];
       hopper::WgmmaFence();
       ScoreProduct<kQueries>(s, q_tile, group * kGroupRows, k_tile);
+      hopper::WgmmaCommit();
       ScoreProduct<kQueries>(dp, do_tile, group * kGroupRows, v_tile);
       hopper::WgmmaCommit();
-      hopper::WgmmaWait<0>();
+      hopper::WgmmaWait<1>();
       hopper::FenceAccumulators(s);
-      hopper::FenceAccumulators(dp);
 #pragma unroll
       for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key0 + n * 8 + 2 * t + (e & 1);
           const int row = e < 2 ? row_a : row_b;
-          float ds;
-          SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
-                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor, IsMasked(p, key, row),
-                              ds);
-          dp[n][e] = ds;
+          ProbabilityAndWeight(p, s[n][e], e < 2 ? rows.lse_a : rows.lse_b, ds_factor,
+                               IsMasked(p, key, row), s[n][e]);
+        }
+      }
+      hopper::WgmmaWait<0>();
+      hopper::FenceAccumulators(dp);
+#pragma unroll
+      for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dp[n][e] = ScaledGradient(s[n][e], dp[n][e], e < 2 ? rows.delta_a : rows.delta_b);
         }
       }
       std::uint32_t ds_a[kScoreTiles / 2][4];
@@ -344,6 +394,7 @@ __global__ void __launch_bounds__(kGroups * 128, 1) HopperQueryKernel(const Atte
       OutputProduct(acc_dq, ds_a, k_tile);
       hopper::WgmmaCommit();
       hopper::WgmmaWait<0>();
+      hopper::FenceOperand(ds_a);
       hopper::FenceAccumulators(acc_dq);
     }
     __syncthreads();
@@ -356,9 +407,10 @@ __global__ void __launch_bounds__(kGroups * 128, 1) HopperQueryKernel(const Atte
 #endif
 }
 
-// Warpgroups per block (measured on the H200: bench/ATTENTION_NOTES.md).
-constexpr int kKeyValueGroups = 2;
-constexpr int kQueryGroups = 2;
+// Warpgroups per block (measured on the H200: bench/ATTENTION_NOTES.md): one, so that two
+// independent blocks share an SM and one's element-wise work overlaps the other's products.
+constexpr int kKeyValueGroups = 1;
+constexpr int kQueryGroups = 1;
 
 template <class Kernel>
 attngrad_status Launch(Kernel kernel, std::size_t shared_bytes, long long blocks, int threads,

@@ -495,6 +495,15 @@ __device__ __forceinline__ void CpAsync16(void* shared_destination, const void* 
       "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(shared_destination)),
       "l"(global_source), "r"(bytes));
 }
+// One 4-byte element (zero-filled when !valid), e.g. a row statistic whose address is not 16-byte
+// aligned.
+__device__ __forceinline__ void CpAsync4(void* shared_destination, const void* global_source,
+                                         bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SmemAddress(shared_destination)),
+      "l"(global_source), "r"(bytes));
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
