@@ -395,6 +395,15 @@ std::vector<Case> Cases() {
     cases.push_back({1, 1000, op, kAuto, 0, l4b});
     cases.push_back({1, 2500, op, kAuto, 512, l1b});
   }
+  // No soft-cap at head_dim 128 (the SPEC layer's heads otherwise), with and without a window: the
+  // fp16 cases run the Hopper (wgmma) kernels on a compute-capability-9.0 GPU.
+  Layer uncapped;
+  uncapped.cap = 0.0;
+  for (AttentionOperand op :
+       {AttentionOperand::kFp32, AttentionOperand::kTf32, AttentionOperand::kFp16}) {
+    cases.push_back({2, 300, op, AttentionTiles::kAuto, 0, uncapped});
+    cases.push_back({1, 541, op, AttentionTiles::kSmallSplit, 100, uncapped});
+  }
   // (the float64 evaluation of a global S = 2500 layer takes seconds: one mode)
   cases.push_back({1, 2500, AttentionOperand::kFp16, AttentionTiles::kAuto, 0, l1b});
   return cases;
@@ -415,7 +424,7 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
          (c.layer.dim != kDim
               ? "_D" + std::to_string(c.layer.dim) + "_H" + std::to_string(c.layer.heads) + "x" +
                     std::to_string(c.layer.kv_heads) + (c.layer.cap > 0 ? "_cap" : "")
-              : "");
+              : (c.layer.cap > 0 ? "" : "_nocap"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionKernelTest, ::testing::ValuesIn(Cases()), CaseName);

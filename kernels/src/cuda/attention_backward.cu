@@ -458,9 +458,11 @@ attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) 
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
+// hopper: the dK/dV and dQ kernels of attention_backward_hopper.cu (wgmma) instead of these.
 template <class Op>
 attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequence, bool delta_ready,
-                               AttentionBackwardPart part, cudaStream_t stream) {
+                               AttentionBackwardPart part, cudaStream_t stream,
+                               bool hopper = false) {
   const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
   const long long delta_blocks = (rows * 32 + 255) / 256;
   const long long sum_float4s = 2 * static_cast<long long>(params.batch) * params.seq_len *
@@ -477,6 +479,8 @@ attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequenc
     attngrad_status status = ATTNGRAD_OK;
     if (short_sequence) {
       status = LaunchShortSequenceBackward(params, stream);
+    } else if (hopper) {
+      status = LaunchHopperKeyValue(params, stream);
     } else if constexpr (Tiling::kWide) {
       status = LaunchKeyValue<Op, kWarps, kRows, KeyValuePass::kValue>(params, stream);
       if (status == ATTNGRAD_OK) {
@@ -493,6 +497,7 @@ attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequenc
   }
   // The short-sequence kernel wrote dQ too.
   if (short_sequence || part == AttentionBackwardPart::kKeyValue) return ATTNGRAD_OK;
+  if (hopper) return LaunchHopperQuery(params, stream);
   return LaunchQuery<Op, BackwardTiling<Op>::kQueryWarps, BackwardTiling<Op>::kQueryKeys>(params,
                                                                                           stream);
 }
@@ -556,7 +561,8 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   switch (problem.operand) {
     case AttentionOperand::kFp16:
       return wide ? LaunchBackward<Fp16Operand<256>>(params, false, delta_ready, part, stream)
-                  : LaunchBackward<OpFp16>(params, short_sequence, delta_ready, part, stream);
+                  : LaunchBackward<OpFp16>(params, short_sequence, delta_ready, part, stream,
+                                           !short_sequence && HopperBackwardApplies(problem));
     case AttentionOperand::kTf32:
       return wide ? LaunchBackward<Tf32Operand<256>>(params, false, delta_ready, part, stream)
                   : LaunchBackward<OpTf32>(params, false, delta_ready, part, stream);

@@ -495,6 +495,15 @@ __device__ __forceinline__ void CpAsync16(void* shared_destination, const void* 
       "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(shared_destination)),
       "l"(global_source), "r"(bytes));
 }
+// One 4-byte element (zero-filled when !valid), e.g. a row statistic whose address is not 16-byte
+// aligned.
+__device__ __forceinline__ void CpAsync4(void* shared_destination, const void* global_source,
+                                         bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SmemAddress(shared_destination)),
+      "l"(global_source), "r"(bytes));
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
@@ -631,6 +640,18 @@ inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
 }
 // Launches it (after DeltaKernel; SumPartialsKernel follows when params.kv_split).
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);
+
+// The Hopper backward (attention_backward_hopper.cu): the dK/dV and dQ kernels on wgmma, for fp16
+// operands at head_dim 128 on a compute-capability-9.0 GPU (its code is the sm_90a build); the
+// mma.sync kernels serve every other case.
+bool HopperBackwardFitsDevice();
+inline bool HopperBackwardApplies(const AttentionProblem& problem) {
+  return problem.operand == AttentionOperand::kFp16 && problem.head_dim == 128 &&
+         HopperBackwardFitsDevice();
+}
+// Launch the dK/dV kernel and the dQ kernel.
+attngrad_status LaunchHopperKeyValue(const AttentionParams& params, cudaStream_t stream);
+attngrad_status LaunchHopperQuery(const AttentionParams& params, cudaStream_t stream);
 
 // dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
 enum class KeyValueTiling { kSmall, kSmallSplit, kShort, kShortSplit };

@@ -1,0 +1,455 @@
+// SPEC section 2 step 6 (the attention backward) on Hopper's warpgroup MMA (sm_90a `wgmma`), for
+// fp16 operands at head_dim 128 on a compute-capability-9.0 GPU: the same two kernels as the
+// mma.sync path of attention_backward.cu (7 products: S and dP are computed in both), with every
+// product on wgmma. attention_backward.cu dispatches here (HopperBackwardApplies) and keeps
+// DeltaKernel, the split partials' sum and every other mode/GPU.
+//   HopperKeyValueKernel: one block of kGroups warpgroups per (64 * kGroups keys, key-value head,
+//     batch) or, split, per (keys, query head); warpgroup w owns 64 keys and keeps their dK, dV
+//     (64 x 128 fp32 each) in registers. Per step of 64 query rows (double-buffered with cp.async):
+//     S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory), P^T and dS^T in
+//     registers, then dV += P^T dO and dK += dS^T Q (wgmma, A from registers: the accumulator
+//     layout of S^T is the A-fragment layout of the next product).
+//   HopperQueryKernel: one block of kGroups warpgroups per (64 * kGroups queries, query head,
+//     batch); per step of 64 keys: S = Q K^T, dP = dO V^T, dS in registers, dQ += dS K.
+// Overlap: one warpgroup per block and two blocks per SM (the element-wise work of one runs while
+// the other's products do), and inside a warpgroup the products are committed as separate groups
+// so that P is computed while dP runs and dS while dV runs (SoftmaxGradient split at dP:
+// ProbabilityAndWeight, ScaledGradient).
+// Shared-memory tiles are 128 columns of fp16 stored as two 64-column halves of 128-byte rows with
+// the 128-byte swizzle (hopper_wgmma.cuh), so one tile serves as a K-major operand (Q K^T) and as
+// an MN-major one (dS K). Deterministic: every dK, dV, dQ element is summed in one fixed order (no
+// atomics). Masks, soft-cap, the sliding window, the fp16 dS scale and the statistics are those of
+// attention_common.cuh, unchanged.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/attention.h"
+#include "cuda/attention_common.cuh"
+#include "cuda/hopper_wgmma.cuh"
+
+namespace attngrad::cuda::attention_detail {
+namespace {
+
+using Op = OpFp16;
+constexpr int kHeadDim = 128;
+constexpr int kGroupRows = 64;  // rows of a warpgroup's wgmma (M)
+constexpr int kStepRows = 64;   // query rows (dK/dV) or keys (dQ) per step: the score tile's N
+// Bytes of a tile of `rows` rows x 128 columns.
+constexpr int TileBytes(int rows) { return rows * kHeadDim * 2; }
+
+#ifdef ATTNGRAD_HOPPER_WGMMA
+constexpr int kScoreTiles = kStepRows / 8;  // 8-column tiles of a score accumulator
+
+// The backward's element-wise work in two halves, so that the first runs while the tensor cores
+// still compute dP: SoftmaxGradient of attention_common.cuh split at dP. First: P = exp(c - lse)
+// (0 when masked) and the factor w = P (1 - t^2) scaling sigma that dP - Delta is multiplied by.
+__device__ __forceinline__ float ProbabilityAndWeight(const AttentionParams& p, float s,
+                                                      float lse_log2, float ds_factor, bool masked,
+                                                      float& weight) {
+  float tanh_value;
+  const float c = CappedLog2<Op>(p, s, tanh_value);
+  float prob = FastExp2(c - lse_log2);
+  if (masked) prob = 0.f;
+  weight = prob * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
+  return prob;
+}
+// Second: dS (times sigma) = w (dP - Delta), clamped to fp16's range.
+__device__ __forceinline__ float ScaledGradient(float weight, float dp, float delta) {
+  return fminf(fmaxf(weight * (dp - delta), -kHalfMax), kHalfMax);
+}
+
+// One warpgroup's score-like product: acc[64 x 64] = A[64 x 128] B[64 x 128]^T, A the 64 rows from
+// a_row0 of a tile of kARows rows, B a whole 64-row tile, both K-major.
+template <int kARows>
+__device__ __forceinline__ void ScoreProduct(float (&acc)[kScoreTiles][4], std::uint32_t a_tile,
+                                             int a_row0, std::uint32_t b_tile) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    hopper::Wgmma<kStepRows>::SharedShared<0, 0>(
+        acc, hopper::KMajorDescriptor<kARows, kHeadDim>(a_tile, a_row0, ks),
+        hopper::KMajorDescriptor<kStepRows, kHeadDim>(b_tile, 0, ks), ks > 0 ? 1 : 0);
+  }
+}
+
+// acc[64 x 128] += A[64 x 64] B[64 x 128]: A the fp16 operand of a 64 x 64 accumulator tile (k =
+// its columns), B a 64-row tile [k][n] read MN-major.
+__device__ __forceinline__ void OutputProduct(float (&acc)[kHeadDim / 8][4],
+                                              const std::uint32_t (&a)[kScoreTiles / 2][4],
+                                              std::uint32_t b_tile) {
+#pragma unroll
+  for (int ks = 0; ks < kStepRows / 16; ++ks) {
+    hopper::Wgmma<kHeadDim>::RegisterShared<1>(
+        acc, a[ks], hopper::MnMajorDescriptor<kStepRows, kHeadDim>(b_tile, ks), 1);
+  }
+}
+#endif  // ATTNGRAD_HOPPER_WGMMA
+
+// Shared memory of HopperKeyValueKernel (byte offsets from a 1024-byte aligned base).
+template <int kGroups>
+struct HopperKeyValueLayout {
+  static constexpr int kKeys = kGroupRows * kGroups;
+  static constexpr int kKeysOffset = 0;
+  static constexpr int kValuesOffset = kKeysOffset + TileBytes(kKeys);
+  static constexpr int kQueriesOffset = kValuesOffset + TileBytes(kKeys);           // [2]
+  static constexpr int kGradOutOffset = kQueriesOffset + 2 * TileBytes(kStepRows);  // [2]
+  static constexpr int kLseOffset = kGradOutOffset + 2 * TileBytes(kStepRows);      // [2][64]
+  static constexpr int kDeltaOffset = kLseOffset + 2 * kStepRows * 4;               // [2][64]
+  static constexpr int kBytes = kDeltaOffset + 2 * kStepRows * 4;
+  static constexpr std::size_t kSharedBytes = kBytes + 1024;  // room to align the base
+};
+
+// Shared memory of HopperQueryKernel.
+template <int kGroups>
+struct HopperQueryLayout {
+  static constexpr int kQueries = kGroupRows * kGroups;
+  static constexpr int kQueriesOffset = 0;
+  static constexpr int kGradOutOffset = kQueriesOffset + TileBytes(kQueries);
+  static constexpr int kKeysOffset = kGradOutOffset + TileBytes(kQueries);      // [2]
+  static constexpr int kValuesOffset = kKeysOffset + 2 * TileBytes(kStepRows);  // [2]
+  static constexpr int kBytes = kValuesOffset + 2 * TileBytes(kStepRows);
+  static constexpr std::size_t kSharedBytes = kBytes + 1024;
+};
+
+#ifdef ATTNGRAD_HOPPER_WGMMA
+// The dynamic shared memory's 1024-byte aligned base (the swizzle pattern is anchored there).
+__device__ __forceinline__ unsigned char* AlignedShared(unsigned char* raw) {
+  const std::uint32_t address = SmemAddress(raw);
+  return raw + ((1024u - (address & 1023u)) & 1023u);
+}
+#endif
+
+template <int kGroups>
+__global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
+    HopperKeyValueKernel(const AttentionParams p) {
+#ifdef ATTNGRAD_HOPPER_WGMMA
+  using Layout = HopperKeyValueLayout<kGroups>;
+  constexpr int kThreads = kGroups * 128;
+  constexpr int kKeys = Layout::kKeys;
+  extern __shared__ unsigned char shared_raw[];
+  unsigned char* shared = AlignedShared(shared_raw);
+  const std::uint32_t base = SmemAddress(shared);
+  const std::uint32_t k_tile = base + Layout::kKeysOffset;
+  const std::uint32_t v_tile = base + Layout::kValuesOffset;
+  const std::uint32_t q_tiles = base + Layout::kQueriesOffset;
+  const std::uint32_t do_tiles = base + Layout::kGradOutOffset;
+  float* lse_tiles = reinterpret_cast<float*>(shared + Layout::kLseOffset);
+  float* delta_tiles = reinterpret_cast<float*>(shared + Layout::kDeltaOffset);
+
+  const int seq_len = p.seq_len;
+  const int num_kv_tiles = (seq_len + kKeys - 1) / kKeys;
+  const WorkItem item = DecodeBlock(num_kv_tiles, p.kv_split ? p.num_heads : p.num_kv_heads,
+                                    p.batch, /*heavy_last=*/false);
+  const int key0 = item.tile * kKeys;
+  const int kv_head = p.kv_split ? item.head / p.group : item.head;
+  const int first_head = p.kv_split ? item.head : kv_head * p.group;
+  const int num_block_heads = p.kv_split ? 1 : p.group;
+  const long long token0 = static_cast<long long>(item.batch) * seq_len;
+
+  const __half* k_base = static_cast<const __half*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const __half* v_base = static_cast<const __half*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+  const __half* q_base0 = static_cast<const __half*>(p.q) + token0 * p.ldq;
+  const __half* do_base0 = static_cast<const __half*>(p.grad_out) + token0 * p.ldo;
+
+  // Queries [key0, key0 + kKeys - 1 + window) can see this block's keys: query tiles
+  // [first_q_tile, first_q_tile + q_tiles_per_head) of each query head of the block.
+  const int last_query = min(seq_len, key0 + kKeys - 1 + p.window);
+  const int first_q_tile = key0 / kStepRows;
+  const int q_tiles_per_head = (last_query + kStepRows - 1) / kStepRows - first_q_tile;
+  const int steps = num_block_heads * q_tiles_per_head;
+
+  auto load_step = [&](int step, int stage) {
+    const int head = first_head + step / q_tiles_per_head;
+    const int q0 = (first_q_tile + step % q_tiles_per_head) * kStepRows;
+    hopper::LoadSwizzledTileAsync<kStepRows, kHeadDim, kThreads>(
+        q_tiles + stage * TileBytes(kStepRows), q_base0 + head * kHeadDim, p.ldq, q0, seq_len,
+        threadIdx.x);
+    hopper::LoadSwizzledTileAsync<kStepRows, kHeadDim, kThreads>(
+        do_tiles + stage * TileBytes(kStepRows), do_base0 + head * kHeadDim, p.ldo, q0, seq_len,
+        threadIdx.x);
+    // lse (natural log) and Delta of the step's rows; rows past the sequence get 0 and 0 (their
+    // q and dO rows are zero too, so P^T dO and dS^T Q gain nothing from them).
+    if (threadIdx.x < 2 * kStepRows) {
+      const int index = threadIdx.x % kStepRows;
+      const int row = q0 + index;
+      const long long stat = (static_cast<long long>(item.batch) * p.num_heads + head) * seq_len +
+                             (row < seq_len ? row : 0);
+      if (threadIdx.x < kStepRows) {
+        CpAsync4(lse_tiles + stage * kStepRows + index, p.lse_in + stat, row < seq_len);
+      } else {
+        CpAsync4(delta_tiles + stage * kStepRows + index, p.delta + stat, row < seq_len);
+      }
+    }
+  };
+
+  hopper::LoadSwizzledTileAsync<kKeys, kHeadDim, kThreads>(k_tile, k_base, p.ldkv, key0, seq_len,
+                                                           threadIdx.x);
+  hopper::LoadSwizzledTileAsync<kKeys, kHeadDim, kThreads>(v_tile, v_base, p.ldkv, key0, seq_len,
+                                                           threadIdx.x);
+  load_step(0, 0);
+  CpAsyncCommit();
+
+  const int group = threadIdx.x >> 7;  // warpgroup: keys [key0 + 64 group, +64)
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int group_key0 = key0 + group * kGroupRows;
+  const int key_a = group_key0 + warp * 16 + g, key_b = key_a + 8;
+  const float ds_factor = p.scaling * p.ds_scale;
+
+  float acc_dk[kHeadDim / 8][4], acc_dv[kHeadDim / 8][4];
+  ClearAccumulators(acc_dk);
+  ClearAccumulators(acc_dv);
+
+  for (int step = 0; step < steps; ++step) {
+    const int stage = step & 1;
+    if (step + 1 < steps) load_step(step + 1, stage ^ 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    hopper::FenceProxyAsync();  // cp.async wrote the tiles the tensor cores read next
+    __syncthreads();
+
+    const std::uint32_t q_tile = q_tiles + stage * TileBytes(kStepRows);
+    const std::uint32_t do_tile = do_tiles + stage * TileBytes(kStepRows);
+    const int q0 = (first_q_tile + step % q_tiles_per_head) * kStepRows;
+    // Skip a warpgroup whose keys all follow this tile's queries, or all precede the window of
+    // its first query.
+    if (q0 + kStepRows - 1 >= group_key0 && group_key0 + kGroupRows - 1 >= FirstVisibleKey(p, q0)) {
+      // Four groups in flight in turn: S^T, dP^T (P^T computed while dP^T runs), dV += P^T dO
+      // (dS^T computed while it runs), dK += dS^T Q.
+      float s[kScoreTiles][4], dp[kScoreTiles][4];
+      hopper::WgmmaFence();
+      ScoreProduct<kKeys>(s, k_tile, group * kGroupRows, q_tile);
+      hopper::WgmmaCommit();
+      ScoreProduct<kKeys>(dp, v_tile, group * kGroupRows, do_tile);
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<1>();
+      hopper::FenceAccumulators(s);
+
+      const float* lse_tile = lse_tiles + stage * kStepRows;
+      const float* delta_tile = delta_tiles + stage * kStepRows;
+      std::uint32_t prob_a[kScoreTiles / 2][4], ds_a[kScoreTiles / 2][4];
+      {
+        float prob[kScoreTiles][4];
+#pragma unroll
+        for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int column = n * 8 + 2 * t + (e & 1);
+            const int key = e < 2 ? key_a : key_b;
+            prob[n][e] = ProbabilityAndWeight(p, s[n][e], lse_tile[column] * kLog2e, ds_factor,
+                                              IsMasked(p, key, q0 + column), s[n][e]);
+          }
+        }
+        hopper::AccumulatorToOperand(prob, 1.f, prob_a);
+      }
+      hopper::FenceAccumulators(acc_dv);
+      hopper::WgmmaFence();
+      OutputProduct(acc_dv, prob_a, do_tile);
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<1>();  // dP^T done (dV may still run)
+      hopper::FenceAccumulators(dp);
+#pragma unroll
+      for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dp[n][e] = ScaledGradient(s[n][e], dp[n][e], delta_tile[n * 8 + 2 * t + (e & 1)]);
+        }
+      }
+      hopper::AccumulatorToOperand(dp, 1.f, ds_a);
+      hopper::FenceAccumulators(acc_dk);
+      hopper::WgmmaFence();
+      OutputProduct(acc_dk, ds_a, q_tile);
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<0>();
+      hopper::FenceOperand(prob_a);
+      hopper::FenceOperand(ds_a);
+      hopper::FenceAccumulators(acc_dv);
+      hopper::FenceAccumulators(acc_dk);
+    }
+    __syncthreads();  // the stage is free for the load of step + 2
+  }
+
+  const int out_ld = p.num_kv_heads * kHeadDim;
+  float* grad_k = p.grad_k;
+  float* grad_v = p.grad_v;
+  if (p.kv_split) {
+    const long long per_output = static_cast<long long>(p.batch) * seq_len * out_ld;
+    grad_k = p.partials + (static_cast<long long>(item.head % p.group) * 2) * per_output;
+    grad_v = grad_k + per_output;
+  }
+  StoreAccumulatorRowPairs(acc_dk, grad_k, p.inv_ds_scale, acc_dv, grad_v, token0, out_ld,
+                           kv_head * kHeadDim, key_a, seq_len);
+#else
+  __trap();  // launched only on compute capability 9.0, whose code is the sm_90a build
+#endif
+}
+
+template <int kGroups>
+__global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
+    HopperQueryKernel(const AttentionParams p) {
+#ifdef ATTNGRAD_HOPPER_WGMMA
+  using Layout = HopperQueryLayout<kGroups>;
+  constexpr int kThreads = kGroups * 128;
+  constexpr int kQueries = Layout::kQueries;
+  extern __shared__ unsigned char shared_raw[];
+  const std::uint32_t base = SmemAddress(AlignedShared(shared_raw));
+  const std::uint32_t q_tile = base + Layout::kQueriesOffset;
+  const std::uint32_t do_tile = base + Layout::kGradOutOffset;
+  const std::uint32_t k_tiles = base + Layout::kKeysOffset;
+  const std::uint32_t v_tiles = base + Layout::kValuesOffset;
+
+  const int seq_len = p.seq_len;
+  const int num_q_tiles = (seq_len + kQueries - 1) / kQueries;
+  const WorkItem item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
+  const int q0 = item.tile * kQueries;
+  const int kv_head = item.head / p.group;
+  const long long token0 = static_cast<long long>(item.batch) * seq_len;
+
+  const __half* q_base = static_cast<const __half*>(p.q) + token0 * p.ldq + item.head * kHeadDim;
+  const __half* do_base =
+      static_cast<const __half*>(p.grad_out) + token0 * p.ldo + item.head * kHeadDim;
+  const __half* k_base = static_cast<const __half*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const __half* v_base = static_cast<const __half*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+
+  // Key tiles [first_kv_tile, end): keys (q0 - window, q0 + kQueries) can be visible.
+  const int last_key = min(seq_len, q0 + kQueries);
+  const int first_kv_tile = FirstVisibleKey(p, q0) / kStepRows;
+  const int num_kv_tiles = (last_key + kStepRows - 1) / kStepRows - first_kv_tile;
+
+  hopper::LoadSwizzledTileAsync<kQueries, kHeadDim, kThreads>(q_tile, q_base, p.ldq, q0, seq_len,
+                                                              threadIdx.x);
+  hopper::LoadSwizzledTileAsync<kQueries, kHeadDim, kThreads>(do_tile, do_base, p.ldo, q0, seq_len,
+                                                              threadIdx.x);
+  hopper::LoadSwizzledTileAsync<kStepRows, kHeadDim, kThreads>(
+      k_tiles, k_base, p.ldkv, first_kv_tile * kStepRows, seq_len, threadIdx.x);
+  hopper::LoadSwizzledTileAsync<kStepRows, kHeadDim, kThreads>(
+      v_tiles, v_base, p.ldkv, first_kv_tile * kStepRows, seq_len, threadIdx.x);
+  CpAsyncCommit();
+
+  const int group = threadIdx.x >> 7;  // warpgroup: queries [q0 + 64 group, +64)
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int group_q0 = q0 + group * kGroupRows;
+  const int row_a = group_q0 + warp * 16 + g, row_b = row_a + 8;
+  const long long stat0 = (static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len;
+  const RowStatistics rows = LoadRowStatistics(p, stat0, row_a, row_b);
+  const float ds_factor = p.scaling * p.ds_scale;
+
+  float acc_dq[kHeadDim / 8][4];
+  ClearAccumulators(acc_dq);
+
+  for (int j = 0; j < num_kv_tiles; ++j) {
+    const int stage = j & 1;
+    if (j + 1 < num_kv_tiles) {
+      const int next_key0 = (first_kv_tile + j + 1) * kStepRows;
+      hopper::LoadSwizzledTileAsync<kStepRows, kHeadDim, kThreads>(
+          k_tiles + (stage ^ 1) * TileBytes(kStepRows), k_base, p.ldkv, next_key0, seq_len,
+          threadIdx.x);
+      hopper::LoadSwizzledTileAsync<kStepRows, kHeadDim, kThreads>(
+          v_tiles + (stage ^ 1) * TileBytes(kStepRows), v_base, p.ldkv, next_key0, seq_len,
+          threadIdx.x);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    hopper::FenceProxyAsync();
+    __syncthreads();
+
+    const std::uint32_t k_tile = k_tiles + stage * TileBytes(kStepRows);
+    const std::uint32_t v_tile = v_tiles + stage * TileBytes(kStepRows);
+    const int key0 = (first_kv_tile + j) * kStepRows;
+    if (key0 <= group_q0 + kGroupRows - 1 && key0 + kStepRows - 1 >= FirstVisibleKey(p, group_q0)) {
+      // S, then dP (the weights w computed from S while dP runs), then dQ += dS K.
+      float s[kScoreTiles][4], dp[kScoreTiles][4];
+      hopper::WgmmaFence();
+      ScoreProduct<kQueries>(s, q_tile, group * kGroupRows, k_tile);
+      hopper::WgmmaCommit();
+      ScoreProduct<kQueries>(dp, do_tile, group * kGroupRows, v_tile);
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<1>();
+      hopper::FenceAccumulators(s);
+#pragma unroll
+      for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + n * 8 + 2 * t + (e & 1);
+          const int row = e < 2 ? row_a : row_b;
+          ProbabilityAndWeight(p, s[n][e], e < 2 ? rows.lse_a : rows.lse_b, ds_factor,
+                               IsMasked(p, key, row), s[n][e]);
+        }
+      }
+      hopper::WgmmaWait<0>();
+      hopper::FenceAccumulators(dp);
+#pragma unroll
+      for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dp[n][e] = ScaledGradient(s[n][e], dp[n][e], e < 2 ? rows.delta_a : rows.delta_b);
+        }
+      }
+      std::uint32_t ds_a[kScoreTiles / 2][4];
+      hopper::AccumulatorToOperand(dp, 1.f, ds_a);
+      hopper::FenceAccumulators(acc_dq);
+      hopper::WgmmaFence();
+      OutputProduct(acc_dq, ds_a, k_tile);
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<0>();
+      hopper::FenceOperand(ds_a);
+      hopper::FenceAccumulators(acc_dq);
+    }
+    __syncthreads();
+  }
+
+  StoreAccumulatorRows(acc_dq, p.grad_q, token0, p.num_heads * kHeadDim, item.head * kHeadDim,
+                       row_a, seq_len, p.inv_ds_scale);
+#else
+  __trap();
+#endif
+}
+
+// Warpgroups per block (measured on the H200: bench/ATTENTION_NOTES.md): one, so that two
+// independent blocks share an SM and one's element-wise work overlaps the other's products.
+constexpr int kKeyValueGroups = 1;
+constexpr int kQueryGroups = 1;
+
+template <class Kernel>
+attngrad_status Launch(Kernel kernel, std::size_t shared_bytes, long long blocks, int threads,
+                       const AttentionParams& params, cudaStream_t stream) {
+  if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(shared_bytes)) != cudaSuccess) {
+    return ATTNGRAD_CUDA_ERROR;
+  }
+  kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(params);
+  return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
+}
+
+}  // namespace
+
+bool HopperBackwardFitsDevice() {
+  int device = 0, major = 0, minor = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+         major == 9 && minor == 0;
+}
+
+attngrad_status LaunchHopperKeyValue(const AttentionParams& params, cudaStream_t stream) {
+  constexpr int kKeys = HopperKeyValueLayout<kKeyValueGroups>::kKeys;
+  const long long blocks = static_cast<long long>((params.seq_len + kKeys - 1) / kKeys) *
+                           (params.kv_split ? params.num_heads : params.num_kv_heads) *
+                           params.batch;
+  return Launch(HopperKeyValueKernel<kKeyValueGroups>,
+                HopperKeyValueLayout<kKeyValueGroups>::kSharedBytes, blocks, kKeyValueGroups * 128,
+                params, stream);
+}
+
+attngrad_status LaunchHopperQuery(const AttentionParams& params, cudaStream_t stream) {
+  constexpr int kQueries = HopperQueryLayout<kQueryGroups>::kQueries;
+  const long long blocks = static_cast<long long>((params.seq_len + kQueries - 1) / kQueries) *
+                           params.num_heads * params.batch;
+  return Launch(HopperQueryKernel<kQueryGroups>, HopperQueryLayout<kQueryGroups>::kSharedBytes,
+                blocks, kQueryGroups * 128, params, stream);
+}
+
+}  // namespace attngrad::cuda::attention_detail
