@@ -632,6 +632,11 @@ inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
 // Launches it (after DeltaKernel; SumPartialsKernel follows when params.kv_split).
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);
 
+// The Hopper forward (attention_forward_hopper.cu): fp16 operands on a compute-capability-9.0 GPU
+// (wgmma; the binary must hold sm_90a code). Other operands and GPUs take AttentionForwardKernel.
+bool HopperForwardApplies(const AttentionProblem& problem);
+attngrad_status LaunchHopperForward(const AttentionParams& params, cudaStream_t stream);
+
 // dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
 enum class KeyValueTiling { kSmall, kSmallSplit, kShort, kShortSplit };
 inline bool IsSplit(KeyValueTiling tiling) {
