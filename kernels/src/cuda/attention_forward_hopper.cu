@@ -303,7 +303,8 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
     }
   }
 #else
-  // Built without sm_90a code: HopperForwardApplies never sends work here on such a build's GPUs.
+  // Compiled for a GPU without wgmma. Only a build for Hopper without its sm_90a features (sm_90
+  // instead of the project's 90a-real) would send work here: it fails loudly, never silently.
   __trap();
 #endif  // ATTNGRAD_HOPPER_WGMMA
 }
@@ -323,10 +324,25 @@ attngrad_status LaunchHopperForwardFor(const AttentionParams& params, cudaStream
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
+// Where it measured faster than AttentionForwardKernel (H200, 2026-12-02, fp16, CUDA-graph timing,
+// head_dim 128; bench/ATTENTION_NOTES.md v8): from S = 1024 on, and at S = 256..1023 while the grid
+// has few blocks. With one 256-thread block per SM (161 KB of shared memory) a block's prologue and
+// epilogue are not hidden by another block's work, so grids of many short blocks ((8,512): 768
+// blocks of 2.5 key tiles; (4,256), (16,256), (64,256); every S <= 128) stay on the mma.sync kernel
+// and its 3 blocks per SM. head_dim 256 follows the same rule (not timed separately).
+bool HopperForwardPays(const AttentionProblem& problem) {
+  const long long blocks =
+      static_cast<long long>((problem.seq_len + kHopperForwardRows - 1) / kHopperForwardRows) *
+      problem.num_heads * problem.batch;
+  return problem.seq_len >= 1024 || (problem.seq_len >= 512 && blocks <= 264) ||
+         (problem.seq_len >= 256 && blocks <= 96);
+}
+
 }  // namespace
 
 bool HopperForwardApplies(const AttentionProblem& problem) {
   if (problem.operand != AttentionOperand::kFp16) return false;
+  if (!HopperForwardPays(problem)) return false;
   int device = 0, major = 0, minor = 0;
   return cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
