@@ -27,6 +27,7 @@
 #include "attngrad/cuda_resources.h"
 #include "cuda/attention.h"
 
+using attngrad::cuda::AttentionForwardPath;
 using attngrad::cuda::AttentionOperand;
 using attngrad::cuda::AttentionProblem;
 using attngrad::cuda::AttentionTiles;
@@ -481,6 +482,21 @@ double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, i
       stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
   const double b_us = GraphMedianUs(
       stream, [&] { STATUS_CHECK(pr.Backward(stream)); }, reps);
+  if (op == AttentionOperand::kFp16) {  // each forward kernel on its own (same call, same data)
+    double path_us[2];
+    const AttentionForwardPath paths[2] = {AttentionForwardPath::kPortable,
+                                           AttentionForwardPath::kHopper};
+    for (int i = 0; i < 2; ++i) {
+      pr.problem.forward_path = paths[i];
+      path_us[i] = GraphMedianUs(
+          stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
+    }
+    pr.problem.forward_path = AttentionForwardPath::kAuto;
+    std::printf("forward fp16 B=%-2d S=%-5d portable %8.1f us  hopper %8.1f us (%5.1f TFLOP/s)\n",
+                batch, seq_len, path_us[0], path_us[1],
+                2 * 2 * (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0 /
+                    (path_us[1] * 1e-6) / 1e12);
+  }
   // causal MACs of one S x S x 128 product over all query heads (diagonal included)
   const double macs = (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0;
   std::printf(

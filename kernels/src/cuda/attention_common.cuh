@@ -633,7 +633,8 @@ inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);
 
 // The Hopper forward (attention_forward_hopper.cu): fp16 operands on a compute-capability-9.0 GPU
-// (wgmma; the binary must hold sm_90a code). Other operands and GPUs take AttentionForwardKernel.
+// (wgmma; the binary must hold sm_90a code), by problem.forward_path and, for kAuto, where it
+// measured faster. Other operands and GPUs take AttentionForwardKernel.
 bool HopperForwardApplies(const AttentionProblem& problem);
 attngrad_status LaunchHopperForward(const AttentionParams& params, cudaStream_t stream);
 

@@ -341,8 +341,13 @@ bool HopperForwardPays(const AttentionProblem& problem) {
 }  // namespace
 
 bool HopperForwardApplies(const AttentionProblem& problem) {
-  if (problem.operand != AttentionOperand::kFp16) return false;
-  if (!HopperForwardPays(problem)) return false;
+  if (problem.operand != AttentionOperand::kFp16 ||
+      problem.forward_path == AttentionForwardPath::kPortable) {
+    return false;
+  }
+  if (problem.forward_path == AttentionForwardPath::kAuto && !HopperForwardPays(problem)) {
+    return false;
+  }
   int device = 0, major = 0, minor = 0;
   return cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
