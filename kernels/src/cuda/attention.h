@@ -41,7 +41,7 @@ enum class AttentionTiles {
 // Which forward kernel runs (a knob for benchmarks and tests; every choice gives the contract's
 // results). kAuto: the wgmma kernel (attention_forward_hopper.cu) for fp16 operands on a
 // compute-capability-9.0 GPU where it measured faster, else the mma.sync kernel. kHopper: the wgmma
-// kernel wherever it can run (fp16 on compute capability 9.0), else the mma.sync one.
+// kernel wherever it can run (fp16, scaling > 0, compute capability 9.0), else the mma.sync one.
 enum class AttentionForwardPath { kAuto, kPortable, kHopper };
 
 struct AttentionProblem {

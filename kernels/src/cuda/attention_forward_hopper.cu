@@ -47,6 +47,14 @@ struct HopperForwardLayout {
   static constexpr int kSharedBytes = kBytes + 1024;  // the base is rounded up to 1024 bytes
 };
 
+#if defined(ATTNGRAD_HOPPER_WGMMA)
+__device__ __forceinline__ float FastReciprocal(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#endif
+
 template <int D>
 __global__ void __launch_bounds__(kHopperForwardThreads, 1)
     HopperAttentionForwardKernel(const AttentionParams p) {
@@ -108,8 +116,18 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
   ClearAccumulator(acc_o);
   float s[kNT][4];
   std::uint32_t prob[kNT / 2][4];
-  float max_a = -INFINITY, max_b = -INFINITY;  // running max of c * log2(e)
-  float sum_a = 0.f, sum_b = 0.f;              // this thread's part of the row sums
+  float max_a = -INFINITY, max_b = -INFINITY;  // running max of the raw scores
+  float base_a = 0.f, base_b = 0.f;            // its logit c * log2(e) (0 while the max is -inf)
+  // With the cap, score_scale = scaling / cap and tanh(s * score_scale) = 1 - 2 / (1 + 2^(s *
+  // tanh_scale)) for a raw score s.
+  const float tanh_scale = 2.f * kLog2e * p.score_scale;
+  // c * log2(e) of a raw score, with the same arithmetic as the elements below.
+  auto logit = [&](float score) {
+    return p.has_cap ? fmaf(-2.f * p.cap_log2e, FastReciprocal(1.f + FastExp2(score * tanh_scale)),
+                            p.cap_log2e)
+                     : score * p.score_scale;
+  };
+  float sum_a = 0.f, sum_b = 0.f;  // this thread's part of the row sums
 
   // S_j = Q K_j^T into s (asynchronous: committed as one group).
   auto issue_scores = [&](int j) {
@@ -131,26 +149,31 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
     }
   };
   // The online softmax of S_j (in s, in place: s becomes P_j unnormalised); returns the factors
-  // that rescale the rows' earlier sums and outputs.
+  // that rescale the rows' earlier sums and outputs. The soft-cap and the scale are increasing
+  // (scaling > 0, HopperForwardApplies), so a row's largest logit is that of its largest raw score:
+  // the running max is kept on raw scores and only it goes through the cap. Per element, with the
+  // cap: c * log2(e) = cap_log2e * tanh(x) = cap_log2e - 2 cap_log2e / (1 + 2^(2 x log2(e))), so
+  // P = 2^(c log2(e) - base) is ex2, add, rcp, fma, ex2 (branch-free; absolute error of c ~ cap *
+  // 1e-6, far below the fp16 rounding of P). Masked entries get P = 0.
   auto softmax = [&](int j, float& alpha_a, float& alpha_b) {
     const int key0 = (first_kv_tile + j) * kBN;
     const int warp_row0 = wg_row0 + 16 * warp;
     const bool needs_mask = key0 + kBN - 1 > warp_row0 || key0 + kBN > seq_len ||
                             key0 < FirstVisibleKey(p, warp_row0 + 15);
+    if (needs_mask) {
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + n * 8 + 2 * t + (e & 1);
+          const int row = e < 2 ? row_a : row_b;
+          if (IsMasked(p, key, row) || key >= seq_len) s[n][e] = -INFINITY;
+        }
+      }
+    }
     float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
 #pragma unroll
     for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float tanh_value;
-        float c = CappedLog2<Op>(p, s[n][e], tanh_value);
-        if (needs_mask) {
-          const int key = key0 + n * 8 + 2 * t + (e & 1);
-          const int row = e < 2 ? row_a : row_b;
-          if (IsMasked(p, key, row) || key >= seq_len) c = -INFINITY;
-        }
-        s[n][e] = c;
-      }
       tile_max_a = fmaxf(tile_max_a, fmaxf(s[n][0], s[n][1]));
       tile_max_b = fmaxf(tile_max_b, fmaxf(s[n][2], s[n][3]));
     }
@@ -158,23 +181,43 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
     tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 2));
     tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 1));
     tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 2));
-    // A row that has seen none of its keys yet keeps max -inf: exponents against 0 (no NaN).
+    // A row that has seen none of its keys keeps max -inf and base 0 (no NaN); its sum and output
+    // are still zero, so its factor is 0.
     const float new_max_a = fmaxf(max_a, tile_max_a), new_max_b = fmaxf(max_b, tile_max_b);
-    const float base_a = new_max_a == -INFINITY ? 0.f : new_max_a;
-    const float base_b = new_max_b == -INFINITY ? 0.f : new_max_b;
-    alpha_a = FastExp2(max_a - base_a);
-    alpha_b = FastExp2(max_b - base_b);
+    const float new_base_a = new_max_a == -INFINITY ? 0.f : logit(new_max_a);
+    const float new_base_b = new_max_b == -INFINITY ? 0.f : logit(new_max_b);
+    alpha_a = max_a == -INFINITY ? 0.f : FastExp2(base_a - new_base_a);
+    alpha_b = max_b == -INFINITY ? 0.f : FastExp2(base_b - new_base_b);
     max_a = new_max_a;
     max_b = new_max_b;
+    base_a = new_base_a;
+    base_b = new_base_b;
     float part_a = 0.f, part_b = 0.f;
+    if (p.has_cap) {
+      const float offset_a = p.cap_log2e - base_a, offset_b = p.cap_log2e - base_b;
+      const float minus_two_cap = -2.f * p.cap_log2e;
 #pragma unroll
-    for (int n = 0; n < kNT; ++n) {
-      s[n][0] = FastExp2(s[n][0] - base_a);
-      s[n][1] = FastExp2(s[n][1] - base_a);
-      s[n][2] = FastExp2(s[n][2] - base_b);
-      s[n][3] = FastExp2(s[n][3] - base_b);
-      part_a += s[n][0] + s[n][1];
-      part_b += s[n][2] + s[n][3];
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float r = FastReciprocal(1.f + FastExp2(s[n][e] * tanh_scale));
+          float prob_value = FastExp2(fmaf(minus_two_cap, r, e < 2 ? offset_a : offset_b));
+          if (needs_mask && s[n][e] == -INFINITY) prob_value = 0.f;
+          s[n][e] = prob_value;
+        }
+        part_a += s[n][0] + s[n][1];
+        part_b += s[n][2] + s[n][3];
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+        s[n][0] = FastExp2(fmaf(s[n][0], p.score_scale, -base_a));
+        s[n][1] = FastExp2(fmaf(s[n][1], p.score_scale, -base_a));
+        s[n][2] = FastExp2(fmaf(s[n][2], p.score_scale, -base_b));
+        s[n][3] = FastExp2(fmaf(s[n][3], p.score_scale, -base_b));
+        part_a += s[n][0] + s[n][1];
+        part_b += s[n][2] + s[n][3];
+      }
     }
     sum_a = sum_a * alpha_a + part_a;
     sum_b = sum_b * alpha_b + part_b;
@@ -288,7 +331,7 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
       }
     }
     if (valid && t == 0) {
-      const float row_max = half_rows == 0 ? max_a : max_b;
+      const float row_max = half_rows == 0 ? base_a : base_b;
       const float row_sum = half_rows == 0 ? sum_a : sum_b;
       p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
           (row_max + log2f(row_sum)) * kLn2;
@@ -341,7 +384,8 @@ bool HopperForwardPays(const AttentionProblem& problem) {
 }  // namespace
 
 bool HopperForwardApplies(const AttentionProblem& problem) {
-  if (problem.operand != AttentionOperand::kFp16 ||
+  // scaling > 0: each row's max is taken on raw scores (the logit must grow with them).
+  if (problem.operand != AttentionOperand::kFp16 || !(problem.scaling > 0.f) ||
       problem.forward_path == AttentionForwardPath::kPortable) {
     return false;
   }
