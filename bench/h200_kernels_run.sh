@@ -1,69 +1,88 @@
 #!/usr/bin/env bash
 # One device call (H200) that checks and times the kernels of a build against SPEC sections 4 and
 # 5 and the Gemma-3 oracle (issue 17). The carried folder $K (default build-kern) holds
-# bundle.tar.xz: libattngrad.so, attngrad_gpu_tests, attngrad_attention_tests, attngrad_bench and
-# attngrad_attention_bench of this build, base/attngrad_bench and base/attngrad_attention_bench
-# (the build it is compared with) and lib/ (libopenblas.so.0, libgfortran.so.5, libquadmath.so.0);
-# the checkers are the tree's bench/check_torch.py and bench/check_gemma3.py. In order:
-#   1. in the background: the GPU tests and the attention kernel tests;
-#   2. check_torch.py: AUTO in CHECK_ROUNDS rounds, FP16/TF32/FP32 in MODE_ROUNDS, AUTO at the
-#      grad_output scales 1e-7 and 3e4 (2 rounds each), then check_gemma3.py against transformers;
-#   3. timing once the checks are done: the attention kernels alone (this build, then base), then
-#      attngrad_bench of this build and of base alternated ROUNDS times (SPEC section 5), the
-#      per-stage view at STAGE_WORKLOADS, and check_torch.py's own timing with PyTorch (eager fp32,
-#      eager TF32, torch.compile TF32) in the same call.
-# Logs go to $OUT (at most 8 files come back); a compact summary is printed last.
+# bundle.tar.xz: libattngrad.so, attngrad_gpu_tests, attngrad_attention_tests,
+# attngrad_hopper_wgmma_tests, attngrad_bench and attngrad_attention_bench of this build,
+# base/attngrad_bench (the build it is compared with), optionally more builds' attngrad_bench in
+# folders named by VARIANTS, and lib/ (libopenblas.so.0, libgfortran.so.5, libquadmath.so.0); the
+# checkers are the tree's bench/check_torch.py and bench/check_gemma3.py. In order, each phase's
+# summary printed when it ends (a call cut short still reports the phases it finished):
+#   1. checks, all at once: the GPU tests (in SHARDS shards), the attention and wgmma tests,
+#      check_torch.py (AUTO in CHECK_ROUNDS rounds, FP16/TF32/FP32 in MODE_ROUNDS, AUTO at the
+#      grad_output scales 1e-7 and 3e4) and check_gemma3.py against transformers at SHAPES;
+#   2. attngrad_bench (SPEC section 5) of this build, the variants and base, alternated ROUNDS
+#      times, then the per-stage view at STAGE_WORKLOADS;
+#   3. the attention kernels alone (--time-only --fp16-only: both forward kernels per workload);
+#   4. check_torch.py's timing of PyTorch (TORCH variants) and attngrad in the same call.
+# Logs go to $OUT: info.txt, checks_full.log, bench.log, attention_bench.log, torch_time.log (a
+# call returns at most 8 files).
 set -u
 K=${K:-build-kern}
 source bench/device_setup.sh  # (run from the repository root)
 device_setup "$K" bundle.tar.xz
+LIMIT=${CHECK_LIMIT:-150}
 
-run_test() {  # $1 binary, $2 gtest filter, $3 log
-  (timeout "${TEST_LIMIT:-300}" "$K/$1" --gtest_filter="$2" > "$OUT/$3" 2>&1
-   echo "exit $?" >> "$OUT/$3") &
+run_test() {  # $1 binary, $2 log, then the environment's shard variables
+  (timeout "$LIMIT" env "${@:3}" "$K/$1" > "$OUT/$2" 2>&1; echo "exit $?" >> "$OUT/$2") &
 }
-run_test attngrad_attention_tests '*' attention_tests.log
-run_test attngrad_gpu_tests '*' gpu_tests.log
-
-check() {  # extra check_torch.py arguments
-  timeout "${CHECK_LIMIT:-300}" python3 bench/check_torch.py --lib "$K/libattngrad.so" --no-time "$@" \
-    >> "$OUT/check.log" 2>&1
-  echo "check $* exit $?" >> "$OUT/check.log"
+SHARDS=${SHARDS:-4}
+for shard in $(seq 0 $((SHARDS - 1))); do
+  run_test attngrad_gpu_tests "gpu_tests_$shard.log" GTEST_TOTAL_SHARDS="$SHARDS" \
+    GTEST_SHARD_INDEX="$shard"
+done
+run_test attngrad_attention_tests attention_tests.log
+run_test attngrad_hopper_wgmma_tests wgmma_tests.log
+check() {  # $1 log, then check_torch.py's arguments
+  local log=$1
+  shift
+  (timeout "$LIMIT" python3 bench/check_torch.py --lib "$K/libattngrad.so" --no-time "$@" \
+     > "$OUT/$log" 2>&1; echo "check $* exit $?" >> "$OUT/$log") &
 }
-check --rounds "${CHECK_ROUNDS:-10}" --modes AUTO,FP16,TF32,FP32 \
-  --mode-rounds "${MODE_ROUNDS:-FP16=2,TF32=2,FP32=1}"
-check --rounds 2 --modes AUTO --grad-output-scale 1e-7
-check --rounds 2 --modes AUTO --grad-output-scale 3e4
-timeout "${GEMMA_LIMIT:-200}" python3 bench/check_gemma3.py --lib "$K/libattngrad.so" \
-  --shapes "${SHAPES:-1:1,2:7,1:1000,2:2500}" >> "$OUT/check.log" 2>&1
-echo "gemma3 check exit $?" >> "$OUT/check.log"
+check check_auto.log --rounds "${CHECK_ROUNDS:-3}" --modes AUTO
+check check_modes.log --rounds 1 --modes FP16,TF32,FP32 --mode-rounds "${MODE_ROUNDS:-FP32=1}"
+check check_scale_small.log --rounds 1 --modes AUTO --grad-output-scale 1e-7
+check check_scale_large.log --rounds 1 --modes AUTO --grad-output-scale 3e4
+(timeout "$LIMIT" python3 bench/check_gemma3.py --lib "$K/libattngrad.so" \
+   --shapes "${SHAPES:-1:1000,2:7}" > "$OUT/gemma3.log" 2>&1; echo "gemma3 exit $?" >> "$OUT/gemma3.log") &
 wait
 date -u +"checks done %T UTC" | tee -a "$INFO"
-
-for build in "$K" "$K/base"; do
-  echo "==== attention $build" >> "$OUT/attention_bench.log"
-  timeout 120 "$build/attngrad_attention_bench" --time-only >> "$OUT/attention_bench.log" 2>&1
+echo "==== checks"
+for f in "$OUT"/gpu_tests_*.log "$OUT"/attention_tests.log "$OUT"/wgmma_tests.log; do
+  echo "-- $(basename "$f"): $(grep -E "^\[  PASSED|^exit" "$f" | tr '\n' ' ')"
+  grep -E "^\[  FAILED  \]" "$f" | head -10
 done
+for f in "$OUT"/check_*.log "$OUT"/gemma3.log; do
+  echo "-- $(basename "$f"): $(grep -E "^correctness|exit" "$f" | tr '\n' ' ')"
+  grep -E "FAIL" "$f" | head -8
+done
+echo "gemma3 PASS lines: $(grep -c PASS "$OUT/gemma3.log")"
+tests=("$OUT"/gpu_tests_*.log "$OUT"/attention_tests.log "$OUT"/wgmma_tests.log "$OUT"/check_*.log
+       "$OUT"/gemma3.log)
+cat "${tests[@]}" > "$OUT/checks_full.log"
+rm -f "${tests[@]}"
+
+builds="$K ${VARIANTS:+$(for v in $VARIANTS; do printf '%s ' "$K/$v"; done)}$K/base"
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for build in "$K" "$K/base"; do
+  for build in $builds; do
     echo "==== bench $build round $round" >> "$OUT/bench.log"
-    timeout 120 "$build/attngrad_bench" >> "$OUT/bench.log" 2>&1
+    timeout 90 "$build/attngrad_bench" >> "$OUT/bench.log" 2>&1
   done
 done
 echo "==== stages" >> "$OUT/bench.log"
 timeout 60 "$K/attngrad_bench" --stages --workloads="${STAGE_WORKLOADS:-1:128,2:2048,16:256}" \
   >> "$OUT/bench.log" 2>&1
-timeout "${TORCH_LIMIT:-240}" python3 bench/check_torch.py --lib "$K/libattngrad.so" --no-check \
+date -u +"bench done %T UTC" | tee -a "$INFO"
+echo "==== bench"
+grep -E "^====|geomean" "$OUT/bench.log"
+
+timeout 60 "$K/attngrad_attention_bench" --time-only --fp16-only > "$OUT/attention_bench.log" 2>&1
+echo "==== attention"
+grep -E "geomean|^time fp16|^forward" "$OUT/attention_bench.log" | cut -c1-150 | head -40
+
+timeout "${TORCH_LIMIT:-90}" python3 bench/check_torch.py --lib "$K/libattngrad.so" --no-check \
+  --torch "${TORCH:-eager_tf32,compile_tf32}" --torch-warmup 3 --torch-iters 10 \
   > "$OUT/torch_time.log" 2>&1
 echo "torch timing exit $?" >> "$OUT/torch_time.log"
 date -u +"end %T UTC" | tee -a "$INFO"
-
-echo "==== summary"
-for f in "$OUT"/attention_tests.log "$OUT"/gpu_tests.log; do
-  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|^exit" "$f" | head -20
-done
-grep -E "FAIL|exit|correctness" "$OUT/check.log" | head -40
-echo "gemma3 PASS lines: $(grep -c PASS "$OUT/check.log")"
-grep -E "^====|geomean|^time fp16 auto" "$OUT/attention_bench.log" | head -40
-grep -E "^====|geomean" "$OUT/bench.log"
-grep -E "geomean|speed-up|exit" "$OUT/torch_time.log" | head -20
+echo "==== torch"
+grep -vE "^$" "$OUT/torch_time.log" | tail -24

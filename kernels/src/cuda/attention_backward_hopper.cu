@@ -426,7 +426,7 @@ attngrad_status Launch(Kernel kernel, std::size_t shared_bytes, long long blocks
 
 }  // namespace
 
-bool HopperBackwardFitsDevice() {
+bool CurrentDeviceIsHopper() {
   int device = 0, major = 0, minor = 0;
   return cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&

@@ -644,10 +644,12 @@ attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaS
 // The Hopper backward (attention_backward_hopper.cu): the dK/dV and dQ kernels on wgmma, for fp16
 // operands at head_dim 128 on a compute-capability-9.0 GPU (its code is the sm_90a build); the
 // mma.sync kernels serve every other case.
-bool HopperBackwardFitsDevice();
+// Whether the current device is compute capability 9.0 (Hopper: wgmma; the sm_90a code of this
+// build runs there). Both Hopper kernels ask it at every call (no cached state).
+bool CurrentDeviceIsHopper();
 inline bool HopperBackwardApplies(const AttentionProblem& problem) {
   return problem.operand == AttentionOperand::kFp16 && problem.head_dim == 128 &&
-         HopperBackwardFitsDevice();
+         CurrentDeviceIsHopper();
 }
 // Launch the dK/dV kernel and the dQ kernel.
 attngrad_status LaunchHopperKeyValue(const AttentionParams& params, cudaStream_t stream);

@@ -392,11 +392,7 @@ bool HopperForwardApplies(const AttentionProblem& problem) {
   if (problem.forward_path == AttentionForwardPath::kAuto && !HopperForwardPays(problem)) {
     return false;
   }
-  int device = 0, major = 0, minor = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-         major == 9 && minor == 0;
+  return CurrentDeviceIsHopper();
 }
 
 attngrad_status LaunchHopperForward(const AttentionParams& params, cudaStream_t stream) {
