@@ -367,18 +367,20 @@ attngrad_status LaunchHopperForwardFor(const AttentionParams& params, cudaStream
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
-// Where it measured faster than AttentionForwardKernel (H200, 2026-12-02, fp16, CUDA-graph timing,
-// head_dim 128; bench/ATTENTION_NOTES.md v8): from S = 1024 on, and at S = 256..1023 while the grid
-// has few blocks. With one 256-thread block per SM (161 KB of shared memory) a block's prologue and
-// epilogue are not hidden by another block's work, so grids of many short blocks ((8,512): 768
-// blocks of 2.5 key tiles; (4,256), (16,256), (64,256); every S <= 128) stay on the mma.sync kernel
-// and its 3 blocks per SM. head_dim 256 follows the same rule (not timed separately).
+// Where it measured faster than AttentionForwardKernel (H200, 2026-12-02 09:20 UTC, run 30 of
+// bench/RESULTS.md: both kernels forced per workload in one call, fp16, CUDA-graph timing, head_dim
+// 128, with the branch-free softmax): from S = 512 on ((8,512) 104.4 vs 119.6 us, (2,2048) 227.9 vs
+// 338.1), and at S = 256 while the grid has few blocks ((1,256) 15.9 vs 20.6; (4,256) 26.5 vs 26.9,
+// (16,256) 83.7 vs 82.5, (64,256) 297.5 vs 290.1). With one 256-thread block per SM (161 KB of
+// shared memory) a block's prologue and epilogue are not hidden by another block's work, so grids
+// of many short blocks (S = 256 with many blocks, every S <= 128: (8,128) 24.8 vs 20.4, (32,128)
+// 73.7 vs 65.6) stay on the mma.sync kernel and its 3 blocks per SM. head_dim 256 follows the same
+// rule (not timed separately).
 bool HopperForwardPays(const AttentionProblem& problem) {
   const long long blocks =
       static_cast<long long>((problem.seq_len + kHopperForwardRows - 1) / kHopperForwardRows) *
       problem.num_heads * problem.batch;
-  return problem.seq_len >= 1024 || (problem.seq_len >= 512 && blocks <= 264) ||
-         (problem.seq_len >= 256 && blocks <= 96);
+  return problem.seq_len >= 512 || (problem.seq_len >= 256 && blocks <= 96);
 }
 
 }  // namespace
