@@ -335,6 +335,37 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
     }
     result = dq_fused;
   }
+
+  // fp16: each forward kernel on its own (kAuto takes one of them by GPU and size; kHopper is the
+  // mma.sync kernel again on other GPUs): O and lse within the bound, and the backward from its
+  // fused Delta too.
+  if (half) {
+    for (AttentionForwardPath path :
+         {AttentionForwardPath::kPortable, AttentionForwardPath::kHopper}) {
+      const char* name = path == AttentionForwardPath::kPortable ? "portable" : "hopper";
+      AttentionProblem forced = problem;
+      forced.forward_path = path;
+      Poison(out);
+      Poison(lse);
+      ASSERT_CUDA(cudaMemset(workspace.get(), 0xff, workspace_size));
+      ASSERT_EQ(AttentionForward(forced, q, kQkvWidth, k, v, kQkvWidth, out.get(), out_half.get(),
+                                 lse.get(), nullptr, &fused),
+                ATTNGRAD_OK);
+      Poison(dq);
+      Poison(dk);
+      Poison(dv);
+      ASSERT_EQ(AttentionBackward(forced, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout_d.get(),
+                                  kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(),
+                                  workspace.get(), workspace_size, nullptr, /*delta_ready=*/true),
+                ATTNGRAD_OK);
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_LT(RelativeError(Read(out), ref.out), bound) << "O, forward " << name;
+      EXPECT_LT(RelativeError(Read(lse), ref.lse), bound) << "lse, forward " << name;
+      EXPECT_LT(RelativeError(Read(dq), ref.dq, 1e-2), bound) << "dq, forward " << name;
+      EXPECT_LT(RelativeError(Read(dk), ref.dk, 1e-2), bound) << "dk, forward " << name;
+      EXPECT_LT(RelativeError(Read(dv), ref.dv), bound) << "dv, forward " << name;
+    }
+  }
 }
 
 std::vector<Case> Cases() {

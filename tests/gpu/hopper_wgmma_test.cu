@@ -172,8 +172,8 @@ void CheckProduct(std::uint64_t seed) {
       worst_e = std::fmax(worst_e, std::fabs(e[i * N2 + j] - exact) / (1.0 + std::fabs(exact)));
     }
   }
-  EXPECT_LT(worst_c, 1e-5) << "A B^T (both K-major, from shared memory)";
-  EXPECT_LT(worst_e, 1e-5) << "fp16(C) V (A from registers, V MN-major)";
+  EXPECT_LT(worst_c, 1e-4) << "A B^T (both K-major, from shared memory)";
+  EXPECT_LT(worst_e, 1e-4) << "fp16(C) V (A from registers, V MN-major)";
 }
 
 TEST(HopperWgmmaTest, Product128x128x128) { CheckProduct<128, 128, 128>(1); }

@@ -38,6 +38,12 @@ enum class AttentionTiles {
   kShortSplit,  // one block per (batch, query head), partials summed over the group as above
 };
 
+// Which forward kernel runs (a knob for benchmarks and tests; every choice gives the contract's
+// results). kAuto: the wgmma kernel (attention_forward_hopper.cu) for fp16 operands on a
+// compute-capability-9.0 GPU where it measured faster, else the mma.sync kernel. kHopper: the wgmma
+// kernel wherever it can run (fp16 on compute capability 9.0), else the mma.sync one.
+enum class AttentionForwardPath { kAuto, kPortable, kHopper };
+
 struct AttentionProblem {
   int batch = 0;
   int seq_len = 0;
@@ -53,6 +59,7 @@ struct AttentionProblem {
   int sliding_window = 0;
   AttentionOperand operand = AttentionOperand::kTf32;
   AttentionTiles tiles = AttentionTiles::kAuto;
+  AttentionForwardPath forward_path = AttentionForwardPath::kAuto;
 };
 
 // Common requirements (else ATTNGRAD_INVALID_ARGUMENT, before any launch): batch, seq_len >= 1;

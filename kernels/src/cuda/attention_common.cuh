@@ -653,6 +653,12 @@ inline bool HopperBackwardApplies(const AttentionProblem& problem) {
 attngrad_status LaunchHopperKeyValue(const AttentionParams& params, cudaStream_t stream);
 attngrad_status LaunchHopperQuery(const AttentionParams& params, cudaStream_t stream);
 
+// The Hopper forward (attention_forward_hopper.cu): fp16 operands on a compute-capability-9.0 GPU
+// (wgmma; the binary must hold sm_90a code), by problem.forward_path and, for kAuto, where it
+// measured faster. Other operands and GPUs take AttentionForwardKernel.
+bool HopperForwardApplies(const AttentionProblem& problem);
+attngrad_status LaunchHopperForward(const AttentionParams& params, cudaStream_t stream);
+
 // dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
 enum class KeyValueTiling { kSmall, kSmallSplit, kShort, kShortSplit };
 inline bool IsSplit(KeyValueTiling tiling) {

@@ -1,0 +1,363 @@
+// SPEC section 2 step 4 on Hopper (sm_90a, fp16 operands): the attention forward of
+// attention_forward.cu (same contract, same arithmetic for the soft-cap, the mask and the online
+// softmax) with the two products on warpgroup MMA (wgmma, hopper_wgmma.cuh). One block of two
+// warpgroups per (128-query tile, query head, batch), heaviest tiles first; each warpgroup owns 64
+// query rows. Key/value tiles (128 keys at head_dim 128, 64 at 256) stream through
+// 128-byte-swizzled shared memory with cp.async, two stages each; the next tile's copies are issued
+// right after the one barrier of an iteration, so they have a whole iteration to land. Within a
+// warpgroup the score product of tile j (S_j = Q K_j^T, A and B from shared memory) and the value
+// product of tile j - 1 (O += P_{j-1} V_{j-1}, P from registers) are in flight together while the
+// softmax of S_j runs (FlashAttention-3's intra-warpgroup overlap). Key tiles that no row of
+// the block sees (after the diagonal, before the sliding window) are never loaded nor computed; a
+// warpgroup computes every tile of its block (wgmma under a condition that ptxas cannot prove
+// warpgroup-uniform is serialised), its masked scores becoming P = 0.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/attention.h"
+#include "cuda/attention_common.cuh"
+#include "cuda/hopper_wgmma.cuh"
+
+namespace attngrad::cuda::attention_detail {
+namespace {
+
+using hopper::SwizzledTile;
+
+constexpr int kHopperForwardThreads = 256;  // two warpgroups
+constexpr int kHopperForwardRows = 128;     // query rows per block (64 per warpgroup)
+
+// Keys per tile: 128 at head_dim 128 (64 x 128 scores per warpgroup), 64 at 256 (where the 64 x 256
+// output takes 128 registers per thread).
+template <int D>
+constexpr int HopperForwardKeys() {
+  return D == 128 ? 128 : 64;
+}
+
+template <int D>
+struct HopperForwardLayout {
+  static constexpr int kKeys = HopperForwardKeys<D>();
+  using QueryTile = SwizzledTile<kHopperForwardRows, D>;
+  using KeyTile = SwizzledTile<kKeys, D>;
+  static constexpr int kKeyOffset = QueryTile::kBytes;                   // 2 stages
+  static constexpr int kValueOffset = kKeyOffset + 2 * KeyTile::kBytes;  // 2 stages
+  static constexpr int kBytes = kValueOffset + 2 * KeyTile::kBytes;
+  static constexpr int kSharedBytes = kBytes + 1024;  // the base is rounded up to 1024 bytes
+};
+
+template <int D>
+__global__ void __launch_bounds__(kHopperForwardThreads, 1)
+    HopperAttentionForwardKernel(const AttentionParams p) {
+#if defined(ATTNGRAD_HOPPER_WGMMA)
+  using namespace hopper;
+  using Op = Fp16Operand<D>;
+  using Layout = HopperForwardLayout<D>;
+  constexpr int kBM = kHopperForwardRows, kBN = Layout::kKeys;
+  constexpr int kNT = kBN / 8;  // score tiles of 8 columns per thread row pair
+  constexpr int kOutTiles = D / 8;
+  constexpr int kThreads = kHopperForwardThreads;
+
+  extern __shared__ unsigned char shared_raw[];
+  const std::uint32_t base = (SharedAddress(shared_raw) + 1023u) & ~1023u;
+  const std::uint32_t q_tile = base;  // the query tile comes first
+  const std::uint32_t k_tiles = base + Layout::kKeyOffset;
+  const std::uint32_t v_tiles = base + Layout::kValueOffset;
+  constexpr std::uint32_t kTileBytes = Layout::KeyTile::kBytes;
+
+  const int seq_len = p.seq_len;
+  const int num_q_tiles = (seq_len + kBM - 1) / kBM;
+  const WorkItem item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
+  const int q0 = item.tile * kBM;
+  const int kv_head = item.head / p.group;
+  const long long token0 = static_cast<long long>(item.batch) * seq_len;
+  const __half* q_base = static_cast<const __half*>(p.q) + token0 * p.ldq + item.head * D;
+  const __half* k_base = static_cast<const __half*>(p.k) + token0 * p.ldkv + kv_head * D;
+  const __half* v_base = static_cast<const __half*>(p.v) + token0 * p.ldkv + kv_head * D;
+
+  const int last_key = min(seq_len, q0 + kBM);
+  const int first_kv_tile = FirstVisibleKey(p, q0) / kBN;
+  const int num_kv_tiles = (last_key + kBN - 1) / kBN - first_kv_tile;
+
+  const int thread = threadIdx.x;
+  const int warpgroup = thread / 128;
+  const int warp = (thread / 32) % 4, lane = thread & 31;
+  const int t = lane & 3;
+  const int wg_row0 = q0 + 64 * warpgroup;  // this warpgroup's first query row
+  const int row_a = wg_row0 + 16 * warp + (lane >> 2), row_b = row_a + 8;
+
+  // cp.async groups in commit order: G0 = {Q, K0}; G_j = {V_{j-1}, K_j} for j >= 1 (K_j only when
+  // j < n), issued at the start of iteration j - 1 (G1 in the prologue).
+  LoadSwizzledTileAsync<kBM, D, kThreads>(q_tile, q_base, p.ldq, q0, seq_len, thread);
+  LoadSwizzledTileAsync<kBN, D, kThreads>(k_tiles, k_base, p.ldkv, first_kv_tile * kBN, seq_len,
+                                          thread);
+  CpAsyncCommit();
+  LoadSwizzledTileAsync<kBN, D, kThreads>(v_tiles, v_base, p.ldkv, first_kv_tile * kBN, seq_len,
+                                          thread);
+  if (num_kv_tiles > 1) {
+    LoadSwizzledTileAsync<kBN, D, kThreads>(k_tiles + kTileBytes, k_base, p.ldkv,
+                                            (first_kv_tile + 1) * kBN, seq_len, thread);
+  }
+  CpAsyncCommit();
+  CpAsyncWait<1>();
+  FenceProxyAsync();
+  __syncthreads();
+
+  float acc_o[kOutTiles][4];
+  ClearAccumulator(acc_o);
+  float s[kNT][4];
+  std::uint32_t prob[kNT / 2][4];
+  float max_a = -INFINITY, max_b = -INFINITY;  // running max of c * log2(e)
+  float sum_a = 0.f, sum_b = 0.f;              // this thread's part of the row sums
+
+  // S_j = Q K_j^T into s (asynchronous: committed as one group).
+  auto issue_scores = [&](int j) {
+    const std::uint32_t k_tile = k_tiles + (j & 1) * kTileBytes;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      Wgmma<kBN>::template SharedShared<0, 0>(s,
+                                              KMajorDescriptor<kBM, D>(q_tile, 64 * warpgroup, ks),
+                                              KMajorDescriptor<kBN, D>(k_tile, 0, ks), ks > 0);
+    }
+  };
+  // O += P_j V_j (asynchronous).
+  auto issue_values = [&](int j) {
+    const std::uint32_t v_tile = v_tiles + (j & 1) * kTileBytes;
+#pragma unroll
+    for (int ks = 0; ks < kBN / 16; ++ks) {
+      Wgmma<D>::template RegisterShared<1>(acc_o, prob[ks], MnMajorDescriptor<kBN, D>(v_tile, ks),
+                                           1);
+    }
+  };
+  // The online softmax of S_j (in s, in place: s becomes P_j unnormalised); returns the factors
+  // that rescale the rows' earlier sums and outputs.
+  auto softmax = [&](int j, float& alpha_a, float& alpha_b) {
+    const int key0 = (first_kv_tile + j) * kBN;
+    const int warp_row0 = wg_row0 + 16 * warp;
+    const bool needs_mask = key0 + kBN - 1 > warp_row0 || key0 + kBN > seq_len ||
+                            key0 < FirstVisibleKey(p, warp_row0 + 15);
+    float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float tanh_value;
+        float c = CappedLog2<Op>(p, s[n][e], tanh_value);
+        if (needs_mask) {
+          const int key = key0 + n * 8 + 2 * t + (e & 1);
+          const int row = e < 2 ? row_a : row_b;
+          if (IsMasked(p, key, row) || key >= seq_len) c = -INFINITY;
+        }
+        s[n][e] = c;
+      }
+      tile_max_a = fmaxf(tile_max_a, fmaxf(s[n][0], s[n][1]));
+      tile_max_b = fmaxf(tile_max_b, fmaxf(s[n][2], s[n][3]));
+    }
+    tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 1));
+    tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 2));
+    tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 1));
+    tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 2));
+    // A row that has seen none of its keys yet keeps max -inf: exponents against 0 (no NaN).
+    const float new_max_a = fmaxf(max_a, tile_max_a), new_max_b = fmaxf(max_b, tile_max_b);
+    const float base_a = new_max_a == -INFINITY ? 0.f : new_max_a;
+    const float base_b = new_max_b == -INFINITY ? 0.f : new_max_b;
+    alpha_a = FastExp2(max_a - base_a);
+    alpha_b = FastExp2(max_b - base_b);
+    max_a = new_max_a;
+    max_b = new_max_b;
+    float part_a = 0.f, part_b = 0.f;
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+      s[n][0] = FastExp2(s[n][0] - base_a);
+      s[n][1] = FastExp2(s[n][1] - base_a);
+      s[n][2] = FastExp2(s[n][2] - base_b);
+      s[n][3] = FastExp2(s[n][3] - base_b);
+      part_a += s[n][0] + s[n][1];
+      part_b += s[n][2] + s[n][3];
+    }
+    sum_a = sum_a * alpha_a + part_a;
+    sum_b = sum_b * alpha_b + part_b;
+  };
+
+  // Tile 0: its scores alone.
+  {
+    FenceAccumulators(s);
+    WgmmaFence();
+    issue_scores(0);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceAccumulators(s);
+    float alpha_a, alpha_b;
+    softmax(0, alpha_a, alpha_b);  // O is still zero: nothing to rescale
+    AccumulatorToOperand(s, 1.f, prob);
+  }
+
+  for (int j = 1; j < num_kv_tiles; ++j) {
+    // G_j (V_{j-1}, K_j) has landed for every thread, and every warpgroup has retired its products
+    // of iteration j - 1, so the buffers of K_{j-1} and V_{j-2} are free.
+    CpAsyncWait<0>();
+    FenceProxyAsync();
+    __syncthreads();
+    LoadSwizzledTileAsync<kBN, D, kThreads>(v_tiles + (j & 1) * kTileBytes, v_base, p.ldkv,
+                                            (first_kv_tile + j) * kBN, seq_len, thread);
+    if (j + 1 < num_kv_tiles) {
+      LoadSwizzledTileAsync<kBN, D, kThreads>(k_tiles + ((j + 1) & 1) * kTileBytes, k_base, p.ldkv,
+                                              (first_kv_tile + j + 1) * kBN, seq_len, thread);
+    }
+    CpAsyncCommit();
+
+    FenceAccumulators(s);
+    FenceAccumulators(acc_o);
+    FenceOperand(prob);
+    WgmmaFence();
+    issue_scores(j);
+    WgmmaCommit();
+    issue_values(j - 1);
+    WgmmaCommit();
+    WgmmaWait<1>();
+    FenceAccumulators(s);
+    float alpha_a = 1.f, alpha_b = 1.f;
+    softmax(j, alpha_a, alpha_b);
+    WgmmaWait<0>();
+    FenceAccumulators(acc_o);
+    FenceOperand(prob);
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n) {
+      acc_o[n][0] *= alpha_a;
+      acc_o[n][1] *= alpha_a;
+      acc_o[n][2] *= alpha_b;
+      acc_o[n][3] *= alpha_b;
+    }
+    AccumulatorToOperand(s, 1.f, prob);
+  }
+
+  // The last tile's values (G_n = {V_{n-1}}, or G1 when n = 1).
+  CpAsyncWait<0>();
+  FenceProxyAsync();
+  __syncthreads();
+  {
+    FenceAccumulators(acc_o);
+    FenceOperand(prob);
+    WgmmaFence();
+    issue_values(num_kv_tiles - 1);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceAccumulators(acc_o);
+    FenceOperand(prob);
+  }
+
+  // Epilogue, as attention_forward.cu's: O (fp32 and/or fp16), lse, and the fused Delta.
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+  const float inv_a = 1.f / sum_a, inv_b = 1.f / sum_b;
+  const int out_ld = p.num_heads * D;
+  const bool fuse_delta = p.delta != nullptr;
+#pragma unroll
+  for (int half_rows = 0; half_rows < 2; ++half_rows) {
+    const int row = half_rows == 0 ? row_a : row_b;
+    const bool valid = row < seq_len;
+    const float inv = half_rows == 0 ? inv_a : inv_b;
+    const long long offset = (token0 + row) * out_ld + item.head * D + 2 * t;
+    float delta = 0.f;
+#pragma unroll
+    for (int n0 = 0; n0 < kOutTiles; n0 += 16) {
+      float2 grad_out[16];
+      if (fuse_delta && valid) {
+        const __half* grad_row =
+            static_cast<const __half*>(p.grad_out) + (token0 + row) * p.ldo + item.head * D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) grad_out[n] = LoadGradOutPair<Op>(grad_row + (n0 + n) * 8);
+      }
+      if (valid) {
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          const float o0 = acc_o[n0 + n][2 * half_rows] * inv;
+          const float o1 = acc_o[n0 + n][2 * half_rows + 1] * inv;
+          if (p.out != nullptr) {
+            *reinterpret_cast<float2*>(p.out + offset + (n0 + n) * 8) = make_float2(o0, o1);
+          }
+          if (p.out_half != nullptr) {
+            *reinterpret_cast<__half2*>(p.out_half + offset + (n0 + n) * 8) =
+                __floats2half2_rn(o0, o1);
+          }
+          if (fuse_delta) delta = fmaf(grad_out[n].x, o0, fmaf(grad_out[n].y, o1, delta));
+        }
+      }
+    }
+    if (valid && t == 0) {
+      const float row_max = half_rows == 0 ? max_a : max_b;
+      const float row_sum = half_rows == 0 ? sum_a : sum_b;
+      p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
+          (row_max + log2f(row_sum)) * kLn2;
+    }
+    if (fuse_delta) {
+      delta += __shfl_xor_sync(0xffffffffu, delta, 1);
+      delta += __shfl_xor_sync(0xffffffffu, delta, 2);
+      if (t == 0 && valid) {
+        p.delta[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
+            delta;
+      }
+    }
+  }
+#else
+  // Compiled for a GPU without wgmma. Only a build for Hopper without its sm_90a features (sm_90
+  // instead of the project's 90a-real) would send work here: it fails loudly, never silently.
+  __trap();
+#endif  // ATTNGRAD_HOPPER_WGMMA
+}
+
+template <int D>
+attngrad_status LaunchHopperForwardFor(const AttentionParams& params, cudaStream_t stream) {
+  constexpr int kShared = HopperForwardLayout<D>::kSharedBytes;
+  if (cudaFuncSetAttribute(HopperAttentionForwardKernel<D>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, kShared) != cudaSuccess) {
+    return ATTNGRAD_CUDA_ERROR;
+  }
+  const long long num_q_tiles = (params.seq_len + kHopperForwardRows - 1) / kHopperForwardRows;
+  const long long blocks = num_q_tiles * params.num_heads * params.batch;
+  if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
+  HopperAttentionForwardKernel<D>
+      <<<static_cast<unsigned>(blocks), kHopperForwardThreads, kShared, stream>>>(params);
+  return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
+}
+
+// Where it measured faster than AttentionForwardKernel (H200, 2026-12-02, fp16, CUDA-graph timing,
+// head_dim 128; bench/ATTENTION_NOTES.md v8): from S = 1024 on, and at S = 256..1023 while the grid
+// has few blocks. With one 256-thread block per SM (161 KB of shared memory) a block's prologue and
+// epilogue are not hidden by another block's work, so grids of many short blocks ((8,512): 768
+// blocks of 2.5 key tiles; (4,256), (16,256), (64,256); every S <= 128) stay on the mma.sync kernel
+// and its 3 blocks per SM. head_dim 256 follows the same rule (not timed separately).
+bool HopperForwardPays(const AttentionProblem& problem) {
+  const long long blocks =
+      static_cast<long long>((problem.seq_len + kHopperForwardRows - 1) / kHopperForwardRows) *
+      problem.num_heads * problem.batch;
+  return problem.seq_len >= 1024 || (problem.seq_len >= 512 && blocks <= 264) ||
+         (problem.seq_len >= 256 && blocks <= 96);
+}
+
+}  // namespace
+
+bool HopperForwardApplies(const AttentionProblem& problem) {
+  if (problem.operand != AttentionOperand::kFp16 ||
+      problem.forward_path == AttentionForwardPath::kPortable) {
+    return false;
+  }
+  if (problem.forward_path == AttentionForwardPath::kAuto && !HopperForwardPays(problem)) {
+    return false;
+  }
+  int device = 0, major = 0, minor = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+         major == 9 && minor == 0;
+}
+
+attngrad_status LaunchHopperForward(const AttentionParams& params, cudaStream_t stream) {
+  return params.head_dim == 256 ? LaunchHopperForwardFor<256>(params, stream)
+                                : LaunchHopperForwardFor<128>(params, stream);
+}
+
+}  // namespace attngrad::cuda::attention_detail
