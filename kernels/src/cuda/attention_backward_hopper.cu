@@ -13,8 +13,8 @@
 //     batch); per step of 64 keys: S = Q K^T, dP = dO V^T, dS in registers, dQ += dS K.
 // Overlap: one warpgroup per block and two blocks per SM (the element-wise work of one runs while
 // the other's products do), and inside a warpgroup the products are committed as separate groups
-// so that P is computed while dP runs and dS while dV runs (SoftmaxGradient split at dP:
-// ProbabilityAndWeight, ScaledGradient).
+// so that P is computed while dP runs and dS while dV runs (ProbabilityAndWeight, then
+// ScaledGradient: attention_common.cuh's SoftmaxGradient split at dP).
 // Shared-memory tiles are 128 columns of fp16 stored as two 64-column halves of 128-byte rows with
 // the 128-byte swizzle (hopper_wgmma.cuh), so one tile serves as a K-major operand (Q K^T) and as
 // an MN-major one (dS K). Deterministic: every dK, dV, dQ element is summed in one fixed order (no
@@ -41,24 +41,6 @@ constexpr int TileBytes(int rows) { return rows * kHeadDim * 2; }
 
 #ifdef ATTNGRAD_HOPPER_WGMMA
 constexpr int kScoreTiles = kStepRows / 8;  // 8-column tiles of a score accumulator
-
-// The backward's element-wise work in two halves, so that the first runs while the tensor cores
-// still compute dP: SoftmaxGradient of attention_common.cuh split at dP. First: P = exp(c - lse)
-// (0 when masked) and the factor w = P (1 - t^2) scaling sigma that dP - Delta is multiplied by.
-__device__ __forceinline__ float ProbabilityAndWeight(const AttentionParams& p, float s,
-                                                      float lse_log2, float ds_factor, bool masked,
-                                                      float& weight) {
-  float tanh_value;
-  const float c = CappedLog2<Op>(p, s, tanh_value);
-  float prob = FastExp2(c - lse_log2);
-  if (masked) prob = 0.f;
-  weight = prob * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
-  return prob;
-}
-// Second: dS (times sigma) = w (dP - Delta), clamped to fp16's range.
-__device__ __forceinline__ float ScaledGradient(float weight, float dp, float delta) {
-  return fminf(fmaxf(weight * (dp - delta), -kHalfMax), kHalfMax);
-}
 
 // One warpgroup's score-like product: acc[64 x 64] = A[64 x 128] B[64 x 128]^T, A the 64 rows from
 // a_row0 of a tile of kARows rows, B a whole 64-row tile, both K-major.
@@ -237,8 +219,8 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
           for (int e = 0; e < 4; ++e) {
             const int column = n * 8 + 2 * t + (e & 1);
             const int key = e < 2 ? key_a : key_b;
-            prob[n][e] = ProbabilityAndWeight(p, s[n][e], lse_tile[column] * kLog2e, ds_factor,
-                                              IsMasked(p, key, q0 + column), s[n][e]);
+            prob[n][e] = ProbabilityAndWeight<Op>(p, s[n][e], lse_tile[column] * kLog2e, ds_factor,
+                                                  IsMasked(p, key, q0 + column), s[n][e]);
           }
         }
         hopper::AccumulatorToOperand(prob, 1.f, prob_a);
@@ -253,7 +235,7 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          dp[n][e] = ScaledGradient(s[n][e], dp[n][e], delta_tile[n * 8 + 2 * t + (e & 1)]);
+          dp[n][e] = ScaledGradient<Op>(s[n][e], dp[n][e], delta_tile[n * 8 + 2 * t + (e & 1)]);
         }
       }
       hopper::AccumulatorToOperand(dp, 1.f, ds_a);
@@ -374,8 +356,8 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
         for (int e = 0; e < 4; ++e) {
           const int key = key0 + n * 8 + 2 * t + (e & 1);
           const int row = e < 2 ? row_a : row_b;
-          ProbabilityAndWeight(p, s[n][e], e < 2 ? rows.lse_a : rows.lse_b, ds_factor,
-                               IsMasked(p, key, row), s[n][e]);
+          ProbabilityAndWeight<Op>(p, s[n][e], e < 2 ? rows.lse_a : rows.lse_b, ds_factor,
+                                   IsMasked(p, key, row), s[n][e]);
         }
       }
       hopper::WgmmaWait<0>();
@@ -384,7 +366,7 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          dp[n][e] = ScaledGradient(s[n][e], dp[n][e], e < 2 ? rows.delta_a : rows.delta_b);
+          dp[n][e] = ScaledGradient<Op>(s[n][e], dp[n][e], e < 2 ? rows.delta_a : rows.delta_b);
         }
       }
       std::uint32_t ds_a[kScoreTiles / 2][4];

@@ -469,21 +469,52 @@ __device__ __forceinline__ void WarpProductKn(float (&acc)[kOutTiles][4],
 
 inline constexpr float kHalfMax = 65504.f;
 
+// P = exp(c - lse) of one recomputed score s (0 when masked), and t = tanh(s * scaling / cap) (0
+// without a cap). lse_log2 is the row's log-sum-exp in log2 units.
+template <class Op>
+__device__ __forceinline__ float Probability(const AttentionParams& p, float s, float lse_log2,
+                                             bool masked, float& tanh_value) {
+  const float c = CappedLog2<Op>(p, s, tanh_value);
+  const float prob = FastExp2(c - lse_log2);
+  return masked ? 0.f : prob;
+}
+
+// dS clamped to fp16's range in the FP16 mode (an fp16 operand next).
+template <class Op>
+__device__ __forceinline__ float ClampGradient(float ds) {
+  if constexpr (Op::kIsFp16) return fminf(fmaxf(ds, -kHalfMax), kHalfMax);
+  return ds;
+}
+
 // One element of the backward's softmax gradient from the recomputed score s and dP:
 // P = exp(c - lse) (0 when masked), dS = P (dP - Delta) (1 - t^2) scaling, times ds_factor
 // (scaling and the FP16 mode's power-of-two scale), clamped to fp16's range in that mode.
-// lse_log2 is the row's log-sum-exp in log2 units; returns P, writes dS.
+// Returns P, writes dS.
 template <class Op>
 __device__ __forceinline__ float SoftmaxGradient(const AttentionParams& p, float s, float dp,
                                                  float lse_log2, float delta, float ds_factor,
                                                  bool masked, float& ds) {
   float tanh_value;
-  const float c = CappedLog2<Op>(p, s, tanh_value);
-  float prob = FastExp2(c - lse_log2);
-  if (masked) prob = 0.f;
-  ds = prob * (dp - delta) * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
-  if constexpr (Op::kIsFp16) ds = fminf(fmaxf(ds, -kHalfMax), kHalfMax);
+  const float prob = Probability<Op>(p, s, lse_log2, masked, tanh_value);
+  ds = ClampGradient<Op>(prob * (dp - delta) * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor);
   return prob;
+}
+
+// The same in two halves, so that a kernel can do the first while the tensor cores still compute
+// dP (attention_backward_hopper.cu). First: P, and the weight w = P (1 - t^2) ds_factor.
+template <class Op>
+__device__ __forceinline__ float ProbabilityAndWeight(const AttentionParams& p, float s,
+                                                      float lse_log2, float ds_factor, bool masked,
+                                                      float& weight) {
+  float tanh_value;
+  const float prob = Probability<Op>(p, s, lse_log2, masked, tanh_value);
+  weight = prob * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
+  return prob;
+}
+// Second: dS = w (dP - Delta), clamped as above.
+template <class Op>
+__device__ __forceinline__ float ScaledGradient(float weight, float dp, float delta) {
+  return ClampGradient<Op>(weight * (dp - delta));
 }
 
 // ---- Tile loads (cp.async, 16 bytes per copy; rows >= seq_len are zero-filled)
