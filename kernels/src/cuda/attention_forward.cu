@@ -203,64 +203,7 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
     CpAsyncCommit();
   }
 
-  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
-  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
-  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
-  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
-  const float inv_a = 1.f / sum_a, inv_b = 1.f / sum_b;
-  const int out_ld = p.num_heads * kD;
-  // With a fused Delta (p.delta set): Delta = rowsum(dO * O) from the fp32 O in registers, each
-  // thread's D / 4 columns in order, then across the 4 threads of the row (fixed order).
-  const bool fuse_delta = p.delta != nullptr;
-#pragma unroll
-  for (int half_rows = 0; half_rows < 2; ++half_rows) {
-    const int row = half_rows == 0 ? row_a : row_b;
-    const bool valid = row < seq_len;
-    const float inv = half_rows == 0 ? inv_a : inv_b;
-    const long long offset = (token0 + row) * out_ld + item.head * kD + 2 * t;
-    float delta = 0.f;
-    // 128 columns at a time (16 tiles): dO loaded before the stores (which may alias for the
-    // compiler), in at most 32 registers.
-#pragma unroll
-    for (int n0 = 0; n0 < kOutTiles; n0 += 16) {
-      float2 grad_out[16];
-      if (fuse_delta && valid) {
-        const Elem* grad_row =
-            static_cast<const Elem*>(p.grad_out) + (token0 + row) * p.ldo + item.head * kD + 2 * t;
-#pragma unroll
-        for (int n = 0; n < 16; ++n) grad_out[n] = LoadGradOutPair<Op>(grad_row + (n0 + n) * 8);
-      }
-      if (valid) {
-#pragma unroll
-        for (int n = 0; n < 16; ++n) {
-          const float o0 = acc_o[n0 + n][2 * half_rows] * inv;
-          const float o1 = acc_o[n0 + n][2 * half_rows + 1] * inv;
-          if (p.out != nullptr) {
-            *reinterpret_cast<float2*>(p.out + offset + (n0 + n) * 8) = make_float2(o0, o1);
-          }
-          if (p.out_half != nullptr) {
-            *reinterpret_cast<__half2*>(p.out_half + offset + (n0 + n) * 8) =
-                __floats2half2_rn(o0, o1);
-          }
-          if (fuse_delta) delta = fmaf(grad_out[n].x, o0, fmaf(grad_out[n].y, o1, delta));
-        }
-      }
-    }
-    if (valid && t == 0) {
-      const float row_max = half_rows == 0 ? max_a : max_b;
-      const float row_sum = half_rows == 0 ? sum_a : sum_b;
-      p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
-          (row_max + log2f(row_sum)) * kLn2;
-    }
-    if (fuse_delta) {  // the whole warp takes part in the shuffles
-      delta += __shfl_xor_sync(0xffffffffu, delta, 1);
-      delta += __shfl_xor_sync(0xffffffffu, delta, 2);
-      if (t == 0 && valid) {
-        p.delta[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
-            delta;
-      }
-    }
-  }
+  StoreForwardRows<Op>(p, acc_o, max_a, max_b, sum_a, sum_b, row_a, row_b, t, token0, item);
 }
 
 template <class Op, int kWarps>

@@ -291,60 +291,7 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
   }
 
   // Epilogue, as attention_forward.cu's: O (fp32 and/or fp16), lse, and the fused Delta.
-  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
-  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
-  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
-  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
-  const float inv_a = 1.f / sum_a, inv_b = 1.f / sum_b;
-  const int out_ld = p.num_heads * D;
-  const bool fuse_delta = p.delta != nullptr;
-#pragma unroll
-  for (int half_rows = 0; half_rows < 2; ++half_rows) {
-    const int row = half_rows == 0 ? row_a : row_b;
-    const bool valid = row < seq_len;
-    const float inv = half_rows == 0 ? inv_a : inv_b;
-    const long long offset = (token0 + row) * out_ld + item.head * D + 2 * t;
-    float delta = 0.f;
-#pragma unroll
-    for (int n0 = 0; n0 < kOutTiles; n0 += 16) {
-      float2 grad_out[16];
-      if (fuse_delta && valid) {
-        const __half* grad_row =
-            static_cast<const __half*>(p.grad_out) + (token0 + row) * p.ldo + item.head * D + 2 * t;
-#pragma unroll
-        for (int n = 0; n < 16; ++n) grad_out[n] = LoadGradOutPair<Op>(grad_row + (n0 + n) * 8);
-      }
-      if (valid) {
-#pragma unroll
-        for (int n = 0; n < 16; ++n) {
-          const float o0 = acc_o[n0 + n][2 * half_rows] * inv;
-          const float o1 = acc_o[n0 + n][2 * half_rows + 1] * inv;
-          if (p.out != nullptr) {
-            *reinterpret_cast<float2*>(p.out + offset + (n0 + n) * 8) = make_float2(o0, o1);
-          }
-          if (p.out_half != nullptr) {
-            *reinterpret_cast<__half2*>(p.out_half + offset + (n0 + n) * 8) =
-                __floats2half2_rn(o0, o1);
-          }
-          if (fuse_delta) delta = fmaf(grad_out[n].x, o0, fmaf(grad_out[n].y, o1, delta));
-        }
-      }
-    }
-    if (valid && t == 0) {
-      const float row_max = half_rows == 0 ? base_a : base_b;
-      const float row_sum = half_rows == 0 ? sum_a : sum_b;
-      p.lse[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
-          (row_max + log2f(row_sum)) * kLn2;
-    }
-    if (fuse_delta) {
-      delta += __shfl_xor_sync(0xffffffffu, delta, 1);
-      delta += __shfl_xor_sync(0xffffffffu, delta, 2);
-      if (t == 0 && valid) {
-        p.delta[(static_cast<long long>(item.batch) * p.num_heads + item.head) * seq_len + row] =
-            delta;
-      }
-    }
-  }
+  StoreForwardRows<Op>(p, acc_o, base_a, base_b, sum_a, sum_b, row_a, row_b, t, token0, item);
 #else
   // Compiled for a GPU without wgmma. Only a build for Hopper without its sm_90a features (sm_90
   // instead of the project's 90a-real) would send work here: it fails loudly, never silently.
