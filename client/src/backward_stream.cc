@@ -168,6 +168,7 @@ class BackwardStream::Impl {
     v1::GradientMode mode = v1::GRADIENT_MODE_RETURN;
     absl::Time start;
     std::set<std::string> devices;
+    absl::Span<float> grad_hidden_out;  // BackwardBatch::grad_hidden_states_out (may be empty)
   };
 
   void ReadLoop();
@@ -279,6 +280,13 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     }
   }
 
+  if (!batch.grad_hidden_states_out.empty() &&
+      static_cast<int64_t>(batch.grad_hidden_states_out.size()) != B * S * H) {
+    return absl::InvalidArgumentError(absl::StrCat("grad_hidden_states_out: expected ", B * S * H,
+                                                   " floats for shape [", B, ",", S, ",", H,
+                                                   "], got ", batch.grad_hidden_states_out.size()));
+  }
+
   const uint64_t batch_id = batch.batch_id != 0 ? batch.batch_id : client_->NewBatchId();
   auto pending = std::make_unique<Pending>();
   pending->result.batch_id = batch_id;
@@ -288,6 +296,7 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
   pending->batch = B;
   pending->seq_len = S;
   pending->mode = batch.mode;
+  pending->grad_hidden_out = batch.grad_hidden_states_out;
   {
     absl::MutexLock lock(&mu_);
     auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -488,15 +497,19 @@ absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const
   ATTNGRAD_ASSIGN_OR_RETURN(const int64_t elements,
                             AnswerElements(response.grad_hidden_states(), answer.payloads[0],
                                            part_shape, "grad_hidden_states"));
-  // Straight into the batch's result: the whole of it, or the part's sequences.
-  std::vector<float>& grad_hidden = result.grad_hidden_states;
-  wire::ResizeForOverwrite(
-      &grad_hidden, static_cast<size_t>(result.parts == 1 ? elements : pending->batch * S * H));
+  // Straight into the caller's memory or the batch's result: the whole of it, or the part's
+  // sequences.
+  absl::Span<float> grad_hidden = pending->grad_hidden_out;
+  if (grad_hidden.empty()) {
+    wire::ResizeForOverwrite(
+        &result.grad_hidden_states,
+        static_cast<size_t>(result.parts == 1 ? elements : pending->batch * S * H));
+    grad_hidden = absl::Span<float>(result.grad_hidden_states);
+  }
   ATTNGRAD_RETURN_IF_ERROR(DecodeAnswer(
       response.grad_hidden_states(), answer.payloads[0], "grad_hidden_states",
-      absl::Span<float>(grad_hidden)
-          .subspan(static_cast<size_t>(result.parts == 1 ? 0 : part.first_sequence * S * H),
-                   static_cast<size_t>(elements))));
+      grad_hidden.subspan(static_cast<size_t>(result.parts == 1 ? 0 : part.first_sequence * S * H),
+                          static_cast<size_t>(elements))));
 
   if (pending->mode == v1::GRADIENT_MODE_ACCUMULATE) return absl::OkStatus();
   if (!response.has_weight_gradients()) {

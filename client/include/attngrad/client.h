@@ -140,6 +140,14 @@ struct BackwardBatch {
   // the bytes, and the server computes from the rounded values: a different input, so compare with
   // the reference of the rounded input). cos/sin always travel as float32.
   v1::DType input_dtype = v1::DTYPE_UNSPECIFIED;
+  // Where the answer's grad_hidden_states goes: empty = a vector of the result's own
+  // (BackwardResult::grad_hidden_states); else B*S*hidden floats of the caller's, into which the
+  // answer is decoded (the same values) and the result's vector stays empty. The memory must stay
+  // valid, and be left alone, until the batch's result has been returned (by Next, Await or
+  // Backward) or the stream is destroyed. For a caller that reuses its buffers (or decodes into
+  // its own tensor): a fresh vector per batch costs its page faults and zeroing, more than the
+  // decode itself (issue 13).
+  absl::Span<float> grad_hidden_states_out;
 };
 
 // The answer to one batch (all parts of a split batch, reassembled).
@@ -149,7 +157,7 @@ struct BackwardResult {
   // failed batches as results; every other call returns the failure as its status.
   absl::Status status;
   std::vector<int64_t> shape;                 // [B,S,hidden]
-  std::vector<float> grad_hidden_states;      // [B,S,hidden]
+  std::vector<float> grad_hidden_states;      // [B,S,hidden]; empty with grad_hidden_states_out
   std::optional<WeightSet> weight_gradients;  // RETURN mode: summed over the parts
   uint64_t weights_version = 0;
   int layer = 0;                        // the decoder layer the server computed
