@@ -24,6 +24,11 @@ ABSL_FLAG(bool, answer_buffers, true,
           "(BackwardBatch::grad_hidden_states_out, as a trainer decoding into its own tensors "
           "does); false: into a fresh vector per batch (BackwardResult::grad_hidden_states)");
 
+ABSL_FLAG(bool, borrow_inputs, true,
+          "bench: send the float32 inputs from the bench's own memory, not copied "
+          "(BackwardBatch::borrow_inputs; the inputs live for the whole run); false: one copy per "
+          "request into the client's buffers");
+
 namespace attngrad::cli {
 namespace {
 
@@ -89,6 +94,7 @@ int RunBench() {
   batch.input_dtype = *input_dtype;
   if (absl::GetFlag(FLAGS_layer) >= 0) batch.layer = absl::GetFlag(FLAGS_layer);
   batch.expected_weights_version = absl::GetFlag(FLAGS_expected_weights_version);
+  batch.borrow_inputs = absl::GetFlag(FLAGS_borrow_inputs);
 
   std::cerr << absl::StrFormat(
       "bench: %s, %d streams x %d in flight over %d channels, batches [%d,%d] (%d tokens), mode "
@@ -243,8 +249,8 @@ int RunBench() {
       "  latency     p50 %.4f s  p90 %.4f s  p99 %.4f s  max %.4f s (round trip per batch)\n"
       "  server      mean total %.6f s: queue %.6f, copy_in %.6f, compute %.6f, copy_out %.6f\n"
       "  moved       %.3f GB in all (requests + answers, warm-up included)\n"
-      "  client CPU  %.3f s per GB moved while timed (%.2f CPU s, user + system; answers into "
-      "%s)\n"
+      "  client CPU  %.3f s per GB moved while timed (%.2f CPU s, user + system; inputs %s, "
+      "answers into %s)\n"
       "  errors      %d%s\n",
       totals.batches, B, S, totals.tokens, elapsed, totals.device, streams, in_flight,
       absl::GetFlag(FLAGS_channels), ModeName(*mode), wire::DTypeName(*input_dtype),
@@ -255,6 +261,7 @@ int RunBench() {
       totals.stages.queue_seconds() / n, totals.stages.copy_in_seconds() / n,
       totals.stages.compute_seconds() / n, totals.stages.copy_out_seconds() / n,
       totals.all_bytes / 1e9, timed_cpu / std::max(totals.bytes / 1e9, 1e-12), timed_cpu,
+      batch.borrow_inputs ? "borrowed" : "copied",
       answer_buffers ? "reused buffers" : "fresh vectors", totals.errors,
       totals.first_error.empty() ? "" : absl::StrCat(" (first: ", totals.first_error, ")"));
   return totals.errors == 0 && totals.batches > 0 ? 0 : 1;
