@@ -4,6 +4,7 @@
 
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
 #include "attngrad/wire/dtype.h"
+#include "attngrad/wire/layer.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server_builder.h"
 #include "wire_shape.h"
@@ -20,10 +22,15 @@
 namespace attngrad::wire_ceiling {
 namespace {
 
-absl::StatusOr<WireShape> ShapeOfStream(const grpc::CallbackServerContext& context) {
+// The shape the stream's metadata names; without one, `default_shape` (null: INVALID_ARGUMENT)
+// with `*from_metadata` false.
+absl::StatusOr<WireShape> ShapeOfStream(const grpc::CallbackServerContext& context,
+                                        const WireShape* default_shape, bool* from_metadata) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kShapeMetadataKey);
+  *from_metadata = it != metadata.end();
   if (it == metadata.end()) {
+    if (default_shape != nullptr) return *default_shape;
     return absl::InvalidArgumentError(
         absl::StrCat("the stream's metadata has no ", kShapeMetadataKey,
                      " (the shape of its batches); run attngrad_wire_ceiling --connect"));
@@ -43,8 +50,11 @@ class ProtobufCodec {
   using Request = v1::BackwardRequest;
   using Response = v1::BackwardResponse;
 
-  explicit ProtobufCodec(const WireShape& shape)
+  // `check_sizes`: a request whose size is not what the shape implies ends the stream (false for
+  // attngrad's own client, whose requests' optional fields the shape does not know).
+  ProtobufCodec(const WireShape& shape, bool check_sizes)
       : shape_(shape),
+        check_sizes_(check_sizes),
         response_(MakeResponse(shape)),
         request_bytes_(SizeWithBatchId(MakeRequest(shape))),
         response_bytes_(SizeWithBatchId(response_)) {}
@@ -54,8 +64,9 @@ class ProtobufCodec {
     *bytes = static_cast<int64_t>(request->ByteSizeLong());
     const auto input_bytes = static_cast<size_t>(shape_.tokens() * shape_.config.hidden_size) *
                              wire::DTypeSize(shape_.input_dtype);
-    if (*bytes != request_bytes_ || request->hidden_states().raw_data().size() != input_bytes ||
-        request->grad_output().raw_data().size() != input_bytes) {
+    if (check_sizes_ &&
+        (*bytes != request_bytes_ || request->hidden_states().raw_data().size() != input_bytes ||
+         request->grad_output().raw_data().size() != input_bytes)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "BackwardRequest of %d bytes (hidden_states %d, grad_output %d bytes): expected %d "
           "(%d each) for %s",
@@ -73,6 +84,7 @@ class ProtobufCodec {
 
  private:
   const WireShape shape_;
+  const bool check_sizes_;
   Response response_;
   const int64_t request_bytes_;
   const int64_t response_bytes_;
@@ -86,7 +98,7 @@ class ByteBufferCodec {
   using Request = grpc::ByteBuffer;
   using Response = grpc::ByteBuffer;
 
-  explicit ByteBufferCodec(const WireShape& shape) : shape_(shape) {
+  ByteBufferCodec(const WireShape& shape, bool /*check_sizes: always*/) : shape_(shape) {
     const v1::BackwardResponse response = MakeResponse(shape);
     body_ = SerializedSlice(response);
     response_bytes_ = SizeWithBatchId(response);
@@ -128,14 +140,17 @@ template <typename Codec>
 class BackwardReactor
     : public grpc::ServerBidiReactor<typename Codec::Request, typename Codec::Response> {
  public:
-  BackwardReactor(grpc::CallbackServerContext* context, ServerCounters* counters)
+  // `default_shape` (may be null): the shape of a stream whose metadata names none.
+  BackwardReactor(grpc::CallbackServerContext* context, ServerCounters* counters,
+                  const WireShape* default_shape)
       : counters_(counters) {
-    absl::StatusOr<WireShape> shape = ShapeOfStream(*context);
+    bool from_metadata = false;
+    absl::StatusOr<WireShape> shape = ShapeOfStream(*context, default_shape, &from_metadata);
     if (!shape.ok()) {
       this->Finish(ToGrpc(shape.status()));
       return;
     }
-    codec_ = std::make_unique<Codec>(*shape);
+    codec_ = std::make_unique<Codec>(*shape, from_metadata);
     this->StartRead(&request_);
   }
 
@@ -287,14 +302,44 @@ absl::StatusOr<ServerStats> ServerStats::FromText(absl::string_view text) {
 
 class CeilingServer::ProtobufService final : public v1::AttentionGradient::CallbackService {
  public:
-  explicit ProtobufService(ServerCounters* counters) : counters_(counters) {}
+  ProtobufService(ServerCounters* counters, std::optional<WireShape> default_shape,
+                  int64_t max_message_bytes)
+      : counters_(counters),
+        default_shape_(std::move(default_shape)),
+        max_message_bytes_(max_message_bytes) {}
   grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* Backward(
       grpc::CallbackServerContext* context) override {
-    return new BackwardReactor<ProtobufCodec>(context, counters_);
+    return new BackwardReactor<ProtobufCodec>(context, counters_,
+                                              default_shape_ ? &*default_shape_ : nullptr);
+  }
+
+  // With a default shape: what attngrad's client reads on connecting (the shape's layer, the
+  // limits, and the instance id and versions MakeResponse's answers carry).
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* /*request*/,
+                                         v1::GetModelInfoResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (!default_shape_) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                   "GetModelInfo: only a server started with --serve answers it"));
+      return reactor;
+    }
+    const v1::BackwardResponse answer = MakeResponse(*default_shape_);
+    wire::LayerConfigToWire(default_shape_->config, response->mutable_config());
+    response->set_weights_version(answer.weights_version());
+    response->set_weights_source("attngrad_wire_ceiling");
+    response->set_server_instance_id(answer.server_instance_id());
+    response->set_max_message_bytes(max_message_bytes_);
+    response->set_max_batch_tokens(int64_t{1} << 30);
+    response->set_accumulation_window_id(answer.accumulation_window_id());
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
   }
 
  private:
   ServerCounters* const counters_;
+  const std::optional<WireShape> default_shape_;
+  const int64_t max_message_bytes_;
 };
 
 class CeilingServer::GenericService final : public grpc::CallbackGenericService {
@@ -303,7 +348,7 @@ class CeilingServer::GenericService final : public grpc::CallbackGenericService 
   grpc::ServerGenericBidiReactor* CreateReactor(
       grpc::GenericCallbackServerContext* context) override {
     if (context->method() == kByteBufferBackwardMethod) {
-      return new BackwardReactor<ByteBufferCodec>(context, counters_);
+      return new BackwardReactor<ByteBufferCodec>(context, counters_, nullptr);
     }
     if (context->method() == kStatsMethod) return new StatsReactor(counters_);
     return new UnknownMethodReactor(context->method());
@@ -319,10 +364,11 @@ CeilingServer::~CeilingServer() {
   if (server_) server_->Shutdown();
 }
 
-absl::StatusOr<std::unique_ptr<CeilingServer>> CeilingServer::Start(const std::string& address,
-                                                                    int64_t max_message_bytes) {
+absl::StatusOr<std::unique_ptr<CeilingServer>> CeilingServer::Start(
+    const std::string& address, int64_t max_message_bytes, std::optional<WireShape> default_shape) {
   std::unique_ptr<CeilingServer> server(new CeilingServer());
-  server->protobuf_service_ = std::make_unique<ProtobufService>(&server->counters_);
+  server->protobuf_service_ = std::make_unique<ProtobufService>(
+      &server->counters_, std::move(default_shape), max_message_bytes);
   server->generic_service_ = std::make_unique<GenericService>(&server->counters_);
   grpc::ServerBuilder builder;
   // As attngrad-server (server/server.cc): the message limits, everything else gRPC's defaults.

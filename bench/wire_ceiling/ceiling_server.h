@@ -8,17 +8,23 @@
 //               serialized rest (no user-space copy).
 // Each stream says its shape in the metadata kShapeMetadataKey; a request of another size ends the
 // stream with INVALID_ARGUMENT. kStatsMethod answers the server process's CPU time and bytes.
+// Started with a default shape (--serve), the server also answers attngrad's own client: its
+// GetModelInfo, and attngrad.v1 Backward streams without the metadata (answered with that shape's
+// response, their requests not size-checked), so that attngrad-cli bench can run against it and
+// its client's CPU cost be measured beside the bare client's.
 #ifndef ATTNGRAD_BENCH_WIRE_CEILING_CEILING_SERVER_H_
 #define ATTNGRAD_BENCH_WIRE_CEILING_CEILING_SERVER_H_
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "grpcpp/server.h"
+#include "wire_shape.h"
 
 namespace attngrad::wire_ceiling {
 
@@ -49,8 +55,11 @@ struct ServerCounters {
 class CeilingServer {
  public:
   // Listens on `address` ("host:port", port 0 = any free one).
-  static absl::StatusOr<std::unique_ptr<CeilingServer>> Start(const std::string& address,
-                                                              int64_t max_message_bytes);
+  // `default_shape`: see above (nullopt: streams must name their shape; GetModelInfo is
+  // UNIMPLEMENTED).
+  static absl::StatusOr<std::unique_ptr<CeilingServer>> Start(
+      const std::string& address, int64_t max_message_bytes,
+      std::optional<WireShape> default_shape = std::nullopt);
   ~CeilingServer();  // shuts the server down
   CeilingServer(const CeilingServer&) = delete;
   CeilingServer& operator=(const CeilingServer&) = delete;

@@ -247,8 +247,15 @@ int Main() {
   const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   const std::string serve = absl::GetFlag(FLAGS_serve);
   if (!serve.empty()) {
+    // The shape flags give the answer to attngrad's own client (attngrad-cli bench against this
+    // server), whose streams do not name their shape.
+    absl::StatusOr<RunOptions> options = OptionsFromFlags();
+    if (!options.ok()) {
+      std::cerr << "attngrad_wire_ceiling: " << options.status() << "\n";
+      return 2;
+    }
     sigset_t signals = BlockStopSignals();
-    auto server = CeilingServer::Start(serve, max_message_bytes);
+    auto server = CeilingServer::Start(serve, max_message_bytes, options->shape);
     if (!server.ok()) {
       std::cerr << "attngrad_wire_ceiling: " << server.status() << "\n";
       return 2;

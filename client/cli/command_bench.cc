@@ -5,8 +5,10 @@
 #include <atomic>
 #include <iostream>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "attngrad/wire/dtype.h"
@@ -17,8 +19,26 @@
 #include "absl/synchronization/notification.h"
 #include "cli_common.h"
 
+ABSL_FLAG(bool, answer_buffers, true,
+          "bench: decode each answer's grad_hidden_states into one of the stream's reused buffers "
+          "(BackwardBatch::grad_hidden_states_out, as a trainer decoding into its own tensors "
+          "does); false: into a fresh vector per batch (BackwardResult::grad_hidden_states)");
+
+ABSL_FLAG(bool, borrow_inputs, true,
+          "bench: send the float32 inputs from the bench's own memory, not copied "
+          "(BackwardBatch::borrow_inputs; the inputs live for the whole run); false: one copy per "
+          "request into the client's buffers");
+
 namespace attngrad::cli {
 namespace {
+
+// User + system CPU seconds of this process so far.
+double ProcessCpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
 
 struct Totals {
   absl::Mutex mu;
@@ -74,6 +94,7 @@ int RunBench() {
   batch.input_dtype = *input_dtype;
   if (absl::GetFlag(FLAGS_layer) >= 0) batch.layer = absl::GetFlag(FLAGS_layer);
   batch.expected_weights_version = absl::GetFlag(FLAGS_expected_weights_version);
+  batch.borrow_inputs = absl::GetFlag(FLAGS_borrow_inputs);
 
   std::cerr << absl::StrFormat(
       "bench: %s, %d streams x %d in flight over %d channels, batches [%d,%d] (%d tokens), mode "
@@ -87,7 +108,10 @@ int RunBench() {
   std::atomic<int> warmed{0};
   absl::Notification timing_started;
   absl::Time timing_start;
+  double timing_start_cpu = 0;
   std::atomic<int> finished_streams{0};
+  const bool answer_buffers = absl::GetFlag(FLAGS_answer_buffers);
+  const size_t answer_floats = static_cast<size_t>(B * S * config.hidden_size);
 
   auto run_stream = [&](int index) {
     auto record_error = [&](const absl::Status& status) {
@@ -100,22 +124,53 @@ int RunBench() {
       record_error(stream.status());
       if (warmed.fetch_add(1) + 1 == streams) {
         timing_start = absl::Now();
+        timing_start_cpu = ProcessCpuSeconds();
         timing_started.Notify();
       }
       finished_streams.fetch_add(1);
       return;
     }
+    // --answer_buffers: one buffer per batch in flight (and one for the warm-up), each lent to a
+    // batch from its Submit until its result is taken.
+    std::vector<std::vector<float>> buffers;
+    std::vector<size_t> free_buffers;
+    std::unordered_map<uint64_t, size_t> lent;  // batch id -> buffer
+    if (answer_buffers) {
+      buffers.resize(static_cast<size_t>(in_flight) + 1);
+      for (size_t b = 0; b < buffers.size(); ++b) {
+        buffers[b].resize(answer_floats);
+        free_buffers.push_back(b);
+      }
+    }
+    auto submit = [&]() -> absl::StatusOr<uint64_t> {
+      BackwardBatch own = batch;
+      if (answer_buffers) own.grad_hidden_states_out = absl::MakeSpan(buffers[free_buffers.back()]);
+      absl::StatusOr<uint64_t> id = (*stream)->Submit(own);
+      if (id.ok() && answer_buffers) {
+        lent[*id] = free_buffers.back();
+        free_buffers.pop_back();
+      }
+      return id;
+    };
+    auto give_back = [&](uint64_t id) {
+      auto it = lent.find(id);
+      if (it == lent.end()) return;
+      free_buffers.push_back(it->second);
+      lent.erase(it);
+    };
     // Warm-up: a few batches answered before the clock starts (connections, allocations).
     for (int w = 0; w < warmup; ++w) {
-      auto id = (*stream)->Submit(batch);
+      auto id = submit();
       if (!id.ok()) break;
       auto result = (*stream)->Await(*id);
+      give_back(*id);
       if (!result.ok()) break;
       absl::MutexLock lock(&totals.mu);
       totals.all_bytes += static_cast<double>(result->request_bytes + result->response_bytes);
     }
     if (warmed.fetch_add(1) + 1 == streams) {
       timing_start = absl::Now();
+      timing_start_cpu = ProcessCpuSeconds();
       timing_started.Notify();
     }
     timing_started.WaitForNotification();
@@ -123,6 +178,7 @@ int RunBench() {
     auto take = [&]() {
       auto result = (*stream)->Next();
       if (!result.ok()) return false;
+      give_back(result->batch_id);
       absl::MutexLock lock(&totals.mu);
       if (!result->status.ok()) {
         ++totals.errors;
@@ -145,7 +201,7 @@ int RunBench() {
     };
     while ((count <= 0 || submitted < count) &&
            (count > 0 || absl::Now() - timing_start < duration)) {
-      auto id = (*stream)->Submit(batch);
+      auto id = submit();
       if (!id.ok()) {
         record_error(id.status());
         break;
@@ -181,6 +237,7 @@ int RunBench() {
   }
   for (std::thread& t : threads) t.join();
   const double elapsed = absl::ToDoubleSeconds(absl::Now() - timing_start);
+  const double timed_cpu = ProcessCpuSeconds() - timing_start_cpu;
   if (progress && tty) std::cerr << "\n";
 
   absl::MutexLock lock(&totals.mu);
@@ -192,6 +249,8 @@ int RunBench() {
       "  latency     p50 %.4f s  p90 %.4f s  p99 %.4f s  max %.4f s (round trip per batch)\n"
       "  server      mean total %.6f s: queue %.6f, copy_in %.6f, compute %.6f, copy_out %.6f\n"
       "  moved       %.3f GB in all (requests + answers, warm-up included)\n"
+      "  client CPU  %.3f s per GB moved while timed (%.2f CPU s, user + system; inputs %s, "
+      "answers into %s)\n"
       "  errors      %d%s\n",
       totals.batches, B, S, totals.tokens, elapsed, totals.device, streams, in_flight,
       absl::GetFlag(FLAGS_channels), ModeName(*mode), wire::DTypeName(*input_dtype),
@@ -201,7 +260,9 @@ int RunBench() {
       Percentile(totals.latencies, 100), totals.stages.total_seconds() / n,
       totals.stages.queue_seconds() / n, totals.stages.copy_in_seconds() / n,
       totals.stages.compute_seconds() / n, totals.stages.copy_out_seconds() / n,
-      totals.all_bytes / 1e9, totals.errors,
+      totals.all_bytes / 1e9, timed_cpu / std::max(totals.bytes / 1e9, 1e-12), timed_cpu,
+      batch.borrow_inputs ? "borrowed" : "copied",
+      answer_buffers ? "reused buffers" : "fresh vectors", totals.errors,
       totals.first_error.empty() ? "" : absl::StrCat(" (first: ", totals.first_error, ")"));
   return totals.errors == 0 && totals.batches > 0 ? 0 : 1;
 }

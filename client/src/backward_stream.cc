@@ -107,6 +107,31 @@ absl::Status DecodeAnswer(const v1::Tensor& tensor, const std::vector<absl::stri
   return absl::InternalError(absl::StrCat("server sent a bad ", what, ": ", status.message()));
 }
 
+// The caller's memory that a batch's requests were sent from (BackwardBatch::borrow_inputs):
+// released once gRPC has let go of every slice of it.
+class InputLoan {
+ public:
+  // What the slices keep: releases the loan when the last of them goes.
+  static std::shared_ptr<const void> Token(const std::shared_ptr<InputLoan>& loan) {
+    return std::shared_ptr<const void>(loan.get(), [loan](const void*) { loan->Release(); });
+  }
+  void WaitReleased() {
+    absl::MutexLock lock(&mu_);
+    while (!released_) released_changed_.Wait(&mu_);
+  }
+
+ private:
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    released_ = true;
+    released_changed_.SignalAll();
+  }
+
+  absl::Mutex mu_;
+  absl::CondVar released_changed_;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 }  // namespace
 
 class BackwardStream::Impl {
@@ -168,8 +193,13 @@ class BackwardStream::Impl {
     v1::GradientMode mode = v1::GRADIENT_MODE_RETURN;
     absl::Time start;
     std::set<std::string> devices;
+    absl::Span<float> grad_hidden_out;  // BackwardBatch::grad_hidden_states_out (may be empty)
   };
 
+  // The result taken out of completed_ (under mu_), and then (without it) waits until gRPC has
+  // let go of the batch's borrowed inputs, unless the stream has ended (no byte is read then).
+  BackwardResult TakeCompleted(std::deque<BackwardResult>::iterator it,
+                               absl::ReleasableMutexLock* lock) ABSL_UNLOCK_FUNCTION(mu_);
   void ReadLoop();
   void HandleResponse(const ReceivedAnswer& answer);
   absl::Status MergePart(const ReceivedAnswer& answer, const Part& part, Pending* pending);
@@ -192,6 +222,9 @@ class BackwardStream::Impl {
   // thread touches their results after Submit has registered them.
   std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_ ABSL_GUARDED_BY(mu_);
   std::deque<BackwardResult> completed_ ABSL_GUARDED_BY(mu_);
+  // batch id -> the loan of its borrowed inputs (BackwardBatch::borrow_inputs), until its result
+  // is taken.
+  std::unordered_map<uint64_t, std::shared_ptr<InputLoan>> loans_ ABSL_GUARDED_BY(mu_);
   bool stream_done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status stream_status_ ABSL_GUARDED_BY(mu_);
   // An answer that was not a BackwardResponse: the stream was cancelled, and this is why.
@@ -279,6 +312,13 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     }
   }
 
+  if (!batch.grad_hidden_states_out.empty() &&
+      static_cast<int64_t>(batch.grad_hidden_states_out.size()) != B * S * H) {
+    return absl::InvalidArgumentError(absl::StrCat("grad_hidden_states_out: expected ", B * S * H,
+                                                   " floats for shape [", B, ",", S, ",", H,
+                                                   "], got ", batch.grad_hidden_states_out.size()));
+  }
+
   const uint64_t batch_id = batch.batch_id != 0 ? batch.batch_id : client_->NewBatchId();
   auto pending = std::make_unique<Pending>();
   pending->result.batch_id = batch_id;
@@ -288,6 +328,13 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
   pending->batch = B;
   pending->seq_len = S;
   pending->mode = batch.mode;
+  pending->grad_hidden_out = batch.grad_hidden_states_out;
+  std::shared_ptr<InputLoan> loan;
+  std::shared_ptr<const void> loan_token;
+  if (batch.borrow_inputs && input_dtype == v1::DTYPE_FLOAT32) {
+    loan = std::make_shared<InputLoan>();
+    loan_token = InputLoan::Token(loan);
+  }
   {
     absl::MutexLock lock(&mu_);
     auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -312,6 +359,7 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     }
     pending->start = absl::Now();  // latency starts once the batch has room to be in flight
     pending_[batch_id] = std::move(pending);
+    if (loan != nullptr) loans_[batch_id] = loan;
   }
 
   // Write the parts (one request built at a time).
@@ -360,9 +408,10 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
     if (batch.eps) request.set_eps(*batch.eps);
     if (batch.layer) request.set_layer(*batch.layer);
     if (batch.sliding_window) request.set_sliding_window(*batch.sliding_window);
-    ATTNGRAD_ASSIGN_OR_RETURN(grpc::ByteBuffer bytes,
-                              wire::EncodeBackwardRequest(request, activations[0], activations[1],
-                                                          input_dtype, client_->request_pool()));
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        grpc::ByteBuffer bytes,
+        wire::EncodeBackwardRequest(request, activations[0], activations[1], input_dtype,
+                                    client_->request_pool(), loan_token));
     {
       absl::MutexLock lock(&mu_);
       auto it = pending_.find(batch_id);
@@ -488,15 +537,19 @@ absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const
   ATTNGRAD_ASSIGN_OR_RETURN(const int64_t elements,
                             AnswerElements(response.grad_hidden_states(), answer.payloads[0],
                                            part_shape, "grad_hidden_states"));
-  // Straight into the batch's result: the whole of it, or the part's sequences.
-  std::vector<float>& grad_hidden = result.grad_hidden_states;
-  wire::ResizeForOverwrite(
-      &grad_hidden, static_cast<size_t>(result.parts == 1 ? elements : pending->batch * S * H));
+  // Straight into the caller's memory or the batch's result: the whole of it, or the part's
+  // sequences.
+  absl::Span<float> grad_hidden = pending->grad_hidden_out;
+  if (grad_hidden.empty()) {
+    wire::ResizeForOverwrite(
+        &result.grad_hidden_states,
+        static_cast<size_t>(result.parts == 1 ? elements : pending->batch * S * H));
+    grad_hidden = absl::Span<float>(result.grad_hidden_states);
+  }
   ATTNGRAD_RETURN_IF_ERROR(DecodeAnswer(
       response.grad_hidden_states(), answer.payloads[0], "grad_hidden_states",
-      absl::Span<float>(grad_hidden)
-          .subspan(static_cast<size_t>(result.parts == 1 ? 0 : part.first_sequence * S * H),
-                   static_cast<size_t>(elements))));
+      grad_hidden.subspan(static_cast<size_t>(result.parts == 1 ? 0 : part.first_sequence * S * H),
+                          static_cast<size_t>(elements))));
 
   if (pending->mode == v1::GRADIENT_MODE_ACCUMULATE) return absl::OkStatus();
   if (!response.has_weight_gradients()) {
@@ -534,7 +587,7 @@ absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const
 
 absl::StatusOr<BackwardResult> BackwardStream::Impl::Next(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   while (completed_.empty() && !pending_.empty()) {
     if (changed_.WaitWithDeadline(&mu_, deadline) && completed_.empty()) {
       return absl::DeadlineExceededError(absl::StrCat("Backward stream: no batch completed within ",
@@ -544,22 +597,32 @@ absl::StatusOr<BackwardResult> BackwardStream::Impl::Next(absl::Duration timeout
   if (completed_.empty()) {
     return absl::OutOfRangeError("Backward stream: no batches outstanding");
   }
-  BackwardResult result = std::move(completed_.front());
-  completed_.pop_front();
+  return TakeCompleted(completed_.begin(), &lock);
+}
+
+BackwardResult BackwardStream::Impl::TakeCompleted(std::deque<BackwardResult>::iterator it,
+                                                   absl::ReleasableMutexLock* lock) {
+  BackwardResult result = std::move(*it);
+  completed_.erase(it);
   changed_.SignalAll();
+  std::shared_ptr<InputLoan> loan;
+  if (auto found = loans_.find(result.batch_id); found != loans_.end()) {
+    if (!stream_done_) loan = std::move(found->second);
+    loans_.erase(found);
+  }
+  lock->Release();
+  if (loan != nullptr) loan->WaitReleased();
   return result;
 }
 
 absl::StatusOr<BackwardResult> BackwardStream::Impl::Await(uint64_t batch_id,
                                                            absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   while (true) {
     for (auto it = completed_.begin(); it != completed_.end(); ++it) {
       if (it->batch_id != batch_id) continue;
-      BackwardResult result = std::move(*it);
-      completed_.erase(it);
-      changed_.SignalAll();
+      BackwardResult result = TakeCompleted(it, &lock);
       if (!result.status.ok()) return result.status;
       return result;
     }

@@ -42,7 +42,13 @@ absl::StatusOr<grpc::ByteBuffer> SerializeWithPayloads(const google::protobuf::M
 
 namespace {
 void DeleteBuffer(void* buffer) { delete static_cast<BufferPool::Buffer*>(buffer); }
+void DeleteOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
 }  // namespace
+
+grpc::Slice BorrowedSlice(absl::string_view bytes, std::shared_ptr<const void> owner) {
+  auto* kept = new std::shared_ptr<const void>(std::move(owner));
+  return grpc::Slice(const_cast<char*>(bytes.data()), bytes.size(), DeleteOwner, kept);
+}
 
 grpc::Slice SliceOf(BufferPool::Buffer buffer) {
   auto* owned = new BufferPool::Buffer(std::move(buffer));

@@ -2,6 +2,7 @@
 // of seed 7, max_batch_tokens 32) on a loopback port, driven through attngrad::Client and compared
 // with the local CPU reference (SPEC section 4).
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -171,6 +172,73 @@ TEST_F(EndToEndTest, PositionsAndHalfResponse) {
                    (1e-3 + std::fabs(double{result->grad_hidden_states[i]})));
   }
   EXPECT_LT(worst, 2e-3);
+}
+
+// grad_hidden_states_out: the answer decoded into the caller's memory is bit for bit the result's
+// own vector (one request, a batch split in two, a float16 answer), the result's vector stays
+// empty, and a span of the wrong size is INVALID_ARGUMENT naming the field. borrow_inputs: the
+// same answers as the copied inputs'.
+TEST_F(EndToEndTest, CallerMemoryInAndOutEqualsCopies) {
+  auto stream = client_->StartStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  for (Shape shape : {Shape{2, 8}, Shape{3, 16}}) {
+    for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16}) {
+      const BatchInputs inputs = RandomBatchInputs(config_, shape.batch, shape.seq_len, 13);
+      BackwardBatch batch = inputs.View();
+      batch.mode = v1::GRADIENT_MODE_RETURN;
+      batch.response_dtype = dtype;
+      auto own = (*stream)->Submit(batch);
+      ASSERT_TRUE(own.ok()) << own.status();
+      auto expected = (*stream)->Await(*own);
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      std::vector<float> out(expected->grad_hidden_states.size(), -1.0f);
+      batch.grad_hidden_states_out = absl::MakeSpan(out);
+      auto into = (*stream)->Submit(batch);
+      ASSERT_TRUE(into.ok()) << into.status();
+      auto got = (*stream)->Await(*into);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->parts, expected->parts);
+      EXPECT_TRUE(got->grad_hidden_states.empty());
+      EXPECT_EQ(got->shape, expected->shape);
+      EXPECT_EQ(0, std::memcmp(out.data(), expected->grad_hidden_states.data(),
+                               out.size() * sizeof(float)))
+          << "B=" << shape.batch << " S=" << shape.seq_len << " dtype " << dtype;
+    }
+  }
+  const BatchInputs inputs = RandomBatchInputs(config_, 2, 8, 14);
+  BackwardBatch batch = inputs.View();
+  // borrow_inputs: the same answers (fp32 inputs sent from the caller's memory; bf16 converted as
+  // before), one request and a split batch.
+  for (Shape shape : {Shape{2, 8}, Shape{3, 16}}) {
+    for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16}) {
+      const BatchInputs borrowed = RandomBatchInputs(config_, shape.batch, shape.seq_len, 15);
+      BackwardBatch own = borrowed.View();
+      own.mode = v1::GRADIENT_MODE_RETURN;
+      own.input_dtype = dtype;
+      auto copied = client_->Backward(own);
+      ASSERT_TRUE(copied.ok()) << copied.status();
+      own.borrow_inputs = true;
+      auto id = (*stream)->Submit(own);
+      ASSERT_TRUE(id.ok()) << id.status();
+      auto got = (*stream)->Next();
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_TRUE(got->status.ok()) << got->status;
+      EXPECT_EQ(got->request_bytes, copied->request_bytes);
+      EXPECT_EQ(got->grad_hidden_states, copied->grad_hidden_states)
+          << "B=" << shape.batch << " S=" << shape.seq_len << " dtype " << dtype;
+      ASSERT_TRUE(got->weight_gradients.has_value());
+      for (Weight weight : kAllWeights) {
+        EXPECT_EQ((*got->weight_gradients)[weight].data, (*copied->weight_gradients)[weight].data)
+            << WeightModuleName(weight);
+      }
+    }
+  }
+  std::vector<float> short_out(static_cast<size_t>(2 * 8 * config_.hidden_size) - 1);
+  batch.grad_hidden_states_out = absl::MakeSpan(short_out);
+  auto bad = (*stream)->Submit(batch);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(bad.status().message(), HasSubstr("grad_hidden_states_out"));
+  EXPECT_TRUE((*stream)->Finish().ok());
 }
 
 // K ACCUMULATE batches from three concurrent clients; the fetched sums equal the sum of the same

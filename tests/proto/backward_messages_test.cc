@@ -5,6 +5,7 @@
 #include <google/protobuf/util/message_differencer.h>
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,40 @@ TEST(BackwardMessagesTest, RequestIsProtobufsSerializationByteForByte) {
       ASSERT_TRUE(bytes.ok()) << bytes.status();
       EXPECT_EQ(Flatten(*bytes), full.SerializeAsString());
     }
+  }
+}
+
+// Borrowed float32 activations: the same bytes, the caller's memory sent as it is (not copied),
+// and the owner kept until the last slice of the message goes. Other dtypes are converted into
+// the pool's buffer and drop the owner at once.
+TEST(BackwardMessagesTest, BorrowedRequestIsTheSameBytesAndKeepsItsOwner) {
+  std::vector<float> hidden = Values(24, 1.5f), grad = Values(24, -0.75f);
+  auto pool = BufferPool::Create(1 << 20);
+  for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const v1::BackwardRequest full = FullRequest(dtype, true, hidden, grad);
+    v1::BackwardRequest fields = full;
+    fields.mutable_hidden_states()->clear_raw_data();
+    fields.mutable_grad_output()->clear_raw_data();
+    auto owner = std::make_shared<int>(0);
+    std::weak_ptr<int> watch = owner;
+    absl::StatusOr<grpc::ByteBuffer> bytes =
+        EncodeBackwardRequest(fields, hidden, grad, dtype, *pool, std::move(owner));
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(Flatten(*bytes), full.SerializeAsString());
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(bytes->Dump(&slices).ok());
+    bool points_into_caller = false;
+    for (const grpc::Slice& slice : slices) {
+      points_into_caller = points_into_caller ||
+                           reinterpret_cast<const void*>(slice.begin()) == hidden.data() ||
+                           reinterpret_cast<const void*>(slice.begin()) == grad.data();
+    }
+    EXPECT_EQ(points_into_caller, dtype == v1::DTYPE_FLOAT32);
+    EXPECT_EQ(watch.expired(), dtype != v1::DTYPE_FLOAT32);
+    slices.clear();
+    *bytes = grpc::ByteBuffer();
+    EXPECT_TRUE(watch.expired());
   }
 }
 

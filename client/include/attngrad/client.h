@@ -10,8 +10,10 @@
 //
 // Memory: Submit encodes a batch's activations once, into a host buffer that gRPC sends as it is
 // (the batch's spans are not read after Submit returns); sent buffers are kept for reuse by the
-// next batches, up to 1 GiB per Client, and freed with it. Answers are decoded straight from the
-// received bytes into the result's vectors.
+// next batches, up to 1 GiB per Client, and freed with it. With BackwardBatch::borrow_inputs
+// (float32 inputs), gRPC sends them from the caller's memory instead, with no copy. Answers are
+// decoded straight from the received bytes into the result's vectors, or into the caller's memory
+// (BackwardBatch::grad_hidden_states_out).
 #ifndef ATTNGRAD_CLIENT_H_
 #define ATTNGRAD_CLIENT_H_
 
@@ -107,7 +109,8 @@ struct HostTensor {
 using WeightSet = PerWeight<HostTensor>;
 
 // One batch for the Backward stream. The spans are read during Submit/Backward only (the data is
-// serialised before the call returns), so they may point into the caller's buffers.
+// serialised before the call returns), so they may point into the caller's buffers; with
+// borrow_inputs, hidden_states and grad_output are read until the batch's result is returned.
 struct BackwardBatch {
   int64_t batch = 0;                      // B
   int64_t seq_len = 0;                    // S
@@ -140,6 +143,20 @@ struct BackwardBatch {
   // the bytes, and the server computes from the rounded values: a different input, so compare with
   // the reference of the rounded input). cos/sin always travel as float32.
   v1::DType input_dtype = v1::DTYPE_UNSPECIFIED;
+  // Where the answer's grad_hidden_states goes: empty = a vector of the result's own
+  // (BackwardResult::grad_hidden_states); else B*S*hidden floats of the caller's, into which the
+  // answer is decoded (the same values) and the result's vector stays empty. The memory must stay
+  // valid, and be left alone, until the batch's result has been returned (by Next, Await or
+  // Backward) or the stream is destroyed. For a caller that reuses its buffers (or decodes into
+  // its own tensor): a fresh vector per batch costs its page faults and zeroing, more than the
+  // decode itself (issue 13).
+  absl::Span<float> grad_hidden_states_out;
+  // With float32 inputs: hidden_states and grad_output are sent from the caller's memory as they
+  // are, not copied (the same bytes on the wire). The caller must then keep that memory valid and
+  // unchanged until the batch's result has been returned (by Next, Await or Backward), which waits,
+  // if need be, until gRPC has let go of it. Ignored for float16 / bfloat16 inputs (converted into
+  // a buffer of the client's). False: the spans are read during Submit only (one copy).
+  bool borrow_inputs = false;
 };
 
 // The answer to one batch (all parts of a split batch, reassembled).
@@ -149,7 +166,7 @@ struct BackwardResult {
   // failed batches as results; every other call returns the failure as its status.
   absl::Status status;
   std::vector<int64_t> shape;                 // [B,S,hidden]
-  std::vector<float> grad_hidden_states;      // [B,S,hidden]
+  std::vector<float> grad_hidden_states;      // [B,S,hidden]; empty with grad_hidden_states_out
   std::optional<WeightSet> weight_gradients;  // RETURN mode: summed over the parts
   uint64_t weights_version = 0;
   int layer = 0;                        // the decoder layer the server computed

@@ -24,10 +24,15 @@ namespace attngrad::wire {
 // `hidden_states` and `grad_output` encoded to `dtype` (one pass each, into one buffer of `pool`,
 // sent as its own slices): byte for byte protobuf's serialization of the request with those
 // tensors set by EncodeTensor.
-absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(const v1::BackwardRequest& request,
-                                                       absl::Span<const float> hidden_states,
-                                                       absl::Span<const float> grad_output,
-                                                       int dtype, BufferPool& pool);
+//
+// `borrow_owner` non-null and `dtype` float32 (whose encoding is the floats' own little-endian
+// bytes): nothing is copied, the two spans' memory goes out as slices of its own, and
+// `borrow_owner` is kept until gRPC lets go of them (BorrowedSlice): the spans must stay valid and
+// unchanged until then. Otherwise (any other dtype) `borrow_owner` is dropped at once.
+absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(
+    const v1::BackwardRequest& request, absl::Span<const float> hidden_states,
+    absl::Span<const float> grad_output, int dtype, BufferPool& pool,
+    std::shared_ptr<const void> borrow_owner = nullptr);
 
 // An answer: its fields but the tensors' raw_data, which are `payloads` (in
 // BackwardResponseTensorPaths' order) in the received slices that `owner` keeps alive.

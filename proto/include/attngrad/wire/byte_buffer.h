@@ -38,6 +38,11 @@ absl::StatusOr<grpc::ByteBuffer> SerializeWithPayloads(const google::protobuf::M
 // A slice of the pool buffer's bytes that owns it (given back once gRPC has sent the bytes).
 grpc::Slice SliceOf(BufferPool::Buffer buffer);
 
+// A slice of `bytes`, which someone else's memory holds (not copied): `owner` is kept until gRPC
+// lets go of the slice (every copy of it), so its destruction says that the bytes are no longer
+// read.
+grpc::Slice BorrowedSlice(absl::string_view bytes, std::shared_ptr<const void> owner);
+
 }  // namespace attngrad::wire
 
 #endif  // ATTNGRAD_WIRE_BYTE_BUFFER_H_
