@@ -7,13 +7,16 @@
 # folders named by VARIANTS, and lib/ (libopenblas.so.0, libgfortran.so.5, libquadmath.so.0); the
 # checkers are the tree's bench/check_torch.py and bench/check_gemma3.py. In order, each phase's
 # summary printed when it ends (a call cut short still reports the phases it finished):
-#   1. checks, all at once: the GPU tests (in SHARDS shards), the attention and wgmma tests,
+#   1. checks, all at once: the GPU tests (in SHARDS shards), the attention tests (in
+#      ATTENTION_SHARDS shards) and the wgmma tests,
 #      check_torch.py (AUTO in CHECK_ROUNDS rounds, FP16/TF32/FP32 in MODE_ROUNDS, AUTO at the
 #      grad_output scales 1e-7 and 3e4) and check_gemma3.py against transformers at SHAPES;
 #   2. attngrad_bench (SPEC section 5) of this build, the variants and base, alternated ROUNDS
 #      times, then the per-stage view at STAGE_WORKLOADS;
 #   3. the attention kernels alone (--time-only --fp16-only: both forward kernels per workload);
-#   4. check_torch.py's timing of PyTorch (TORCH variants) and attngrad in the same call.
+#   4. check_torch.py's timing of PyTorch (TORCH variants; TORCH=none skips it) and attngrad in
+#      the same call.
+# STAGE_WORKLOADS= (empty) skips the per-stage view.
 # Logs go to $OUT: info.txt, checks_full.log, bench.log, attention_bench.log, torch_time.log (a
 # call returns at most 8 files).
 set -u
@@ -30,7 +33,11 @@ for shard in $(seq 0 $((SHARDS - 1))); do
   run_test attngrad_gpu_tests "gpu_tests_$shard.log" GTEST_TOTAL_SHARDS="$SHARDS" \
     GTEST_SHARD_INDEX="$shard"
 done
-run_test attngrad_attention_tests attention_tests.log
+ATTENTION_SHARDS=${ATTENTION_SHARDS:-1}
+for shard in $(seq 0 $((ATTENTION_SHARDS - 1))); do
+  run_test attngrad_attention_tests "attention_tests_$shard.log" \
+    GTEST_TOTAL_SHARDS="$ATTENTION_SHARDS" GTEST_SHARD_INDEX="$shard"
+done
 run_test attngrad_hopper_wgmma_tests wgmma_tests.log
 check() {  # $1 log, then check_torch.py's arguments
   local log=$1
@@ -47,7 +54,7 @@ check check_scale_large.log --rounds 1 --modes AUTO --grad-output-scale 3e4
 wait
 date -u +"checks done %T UTC" | tee -a "$INFO"
 echo "==== checks"
-for f in "$OUT"/gpu_tests_*.log "$OUT"/attention_tests.log "$OUT"/wgmma_tests.log; do
+for f in "$OUT"/gpu_tests_*.log "$OUT"/attention_tests_*.log "$OUT"/wgmma_tests.log; do
   echo "-- $(basename "$f"): $(grep -E "^\[  PASSED|^exit" "$f" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \]" "$f" | head -10
 done
@@ -56,7 +63,7 @@ for f in "$OUT"/check_*.log "$OUT"/gemma3.log; do
   grep -E "FAIL" "$f" | head -8
 done
 echo "gemma3 PASS lines: $(grep -c PASS "$OUT/gemma3.log")"
-tests=("$OUT"/gpu_tests_*.log "$OUT"/attention_tests.log "$OUT"/wgmma_tests.log "$OUT"/check_*.log
+tests=("$OUT"/gpu_tests_*.log "$OUT"/attention_tests_*.log "$OUT"/wgmma_tests.log "$OUT"/check_*.log
        "$OUT"/gemma3.log)
 cat "${tests[@]}" > "$OUT/checks_full.log"
 rm -f "${tests[@]}"
@@ -68,9 +75,11 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     timeout 90 "$build/attngrad_bench" >> "$OUT/bench.log" 2>&1
   done
 done
-echo "==== stages" >> "$OUT/bench.log"
-timeout 60 "$K/attngrad_bench" --stages --workloads="${STAGE_WORKLOADS:-1:128,2:2048,16:256}" \
-  >> "$OUT/bench.log" 2>&1
+if [ "${STAGE_WORKLOADS-1:128,2:2048,16:256}" != "" ]; then
+  echo "==== stages" >> "$OUT/bench.log"
+  timeout 60 "$K/attngrad_bench" --stages --workloads="${STAGE_WORKLOADS-1:128,2:2048,16:256}" \
+    >> "$OUT/bench.log" 2>&1
+fi
 date -u +"bench done %T UTC" | tee -a "$INFO"
 echo "==== bench"
 grep -E "^====|geomean" "$OUT/bench.log"
@@ -79,6 +88,7 @@ timeout 60 "$K/attngrad_attention_bench" --time-only --fp16-only > "$OUT/attenti
 echo "==== attention"
 grep -E "geomean|^time fp16|^forward" "$OUT/attention_bench.log" | cut -c1-150 | head -40
 
+[ "${TORCH:-}" = none ] && exit 0
 timeout "${TORCH_LIMIT:-90}" python3 bench/check_torch.py --lib "$K/libattngrad.so" --no-check \
   --torch "${TORCH:-eager_tf32,compile_tf32}" --torch-warmup 3 --torch-iters 10 \
   > "$OUT/torch_time.log" 2>&1
