@@ -15,7 +15,7 @@
 #      times, then the per-stage view at STAGE_WORKLOADS;
 #   3. the attention kernels alone (--time-only --fp16-only: both forward kernels per workload);
 #   4. check_torch.py's timing of PyTorch (TORCH variants; TORCH=none skips it) and attngrad in
-#      the same call.
+#      the same call; torch.compile's compilations are started beside phase 1 to fill its caches.
 # STAGE_WORKLOADS= (empty) skips the per-stage view.
 # Logs go to $OUT: info.txt, checks_full.log, bench.log, attention_bench.log, torch_time.log (a
 # call returns at most 8 files).
@@ -24,6 +24,13 @@ K=${K:-build-kern}
 source bench/device_setup.sh  # (run from the repository root)
 device_setup "$K" bundle.tar.xz
 LIMIT=${CHECK_LIMIT:-150}
+if [ "${TORCH:-}" != none ]; then
+  # torch.compile's first compilations (batch 1 and batch > 1: dynamic shapes specialise 1) run
+  # beside the checks and fill the inductor and Triton caches that phase 4 then hits.
+  (timeout "$LIMIT" python3 bench/check_torch.py --lib "$K/libattngrad.so" --no-check \
+     --torch compile_tf32 --workloads 1:128,2:128 --torch-warmup 1 --torch-iters 1 \
+     > "$OUT/torch_prewarm.log" 2>&1) &
+fi
 
 run_test() {  # $1 binary, $2 log, then the environment's shard variables
   (timeout "$LIMIT" env "${@:3}" "$K/$1" > "$OUT/$2" 2>&1; echo "exit $?" >> "$OUT/$2") &
