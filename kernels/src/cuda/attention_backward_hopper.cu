@@ -56,17 +56,16 @@ __device__ __forceinline__ void ScoreProduct(float (&acc)[kScoreTiles][4], std::
   }
 }
 
-// acc[64 x 128] += A[64 x 16] B[16 x 128], k-step ks of a product over 64 k: A the fp16 operand of
-// columns 16 ks..16 ks + 15 of a 64 x 64 accumulator tile, B rows 16 ks.. of a 64-row tile [k][n]
-// read MN-major. The caller computes A one k-step at a time and issues each step as soon as its A
-// is ready (WgmmaFence before each: its registers were just written), so the tensor cores start
-// on the first 16 columns while the element-wise work of the next ones runs.
-__device__ __forceinline__ void OutputProductStep(float (&acc)[kHeadDim / 8][4],
-                                                  const std::uint32_t (&a)[4], std::uint32_t b_tile,
-                                                  int ks) {
-  hopper::WgmmaFence();
-  hopper::Wgmma<kHeadDim>::RegisterShared<1>(
-      acc, a, hopper::MnMajorDescriptor<kStepRows, kHeadDim>(b_tile, ks), 1);
+// acc[64 x 128] += A[64 x 64] B[64 x 128]: A the fp16 operand of a 64 x 64 accumulator tile (k =
+// its columns), B a 64-row tile [k][n] read MN-major.
+__device__ __forceinline__ void OutputProduct(float (&acc)[kHeadDim / 8][4],
+                                              const std::uint32_t (&a)[kScoreTiles / 2][4],
+                                              std::uint32_t b_tile) {
+#pragma unroll
+  for (int ks = 0; ks < kStepRows / 16; ++ks) {
+    hopper::Wgmma<kHeadDim>::RegisterShared<1>(
+        acc, a[ks], hopper::MnMajorDescriptor<kStepRows, kHeadDim>(b_tile, ks), 1);
+  }
 }
 #endif  // ATTNGRAD_HOPPER_WGMMA
 
@@ -212,19 +211,11 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
 
       const float* lse_tile = lse_tiles + stage * kStepRows;
       const float* delta_tile = delta_tiles + stage * kStepRows;
-      // The mask only where it hides some (key, query) pair of this warp's 16 keys and the tile's
-      // queries (warp-uniform): P and the weight of a masked pair become 0 (whatever P was
-      // computed from its score, inf included).
-      const int warp_key0 = group_key0 + warp * 16;
-      const bool needs_mask = warp_key0 + 15 > q0 || warp_key0 <= q0 + kStepRows - 1 - p.window;
-      // dV += P^T dO, one k-step (16 queries) issued as soon as its P^T is computed.
       std::uint32_t prob_a[kScoreTiles / 2][4], ds_a[kScoreTiles / 2][4];
-      hopper::FenceAccumulators(acc_dv);
+      {
+        float prob[kScoreTiles][4];
 #pragma unroll
-      for (int ks = 0; ks < kScoreTiles / 2; ++ks) {
-        float prob[kScoreTiles][4];  // tiles 2 ks and 2 ks + 1 used
-#pragma unroll
-        for (int n = 2 * ks; n < 2 * ks + 2; ++n) {
+        for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int column = n * 8 + 2 * t + (e & 1);
@@ -232,38 +223,42 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
                                                   /*masked=*/false, s[n][e]);
           }
         }
-        if (needs_mask) {
+        // The mask only where it hides some (key, query) pair of this warp's 16 keys and the
+        // tile's queries (warp-uniform): P and the weight of a masked pair become 0 (whatever
+        // P was computed from its score, inf included).
+        const int warp_key0 = group_key0 + warp * 16;
+        if (warp_key0 + 15 > q0 || warp_key0 <= q0 + kStepRows - 1 - p.window) {
 #pragma unroll
-          for (int n = 2 * ks; n < 2 * ks + 2; ++n) {
+          for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              if (IsMasked(p, e < 2 ? key_a : key_b, q0 + n * 8 + 2 * t + (e & 1))) {
+              const int column = n * 8 + 2 * t + (e & 1);
+              if (IsMasked(p, e < 2 ? key_a : key_b, q0 + column)) {
                 prob[n][e] = 0.f;
                 s[n][e] = 0.f;
               }
             }
           }
         }
-        hopper::AccumulatorStepToOperand(prob, ks, 1.f, prob_a[ks]);
-        OutputProductStep(acc_dv, prob_a[ks], do_tile, ks);
+        hopper::AccumulatorToOperand(prob, 1.f, prob_a);
       }
+      hopper::FenceAccumulators(acc_dv);
+      hopper::WgmmaFence();
+      OutputProduct(acc_dv, prob_a, do_tile);
       hopper::WgmmaCommit();
       hopper::WgmmaWait<1>();  // dP^T done (dV may still run)
       hopper::FenceAccumulators(dp);
-      // dK += dS^T Q likewise.
-      hopper::FenceAccumulators(acc_dk);
 #pragma unroll
-      for (int ks = 0; ks < kScoreTiles / 2; ++ks) {
+      for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
-        for (int n = 2 * ks; n < 2 * ks + 2; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            dp[n][e] = ScaledGradient<Op>(s[n][e], dp[n][e], delta_tile[n * 8 + 2 * t + (e & 1)]);
-          }
+        for (int e = 0; e < 4; ++e) {
+          dp[n][e] = ScaledGradient<Op>(s[n][e], dp[n][e], delta_tile[n * 8 + 2 * t + (e & 1)]);
         }
-        hopper::AccumulatorStepToOperand(dp, ks, 1.f, ds_a[ks]);
-        OutputProductStep(acc_dk, ds_a[ks], q_tile, ks);
       }
+      hopper::AccumulatorToOperand(dp, 1.f, ds_a);
+      hopper::FenceAccumulators(acc_dk);
+      hopper::WgmmaFence();
+      OutputProduct(acc_dk, ds_a, q_tile);
       hopper::WgmmaCommit();
       hopper::WgmmaWait<0>();
       hopper::FenceOperand(prob_a);
@@ -394,21 +389,18 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       }
       hopper::WgmmaWait<0>();
       hopper::FenceAccumulators(dp);
-      // dQ += dS K, one k-step (16 keys) issued as soon as its dS is computed.
-      std::uint32_t ds_a[kScoreTiles / 2][4];
-      hopper::FenceAccumulators(acc_dq);
 #pragma unroll
-      for (int ks = 0; ks < kScoreTiles / 2; ++ks) {
+      for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
-        for (int n = 2 * ks; n < 2 * ks + 2; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            dp[n][e] = ScaledGradient<Op>(s[n][e], dp[n][e], e < 2 ? rows.delta_a : rows.delta_b);
-          }
+        for (int e = 0; e < 4; ++e) {
+          dp[n][e] = ScaledGradient<Op>(s[n][e], dp[n][e], e < 2 ? rows.delta_a : rows.delta_b);
         }
-        hopper::AccumulatorStepToOperand(dp, ks, 1.f, ds_a[ks]);
-        OutputProductStep(acc_dq, ds_a[ks], k_tile, ks);
       }
+      std::uint32_t ds_a[kScoreTiles / 2][4];
+      hopper::AccumulatorToOperand(dp, 1.f, ds_a);
+      hopper::FenceAccumulators(acc_dq);
+      hopper::WgmmaFence();
+      OutputProduct(acc_dq, ds_a, k_tile);
       hopper::WgmmaCommit();
       hopper::WgmmaWait<0>();
       hopper::FenceOperand(ds_a);

@@ -172,29 +172,23 @@ __device__ __forceinline__ void ClearAccumulator(float (&d)[kTiles][4]) {
   for (int n = 0; n < kTiles; ++n) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.f;
 }
 
-// k-step k of an fp32 accumulator of 64 x (8 kTiles) (P, dS) times `scale` as the fp16 register A
-// operand of the product over its columns 16k..16k+15 (tiles 2k and 2k + 1), so that a product can
-// start on those columns while later ones are still being computed.
-template <int kTiles>
-__device__ __forceinline__ void AccumulatorStepToOperand(const float (&c)[kTiles][4], int k,
-                                                         float scale, std::uint32_t (&a)[4]) {
-  const __half2 h0 = __floats2half2_rn(c[2 * k][0] * scale, c[2 * k][1] * scale);
-  const __half2 h1 = __floats2half2_rn(c[2 * k][2] * scale, c[2 * k][3] * scale);
-  const __half2 h2 = __floats2half2_rn(c[2 * k + 1][0] * scale, c[2 * k + 1][1] * scale);
-  const __half2 h3 = __floats2half2_rn(c[2 * k + 1][2] * scale, c[2 * k + 1][3] * scale);
-  a[0] = *reinterpret_cast<const std::uint32_t*>(&h0);
-  a[1] = *reinterpret_cast<const std::uint32_t*>(&h1);
-  a[2] = *reinterpret_cast<const std::uint32_t*>(&h2);
-  a[3] = *reinterpret_cast<const std::uint32_t*>(&h3);
-}
-
-// The whole accumulator so: kTiles / 2 k-steps, a[k] feeds the product over columns 16k..16k+15.
+// An fp32 accumulator of 64 x (8 kTiles) (P, dS) times `scale` as the fp16 register A operand of
+// kTiles / 2 k-steps: a[k] feeds the product over columns 16k..16k+15 of the accumulator.
 template <int kTiles>
 __device__ __forceinline__ void AccumulatorToOperand(const float (&c)[kTiles][4], float scale,
                                                      std::uint32_t (&a)[kTiles / 2][4]) {
   static_assert(kTiles % 2 == 0, "k-steps of 16 columns");
 #pragma unroll
-  for (int k = 0; k < kTiles / 2; ++k) AccumulatorStepToOperand(c, k, scale, a[k]);
+  for (int k = 0; k < kTiles / 2; ++k) {
+    const __half2 h0 = __floats2half2_rn(c[2 * k][0] * scale, c[2 * k][1] * scale);
+    const __half2 h1 = __floats2half2_rn(c[2 * k][2] * scale, c[2 * k][3] * scale);
+    const __half2 h2 = __floats2half2_rn(c[2 * k + 1][0] * scale, c[2 * k + 1][1] * scale);
+    const __half2 h3 = __floats2half2_rn(c[2 * k + 1][2] * scale, c[2 * k + 1][3] * scale);
+    a[k][0] = *reinterpret_cast<const std::uint32_t*>(&h0);
+    a[k][1] = *reinterpret_cast<const std::uint32_t*>(&h1);
+    a[k][2] = *reinterpret_cast<const std::uint32_t*>(&h2);
+    a[k][3] = *reinterpret_cast<const std::uint32_t*>(&h3);
+  }
 }
 
 // ---- wgmma.mma_async m64nNk16, fp16 x fp16 -> fp32
