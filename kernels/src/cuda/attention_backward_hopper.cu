@@ -20,7 +20,8 @@
 // an MN-major one (dS K). Deterministic: every dK, dV, dQ element is summed in one fixed order (no
 // atomics). Soft-cap (branch-free, attention_common.cuh's CappedLog2), the sliding window, the fp16
 // dS scale and the statistics are those of attention_common.cuh; the causal/window mask is applied
-// only by the warps whose 16 rows (keys) and the step's keys (queries) cross it (warp-uniform).
+// only where a warp's 16 keys (dK/dV; rows in dQ) and the step's 64 queries (keys) cross it, a
+// warp-uniform branch.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
