@@ -18,8 +18,10 @@
 // Shared-memory tiles are 128 columns of fp16 stored as two 64-column halves of 128-byte rows with
 // the 128-byte swizzle (hopper_wgmma.cuh), so one tile serves as a K-major operand (Q K^T) and as
 // an MN-major one (dS K). Deterministic: every dK, dV, dQ element is summed in one fixed order (no
-// atomics). Masks, soft-cap, the sliding window, the fp16 dS scale and the statistics are those of
-// attention_common.cuh, unchanged.
+// atomics). Soft-cap (branch-free, attention_common.cuh's CappedLog2), the sliding window, the fp16
+// dS scale and the statistics are those of attention_common.cuh; the causal/window mask is applied
+// only where a warp's 16 keys (dK/dV; rows in dQ) and the step's 64 queries (keys) cross it, a
+// warp-uniform branch.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -218,9 +220,25 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int column = n * 8 + 2 * t + (e & 1);
-            const int key = e < 2 ? key_a : key_b;
             prob[n][e] = ProbabilityAndWeight<Op>(p, s[n][e], lse_tile[column] * kLog2e, ds_factor,
-                                                  IsMasked(p, key, q0 + column), s[n][e]);
+                                                  /*masked=*/false, s[n][e]);
+          }
+        }
+        // The mask only where it hides some (key, query) pair of this warp's 16 keys and the
+        // tile's queries (warp-uniform): P and the weight of a masked pair become 0 (whatever
+        // P was computed from its score, inf included).
+        const int warp_key0 = group_key0 + warp * 16;
+        if (warp_key0 + 15 > q0 || warp_key0 <= q0 + kStepRows - 1 - p.window) {
+#pragma unroll
+          for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int column = n * 8 + 2 * t + (e & 1);
+              if (IsMasked(p, e < 2 ? key_a : key_b, q0 + column)) {
+                prob[n][e] = 0.f;
+                s[n][e] = 0.f;
+              }
+            }
           }
         }
         hopper::AccumulatorToOperand(prob, 1.f, prob_a);
@@ -354,10 +372,20 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = key0 + n * 8 + 2 * t + (e & 1);
-          const int row = e < 2 ? row_a : row_b;
           ProbabilityAndWeight<Op>(p, s[n][e], e < 2 ? rows.lse_a : rows.lse_b, ds_factor,
-                                   IsMasked(p, key, row), s[n][e]);
+                                   /*masked=*/false, s[n][e]);
+        }
+      }
+      // The mask (weight 0) only where it hides some (row, key) pair of this warp's 16 rows and
+      // the tile's keys (warp-uniform); keys past the sequence follow every valid row.
+      const int warp_row0 = group_q0 + warp * 16;
+      if (key0 + kStepRows - 1 > warp_row0 || key0 <= warp_row0 + 15 - p.window) {
+#pragma unroll
+        for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (IsMasked(p, key0 + n * 8 + 2 * t + (e & 1), e < 2 ? row_a : row_b)) s[n][e] = 0.f;
+          }
         }
       }
       hopper::WgmmaWait<0>();

@@ -142,38 +142,38 @@ __device__ __forceinline__ std::uint32_t PackHalf2(float lo, float hi) {
   return *reinterpret_cast<std::uint32_t*>(&h);
 }
 
-// tanh accurate to a few fp32 ulps in absolute terms (what the softmax sees), two special-function
-// operations at most: odd Taylor polynomial for |x| < 0.25 (truncation error < 3e-9), else
-// 1 - 2 / (1 + exp(2|x|)).
-template <bool kPrecise>
-__device__ __forceinline__ float Tanh(float x) {
-  if constexpr (kPrecise) {
-    return tanhf(x);
-  } else {
-    const float ax = fabsf(x);
-    if (ax < 0.25f) {
-      const float x2 = x * x;
-      float p = fmaf(x2, 62.f / 2835.f, -17.f / 315.f);
-      p = fmaf(p, x2, 2.f / 15.f);
-      p = fmaf(p, x2, -1.f / 3.f);
-      return fmaf(x * x2, p, x);
-    }
-    const float e = FastExp2(ax * (2.f * kLog2e));
-    const float t = 1.f - __fdividef(2.f, 1.f + e);
-    return copysignf(t, x);
-  }
+__device__ __forceinline__ float FastReciprocal(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
-// Soft-capped score in log2 units: returns c * log2(e) and t = tanh(s * scaling / cap) (t = 0 when
-// there is no cap; the backward's factor is then 1 - t^2 = 1).
+// u = 1 / (1 + 2^(2 x log2(e))) of tanh's argument x = s * score_scale for a raw score s, so that
+// tanh(x) = 1 - 2u: branch-free (ex2, add, rcp); x -> +inf gives u = 0 and x -> -inf u = 1 (ex2's
+// inf and 0), so t = +-1 exactly. Absolute error of t ~1e-7 (what the softmax sees: c = cap t).
+__device__ __forceinline__ float TanhComplement(const AttentionParams& p, float s) {
+  return FastReciprocal(1.f + FastExp2(s * (2.f * kLog2e * p.score_scale)));
+}
+
+// Soft-capped score in log2 units: returns c * log2(e) of a raw score s and writes the cap's
+// derivative factor slope = 1 - t^2, t = tanh(s * scaling / cap) (slope = 1 without a cap).
+// kPreciseTanh (FP32 mode): tanhf. Otherwise with u = TanhComplement: c * log2(e) = cap_log2e
+// (1 - 2u) and 1 - t^2 = 4u(1 - u), free of the cancellation of 1 - t^2 near |t| = 1.
 template <class Op>
-__device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, float& t) {
-  if (p.has_cap) {
-    t = Tanh<Op::kPreciseTanh>(s * p.score_scale);
-    return t * p.cap_log2e;
+__device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, float& slope) {
+  if (!p.has_cap) {
+    slope = 1.f;
+    return s * p.score_scale;
   }
-  t = 0.f;
-  return s * p.score_scale;
+  if constexpr (Op::kPreciseTanh) {
+    const float t = tanhf(s * p.score_scale);
+    slope = fmaf(-t, t, 1.f);
+    return t * p.cap_log2e;
+  } else {
+    const float u = TanhComplement(p, s);
+    slope = 4.f * fmaf(-u, u, u);
+    return fmaf(-2.f * p.cap_log2e, u, p.cap_log2e);
+  }
 }
 
 // The causal and sliding-window mask: key j is hidden from query row i when j > i or j <= i -
@@ -469,12 +469,12 @@ __device__ __forceinline__ void WarpProductKn(float (&acc)[kOutTiles][4],
 
 inline constexpr float kHalfMax = 65504.f;
 
-// P = exp(c - lse) of one recomputed score s (0 when masked), and t = tanh(s * scaling / cap) (0
-// without a cap). lse_log2 is the row's log-sum-exp in log2 units.
+// P = exp(c - lse) of one recomputed score s (0 when masked), and the cap's factor slope = 1 - t^2
+// (CappedLog2). lse_log2 is the row's log-sum-exp in log2 units.
 template <class Op>
 __device__ __forceinline__ float Probability(const AttentionParams& p, float s, float lse_log2,
-                                             bool masked, float& tanh_value) {
-  const float c = CappedLog2<Op>(p, s, tanh_value);
+                                             bool masked, float& slope) {
+  const float c = CappedLog2<Op>(p, s, slope);
   const float prob = FastExp2(c - lse_log2);
   return masked ? 0.f : prob;
 }
@@ -494,9 +494,9 @@ template <class Op>
 __device__ __forceinline__ float SoftmaxGradient(const AttentionParams& p, float s, float dp,
                                                  float lse_log2, float delta, float ds_factor,
                                                  bool masked, float& ds) {
-  float tanh_value;
-  const float prob = Probability<Op>(p, s, lse_log2, masked, tanh_value);
-  ds = ClampGradient<Op>(prob * (dp - delta) * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor);
+  float slope;
+  const float prob = Probability<Op>(p, s, lse_log2, masked, slope);
+  ds = ClampGradient<Op>(prob * (dp - delta) * slope * ds_factor);
   return prob;
 }
 
@@ -506,9 +506,9 @@ template <class Op>
 __device__ __forceinline__ float ProbabilityAndWeight(const AttentionParams& p, float s,
                                                       float lse_log2, float ds_factor, bool masked,
                                                       float& weight) {
-  float tanh_value;
-  const float prob = Probability<Op>(p, s, lse_log2, masked, tanh_value);
-  weight = prob * fmaf(-tanh_value, tanh_value, 1.f) * ds_factor;
+  float slope;
+  const float prob = Probability<Op>(p, s, lse_log2, masked, slope);
+  weight = prob * slope * ds_factor;
   return prob;
 }
 // Second: dS = w (dP - Delta), clamped as above.

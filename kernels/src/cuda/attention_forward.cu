@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
       for (int n = 0; n < kNT; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float tanh_value;
-          float c = CappedLog2<Op>(p, s[n][e], tanh_value);
+          float slope;  // (the backward's factor; unused here)
+          float c = CappedLog2<Op>(p, s[n][e], slope);
           if (needs_mask) {
             const int key = key0 + n * 8 + 2 * t + (e & 1);
             const int row = e < 2 ? row_a : row_b;

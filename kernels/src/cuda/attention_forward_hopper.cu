@@ -47,14 +47,6 @@ struct HopperForwardLayout {
   static constexpr int kSharedBytes = kBytes + 1024;  // the base is rounded up to 1024 bytes
 };
 
-#if defined(ATTNGRAD_HOPPER_WGMMA)
-__device__ __forceinline__ float FastReciprocal(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-#endif
-
 template <int D>
 __global__ void __launch_bounds__(kHopperForwardThreads, 1)
     HopperAttentionForwardKernel(const AttentionParams p) {
@@ -118,14 +110,10 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
   std::uint32_t prob[kNT / 2][4];
   float max_a = -INFINITY, max_b = -INFINITY;  // running max of the raw scores
   float base_a = 0.f, base_b = 0.f;            // its logit c * log2(e) (0 while the max is -inf)
-  // With the cap, score_scale = scaling / cap and tanh(s * score_scale) = 1 - 2 / (1 + 2^(s *
-  // tanh_scale)) for a raw score s.
-  const float tanh_scale = 2.f * kLog2e * p.score_scale;
-  // c * log2(e) of a raw score, with the same arithmetic as the elements below.
+  // c * log2(e) of a raw score (CappedLog2), with the same arithmetic as the elements below.
   auto logit = [&](float score) {
-    return p.has_cap ? fmaf(-2.f * p.cap_log2e, FastReciprocal(1.f + FastExp2(score * tanh_scale)),
-                            p.cap_log2e)
-                     : score * p.score_scale;
+    float slope;  // (the backward's factor; unused here)
+    return CappedLog2<Op>(p, score, slope);
   };
   float sum_a = 0.f, sum_b = 0.f;  // this thread's part of the row sums
 
@@ -200,7 +188,7 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
       for (int n = 0; n < kNT; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float r = FastReciprocal(1.f + FastExp2(s[n][e] * tanh_scale));
+          const float r = TanhComplement(p, s[n][e]);
           float prob_value = FastExp2(fmaf(minus_two_cap, r, e < 2 ? offset_a : offset_b));
           if (needs_mask && s[n][e] == -INFINITY) prob_value = 0.f;
           s[n][e] = prob_value;
