@@ -36,13 +36,19 @@ enum class AttentionTiles {
   // kSmall / kSmallSplit.
   kShort,       // one block per (batch, key-value head)
   kShortSplit,  // one block per (batch, query head), partials summed over the group as above
+  // The same products spread over many blocks in one launch: dK/dV blocks of (32 keys, query head)
+  // and dQ blocks of (32 queries, query head), S and dP computed in both (7 products); dK/dV
+  // partials summed over the group as above. Falls back to kSmallSplit like kShortSplit.
+  kShortGrid,
 };
 
 // Which forward kernel runs (a knob for benchmarks and tests; every choice gives the contract's
 // results). kAuto: the wgmma kernel (attention_forward_hopper.cu) for fp16 operands on a
 // compute-capability-9.0 GPU where it measured faster, else the mma.sync kernel. kHopper: the wgmma
 // kernel wherever it can run (fp16, scaling > 0, compute capability 9.0), else the mma.sync one.
-enum class AttentionForwardPath { kAuto, kPortable, kHopper };
+// kShort: the short-sequence kernel (attention_forward_short.cu: fp16, head_dim 128, S <= 256, a
+// block's keys split over its warps), else the mma.sync one.
+enum class AttentionForwardPath { kAuto, kPortable, kHopper, kShort };
 
 struct AttentionProblem {
   int batch = 0;
