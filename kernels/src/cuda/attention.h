@@ -47,7 +47,7 @@ enum class AttentionTiles {
 // compute-capability-9.0 GPU where it measured faster, else the mma.sync kernel. kHopper: the wgmma
 // kernel wherever it can run (fp16, scaling > 0, compute capability 9.0), else the mma.sync one.
 // kShort: the short-sequence kernel (attention_forward_short.cu: fp16, head_dim 128, S <= 256, a
-// block's keys split over its warps), else the mma.sync one.
+// block's keys split over its warps; kAuto takes it for small grids), else the mma.sync one.
 enum class AttentionForwardPath { kAuto, kPortable, kHopper, kShort };
 
 struct AttentionProblem {
@@ -101,8 +101,8 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
 
 // Bytes of scratch AttentionBackward needs (0 for an invalid shape): Delta = rowsum(dO * O), fp32
 // [B, num_heads, S] (rounded up to 256 bytes), plus, when the dK/dV work is split over query heads
-// (kSmallSplit; kAuto picks it for B * ceil(S/64) * num_kv_heads < 400 blocks, i.e. small
-// problems), fp32 partials [group][2][B*S][num_kv_heads*D] (24 KiB per token for Gemma-3 4B; at
+// (kSmallSplit, kShortSplit, kShortGrid; kAuto picks one of them for small problems), fp32
+// partials [group][2][B*S][num_kv_heads*D] (24 KiB per token for Gemma-3 4B; at
 // most ~80 MB).
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 
@@ -115,7 +115,8 @@ enum class AttentionBackwardPart { kAll, kKeyValue, kQuery };
 // Backward: SPEC step 6. Deterministic (no atomics: bitwise-identical results call after call).
 // kFp16 at head_dim 128 on a compute-capability-9.0 GPU (H100/H200) runs the dK/dV and dQ kernels
 // on wgmma (attention_backward_hopper.cu; the parts below keep their meaning); every other case,
-// and S <= 128 where the short-sequence kernel is chosen, runs the mma.sync kernels.
+// and S <= 256 where a short-sequence kernel is chosen (kAuto: its grid form while B * num_heads *
+// ceil(S/32) <= 1024), runs the mma.sync kernels.
 // ATTNGRAD_WORKSPACE_TOO_SMALL when workspace_size < AttentionBackwardWorkspaceSize(problem).
 //   q, k, v as in the forward; out fp32 [B*S, num_heads*D] is the forward's O; lse from the
 //   forward. grad_out: dO, same element type as q (float or __half), [B*S, ldo]. grad_q fp32 [B*S,

@@ -775,7 +775,7 @@ bool HopperForwardApplies(const AttentionProblem& problem);
 attngrad_status LaunchHopperForward(const AttentionParams& params, cudaStream_t stream);
 
 // The short-sequence forward (attention_forward_short.cu): fp16 operands, head_dim 128, S <= 256,
-// by problem.forward_path (kShort); taken before the others.
+// by problem.forward_path (kShort) and, for kAuto, where it is chosen; taken before the others.
 bool ShortForwardApplies(const AttentionProblem& problem);
 attngrad_status LaunchShortForward(const AttentionParams& params, cudaStream_t stream);
 
@@ -805,6 +805,14 @@ inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
       if (!ShortGridBackwardApplies(problem)) return KeyValueTiling::kSmallSplit;
       return grouped ? KeyValueTiling::kGridSplit : KeyValueTiling::kGrid;
     case AttentionTiles::kAuto: break;
+  }
+  // The grid form while its blocks (2 per 32 rows and query head) fill the GPU a few times over:
+  // its chains are short but it does 7 products with one 8-warp block per SM (prediction, to be
+  // replaced by the measured rule).
+  if (ShortGridBackwardApplies(problem) &&
+      static_cast<long long>(problem.batch) * problem.num_heads * ((problem.seq_len + 31) / 32) <=
+          1024) {
+    return grouped ? KeyValueTiling::kGridSplit : KeyValueTiling::kGrid;
   }
   // The short-sequence kernel (split over the query heads) measured faster than the tiled ones
   // only for S <= 128 with few key-value blocks (H200: (1,128) 28 vs 32 us, (4,128) 35 vs 41 us,

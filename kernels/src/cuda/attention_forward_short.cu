@@ -27,8 +27,8 @@ namespace {
 using Op = OpFp16;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 32;   // queries per block; keys per step
-constexpr int kSlots = 4;   // warps over the same 16 rows, each taking every 4th key step
+constexpr int kRows = 32;  // queries per block; keys per step
+constexpr int kSlots = 4;  // warps over the same 16 rows, each taking every 4th key step
 constexpr int kScoreTiles = kRows / 8;
 constexpr int kHeadDim = Op::kHeadDim;
 constexpr int kOutTiles = kHeadDim / 8;
@@ -43,8 +43,7 @@ constexpr std::size_t kStageBytes =
     static_cast<std::size_t>(kWarps) * 16 * kStagePitch * sizeof(float) +
     static_cast<std::size_t>(kWarps) * 32 * sizeof(float4);
 std::size_t ShortForwardSharedBytes(int key_rows) {
-  const std::size_t key_value =
-      2 * static_cast<std::size_t>(key_rows) * kPitch * sizeof(__half);
+  const std::size_t key_value = 2 * static_cast<std::size_t>(key_rows) * kPitch * sizeof(__half);
   return kQueryBytes + std::max(key_value, kStageBytes);
 }
 constexpr std::size_t kMaxSharedBytes =
@@ -238,7 +237,14 @@ bool ShortForwardApplies(const AttentionProblem& problem) {
       problem.seq_len > kShortSequenceMaxLength) {
     return false;
   }
-  if (problem.forward_path != AttentionForwardPath::kShort) return false;
+  if (problem.forward_path == AttentionForwardPath::kAuto) {
+    // Prediction (to be replaced by the measured rule): while its blocks fill the GPU a few times.
+    const long long blocks =
+        static_cast<long long>(problem.batch) * problem.num_heads * ((problem.seq_len + 31) / 32);
+    if (blocks > 1024) return false;
+  } else if (problem.forward_path != AttentionForwardPath::kShort) {
+    return false;
+  }
   int device = 0, shared_per_block = 0;
   return cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&shared_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin,
