@@ -10,8 +10,9 @@
 //     kernels/src/cuda/attention_backward.cu kernels/src/cuda/attention_backward_short.cu \
 //     kernels/src/cuda/attention_forward_hopper.cu kernels/src/cuda/attention_backward_hopper.cu \
 //     -o build-attn/attention_bench   (or the CMake target attngrad_attention_bench)
-// Run: attention_bench [--check-only | --time-only] [--fp16-only]  (--fp16-only: the fp16 checks
-// and the fp16 timing of the 16 workloads alone)
+// Run: attention_bench [--check-only | --time-only] [--fp16-only] [--short-tiles]  (--fp16-only:
+// the fp16 checks and the fp16 timing of the 16 workloads alone; --short-tiles: also the
+// backward's tile choices at S <= 256)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -357,6 +358,7 @@ const char* TilesName(AttentionTiles t) {
     case AttentionTiles::kSmallSplit: return "split";
     case AttentionTiles::kShort: return "short";
     case AttentionTiles::kShortSplit: return "shortsplit";
+    case AttentionTiles::kShortGrid: return "shortgrid";
   }
   return "?";
 }
@@ -484,19 +486,23 @@ double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, i
   const double b_us = GraphMedianUs(
       stream, [&] { STATUS_CHECK(pr.Backward(stream)); }, reps);
   if (op == AttentionOperand::kFp16) {  // each forward kernel on its own (same call, same data)
-    double path_us[2];
-    const AttentionForwardPath paths[2] = {AttentionForwardPath::kPortable,
-                                           AttentionForwardPath::kHopper};
-    for (int i = 0; i < 2; ++i) {
+    double path_us[3] = {0, 0, 0};
+    const AttentionForwardPath paths[3] = {AttentionForwardPath::kPortable,
+                                           AttentionForwardPath::kHopper,
+                                           AttentionForwardPath::kShort};
+    for (int i = 0; i < (seq_len <= 256 ? 3 : 2); ++i) {
       pr.problem.forward_path = paths[i];
       path_us[i] = GraphMedianUs(
           stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
     }
     pr.problem.forward_path = AttentionForwardPath::kAuto;
-    std::printf("forward fp16 B=%-2d S=%-5d portable %8.1f us  hopper %8.1f us (%5.1f TFLOP/s)\n",
-                batch, seq_len, path_us[0], path_us[1],
-                2 * 2 * (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0 /
-                    (path_us[1] * 1e-6) / 1e12);
+    std::printf(
+        "forward fp16 B=%-2d S=%-5d portable %8.1f us  hopper %8.1f us (%5.1f TFLOP/s)  short "
+        "%8.1f us\n",
+        batch, seq_len, path_us[0], path_us[1],
+        2 * 2 * (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0 /
+            (path_us[1] * 1e-6) / 1e12,
+        path_us[2]);
   }
   // causal MACs of one S x S x 128 product over all query heads (diagonal included)
   const double macs = (double)batch * kNumHeads * 128.0 * seq_len * (seq_len + 1) / 2.0;
@@ -512,11 +518,12 @@ double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, i
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool check = true, timing = true, fp16_only = false;
+  bool check = true, timing = true, fp16_only = false, short_tiles = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check-only")) timing = false;
     if (!std::strcmp(argv[i], "--time-only")) check = false;
     if (!std::strcmp(argv[i], "--fp16-only")) fp16_only = true;
+    if (!std::strcmp(argv[i], "--short-tiles")) short_tiles = true;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -534,6 +541,7 @@ int main(int argc, char** argv) {
     failures += !Check(2, 541, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kSmallSplit);
     failures += !Check(3, 200, AttentionOperand::kFp16, 1.0, rng, AttentionTiles::kShort);
     failures += !Check(2, 256, AttentionOperand::kFp16, 4.0, rng, AttentionTiles::kShortSplit);
+    failures += !Check(3, 200, AttentionOperand::kFp16, 4.0, rng, AttentionTiles::kShortGrid);
     // sharper softmax (larger logits, near the cap) and a batch of 2 at S=2048
     failures += !Check(1, 300, AttentionOperand::kFp16, 4.0, rng);
     if (!fp16_only) failures += !Check(1, 300, AttentionOperand::kTf32, 4.0, rng);
@@ -550,6 +558,16 @@ int main(int argc, char** argv) {
       std::printf("geomean %s fwd+bwd over the 16 workloads: %.1f us\n", Name(op),
                   std::exp(log_sum / 16));
     }
+    if (short_tiles) {  // the backward's choices at S <= 256, same call
+      const int short_workloads[][2] = {{1, 128}, {4, 128}, {8, 128},  {32, 128},
+                                        {1, 256}, {4, 256}, {16, 256}, {64, 256}};
+      for (const auto& w : short_workloads) {
+        for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kSmallSplit,
+                                 AttentionTiles::kShortSplit, AttentionTiles::kShortGrid}) {
+          Time(w[0], w[1], AttentionOperand::kFp16, rng, 10, t);
+        }
+      }
+    }
     if (fp16_only) {
       std::printf("%s: %d check failures\n", failures ? "FAIL" : "OK", failures);
       return failures ? 1 : 0;
@@ -565,8 +583,9 @@ int main(int argc, char** argv) {
     const int short_workloads[][2] = {{1, 128}, {4, 128}, {8, 128},  {32, 128},
                                       {1, 256}, {4, 256}, {16, 256}, {64, 256}};
     for (const auto& w : short_workloads) {
-      for (AttentionTiles t : {AttentionTiles::kSmall, AttentionTiles::kSmallSplit,
-                               AttentionTiles::kShort, AttentionTiles::kShortSplit}) {
+      for (AttentionTiles t :
+           {AttentionTiles::kSmall, AttentionTiles::kSmallSplit, AttentionTiles::kShort,
+            AttentionTiles::kShortSplit, AttentionTiles::kShortGrid}) {
         Time(w[0], w[1], AttentionOperand::kFp16, rng, 10, t);
       }
     }

@@ -337,12 +337,15 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   }
 
   // fp16: each forward kernel on its own (kAuto takes one of them by GPU and size; kHopper is the
-  // mma.sync kernel again on other GPUs): O and lse within the bound, and the backward from its
-  // fused Delta too.
+  // mma.sync kernel again on other GPUs, kShort past S = 256): O and lse within the bound, and the
+  // backward from its fused Delta too.
   if (half) {
     for (AttentionForwardPath path :
-         {AttentionForwardPath::kPortable, AttentionForwardPath::kHopper}) {
-      const char* name = path == AttentionForwardPath::kPortable ? "portable" : "hopper";
+         {AttentionForwardPath::kPortable, AttentionForwardPath::kHopper,
+          AttentionForwardPath::kShort}) {
+      const char* name = path == AttentionForwardPath::kPortable ? "portable"
+                         : path == AttentionForwardPath::kHopper ? "hopper"
+                                                                 : "short";
       AttentionProblem forced = problem;
       forced.forward_path = path;
       Poison(out);
@@ -386,6 +389,20 @@ std::vector<Case> Cases() {
   for (const auto& [b, s] : std::vector<std::pair<int, int>>{{1, 1}, {1, 130}, {2, 256}}) {
     cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShortSplit});
   }
+  // Its grid form: S = 1, inside one 32-row tile, across tile edges, at the limit; group sizes 3,
+  // 2 and 1 (dK/dV written directly), no soft-cap.
+  Layer group2, group1, uncapped_short;
+  group2.heads = 8, group2.kv_heads = 4;
+  group1.heads = 4, group1.kv_heads = 4;
+  uncapped_short.cap = 0.0;
+  for (const auto& [b, s] : std::vector<std::pair<int, int>>{
+           {1, 1}, {1, 7}, {2, 33}, {2, 70}, {1, 128}, {3, 200}, {2, 256}}) {
+    cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShortGrid});
+  }
+  cases.push_back({2, 100, AttentionOperand::kFp16, AttentionTiles::kShortGrid, 0, group2});
+  cases.push_back({2, 130, AttentionOperand::kFp16, AttentionTiles::kShortGrid, 0, group1});
+  cases.push_back({1, 256, AttentionOperand::kFp16, AttentionTiles::kShortGrid, 0, uncapped_short});
+  cases.push_back({1, 300, AttentionOperand::kFp16, AttentionTiles::kShortGrid});  // falls back
   // Sliding windows (Gemma-3's local layers): a window of 1 (each query sees itself only), windows
   // inside one tile, across tile edges, and longer than the sequence (full causal).
   for (AttentionOperand op :
@@ -401,7 +418,9 @@ std::vector<Case> Cases() {
            {2, 200, 7}, {1, 256, 100}, {2, 129, 1}, {1, 256, 1024}}) {
     cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShort, w});
     cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShortSplit, w});
+    cases.push_back({b, s, AttentionOperand::kFp16, AttentionTiles::kShortGrid, w});
   }
+  cases.push_back({2, 100, AttentionOperand::kFp16, AttentionTiles::kShortGrid, 33, group2});
   // head_dim 256 (Gemma-3 270M/1B: 4/1 heads; 4B: 8/4; 12B: 16/8), scaling 1/16, no soft-cap
   // (one case with it): global and local layers (window 512, 64, 100), S = 1 to 2500, every
   // operand mode and tile choice (the short-sequence ones fall back to the tiled kernels).
@@ -449,13 +468,17 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
                       : c.tiles == AttentionTiles::kSmall      ? "small"
                       : c.tiles == AttentionTiles::kSmallSplit ? "split"
                       : c.tiles == AttentionTiles::kShort      ? "short"
+                      : c.tiles == AttentionTiles::kShortGrid  ? "shortgrid"
                                                                : "shortsplit";
   return std::string(op) + "_" + tiles + "_B" + std::to_string(c.batch) + "_S" +
          std::to_string(c.seq) + (c.window > 0 ? "_W" + std::to_string(c.window) : "") +
          (c.layer.dim != kDim
               ? "_D" + std::to_string(c.layer.dim) + "_H" + std::to_string(c.layer.heads) + "x" +
                     std::to_string(c.layer.kv_heads) + (c.layer.cap > 0 ? "_cap" : "")
-              : (c.layer.cap > 0 ? "" : "_nocap"));
+              : (c.layer.heads != kHeads || c.layer.kv_heads != kKvHeads
+                     ? "_H" + std::to_string(c.layer.heads) + "x" + std::to_string(c.layer.kv_heads)
+                     : std::string()) +
+                    (c.layer.cap > 0 ? "" : "_nocap"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionKernelTest, ::testing::ValuesIn(Cases()), CaseName);

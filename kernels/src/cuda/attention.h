@@ -36,13 +36,19 @@ enum class AttentionTiles {
   // kSmall / kSmallSplit.
   kShort,       // one block per (batch, key-value head)
   kShortSplit,  // one block per (batch, query head), partials summed over the group as above
+  // The same products spread over many blocks in one launch: dK/dV blocks of (32 keys, query head)
+  // and dQ blocks of (32 queries, query head), S and dP computed in both (7 products); dK/dV
+  // partials summed over the group as above. Falls back to kSmallSplit like kShortSplit.
+  kShortGrid,
 };
 
 // Which forward kernel runs (a knob for benchmarks and tests; every choice gives the contract's
 // results). kAuto: the wgmma kernel (attention_forward_hopper.cu) for fp16 operands on a
 // compute-capability-9.0 GPU where it measured faster, else the mma.sync kernel. kHopper: the wgmma
 // kernel wherever it can run (fp16, scaling > 0, compute capability 9.0), else the mma.sync one.
-enum class AttentionForwardPath { kAuto, kPortable, kHopper };
+// kShort: the short-sequence kernel (attention_forward_short.cu: fp16, head_dim 128, S <= 256, a
+// block's keys split over its warps; kAuto takes it for small grids), else the mma.sync one.
+enum class AttentionForwardPath { kAuto, kPortable, kHopper, kShort };
 
 struct AttentionProblem {
   int batch = 0;
@@ -95,8 +101,8 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
 
 // Bytes of scratch AttentionBackward needs (0 for an invalid shape): Delta = rowsum(dO * O), fp32
 // [B, num_heads, S] (rounded up to 256 bytes), plus, when the dK/dV work is split over query heads
-// (kSmallSplit; kAuto picks it for B * ceil(S/64) * num_kv_heads < 400 blocks, i.e. small
-// problems), fp32 partials [group][2][B*S][num_kv_heads*D] (24 KiB per token for Gemma-3 4B; at
+// (kSmallSplit, kShortSplit, kShortGrid; kAuto picks one of them for small problems), fp32
+// partials [group][2][B*S][num_kv_heads*D] (24 KiB per token for Gemma-3 4B; at
 // most ~80 MB).
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 
@@ -109,7 +115,8 @@ enum class AttentionBackwardPart { kAll, kKeyValue, kQuery };
 // Backward: SPEC step 6. Deterministic (no atomics: bitwise-identical results call after call).
 // kFp16 at head_dim 128 on a compute-capability-9.0 GPU (H100/H200) runs the dK/dV and dQ kernels
 // on wgmma (attention_backward_hopper.cu; the parts below keep their meaning); every other case,
-// and S <= 128 where the short-sequence kernel is chosen, runs the mma.sync kernels.
+// and S <= 256 where a short-sequence kernel is chosen (kAuto: its grid form while B * num_heads *
+// ceil(S/32) <= 1024), runs the mma.sync kernels.
 // ATTNGRAD_WORKSPACE_TOO_SMALL when workspace_size < AttentionBackwardWorkspaceSize(problem).
 //   q, k, v as in the forward; out fp32 [B*S, num_heads*D] is the forward's O; lse from the
 //   forward. grad_out: dO, same element type as q (float or __half), [B*S, ldo]. grad_q fp32 [B*S,

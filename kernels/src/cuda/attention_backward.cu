@@ -459,10 +459,11 @@ attngrad_status LaunchQuery(const AttentionParams& params, cudaStream_t stream) 
 }
 
 // hopper: the dK/dV and dQ kernels of attention_backward_hopper.cu (wgmma) instead of these.
+// short_sequence: the short-sequence kernel (its grid form when `grid`) writes dQ, dK and dV.
 template <class Op>
 attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequence, bool delta_ready,
-                               AttentionBackwardPart part, cudaStream_t stream,
-                               bool hopper = false) {
+                               AttentionBackwardPart part, cudaStream_t stream, bool hopper = false,
+                               bool grid = false) {
   const long long rows = static_cast<long long>(params.batch) * params.seq_len * params.num_heads;
   const long long delta_blocks = (rows * 32 + 255) / 256;
   const long long sum_float4s = 2 * static_cast<long long>(params.batch) * params.seq_len *
@@ -478,7 +479,8 @@ attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequenc
     constexpr int kWarps = Tiling::kKeyValueWarps, kRows = Tiling::kKeyValueQueries;
     attngrad_status status = ATTNGRAD_OK;
     if (short_sequence) {
-      status = LaunchShortSequenceBackward(params, stream);
+      status = grid ? LaunchShortGridBackward(params, stream)
+                    : LaunchShortSequenceBackward(params, stream);
     } else if (hopper) {
       status = LaunchHopperKeyValue(params, stream);
     } else if constexpr (Tiling::kWide) {
@@ -545,8 +547,8 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   params.grad_v = grad_v;
   const KeyValueTiling tiling = ChooseKeyValueTiling(problem);
   params.kv_split = IsSplit(tiling);
-  const bool short_sequence =
-      tiling == KeyValueTiling::kShort || tiling == KeyValueTiling::kShortSplit;
+  const bool short_sequence = IsWholeSequence(tiling);
+  const bool grid = tiling == KeyValueTiling::kGrid || tiling == KeyValueTiling::kGridSplit;
   if (params.kv_split) {
     params.partials =
         reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + DeltaBytes(problem));
@@ -562,7 +564,7 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
     case AttentionOperand::kFp16:
       return wide ? LaunchBackward<Fp16Operand<256>>(params, false, delta_ready, part, stream)
                   : LaunchBackward<OpFp16>(params, short_sequence, delta_ready, part, stream,
-                                           !short_sequence && HopperBackwardApplies(problem));
+                                           !short_sequence && HopperBackwardApplies(problem), grid);
     case AttentionOperand::kTf32:
       return wide ? LaunchBackward<Tf32Operand<256>>(params, false, delta_ready, part, stream)
                   : LaunchBackward<OpTf32>(params, false, delta_ready, part, stream);

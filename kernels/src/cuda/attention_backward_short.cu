@@ -238,6 +238,273 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// ---- The grid form (AttentionTiles::kShortGrid): many small blocks instead of one per head ----
+// At S <= 256 the whole-sequence kernel above leaves most SMs idle (24 blocks at 1 x 128 on 132
+// SMs) and each block walks every product of a head. Here two kinds of blocks share one launch:
+//   dK/dV block (32 keys, query head, batch): S^T = K Q^T and dP^T = V dO^T over the queries that
+//     see its keys, dV += P^T dO, dK += dS^T Q (dK/dV of one query head: partials summed over the
+//     group by SumPartialsKernel, or the output itself when the group is one head);
+//   dQ block (32 queries, query head, batch): S, dP over its visible keys, dQ += dS K, written
+//   once.
+// 8 warps per block: 2 halves of 16 keys (queries) x 4 slots, slot s taking the 32-row steps s,
+// s + 4, ... of the other operand; the 4 slots' accumulators are summed through shared memory in
+// slot order (deterministic: the same order every run). The whole other operand (<= 256 rows of
+// Q, dO or K, V) is loaded at once. 7 products (S and dP in both kinds of block), but the grid has
+// 2 x B x H x ceil(S / 32) blocks of short serial chains.
+constexpr int kGridWarps = 8;
+constexpr int kGridThreads = kGridWarps * 32;
+constexpr int kGridRows = 32;  // keys of a dK/dV block, queries of a dQ block; rows of a step
+constexpr int kGridSlots = 4;  // warps over the same 16 rows, each taking every 4th step
+constexpr int kGridScoreTiles = kGridRows / 8;
+constexpr int kReducePitch = kHeadDim + 8;  // fp32 row pitch of the slot sums (no bank conflict)
+
+// The block's 32 rows of its own operands, the other operands' rows (the whole sequence at most),
+// and their row statistics (a dK/dV block's queries; log2 units). After the products the other
+// operands' space holds every warp's accumulators for the slot sum: [output][slot][32][pitch].
+struct GridTile {
+  static constexpr std::size_t kOwnBytes =
+      static_cast<std::size_t>(2 * kGridRows) * kPitch * sizeof(__half);
+  static constexpr std::size_t kOtherBytes =
+      static_cast<std::size_t>(2 * kShortSequenceMaxLength) * kPitch * sizeof(__half);
+  static constexpr std::size_t kReduceBytes =
+      static_cast<std::size_t>(2 * kGridSlots * kGridRows) * kReducePitch * sizeof(float);
+  static_assert(kReduceBytes <= kOtherBytes, "the slot sums reuse the other operands' space");
+  static constexpr std::size_t kSharedBytes =
+      kOwnBytes + kOtherBytes + 2 * kShortSequenceMaxLength * sizeof(float);
+
+  __half* own_a;    // K or Q [32][kPitch]
+  __half* own_b;    // V or dO
+  __half* other_a;  // Q or K [256][kPitch]
+  __half* other_b;  // dO or V
+  float* reduce;    // over other_a/other_b: [2][kGridSlots][32][kReducePitch]
+  float* lse;       // [256]
+  float* delta;     // [256]
+  __device__ explicit GridTile(unsigned char* shared)
+      : own_a(reinterpret_cast<__half*>(shared)),
+        own_b(own_a + kGridRows * kPitch),
+        other_a(own_b + kGridRows * kPitch),
+        other_b(other_a + kShortSequenceMaxLength * kPitch),
+        reduce(reinterpret_cast<float*>(other_a)),
+        lse(reinterpret_cast<float*>(other_b + kShortSequenceMaxLength * kPitch)),
+        delta(lse + kShortSequenceMaxLength) {}
+};
+constexpr std::size_t kGridSharedBytes = GridTile::kSharedBytes;
+
+// Rows [row0, row0 + rows) of one head into `tile` (rows >= seq_len zero-filled), 16 bytes per
+// cp.async.
+__device__ __forceinline__ void LoadRowsAsync(__half* tile, const __half* head_base, int ld,
+                                              int row0, int rows, int seq_len) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  for (int c = threadIdx.x; c < rows * kChunksPerRow; c += kGridThreads) {
+    const int r = c / kChunksPerRow, cc = c % kChunksPerRow;
+    const int row = row0 + r;
+    const bool valid = row < seq_len;
+    const __half* source = head_base + static_cast<long long>(valid ? row : 0) * ld + cc * 8;
+    CpAsync16(tile + r * kPitch + cc * 8, source, valid);
+  }
+}
+
+// A warp's 16 x 128 accumulator into the slot-sum space (rows row0 + g, row0 + g + 8).
+__device__ __forceinline__ void StageAccumulator(const float (&acc)[16][4], float* space,
+                                                 int row0) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  float* upper = space + (row0 + g) * kReducePitch + 2 * t;
+  float* lower = upper + 8 * kReducePitch;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    *reinterpret_cast<float2*>(upper + 8 * n) = make_float2(acc[n][0], acc[n][1]);
+    *reinterpret_cast<float2*>(lower + 8 * n) = make_float2(acc[n][2], acc[n][3]);
+  }
+}
+
+// out rows [row0, row0 + 32) (< seq_len) of `outputs` outputs: the sum over the slots, in slot
+// order, times the output's scale; float4 per thread, a row's 128 columns by 32 threads.
+__device__ __forceinline__ void StoreSlotSums(const float* reduce, int outputs, float* out0,
+                                              float scale0, float* out1, float scale1,
+                                              long long token0, int ld, int column0, int row0,
+                                              int seq_len) {
+  constexpr int kChunks = kHeadDim / 4;
+  for (int c = threadIdx.x; c < outputs * kGridRows * kChunks; c += kGridThreads) {
+    const int which = c / (kGridRows * kChunks);
+    const int r = (c / kChunks) % kGridRows, cc = c % kChunks;
+    if (row0 + r >= seq_len) continue;
+    const float* source = reduce + (which * kGridSlots * kGridRows + r) * kReducePitch + cc * 4;
+    float4 sum = *reinterpret_cast<const float4*>(source);
+#pragma unroll
+    for (int slot = 1; slot < kGridSlots; ++slot) {
+      const float4 v = *reinterpret_cast<const float4*>(source + slot * kGridRows * kReducePitch);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    const float scale = which == 0 ? scale0 : scale1;
+    sum.x *= scale;
+    sum.y *= scale;
+    sum.z *= scale;
+    sum.w *= scale;
+    float* out = which == 0 ? out0 : out1;
+    *reinterpret_cast<float4*>(out + (token0 + row0 + r) * ld + column0 + cc * 4) = sum;
+  }
+}
+
+__global__ void __launch_bounds__(kGridThreads, 1)
+    ShortGridBackwardKernel(const AttentionParams p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  const GridTile tile(shared_raw);
+  const int seq_len = p.seq_len;
+  const int num_tiles = (seq_len + kGridRows - 1) / kGridRows;
+  // Block order: rank r (heaviest first), then both kinds of block of every (head, batch): the
+  // dK/dV blocks of key tile r and the dQ blocks of query tile num_tiles - 1 - r.
+  const int per_rank = 2 * p.num_heads * p.batch;
+  const int rank = static_cast<int>(blockIdx.x) / per_rank;
+  const int rest = static_cast<int>(blockIdx.x) % per_rank;
+  const bool key_block = (rest & 1) == 0;
+  const int head = (rest >> 1) % p.num_heads;
+  const int batch = (rest >> 1) / p.num_heads;
+  const int kv_head = head / p.group;
+  const long long token0 = static_cast<long long>(batch) * seq_len;
+  const long long stat0 = (static_cast<long long>(batch) * p.num_heads + head) * seq_len;
+
+  const __half* q_base = static_cast<const __half*>(p.q) + token0 * p.ldq + head * kHeadDim;
+  const __half* do_base = static_cast<const __half*>(p.grad_out) + token0 * p.ldo + head * kHeadDim;
+  const __half* k_base = static_cast<const __half*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const __half* v_base = static_cast<const __half*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int half_rows = 16 * (warp & 1);  // the warp's 16 rows of the block's 32
+  const int slot = warp >> 1;
+  const float ds_factor = p.scaling * p.ds_scale;
+
+  if (key_block) {
+    const int key0 = rank * kGridRows;
+    // Queries that see a key of [key0, key0 + 32): [key0, key0 + 31 + window - 1], < seq_len.
+    const int query_end = min(seq_len, key0 + kGridRows - 1 + p.window);
+    const int steps = (query_end - key0 + kGridRows - 1) / kGridRows;
+    LoadRowsAsync(tile.own_a, k_base, p.ldkv, key0, kGridRows, seq_len);
+    LoadRowsAsync(tile.own_b, v_base, p.ldkv, key0, kGridRows, seq_len);
+    LoadRowsAsync(tile.other_a, q_base, p.ldq, key0, steps * kGridRows, seq_len);
+    LoadRowsAsync(tile.other_b, do_base, p.ldo, key0, steps * kGridRows, seq_len);
+    CpAsyncCommit();
+    for (int r = threadIdx.x; r < steps * kGridRows; r += kGridThreads) {
+      const int row = key0 + r;
+      tile.lse[r] = row < seq_len ? p.lse_in[stat0 + row] * kLog2e : INFINITY;
+      tile.delta[r] = row < seq_len ? p.delta[stat0 + row] : 0.f;
+    }
+    CpAsyncWait<0>();
+    __syncthreads();
+
+    const int warp_key0 = key0 + half_rows;
+    const int key_a = warp_key0 + g, key_b = key_a + 8;
+    float acc_dk[16][4], acc_dv[16][4];
+    ClearAccumulators(acc_dk);
+    ClearAccumulators(acc_dv);
+    for (int step = slot; step < steps; step += kGridSlots) {
+      const int rows0 = step * kGridRows;  // within the other operands' tiles
+      const int query0 = key0 + rows0;
+      // Skip a step whose queries all precede the warp's keys, or see none of them (window).
+      if (warp_key0 > query0 + kGridRows - 1 || warp_key0 + 15 < FirstVisibleKey(p, query0)) {
+        continue;
+      }
+      const __half* q_step = tile.other_a + rows0 * kPitch;
+      const __half* do_step = tile.other_b + rows0 * kPitch;
+      float s[kGridScoreTiles][4], dp[kGridScoreTiles][4];
+      ClearAccumulators(s);
+      ClearAccumulators(dp);
+      WarpProductNk<Op, kGridScoreTiles>(s, tile.own_a, half_rows, q_step);
+      WarpProductNk<Op, kGridScoreTiles>(dp, tile.own_b, half_rows, do_step);
+#pragma unroll
+      for (int n = 0; n < kGridScoreTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int column = n * 8 + 2 * t + (e & 1);
+          const int key = e < 2 ? key_a : key_b;
+          float ds;
+          s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], tile.lse[rows0 + column],
+                                        tile.delta[rows0 + column], ds_factor,
+                                        IsMasked(p, key, query0 + column), ds);
+          dp[n][e] = ds;
+        }
+      }
+      AccumulatorA<Op, kGridScoreTiles> prob_a, ds_a;
+      AccumulatorToA<Op, kGridScoreTiles>(s, 1.f, prob_a);
+      AccumulatorToA<Op, kGridScoreTiles>(dp, 1.f, ds_a);
+      WarpProductKn<Op, kGridScoreTiles>(acc_dv, prob_a, do_step);
+      WarpProductKn<Op, kGridScoreTiles>(acc_dk, ds_a, q_step);
+    }
+    __syncthreads();  // every warp is done with the other operands: their space takes the sums
+    StageAccumulator(acc_dk, tile.reduce + slot * kGridRows * kReducePitch, half_rows);
+    StageAccumulator(acc_dv, tile.reduce + (kGridSlots + slot) * kGridRows * kReducePitch,
+                     half_rows);
+    __syncthreads();
+    const int kv_ld = p.num_kv_heads * kHeadDim;
+    float* grad_k = p.grad_k;
+    float* grad_v = p.grad_v;
+    if (p.kv_split) {
+      const long long per_output = static_cast<long long>(p.batch) * seq_len * kv_ld;
+      grad_k = p.partials + static_cast<long long>(head % p.group) * 2 * per_output;
+      grad_v = grad_k + per_output;
+    }
+    StoreSlotSums(tile.reduce, 2, grad_k, p.inv_ds_scale, grad_v, 1.f, token0, kv_ld,
+                  kv_head * kHeadDim, key0, seq_len);
+  } else {
+    const int query0 = (num_tiles - 1 - rank) * kGridRows;
+    // Keys that a query of [query0, query0 + 32) sees: from the window's start of query0, in
+    // whole 32-key steps, to query0 + 31 (< seq_len).
+    const int first_key = FirstVisibleKey(p, query0) / kGridRows * kGridRows;
+    const int key_end = min(seq_len, query0 + kGridRows);
+    const int steps = (key_end - first_key + kGridRows - 1) / kGridRows;
+    LoadRowsAsync(tile.own_a, q_base, p.ldq, query0, kGridRows, seq_len);
+    LoadRowsAsync(tile.own_b, do_base, p.ldo, query0, kGridRows, seq_len);
+    LoadRowsAsync(tile.other_a, k_base, p.ldkv, first_key, steps * kGridRows, seq_len);
+    LoadRowsAsync(tile.other_b, v_base, p.ldkv, first_key, steps * kGridRows, seq_len);
+    CpAsyncCommit();
+    const int warp_row0 = query0 + half_rows;
+    const int row_a = warp_row0 + g, row_b = row_a + 8;
+    const RowStatistics rows = LoadRowStatistics(p, stat0, row_a, row_b);
+    CpAsyncWait<0>();
+    __syncthreads();
+
+    float acc_dq[16][4];
+    ClearAccumulators(acc_dq);
+    for (int step = slot; step < steps; step += kGridSlots) {
+      const int key0 = first_key + step * kGridRows;
+      // Skip keys that all follow the warp's rows or all precede the window of its first row.
+      if (key0 > warp_row0 + 15 || key0 + kGridRows - 1 < FirstVisibleKey(p, warp_row0)) continue;
+      const __half* k_step = tile.other_a + step * kGridRows * kPitch;
+      const __half* v_step = tile.other_b + step * kGridRows * kPitch;
+      float s[kGridScoreTiles][4], dp[kGridScoreTiles][4];
+      ClearAccumulators(s);
+      ClearAccumulators(dp);
+      WarpProductNk<Op, kGridScoreTiles>(s, tile.own_a, half_rows, k_step);
+      WarpProductNk<Op, kGridScoreTiles>(dp, tile.own_b, half_rows, v_step);
+#pragma unroll
+      for (int n = 0; n < kGridScoreTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + n * 8 + 2 * t + (e & 1);
+          const int row = e < 2 ? row_a : row_b;
+          float ds;
+          SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
+                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor, IsMasked(p, key, row),
+                              ds);
+          dp[n][e] = ds;
+        }
+      }
+      AccumulatorA<Op, kGridScoreTiles> ds_a;
+      AccumulatorToA<Op, kGridScoreTiles>(dp, 1.f, ds_a);
+      WarpProductKn<Op, kGridScoreTiles>(acc_dq, ds_a, k_step);
+    }
+    __syncthreads();  // every warp is done with K and V: their space takes the sums
+    StageAccumulator(acc_dq, tile.reduce + slot * kGridRows * kReducePitch, half_rows);
+    __syncthreads();
+    StoreSlotSums(tile.reduce, 1, p.grad_q, p.inv_ds_scale, nullptr, 1.f, token0,
+                  p.num_heads * kHeadDim, head * kHeadDim, query0, seq_len);
+  }
+}
+
 }  // namespace
 
 bool ShortSequenceBackwardFitsDevice() {
@@ -259,6 +526,28 @@ attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaS
   if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
   ShortSequenceBackwardKernel<<<static_cast<unsigned>(blocks), kThreads, kSharedBytes, stream>>>(
       params);
+  return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
+}
+
+bool ShortGridBackwardFitsDevice() {
+  int device = 0, shared_per_block = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&shared_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                device) == cudaSuccess &&
+         static_cast<std::size_t>(shared_per_block) >= kGridSharedBytes;
+}
+
+attngrad_status LaunchShortGridBackward(const AttentionParams& params, cudaStream_t stream) {
+  if (params.seq_len > kShortSequenceMaxLength) return ATTNGRAD_INTERNAL;
+  if (cudaFuncSetAttribute(ShortGridBackwardKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kGridSharedBytes)) != cudaSuccess) {
+    return ATTNGRAD_CUDA_ERROR;
+  }
+  const long long blocks =
+      2LL * params.batch * params.num_heads * ((params.seq_len + kGridRows - 1) / kGridRows);
+  if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
+  ShortGridBackwardKernel<<<static_cast<unsigned>(blocks), kGridThreads, kGridSharedBytes,
+                            stream>>>(params);
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 

@@ -744,6 +744,15 @@ inline bool ShortSequenceBackwardApplies(const AttentionProblem& problem) {
 }
 // Launches it (after DeltaKernel; SumPartialsKernel follows when params.kv_split).
 attngrad_status LaunchShortSequenceBackward(const AttentionParams& params, cudaStream_t stream);
+// Its grid form (attention_backward_short.cu, AttentionTiles::kShortGrid): one launch of dK/dV
+// blocks (32 keys, query head) and dQ blocks (32 queries, query head), same operands and limits,
+// 155 KB of shared memory per block.
+bool ShortGridBackwardFitsDevice();
+inline bool ShortGridBackwardApplies(const AttentionProblem& problem) {
+  return problem.operand == AttentionOperand::kFp16 && problem.head_dim == 128 &&
+         problem.seq_len <= kShortSequenceMaxLength && ShortGridBackwardFitsDevice();
+}
+attngrad_status LaunchShortGridBackward(const AttentionParams& params, cudaStream_t stream);
 
 // The Hopper backward (attention_backward_hopper.cu): the dK/dV and dQ kernels on wgmma, for fp16
 // operands at head_dim 128 on a compute-capability-9.0 GPU (its code is the sm_90a build); the
@@ -765,13 +774,26 @@ attngrad_status LaunchHopperQuery(const AttentionParams& params, cudaStream_t st
 bool HopperForwardApplies(const AttentionProblem& problem);
 attngrad_status LaunchHopperForward(const AttentionParams& params, cudaStream_t stream);
 
+// The short-sequence forward (attention_forward_short.cu): fp16 operands, head_dim 128, S <= 256,
+// by problem.forward_path (kShort) and, for kAuto, where it is chosen; taken before the others.
+bool ShortForwardApplies(const AttentionProblem& problem);
+attngrad_status LaunchShortForward(const AttentionParams& params, cudaStream_t stream);
+
 // dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
-enum class KeyValueTiling { kSmall, kSmallSplit, kShort, kShortSplit };
+// kGrid / kGridSplit: the grid form of the short-sequence kernel, writing dK/dV itself (one query
+// head per key-value head) or per query head into the partials.
+enum class KeyValueTiling { kSmall, kSmallSplit, kShort, kShortSplit, kGrid, kGridSplit };
 inline bool IsSplit(KeyValueTiling tiling) {
-  return tiling == KeyValueTiling::kSmallSplit || tiling == KeyValueTiling::kShortSplit;
+  return tiling == KeyValueTiling::kSmallSplit || tiling == KeyValueTiling::kShortSplit ||
+         tiling == KeyValueTiling::kGridSplit;
+}
+inline bool IsWholeSequence(KeyValueTiling tiling) {  // one kernel writes dQ, dK and dV
+  return tiling == KeyValueTiling::kShort || tiling == KeyValueTiling::kShortSplit ||
+         tiling == KeyValueTiling::kGrid || tiling == KeyValueTiling::kGridSplit;
 }
 inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
   const bool short_applies = ShortSequenceBackwardApplies(problem);
+  const bool grouped = problem.num_heads != problem.num_kv_heads;
   switch (problem.tiles) {
     case AttentionTiles::kSmall: return KeyValueTiling::kSmall;
     case AttentionTiles::kSmallSplit: return KeyValueTiling::kSmallSplit;
@@ -779,7 +801,18 @@ inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
       return short_applies ? KeyValueTiling::kShort : KeyValueTiling::kSmall;
     case AttentionTiles::kShortSplit:
       return short_applies ? KeyValueTiling::kShortSplit : KeyValueTiling::kSmallSplit;
+    case AttentionTiles::kShortGrid:
+      if (!ShortGridBackwardApplies(problem)) return KeyValueTiling::kSmallSplit;
+      return grouped ? KeyValueTiling::kGridSplit : KeyValueTiling::kGrid;
     case AttentionTiles::kAuto: break;
+  }
+  // The grid form while its blocks (2 per 32 rows and query head) fill the GPU a few times over:
+  // its chains are short but it does 7 products with one 8-warp block per SM (prediction, to be
+  // replaced by the measured rule).
+  if (ShortGridBackwardApplies(problem) &&
+      static_cast<long long>(problem.batch) * problem.num_heads * ((problem.seq_len + 31) / 32) <=
+          1024) {
+    return grouped ? KeyValueTiling::kGridSplit : KeyValueTiling::kGrid;
   }
   // The short-sequence kernel (split over the query heads) measured faster than the tiled ones
   // only for S <= 128 with few key-value blocks (H200: (1,128) 28 vs 32 us, (4,128) 35 vs 41 us,

@@ -250,6 +250,7 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
   params.out = out;
   params.out_half = static_cast<__half*>(out_half);
   params.lse = lse;
+  if (ShortForwardApplies(problem)) return LaunchShortForward(params, stream);
   if (HopperForwardApplies(problem)) return LaunchHopperForward(params, stream);
   const bool wide = problem.head_dim == 256;
   switch (problem.operand) {

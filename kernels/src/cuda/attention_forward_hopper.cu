@@ -323,7 +323,8 @@ bool HopperForwardPays(const AttentionProblem& problem) {
 bool HopperForwardApplies(const AttentionProblem& problem) {
   // scaling > 0: each row's max is taken on raw scores (the logit must grow with them).
   if (problem.operand != AttentionOperand::kFp16 || !(problem.scaling > 0.f) ||
-      problem.forward_path == AttentionForwardPath::kPortable) {
+      problem.forward_path == AttentionForwardPath::kPortable ||
+      problem.forward_path == AttentionForwardPath::kShort) {
     return false;
   }
   if (problem.forward_path == AttentionForwardPath::kAuto && !HopperForwardPays(problem)) {
