@@ -254,6 +254,24 @@ absl::Status DecodePiecesToFloat(absl::Span<const absl::string_view> pieces, int
   return absl::OkStatus();
 }
 
+std::vector<absl::string_view> PiecesRange(absl::Span<const absl::string_view> pieces,
+                                           std::size_t offset, std::size_t size) {
+  std::vector<absl::string_view> range;
+  for (absl::string_view piece : pieces) {
+    if (size == 0) break;
+    if (offset >= piece.size()) {
+      offset -= piece.size();
+      continue;
+    }
+    piece.remove_prefix(offset);
+    offset = 0;
+    const std::size_t take = std::min(size, piece.size());
+    range.push_back(piece.substr(0, take));
+    size -= take;
+  }
+  return range;
+}
+
 void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw) {
   const std::size_t start = raw->size();
   const std::size_t element_size =

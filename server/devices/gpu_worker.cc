@@ -66,7 +66,7 @@
 #include "devices/pinned_pool.h"
 #include "devices/wire_convert.h"
 #include "scheduling/finite_check.h"
-#include "scheduling/parallel_tasks.h"
+#include "attngrad/wire/parallel_tasks.h"
 #include "scheduling/staging.h"
 
 namespace attngrad::server {
@@ -398,7 +398,7 @@ class GpuWorker final : public DeviceWorker {
   // The slot's host staging (scheduling/staging.h), in parts on the copy threads.
   absl::Status StageInputs(Slot& slot, BatchJob& job) {
     return CopyToStaging(job, slot.host_in.get(), copy_threads_.get(),
-                         ParallelTasks::kCopyPartBytes);
+                         wire::ParallelTasks::kCopyPartBytes);
   }
 
   // Where the kernels read one activation tensor (`dtype`, `count` elements): fp32 in the client's
@@ -849,8 +849,8 @@ class GpuWorker final : public DeviceWorker {
   std::vector<Slot> slots_;
   int retired_since_gauges_ = 0;
   // The host copies (staging in, answers out), in parts on these threads.
-  std::unique_ptr<ParallelTasks> copy_threads_ =
-      std::make_unique<ParallelTasks>(ParallelTasks::CopyThreads());
+  std::unique_ptr<wire::ParallelTasks> copy_threads_ =
+      std::make_unique<wire::ParallelTasks>(wire::ParallelTasks::CopyThreads());
   // The answers' page-locked memory, reused once gRPC has sent them (see AnswerBuffer).
   std::shared_ptr<wire::BufferPool> answer_pool_ = MakePinnedBufferPool(kPinnedAnswerPoolBytes);
 };

@@ -720,9 +720,10 @@ GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, Ser
       memory_(limits.max_inflight_bytes),
       regions_(std::move(device_memory)),
       arrival_staging_(std::move(arrival_staging)),
-      arrival_copy_threads_(arrival_staging_ == nullptr
-                                ? nullptr
-                                : std::make_unique<ParallelTasks>(ParallelTasks::CopyThreads())) {}
+      arrival_copy_threads_(arrival_staging_ == nullptr ? nullptr
+                                                        : std::make_unique<wire::ParallelTasks>(
+                                                              wire::ParallelTasks::CopyThreads())) {
+}
 
 absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext& context,
                                               Operation operation, const char* method) {

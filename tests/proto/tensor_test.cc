@@ -118,5 +118,41 @@ TEST(TensorTest, SafetensorsDTypeNames) {
   EXPECT_EQ(SafetensorsDTypeName(v1::DTYPE_UNSPECIFIED), "");
 }
 
+// PiecesRange: the bytes of a range of the concatenated pieces, as views of the same memory; a
+// tensor decoded range by range equals the whole decode (elements straddling pieces included).
+TEST(TensorTest, PiecesRangeIsTheRangeOfTheConcatenation) {
+  const std::string a = "abc", b = "defg", c = "h";
+  const std::vector<absl::string_view> pieces = {a, b, c};
+  auto joined = [](const std::vector<absl::string_view>& range) {
+    std::string out;
+    for (absl::string_view piece : range) out.append(piece.data(), piece.size());
+    return out;
+  };
+  EXPECT_EQ(joined(PiecesRange(pieces, 0, 8)), "abcdefgh");
+  EXPECT_EQ(joined(PiecesRange(pieces, 2, 4)), "cdef");
+  EXPECT_EQ(PiecesRange(pieces, 2, 4).front().data(), a.data() + 2);  // not copied
+  EXPECT_EQ(joined(PiecesRange(pieces, 3, 4)), "defg");
+  EXPECT_EQ(PiecesRange(pieces, 3, 4).size(), 1u);
+  EXPECT_EQ(joined(PiecesRange(pieces, 6, 100)), "gh");  // what there is
+  EXPECT_TRUE(PiecesRange(pieces, 8, 4).empty());
+  EXPECT_TRUE(PiecesRange(pieces, 1, 0).empty());
+
+  std::vector<float> values(1000);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i) - 7.f;
+  const std::string raw(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+  std::vector<absl::string_view> split;  // pieces of 1, 7, 13, ... bytes: elements straddle them
+  for (std::size_t at = 0, size = 1; at < raw.size(); at += size, size += 6) {
+    split.push_back(absl::string_view(raw).substr(at, size));
+  }
+  std::vector<float> decoded(values.size(), 0.f);
+  for (std::size_t first = 0; first < values.size(); first += 97) {
+    const std::size_t count = std::min<std::size_t>(97, values.size() - first);
+    ASSERT_TRUE(DecodePiecesToFloat(PiecesRange(split, first * 4, count * 4), v1::DTYPE_FLOAT32,
+                                    "x", absl::MakeSpan(decoded).subspan(first, count))
+                    .ok());
+  }
+  EXPECT_EQ(decoded, values);
+}
+
 }  // namespace
 }  // namespace attngrad::wire

@@ -59,7 +59,7 @@ TEST(StagingTest, StagedInputsAreTheReceivedBytesInTheWorkersLayout) {
     SmallJob small(dtype);
     ASSERT_EQ(StagingElements(small.job), 2u * 12 + 6 + 6);
     auto pool = wire::BufferPool::Create(1 << 20);
-    ParallelTasks threads(3);
+    wire::ParallelTasks threads(3);
     ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
     ASSERT_NE(small.job.staged_inputs.data(), nullptr);
     const char* staged = small.job.staged_inputs.data();
@@ -87,7 +87,7 @@ TEST(StagingTest, ANonFiniteValueIsInvalidArgumentNamingTheElement) {
   small.grad[7] = std::numeric_limits<float>::quiet_NaN();
   small.job.grad_output = SmallJob::InPieces(small.grad, v1::DTYPE_FLOAT32, &small.grad_bytes);
   auto pool = wire::BufferPool::Create(1 << 20);
-  ParallelTasks threads(2);
+  wire::ParallelTasks threads(2);
   const absl::Status status = StageOnArrival(*pool, threads, small.job);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("grad_output.raw_data"), std::string::npos) << status;
@@ -101,7 +101,7 @@ TEST(StagingTest, WithoutMemoryFromThePoolTheJobIsLeftToTheWorker) {
   none.allocate = [](std::size_t) -> char* { return nullptr; };
   none.free = [](char*) {};
   auto pool = wire::BufferPool::Create(0, std::move(none));
-  ParallelTasks threads(1);
+  wire::ParallelTasks threads(1);
   ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
   EXPECT_EQ(small.job.staged_inputs.data(), nullptr);
   EXPECT_EQ(small.job.hidden_states.size_bytes(), small.hidden_bytes.size());  // still received

@@ -53,6 +53,10 @@ absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view f
 // element may straddle two pieces): out.size() elements, exactly as many as the pieces hold.
 absl::Status DecodePiecesToFloat(absl::Span<const absl::string_view> pieces, int dtype,
                                  absl::string_view field, absl::Span<float> out);
+// Bytes [offset, offset + size) of the pieces taken in order, as pieces of the same memory (fewer
+// bytes when the pieces end first): to decode a large tensor in parts on several threads.
+std::vector<absl::string_view> PiecesRange(absl::Span<const absl::string_view> pieces,
+                                           std::size_t offset, std::size_t size);
 // INVALID_ARGUMENT naming `field` and the first element that is Inf or NaN, if any; elements are
 // numbered from `first_index` (for a tensor checked in parts).
 absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field,
