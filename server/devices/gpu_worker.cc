@@ -269,9 +269,13 @@ class GpuWorker final : public DeviceWorker {
       ATTNGRAD_CUDA_RETURN(
           cuda::PinnedBuffer<unsigned long long>::Create(kCheckedGradients, &slot.host_non_finite));
       for (cuda::Event* event : {&slot.copy_in_start, &slot.copy_in_done, &slot.compute_start,
-                                 &slot.compute_done, &slot.copy_out_start, &slot.copy_out_done}) {
+                                 &slot.compute_done, &slot.copy_out_start}) {
         ATTNGRAD_CUDA_RETURN(cuda::Event::Create(event));
       }
+      // Retire waits on this one: blocking, so that the worker's thread sleeps until the batch is
+      // done instead of spinning a core for every batch's copies and kernels (the default wait of
+      // a process with fewer CUDA contexts than cores spins).
+      ATTNGRAD_CUDA_RETURN(cuda::Event::Create(&slot.copy_out_done, cudaEventBlockingSync));
     }
     if (nccl_ != nullptr) {
       ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(&nccl_stream_));
