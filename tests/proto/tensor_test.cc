@@ -3,6 +3,8 @@
 #include "attngrad/wire/tensor.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -152,6 +154,44 @@ TEST(TensorTest, PiecesRangeIsTheRangeOfTheConcatenation) {
                     .ok());
   }
   EXPECT_EQ(decoded, values);
+}
+
+// CopyAndCheckFinite: the bytes of memcpy, and false exactly when some element is Inf or NaN,
+// wherever it lies (the head before the destination's 16-byte boundary, the streamed middle, the
+// tail), for every wire dtype, lengths below and above the streaming threshold and destinations
+// at every alignment.
+TEST(TensorTest, CopyAndCheckFiniteCopiesAndFindsEveryNonFiniteElement) {
+  for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    const std::size_t size = DTypeSize(dtype);
+    for (std::size_t count : {0u, 1u, 7u, 33u, 1000u, 5003u}) {
+      std::vector<float> values(count);
+      for (std::size_t i = 0; i < count; ++i) values[i] = 0.01f * static_cast<float>(i) - 3.f;
+      std::string raw;
+      EncodeFromFloat(values, dtype, &raw);
+      for (std::size_t shift = 0; shift < 16; shift += size) {
+        std::vector<char> out(raw.size() + 32, 'x');
+        char* destination = out.data() + (16 - reinterpret_cast<std::uintptr_t>(out.data()) % 16) +
+                            shift;  // 16-byte aligned, then shifted by whole elements
+        ASSERT_TRUE(CopyAndCheckFinite(raw, dtype, destination)) << dtype << " " << count;
+        EXPECT_EQ(0, std::memcmp(destination, raw.data(), raw.size())) << dtype << " " << count;
+        // One non-finite element at a time, at positions across the whole range.
+        for (std::size_t at : {std::size_t{0}, count / 3, count / 2 + 1, count - 1}) {
+          if (at >= count) continue;
+          for (float bad :
+               {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                std::numeric_limits<float>::quiet_NaN()}) {
+            std::vector<float> with_bad = values;
+            with_bad[at] = bad;
+            std::string bad_raw;
+            EncodeFromFloat(with_bad, dtype, &bad_raw);
+            EXPECT_FALSE(CopyAndCheckFinite(bad_raw, dtype, destination))
+                << dtype << " count " << count << " at " << at << " shift " << shift;
+            EXPECT_EQ(0, std::memcmp(destination, bad_raw.data(), bad_raw.size()));
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -66,6 +66,14 @@ absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field
 absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view field,
                             std::size_t first_index = 0);
 
+// Copies the raw little-endian elements of `dtype` in `source` (whole elements) to `destination`
+// and returns whether every one of them is finite (checked on their bits, as CheckFiniteRaw), in
+// one pass over the bytes. On x86-64 the stores bypass the cache (non-temporal), for a large copy
+// into memory the CPU does not read again (the server's page-locked staging, read by the GPU's
+// DMA): no read-for-ownership of the destination and no second pass to check. The copy is
+// complete (and visible to other threads) when it returns, whatever the answer.
+bool CopyAndCheckFinite(absl::string_view source, int dtype, char* destination);
+
 // CheckTensor, then DecodeToFloat into `out` (resized to the tensor's element count).
 absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
                           absl::Span<const std::int64_t> expected, std::vector<float>* out);
