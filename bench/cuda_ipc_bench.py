@@ -5,6 +5,9 @@ that name them, so that no activation byte crosses the connection.
   throughput: B x S ACCUMULATE batches over STREAMS Backward streams with IN_FLIGHT batches
               outstanding on each (--configs), for DURATION seconds after a warm-up: tokens/s. The inputs are
               drawn once; each in-flight slot has its own answer tensor.
+  shm:        the same over host shared memory (issue 13 item 4's other path): each stream's inputs
+              and answer slots in one POSIX shared-memory region registered with the server
+              (RegisterRegion by name), batches naming them; no torch tensors involved.
   latency:    one B x S batch at a time (RETURN: the weight gradients come back on the wire;
               ACCUMULATE: nothing but the response): the p50/p90 round trip of COUNT batches.
   bridge:     attngrad.torch's RemoteGemma3Attention (zero_copy=True, ACCUMULATE), one B x S
@@ -27,7 +30,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "client", "python"))
 
-import torch  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ImportError:  # the shm mode needs no torch
+    torch = None
 
 import attngrad  # noqa: E402
 from attngrad import client as client_module  # noqa: E402
@@ -76,15 +82,53 @@ class Trainer:
         return message.SerializeToString()
 
 
+class HostTrainer(Trainer):
+    """Trainer's requests over a POSIX shared-memory region of this process: [hidden_states |
+    grad_output | one answer per in-flight slot], fp32, registered by name (the server copies the
+    inputs from it into its page-locked staging and the answers into it)."""
+
+    def __init__(self, client, batch, seq_len, hidden, slots, seed=1):
+        import numpy as np
+        from multiprocessing import shared_memory
+
+        self.weights_region = False
+        self.batch, self.seq_len, self.hidden = batch, seq_len, hidden
+        tensor_bytes = batch * seq_len * hidden * 4
+        self.memory = shared_memory.SharedMemory(create=True, size=tensor_bytes * (2 + slots))
+        rng = np.random.default_rng(seed)
+        floats = np.ndarray((2 + slots, batch * seq_len * hidden), dtype=np.float32,
+                            buffer=self.memory.buf)
+        floats[0] = rng.standard_normal(floats.shape[1], dtype=np.float32)
+        floats[1] = rng.standard_normal(floats.shape[1], dtype=np.float32) * 0.01
+        del floats  # no view may outlive close()
+        self.client = client
+        self.region = client.register_region(self.memory.name, self.memory.size)
+        self.hidden_slice = (self.region, 0, tensor_bytes)
+        self.grad_slice = (self.region, tensor_bytes, tensor_bytes)
+        self.answer_slices = [(self.region, (2 + slot) * tensor_bytes, tensor_bytes)
+                              for slot in range(slots)]
+
+    def close(self):
+        try:
+            self.client.unregister_region(self.region)
+        finally:
+            self.memory.close()
+            self.memory.unlink()
+
+
 def backward_call(client):
     return client._channel.stream_stream(
         "/attngrad.v1.AttentionGradient/Backward", request_serializer=lambda raw: raw,
         response_deserializer=pb.BackwardResponse.FromString)
 
 
-def throughput(args, client, hidden, device, streams, in_flight):
-    trainers = [Trainer(client, args.batch, args.seq_len, hidden, in_flight, device, seed=s)
-                for s in range(streams)]
+def throughput(args, client, hidden, device, streams, in_flight, shared_memory=False):
+    if shared_memory:
+        trainers = [HostTrainer(client, args.batch, args.seq_len, hidden, in_flight, seed=s)
+                    for s in range(streams)]
+    else:
+        trainers = [Trainer(client, args.batch, args.seq_len, hidden, in_flight, device, seed=s)
+                    for s in range(streams)]
     ids = iter(range(1, 1 << 62))
     lock = threading.Lock()
     done = {"batches": 0, "errors": 0, "compute": []}
@@ -131,9 +175,13 @@ def throughput(args, client, hidden, device, streams, in_flight):
     stop.set()
     for thread in threads:
         thread.join(timeout=30)
+    for trainer in trainers:
+        if shared_memory:
+            trainer.close()
     tokens = done["batches"] * args.batch * args.seq_len
     compute = statistics.median(done["compute"]) if done["compute"] else float("nan")
-    return {"what": f"ACCUMULATE {args.batch}x{args.seq_len} over CUDA IPC",
+    path = "host shared memory" if shared_memory else "CUDA IPC"
+    return {"what": f"ACCUMULATE {args.batch}x{args.seq_len} over {path}",
             "streams": streams, "in_flight": in_flight, "seconds": elapsed,
             "batches": done["batches"], "errors": done["errors"],
             "tokens_per_second": tokens / elapsed, "server_compute_p50_ms": compute * 1e3}
@@ -222,10 +270,13 @@ def main():
     parser.add_argument("--count", type=int, default=100, help="latency / bridge iterations")
     parser.add_argument("--bridge_seq_len", type=int, default=1024)
     parser.add_argument("--only", default="throughput,latency,bridge",
-                        help="bridge: over CUDA IPC (zero_copy=True); bridge_tcp: the bytes path")
+                        help="bridge: over CUDA IPC (zero_copy=True); bridge_tcp: the bytes path; "
+                             "shm: throughput over host shared-memory regions (--configs)")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()
-    device = torch.device("cuda", 0)
+    if torch is None and set(args.only.split(",")) - {"shm"}:
+        parser.error("torch is needed for everything but --only=shm")
+    device = torch.device("cuda", 0) if torch is not None else None
     client = attngrad.Client(args.target, client_id=args.client_id, timeout=0)
     info = client.wait_until_serving(60)
     results = []
@@ -234,6 +285,12 @@ def main():
         for config in args.configs.split(","):
             streams, in_flight = (int(v) for v in config.split("x"))
             results.append(throughput(args, client, info.hidden_size, device, streams, in_flight))
+            print(json.dumps(results[-1]), flush=True)
+    if "shm" in parts:
+        for config in args.configs.split(","):
+            streams, in_flight = (int(v) for v in config.split("x"))
+            results.append(throughput(args, client, info.hidden_size, device, streams, in_flight,
+                                      shared_memory=True))
             print(json.dumps(results[-1]), flush=True)
     if "latency" in parts:
         for mode, name, weights_region in (

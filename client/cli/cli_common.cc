@@ -99,7 +99,8 @@ ABSL_FLAG(bool, wire_fp32, false,
 
 ABSL_FLAG(int, streams, 4, "bench: concurrent Backward streams");
 ABSL_FLAG(double, duration_seconds, 10, "bench: how long to run when --count=0");
-ABSL_FLAG(int, warmup, 1, "bench: batches per stream sent before timing starts");
+ABSL_FLAG(int, warmup, 1,
+          "bench: rounds of --in_flight batches per stream answered before timing starts");
 ABSL_FLAG(bool, progress, true, "bench: a live progress line on stderr");
 
 ABSL_FLAG(bool, zero_after, false, "fetch: atomically zero the accumulators (start a new window)");

@@ -20,9 +20,10 @@
 #include "cli_common.h"
 
 ABSL_FLAG(bool, answer_buffers, true,
-          "bench: decode each answer's grad_hidden_states into one of the stream's reused buffers "
-          "(BackwardBatch::grad_hidden_states_out, as a trainer decoding into its own tensors "
-          "does); false: into a fresh vector per batch (BackwardResult::grad_hidden_states)");
+          "bench: decode each answer's grad_hidden_states (and, RETURN, its weight gradients) into "
+          "one of the stream's reused buffers (BackwardBatch::grad_hidden_states_out and "
+          "weight_gradients_out, as a trainer decoding into its own tensors does); false: into "
+          "fresh vectors per batch (BackwardResult::grad_hidden_states, weight_gradients)");
 
 ABSL_FLAG(bool, borrow_inputs, true,
           "bench: send the float32 inputs from the bench's own memory, not copied "
@@ -133,6 +134,7 @@ int RunBench() {
     // --answer_buffers: one buffer per batch in flight (and one for the warm-up), each lent to a
     // batch from its Submit until its result is taken.
     std::vector<std::vector<float>> buffers;
+    std::vector<PerWeight<std::vector<float>>> weight_buffers;  // RETURN: one set per buffer
     std::vector<size_t> free_buffers;
     std::unordered_map<uint64_t, size_t> lent;  // batch id -> buffer
     if (answer_buffers) {
@@ -141,10 +143,24 @@ int RunBench() {
         buffers[b].resize(answer_floats);
         free_buffers.push_back(b);
       }
+      if (*mode == v1::GRADIENT_MODE_RETURN) {
+        weight_buffers.resize(buffers.size());
+        for (PerWeight<std::vector<float>>& set : weight_buffers) {
+          for (Weight weight : kAllWeights) set[weight].resize(WeightElements(config, weight));
+        }
+      }
     }
     auto submit = [&]() -> absl::StatusOr<uint64_t> {
       BackwardBatch own = batch;
-      if (answer_buffers) own.grad_hidden_states_out = absl::MakeSpan(buffers[free_buffers.back()]);
+      if (answer_buffers) {
+        own.grad_hidden_states_out = absl::MakeSpan(buffers[free_buffers.back()]);
+        if (!weight_buffers.empty()) {
+          for (Weight weight : kAllWeights) {
+            own.weight_gradients_out[weight] =
+                absl::MakeSpan(weight_buffers[free_buffers.back()][weight]);
+          }
+        }
+      }
       absl::StatusOr<uint64_t> id = (*stream)->Submit(own);
       if (id.ok() && answer_buffers) {
         lent[*id] = free_buffers.back();
@@ -158,15 +174,28 @@ int RunBench() {
       free_buffers.push_back(it->second);
       lent.erase(it);
     };
-    // Warm-up: a few batches answered before the clock starts (connections, allocations).
+    // Warm-up: --warmup rounds of --in_flight batches at once, answered before the clock starts
+    // (connections, and the buffers of the server's and the client's pools as many as the timed
+    // part keeps in flight: page-locking a fresh 100 MB buffer costs the server tens of ms).
     for (int w = 0; w < warmup; ++w) {
-      auto id = submit();
-      if (!id.ok()) break;
-      auto result = (*stream)->Await(*id);
-      give_back(*id);
-      if (!result.ok()) break;
-      absl::MutexLock lock(&totals.mu);
-      totals.all_bytes += static_cast<double>(result->request_bytes + result->response_bytes);
+      std::vector<uint64_t> ids;
+      for (int i = 0; i < in_flight; ++i) {
+        auto id = submit();
+        if (!id.ok()) break;
+        ids.push_back(*id);
+      }
+      bool failed = ids.size() < static_cast<size_t>(in_flight);
+      for (uint64_t id : ids) {
+        auto result = (*stream)->Await(id);
+        give_back(id);
+        if (!result.ok()) {
+          failed = true;
+          continue;
+        }
+        absl::MutexLock lock(&totals.mu);
+        totals.all_bytes += static_cast<double>(result->request_bytes + result->response_bytes);
+      }
+      if (failed) break;
     }
     if (warmed.fetch_add(1) + 1 == streams) {
       timing_start = absl::Now();

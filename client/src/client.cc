@@ -150,7 +150,8 @@ Client::Impl::Impl(std::string target, ClientOptions options,
       options_(std::move(options)),
       channels_(std::move(channels)),
       generic_stub_(std::make_unique<grpc::GenericStub>(channels_.front())),
-      request_pool_(wire::BufferPool::Create(kRequestPoolBytes)) {
+      request_pool_(wire::BufferPool::Create(kRequestPoolBytes)),
+      decode_threads_(std::make_unique<wire::ParallelTasks>(wire::ParallelTasks::CopyThreads())) {
   for (const std::shared_ptr<grpc::Channel>& channel : channels_) {
     stubs_.push_back(v1::AttentionGradient::NewStub(channel));
   }

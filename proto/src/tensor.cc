@@ -6,6 +6,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attngrad/wire/dtype.h"
@@ -187,6 +191,95 @@ bool AnyNotFinite(const char* bytes, std::size_t count, Bits exponent_mask) {
 
 }  // namespace
 
+namespace {
+
+#if defined(__SSE2__)
+// Copies whole elements from `source` to the 16-byte aligned `destination` in 16-byte vectors
+// with non-temporal stores, OR-ing into *any the lanes whose exponent bits are all ones; returns
+// the bytes done (a multiple of 16; the rest is the caller's).
+template <int kBits>
+std::size_t StreamAndCheck(const char* source, std::size_t bytes, char* destination,
+                           std::uint32_t exponent_mask, __m128i* any) {
+  const __m128i mask =
+      kBits == 32 ? _mm_set1_epi32(static_cast<int>(exponent_mask))
+                  : _mm_set1_epi16(static_cast<short>(static_cast<std::uint16_t>(exponent_mask)));
+  auto equal = [](__m128i a, __m128i b) {
+    return kBits == 32 ? _mm_cmpeq_epi32(a, b) : _mm_cmpeq_epi16(a, b);
+  };
+  __m128i found = *any;
+  std::size_t done = 0;
+  for (; done + 64 <= bytes; done += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + done));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + done + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + done + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + done + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done + 48), d);
+    found = _mm_or_si128(found, _mm_or_si128(_mm_or_si128(equal(_mm_and_si128(a, mask), mask),
+                                                          equal(_mm_and_si128(b, mask), mask)),
+                                             _mm_or_si128(equal(_mm_and_si128(c, mask), mask),
+                                                          equal(_mm_and_si128(d, mask), mask))));
+  }
+  for (; done + 16 <= bytes; done += 16) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + done));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done), a);
+    found = _mm_or_si128(found, equal(_mm_and_si128(a, mask), mask));
+  }
+  *any = found;
+  return done;
+}
+#endif
+
+// Below this many bytes the plain copy and check are as fast (and leave the data in the cache).
+constexpr std::size_t kStreamingMinBytes = 4096;
+
+}  // namespace
+
+bool CopyAndCheckFinite(absl::string_view source, int dtype, char* destination) {
+  const std::size_t element_size = DTypeSize(dtype);
+  std::uint32_t mask = 0;
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: mask = 0x7f800000u; break;
+    case v1::DTYPE_FLOAT16: mask = 0x7c00u; break;
+    case v1::DTYPE_BFLOAT16: mask = 0x7f80u; break;
+    default:
+      if (!source.empty()) std::memcpy(destination, source.data(), source.size());
+      return true;
+  }
+  auto plain = [&](const char* from, std::size_t bytes, char* to) {
+    if (bytes == 0) return false;
+    std::memcpy(to, from, bytes);
+    return element_size == 4
+               ? AnyNotFinite<std::uint32_t>(from, bytes / 4, mask)
+               : AnyNotFinite<std::uint16_t>(from, bytes / 2, static_cast<std::uint16_t>(mask));
+  };
+#if defined(__SSE2__)
+  if (source.size() >= kStreamingMinBytes) {
+    // Whole elements up to the destination's first 16-byte boundary (a multiple of the element
+    // size whenever the destination is element-aligned; else everything goes the plain way).
+    const std::size_t misalignment = reinterpret_cast<std::uintptr_t>(destination) % 16;
+    const std::size_t head = misalignment == 0 ? 0 : 16 - misalignment;
+    if (head % element_size == 0) {
+      bool any = plain(source.data(), head, destination);
+      __m128i found = _mm_setzero_si128();
+      const std::size_t streamed =
+          element_size == 4 ? StreamAndCheck<32>(source.data() + head, source.size() - head,
+                                                 destination + head, mask, &found)
+                            : StreamAndCheck<16>(source.data() + head, source.size() - head,
+                                                 destination + head, mask, &found);
+      _mm_sfence();  // the streamed stores are visible before anything that follows
+      any = any || _mm_movemask_epi8(found) != 0;
+      const std::size_t done = head + streamed;
+      any = plain(source.data() + done, source.size() - done, destination + done) || any;
+      return !any;
+    }
+  }
+#endif
+  return !plain(source.data(), source.size(), destination);
+}
+
 absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view field,
                             std::size_t first_index) {
   const std::size_t element_size = DTypeSize(dtype);
@@ -252,6 +345,24 @@ absl::Status DecodePiecesToFloat(absl::Span<const absl::string_view> pieces, int
     carried = piece.size();
   }
   return absl::OkStatus();
+}
+
+std::vector<absl::string_view> PiecesRange(absl::Span<const absl::string_view> pieces,
+                                           std::size_t offset, std::size_t size) {
+  std::vector<absl::string_view> range;
+  for (absl::string_view piece : pieces) {
+    if (size == 0) break;
+    if (offset >= piece.size()) {
+      offset -= piece.size();
+      continue;
+    }
+    piece.remove_prefix(offset);
+    offset = 0;
+    const std::size_t take = std::min(size, piece.size());
+    range.push_back(piece.substr(0, take));
+    size -= take;
+  }
+  return range;
 }
 
 void EncodeFromFloat(absl::Span<const float> values, int dtype, std::string* raw) {

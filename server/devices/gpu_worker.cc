@@ -66,7 +66,7 @@
 #include "devices/pinned_pool.h"
 #include "devices/wire_convert.h"
 #include "scheduling/finite_check.h"
-#include "scheduling/parallel_tasks.h"
+#include "attngrad/wire/parallel_tasks.h"
 #include "scheduling/staging.h"
 
 namespace attngrad::server {
@@ -269,9 +269,13 @@ class GpuWorker final : public DeviceWorker {
       ATTNGRAD_CUDA_RETURN(
           cuda::PinnedBuffer<unsigned long long>::Create(kCheckedGradients, &slot.host_non_finite));
       for (cuda::Event* event : {&slot.copy_in_start, &slot.copy_in_done, &slot.compute_start,
-                                 &slot.compute_done, &slot.copy_out_start, &slot.copy_out_done}) {
+                                 &slot.compute_done, &slot.copy_out_start}) {
         ATTNGRAD_CUDA_RETURN(cuda::Event::Create(event));
       }
+      // Retire waits on this one: blocking, so that the worker's thread sleeps until the batch is
+      // done instead of spinning a core for every batch's copies and kernels (the default wait of
+      // a process with fewer CUDA contexts than cores spins).
+      ATTNGRAD_CUDA_RETURN(cuda::Event::Create(&slot.copy_out_done, cudaEventBlockingSync));
     }
     if (nccl_ != nullptr) {
       ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(&nccl_stream_));
@@ -398,7 +402,7 @@ class GpuWorker final : public DeviceWorker {
   // The slot's host staging (scheduling/staging.h), in parts on the copy threads.
   absl::Status StageInputs(Slot& slot, BatchJob& job) {
     return CopyToStaging(job, slot.host_in.get(), copy_threads_.get(),
-                         ParallelTasks::kCopyPartBytes);
+                         wire::ParallelTasks::kCopyPartBytes);
   }
 
   // Where the kernels read one activation tensor (`dtype`, `count` elements): fp32 in the client's
@@ -849,8 +853,8 @@ class GpuWorker final : public DeviceWorker {
   std::vector<Slot> slots_;
   int retired_since_gauges_ = 0;
   // The host copies (staging in, answers out), in parts on these threads.
-  std::unique_ptr<ParallelTasks> copy_threads_ =
-      std::make_unique<ParallelTasks>(ParallelTasks::CopyThreads());
+  std::unique_ptr<wire::ParallelTasks> copy_threads_ =
+      std::make_unique<wire::ParallelTasks>(wire::ParallelTasks::CopyThreads());
   // The answers' page-locked memory, reused once gRPC has sent them (see AnswerBuffer).
   std::shared_ptr<wire::BufferPool> answer_pool_ = MakePinnedBufferPool(kPinnedAnswerPoolBytes);
 };

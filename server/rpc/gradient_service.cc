@@ -79,17 +79,42 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
                      "there are batches to send")));
   }
 
+  // The request is parsed (its slices taken out of request_) and counted as outstanding, the next
+  // read is started, and only then is the batch checked, staged and handed in: the next request's
+  // bytes arrive while this one's are copied (HTTP/2 flow control would otherwise hold them back
+  // for that time, on every connection).
   void OnReadDone(bool ok) override {
-    if (ok) HandleRequest();
+    std::optional<ReceivedBackwardRequest> received;
+    std::int64_t received_bytes = 0;
+    if (ok) {
+      received_bytes = static_cast<std::int64_t>(request_.Length());
+      absl::StatusOr<ReceivedBackwardRequest> parsed = ParseReceivedBackwardRequest(request_);
+      request_.Clear();  // the slices live on in `received` as long as it needs them
+      if (parsed.ok()) {
+        received = *std::move(parsed);
+      } else {
+        // Not a message: nothing after it can be trusted to be one either. End the stream once
+        // the batches already handed in are answered. (The RPC metrics interceptor counts the
+        // call's end.)
+        std::lock_guard<std::mutex> lock(mutex_);
+        reads_done_ = true;
+        if (end_status_.ok()) end_status_ = parsed.status();
+      }
+    }
     Actions actions;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       read_in_flight_ = false;
       last_progress_ = Clock::now();
       if (!ok) reads_done_ = true;
+      // Counted before the next read may start: the batch holds its place in the stream's window
+      // and keeps the stream open until it is answered (every path below answers it).
+      if (finished_) received.reset();  // closed as idle while this request arrived: not computed
+      if (received.has_value()) ++jobs_outstanding_;
       actions = NextLocked();
     }
     Do(actions);
+    if (received.has_value()) HandleRequest(*std::move(received), received_bytes);
   }
 
   void OnWriteDone(bool ok) override {
@@ -210,20 +235,10 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     return write;
   }
 
-  // Runs with read_in_flight_ still set, so request_ is ours alone.
-  void HandleRequest() {
-    const std::int64_t received_bytes = static_cast<std::int64_t>(request_.Length());
-    absl::StatusOr<ReceivedBackwardRequest> received = ParseReceivedBackwardRequest(request_);
-    request_.Clear();  // the slices live on in `received` as long as it needs them
-    if (!received.ok()) {
-      // Not a message: nothing after it can be trusted to be one either. End the stream once the
-      // batches already handed in are answered. (The RPC metrics interceptor counts the call's
-      // end.)
-      std::lock_guard<std::mutex> lock(mutex_);
-      reads_done_ = true;
-      if (end_status_.ok()) end_status_ = received.status();
-      return;
-    }
+  // One received request, already counted in jobs_outstanding_: answered (an error or the job's
+  // answer), which gives the count back. May run while the next request is read (and handled, on
+  // another thread).
+  void HandleRequest(std::optional<ReceivedBackwardRequest> received, std::int64_t received_bytes) {
     service_->metrics().AddReceivedBytes("Backward", static_cast<double>(PayloadBytes(*received)));
     const v1::BackwardRequest& request = received->message;
     const std::uint64_t batch_id = request.batch_id();
@@ -263,7 +278,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       }
     }
     if (!parsed.ok()) {
-      QueueResponse(ErrorResponse(batch_id, parsed.status()), /*job_finished=*/false);
+      QueueResponse(ErrorResponse(batch_id, parsed.status()), /*job_finished=*/true);
       return;
     }
     // The request's bytes until the worker has copied them, and the answer's until it is sent.
@@ -271,7 +286,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         received_bytes + static_cast<std::int64_t>(parsed->job->AnswerBytes()),
         absl::StrCat("Backward batch ", batch_id, " and its answer"));
     if (!memory.ok()) {
-      QueueResponse(ErrorResponse(batch_id, memory.status()), /*job_finished=*/false);
+      QueueResponse(ErrorResponse(batch_id, memory.status()), /*job_finished=*/true);
       return;
     }
     parsed->job->request_reservation = memory->Split(received_bytes);
@@ -281,7 +296,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       absl::Status staged = StageOnArrival(*service_->arrival_staging(),
                                            service_->arrival_copy_threads(), *parsed->job);
       if (!staged.ok()) {
-        QueueResponse(ErrorResponse(batch_id, staged), /*job_finished=*/false);
+        QueueResponse(ErrorResponse(batch_id, staged), /*job_finished=*/true);
         return;
       }
     }
@@ -328,11 +343,6 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       }
       QueueResponse(std::move(response), /*job_finished=*/true);
     };
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (finished_) return;  // closed as idle while this request arrived: not computed
-      ++jobs_outstanding_;    // before queueing: the job may finish at once
-    }
     absl::StatusOr<Admission> admission =
         service_->core().Admit(std::move(parsed->job), client_id_, batch_id,
                                expected_weights_version, accumulation_window_id);
@@ -720,9 +730,10 @@ GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, Ser
       memory_(limits.max_inflight_bytes),
       regions_(std::move(device_memory)),
       arrival_staging_(std::move(arrival_staging)),
-      arrival_copy_threads_(arrival_staging_ == nullptr
-                                ? nullptr
-                                : std::make_unique<ParallelTasks>(ParallelTasks::CopyThreads())) {}
+      arrival_copy_threads_(arrival_staging_ == nullptr ? nullptr
+                                                        : std::make_unique<wire::ParallelTasks>(
+                                                              wire::ParallelTasks::CopyThreads())) {
+}
 
 absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext& context,
                                               Operation operation, const char* method) {

@@ -17,7 +17,7 @@
 #include "rpc/stream_registry.h"
 #include "scheduling/gradient_core.h"
 #include "scheduling/memory_budget.h"
-#include "scheduling/parallel_tasks.h"
+#include "attngrad/wire/parallel_tasks.h"
 #include "metrics/metrics.h"
 
 namespace attngrad::server {
@@ -85,7 +85,7 @@ class GradientService final : public AttentionGradientBase {
   const RegionRegistry& regions() const { return regions_; }
   wire::BufferPool* arrival_staging() const { return arrival_staging_.get(); }
   // The threads of the arrival copies (with arrival_staging only).
-  ParallelTasks& arrival_copy_threads() { return *arrival_copy_threads_; }
+  wire::ParallelTasks& arrival_copy_threads() { return *arrival_copy_threads_; }
 
  private:
   // The caller of `context` when it may perform `operation` (named `method` in errors); otherwise
@@ -102,7 +102,7 @@ class GradientService final : public AttentionGradientBase {
   MemoryBudget memory_;
   RegionRegistry regions_;  // unmapped (closed) when the service is destroyed
   const std::shared_ptr<wire::BufferPool> arrival_staging_;
-  std::unique_ptr<ParallelTasks> arrival_copy_threads_;
+  std::unique_ptr<wire::ParallelTasks> arrival_copy_threads_;
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.

@@ -15,7 +15,7 @@ std::size_t StagingElements(const BatchJob& job) {
   return 2 * job.activations() + job.cos.size() + job.sin.size();
 }
 
-absl::Status CopyToStaging(const BatchJob& job, float* staging, ParallelTasks* threads,
+absl::Status CopyToStaging(const BatchJob& job, float* staging, wire::ParallelTasks* threads,
                            std::size_t part_bytes) {
   const std::size_t activations = job.activations();
   char* const hidden_region = reinterpret_cast<char*>(staging);
@@ -65,7 +65,7 @@ absl::Status CopyToStaging(const BatchJob& job, float* staging, ParallelTasks* t
   return absl::OkStatus();
 }
 
-absl::Status StageOnArrival(wire::BufferPool& pool, ParallelTasks& threads, BatchJob& job) {
+absl::Status StageOnArrival(wire::BufferPool& pool, wire::ParallelTasks& threads, BatchJob& job) {
   if (job.hidden_states.cuda_device() >= 0 || job.grad_output.cuda_device() >= 0) {
     return absl::OkStatus();
   }
@@ -75,7 +75,7 @@ absl::Status StageOnArrival(wire::BufferPool& pool, ParallelTasks& threads, Batc
   if (buffer.data() == nullptr) return absl::OkStatus();  // the worker stages it
   // Page-locked memory from cudaHostAlloc is page-aligned: floats may be written there.
   ATTNGRAD_RETURN_IF_ERROR(CopyToStaging(job, reinterpret_cast<float*>(buffer.data()), &threads,
-                                         ParallelTasks::kCopyPartBytes));
+                                         wire::ParallelTasks::kCopyPartBytes));
   job.hidden_states.DropBytes();
   job.grad_output.DropBytes();
   job.staged_inputs = std::move(buffer);

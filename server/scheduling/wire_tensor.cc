@@ -91,18 +91,45 @@ absl::Status WireTensor::CopyFinite(std::size_t first, std::size_t count, void* 
                                     absl::string_view field) const {
   ATTNGRAD_RETURN_IF_ERROR(RefuseDeviceMemory(field));
   const std::size_t size = element_size();
-  // In blocks that stay in the cache between the copy and the check.
-  constexpr std::size_t kBlockBytes = 256 << 10;
-  const std::size_t block_elements =
-      std::max<std::size_t>(1, kBlockBytes / std::max<std::size_t>(size, 1));
-  char* out = static_cast<char*>(destination);
-  for (std::size_t done = 0; done < count; done += block_elements) {
-    const std::size_t n = std::min(block_elements, count - done);
-    CopyBytes((first + done) * size, n * size, out + done * size);
-    ATTNGRAD_RETURN_IF_ERROR(wire::CheckFiniteRaw(absl::string_view(out + done * size, n * size),
-                                                  dtype_, field, first + done));
+  char* const start = static_cast<char*>(destination);
+  if (size == 0 || count == 0) return absl::OkStatus();
+  // Piece by piece, each piece's whole elements copied and checked in one pass
+  // (wire::CopyAndCheckFinite); an element split between two pieces is checked once both halves
+  // are in the destination.
+  bool finite = true;
+  std::size_t offset = first * size, remaining = count * size;
+  char* out = start;
+  std::size_t index = static_cast<std::size_t>(
+      std::upper_bound(starts_.begin(), starts_.end(), offset) - starts_.begin());
+  index = index == 0 ? 0 : index - 1;
+  for (; remaining > 0 && index < pieces_.size(); ++index) {
+    const absl::string_view piece = pieces_[index];
+    const std::size_t within = offset - starts_[index];
+    const std::size_t n = std::min(remaining, piece.size() - within);
+    const char* source = piece.data() + within;
+    // The bytes that complete an element begun in the previous piece.
+    const std::size_t lead = std::min(n, (size - offset % size) % size);
+    if (lead > 0) {
+      std::memcpy(out, source, lead);
+      if ((offset + lead) % size == 0) {
+        finite =
+            finite &&
+            wire::CheckFiniteRaw(absl::string_view(out + lead - size, size), dtype_, field).ok();
+      }
+    }
+    const std::size_t whole = (n - lead) / size * size;
+    finite =
+        wire::CopyAndCheckFinite(absl::string_view(source + lead, whole), dtype_, out + lead) &&
+        finite;
+    // The start of an element that the next piece completes.
+    if (n > lead + whole) std::memcpy(out + lead + whole, source + lead + whole, n - lead - whole);
+    out += n;
+    offset += n;
+    remaining -= n;
   }
-  return absl::OkStatus();
+  if (finite) return absl::OkStatus();
+  // Names the first offender exactly as wire::CheckFinite does.
+  return wire::CheckFiniteRaw(absl::string_view(start, count * size), dtype_, field, first);
 }
 
 absl::Status WireTensor::DecodeFinite(std::size_t first, absl::Span<float> out,

@@ -52,7 +52,8 @@ class WireTensor {
   void CopyBytes(std::size_t offset, std::size_t size, void* destination) const;
   // Copies raw elements [first, first + count) to `destination` (count * element_size bytes) and
   // checks on their bits that each is finite (INVALID_ARGUMENT naming `field` and the element,
-  // as wire::CheckFinite).
+  // as wire::CheckFinite): one pass per piece with streaming stores (wire::CopyAndCheckFinite),
+  // for a destination the CPU does not read again (page-locked staging).
   absl::Status CopyFinite(std::size_t first, std::size_t count, void* destination,
                           absl::string_view field) const;
   // Elements [first, first + out.size()) widened to fp32 (exactly; fp32 copied as they are), each

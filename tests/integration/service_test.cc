@@ -241,6 +241,73 @@ TEST_F(EndToEndTest, CallerMemoryInAndOutEqualsCopies) {
   EXPECT_TRUE((*stream)->Finish().ok());
 }
 
+// RETURN's weight gradients decoded into the caller's memory (weight_gradients_out): bit-equal to
+// the result's vectors, for one request and a batch split in two (the sum of two parts does not
+// depend on their order), fp32 and bf16 answers, into memory that held other values; the result
+// keeps the shapes only. A wrong size, a partial set or ACCUMULATE mode is INVALID_ARGUMENT naming
+// the field.
+TEST_F(EndToEndTest, WeightGradientsIntoCallerMemoryEqualTheResultVectors) {
+  auto stream = client_->StartStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  for (Shape shape : {Shape{2, 8}, Shape{3, 16}}) {
+    for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16}) {
+      const BatchInputs inputs = RandomBatchInputs(config_, shape.batch, shape.seq_len, 21);
+      BackwardBatch batch = inputs.View();
+      batch.mode = v1::GRADIENT_MODE_RETURN;
+      batch.response_dtype = dtype;
+      auto expected = client_->Backward(batch);
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      ASSERT_TRUE(expected->weight_gradients.has_value());
+      PerWeight<std::vector<float>> out;
+      for (Weight weight : kAllWeights) {
+        out[weight].assign(WeightElements(config_, weight), 7.0f);  // overwritten, not added to
+        batch.weight_gradients_out[weight] = absl::MakeSpan(out[weight]);
+      }
+      auto id = (*stream)->Submit(batch);
+      ASSERT_TRUE(id.ok()) << id.status();
+      auto got = (*stream)->Await(*id);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->parts, expected->parts);
+      EXPECT_EQ(got->parts, shape.batch == 3 ? 2 : 1);  // 48 tokens > max_batch_tokens 32
+      EXPECT_EQ(got->grad_hidden_states, expected->grad_hidden_states);
+      ASSERT_TRUE(got->weight_gradients.has_value());
+      for (Weight weight : kAllWeights) {
+        const HostTensor& reference = (*expected->weight_gradients)[weight];
+        EXPECT_TRUE((*got->weight_gradients)[weight].data.empty()) << WeightModuleName(weight);
+        EXPECT_EQ((*got->weight_gradients)[weight].shape, reference.shape);
+        ASSERT_EQ(out[weight].size(), reference.data.size());
+        EXPECT_EQ(0, std::memcmp(out[weight].data(), reference.data.data(),
+                                 out[weight].size() * sizeof(float)))
+            << WeightModuleName(weight) << " B=" << shape.batch << " S=" << shape.seq_len
+            << " dtype " << dtype << " parts " << got->parts;
+      }
+    }
+  }
+  const BatchInputs inputs = RandomBatchInputs(config_, 2, 8, 22);
+  BackwardBatch batch = inputs.View();
+  batch.mode = v1::GRADIENT_MODE_RETURN;
+  PerWeight<std::vector<float>> out;
+  for (Weight weight : kAllWeights) {
+    out[weight].resize(WeightElements(config_, weight));
+    batch.weight_gradients_out[weight] = absl::MakeSpan(out[weight]);
+  }
+  std::vector<float> short_k(WeightElements(config_, Weight::kKProj) - 1);
+  batch.weight_gradients_out[Weight::kKProj] = absl::MakeSpan(short_k);
+  auto bad = (*stream)->Submit(batch);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(bad.status().message(), HasSubstr("weight_gradients_out.k_proj"));
+  batch.weight_gradients_out[Weight::kKProj] = {};
+  bad = (*stream)->Submit(batch);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(bad.status().message(), HasSubstr("weight_gradients_out.k_proj"));
+  batch.weight_gradients_out[Weight::kKProj] = absl::MakeSpan(out[Weight::kKProj]);
+  batch.mode = v1::GRADIENT_MODE_ACCUMULATE;
+  bad = (*stream)->Submit(batch);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(bad.status().message(), HasSubstr("weight_gradients_out"));
+  EXPECT_TRUE((*stream)->Finish().ok());
+}
+
 // K ACCUMULATE batches from three concurrent clients; the fetched sums equal the sum of the same
 // batches in RETURN mode and the CPU reference; a retried batch id is not added twice;
 // fetch-and-zero starts a new window and a batch naming the old window is refused.

@@ -3,6 +3,8 @@
 #include "attngrad/wire/tensor.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -116,6 +118,80 @@ TEST(TensorTest, SafetensorsDTypeNames) {
     EXPECT_EQ(DTypeFromSafetensors(SafetensorsDTypeName(dtype)), dtype);
   }
   EXPECT_EQ(SafetensorsDTypeName(v1::DTYPE_UNSPECIFIED), "");
+}
+
+// PiecesRange: the bytes of a range of the concatenated pieces, as views of the same memory; a
+// tensor decoded range by range equals the whole decode (elements straddling pieces included).
+TEST(TensorTest, PiecesRangeIsTheRangeOfTheConcatenation) {
+  const std::string a = "abc", b = "defg", c = "h";
+  const std::vector<absl::string_view> pieces = {a, b, c};
+  auto joined = [](const std::vector<absl::string_view>& range) {
+    std::string out;
+    for (absl::string_view piece : range) out.append(piece.data(), piece.size());
+    return out;
+  };
+  EXPECT_EQ(joined(PiecesRange(pieces, 0, 8)), "abcdefgh");
+  EXPECT_EQ(joined(PiecesRange(pieces, 2, 4)), "cdef");
+  EXPECT_EQ(PiecesRange(pieces, 2, 4).front().data(), a.data() + 2);  // not copied
+  EXPECT_EQ(joined(PiecesRange(pieces, 3, 4)), "defg");
+  EXPECT_EQ(PiecesRange(pieces, 3, 4).size(), 1u);
+  EXPECT_EQ(joined(PiecesRange(pieces, 6, 100)), "gh");  // what there is
+  EXPECT_TRUE(PiecesRange(pieces, 8, 4).empty());
+  EXPECT_TRUE(PiecesRange(pieces, 1, 0).empty());
+
+  std::vector<float> values(1000);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i) - 7.f;
+  const std::string raw(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+  std::vector<absl::string_view> split;  // pieces of 1, 7, 13, ... bytes: elements straddle them
+  for (std::size_t at = 0, size = 1; at < raw.size(); at += size, size += 6) {
+    split.push_back(absl::string_view(raw).substr(at, size));
+  }
+  std::vector<float> decoded(values.size(), 0.f);
+  for (std::size_t first = 0; first < values.size(); first += 97) {
+    const std::size_t count = std::min<std::size_t>(97, values.size() - first);
+    ASSERT_TRUE(DecodePiecesToFloat(PiecesRange(split, first * 4, count * 4), v1::DTYPE_FLOAT32,
+                                    "x", absl::MakeSpan(decoded).subspan(first, count))
+                    .ok());
+  }
+  EXPECT_EQ(decoded, values);
+}
+
+// CopyAndCheckFinite: the bytes of memcpy, and false exactly when some element is Inf or NaN,
+// wherever it lies (the head before the destination's 16-byte boundary, the streamed middle, the
+// tail), for every wire dtype, lengths below and above the streaming threshold and destinations
+// at every alignment.
+TEST(TensorTest, CopyAndCheckFiniteCopiesAndFindsEveryNonFiniteElement) {
+  for (v1::DType dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    const std::size_t size = DTypeSize(dtype);
+    for (std::size_t count : {0u, 1u, 7u, 33u, 1000u, 5003u}) {
+      std::vector<float> values(count);
+      for (std::size_t i = 0; i < count; ++i) values[i] = 0.01f * static_cast<float>(i) - 3.f;
+      std::string raw;
+      EncodeFromFloat(values, dtype, &raw);
+      for (std::size_t shift = 0; shift < 16; shift += size) {
+        std::vector<char> out(raw.size() + 32, 'x');
+        char* destination = out.data() + (16 - reinterpret_cast<std::uintptr_t>(out.data()) % 16) +
+                            shift;  // 16-byte aligned, then shifted by whole elements
+        ASSERT_TRUE(CopyAndCheckFinite(raw, dtype, destination)) << dtype << " " << count;
+        EXPECT_EQ(0, std::memcmp(destination, raw.data(), raw.size())) << dtype << " " << count;
+        // One non-finite element at a time, at positions across the whole range.
+        for (std::size_t at : {std::size_t{0}, count / 3, count / 2 + 1, count - 1}) {
+          if (at >= count) continue;
+          for (float bad :
+               {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                std::numeric_limits<float>::quiet_NaN()}) {
+            std::vector<float> with_bad = values;
+            with_bad[at] = bad;
+            std::string bad_raw;
+            EncodeFromFloat(with_bad, dtype, &bad_raw);
+            EXPECT_FALSE(CopyAndCheckFinite(bad_raw, dtype, destination))
+                << dtype << " count " << count << " at " << at << " shift " << shift;
+            EXPECT_EQ(0, std::memcmp(destination, bad_raw.data(), bad_raw.size()));
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

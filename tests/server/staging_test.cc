@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "attngrad/v1/tensor.pb.h"
 #include "attngrad/wire/tensor.h"
 #include "gtest/gtest.h"
@@ -59,7 +60,7 @@ TEST(StagingTest, StagedInputsAreTheReceivedBytesInTheWorkersLayout) {
     SmallJob small(dtype);
     ASSERT_EQ(StagingElements(small.job), 2u * 12 + 6 + 6);
     auto pool = wire::BufferPool::Create(1 << 20);
-    ParallelTasks threads(3);
+    wire::ParallelTasks threads(3);
     ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
     ASSERT_NE(small.job.staged_inputs.data(), nullptr);
     const char* staged = small.job.staged_inputs.data();
@@ -87,12 +88,78 @@ TEST(StagingTest, ANonFiniteValueIsInvalidArgumentNamingTheElement) {
   small.grad[7] = std::numeric_limits<float>::quiet_NaN();
   small.job.grad_output = SmallJob::InPieces(small.grad, v1::DTYPE_FLOAT32, &small.grad_bytes);
   auto pool = wire::BufferPool::Create(1 << 20);
-  ParallelTasks threads(2);
+  wire::ParallelTasks threads(2);
   const absl::Status status = StageOnArrival(*pool, threads, small.job);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("grad_output.raw_data"), std::string::npos) << status;
   EXPECT_NE(status.message().find("7"), std::string::npos) << status;
   EXPECT_EQ(small.job.staged_inputs.data(), nullptr);
+}
+
+// Every element position, in every wire dtype, in pieces of 5 bytes (elements split between two
+// pieces included) and in one piece: a NaN or Inf is found and named, in either tensor.
+TEST(StagingTest, EveryNonFiniteElementIsFoundWhereverThePiecesSplitIt) {
+  for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT16}) {
+    for (int at = 0; at < 12; ++at) {
+      for (bool in_grad : {false, true}) {
+        SmallJob small(dtype);
+        std::vector<float>& values = in_grad ? small.grad : small.hidden;
+        values[static_cast<std::size_t>(at)] = at % 2 == 0
+                                                   ? std::numeric_limits<float>::quiet_NaN()
+                                                   : -std::numeric_limits<float>::infinity();
+        (in_grad ? small.job.grad_output : small.job.hidden_states) =
+            SmallJob::InPieces(values, dtype, in_grad ? &small.grad_bytes : &small.hidden_bytes);
+        auto pool = wire::BufferPool::Create(1 << 20);
+        wire::ParallelTasks threads(2);
+        const absl::Status status = StageOnArrival(*pool, threads, small.job);
+        EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument)
+            << "dtype " << dtype << " at " << at;
+        const std::string field = in_grad ? "grad_output.raw_data" : "hidden_states.raw_data";
+        EXPECT_NE(status.message().find(field), std::string::npos) << status;
+        EXPECT_NE(status.message().find(absl::StrCat("element ", at)), std::string::npos) << status;
+      }
+    }
+  }
+}
+
+// Large pieces of an odd size, as gRPC's slices may be (copied in one pass with streaming
+// stores): the same bytes as received, and a non-finite element found and named wherever it is,
+// the ones split between two pieces included.
+TEST(StagingTest, LargeOddPiecesAreCopiedAndCheckedExactly) {
+  for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16}) {
+    const std::size_t size = dtype == v1::DTYPE_FLOAT32 ? 4 : 2;
+    std::vector<float> values(6000);
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.001f * static_cast<float>(i);
+    // 4099-byte pieces: element 4099 / size (and every later piece boundary) is split.
+    for (std::size_t at :
+         {std::size_t{0}, 4099 / size, 2 * 4099 / size, std::size_t{5999}, std::size_t{6000}}) {
+      std::vector<float> with_bad = values;
+      if (at < with_bad.size()) with_bad[at] = std::numeric_limits<float>::quiet_NaN();
+      std::string bytes;
+      wire::EncodeFromFloat(with_bad, dtype, &bytes);
+      std::vector<absl::string_view> pieces;
+      for (std::size_t offset = 0; offset < bytes.size(); offset += 4099) {
+        pieces.push_back(absl::string_view(bytes).substr(offset, 4099));
+      }
+      const WireTensor tensor(dtype, pieces, nullptr);
+      std::vector<char> out(bytes.size() + 16);
+      // Elements 3 .. 5999 (a copy that starts inside the first piece), then all of them.
+      for (std::size_t first : {std::size_t{3}, std::size_t{0}}) {
+        const absl::Status status =
+            tensor.CopyFinite(first, values.size() - first, out.data(), "hidden_states.raw_data");
+        EXPECT_EQ(0,
+                  std::memcmp(out.data(), bytes.data() + first * size, bytes.size() - first * size))
+            << "dtype " << dtype << " first " << first;
+        if (at >= first && at < values.size()) {
+          EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << "at " << at;
+          EXPECT_NE(status.message().find(absl::StrCat("element ", at, " ")), std::string::npos)
+              << status;
+        } else {
+          EXPECT_TRUE(status.ok()) << status << " at " << at << " first " << first;
+        }
+      }
+    }
+  }
 }
 
 TEST(StagingTest, WithoutMemoryFromThePoolTheJobIsLeftToTheWorker) {
@@ -101,7 +168,7 @@ TEST(StagingTest, WithoutMemoryFromThePoolTheJobIsLeftToTheWorker) {
   none.allocate = [](std::size_t) -> char* { return nullptr; };
   none.free = [](char*) {};
   auto pool = wire::BufferPool::Create(0, std::move(none));
-  ParallelTasks threads(1);
+  wire::ParallelTasks threads(1);
   ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
   EXPECT_EQ(small.job.staged_inputs.data(), nullptr);
   EXPECT_EQ(small.job.hidden_states.size_bytes(), small.hidden_bytes.size());  // still received

@@ -13,7 +13,8 @@
 // next batches, up to 1 GiB per Client, and freed with it. With BackwardBatch::borrow_inputs
 // (float32 inputs), gRPC sends them from the caller's memory instead, with no copy. Answers are
 // decoded straight from the received bytes into the result's vectors, or into the caller's memory
-// (BackwardBatch::grad_hidden_states_out).
+// (BackwardBatch::grad_hidden_states_out, weight_gradients_out), in 4 MiB parts on up to 4 decode
+// threads that the Client keeps for all its streams (wire::ParallelTasks).
 #ifndef ATTNGRAD_CLIENT_H_
 #define ATTNGRAD_CLIENT_H_
 
@@ -151,6 +152,13 @@ struct BackwardBatch {
   // its own tensor): a fresh vector per batch costs its page faults and zeroing, more than the
   // decode itself (issue 13).
   absl::Span<float> grad_hidden_states_out;
+  // RETURN mode: where the six weight gradients go, the same way: all empty = the result's
+  // WeightSet (fresh vectors); else each holds WeightElements(weight) floats of the caller's, into
+  // which that weight's answer is decoded (summed over the parts of a split batch), and the
+  // result's weight_gradients has each weight's shape with empty data. Set all six or none; the
+  // same lifetime rule as grad_hidden_states_out. A RETURN answer of the SPEC layer carries ~100 MB
+  // of weight gradients (fp32): fresh vectors cost their page faults on every answer.
+  PerWeight<absl::Span<float>> weight_gradients_out;
   // With float32 inputs: hidden_states and grad_output are sent from the caller's memory as they
   // are, not copied (the same bytes on the wire). The caller must then keep that memory valid and
   // unchanged until the batch's result has been returned (by Next, Await or Backward), which waits,
@@ -165,9 +173,10 @@ struct BackwardResult {
   // OK, or why this batch failed (the server's code and message). Only BackwardStream::Next returns
   // failed batches as results; every other call returns the failure as its status.
   absl::Status status;
-  std::vector<int64_t> shape;                 // [B,S,hidden]
-  std::vector<float> grad_hidden_states;      // [B,S,hidden]; empty with grad_hidden_states_out
-  std::optional<WeightSet> weight_gradients;  // RETURN mode: summed over the parts
+  std::vector<int64_t> shape;             // [B,S,hidden]
+  std::vector<float> grad_hidden_states;  // [B,S,hidden]; empty with grad_hidden_states_out
+  // RETURN mode: summed over the parts (shapes only, empty data, with weight_gradients_out).
+  std::optional<WeightSet> weight_gradients;
   uint64_t weights_version = 0;
   int layer = 0;                        // the decoder layer the server computed
   uint64_t accumulation_window_id = 0;  // ACCUMULATE mode

@@ -53,6 +53,10 @@ absl::Status DecodeToFloat(absl::string_view raw, int dtype, absl::string_view f
 // element may straddle two pieces): out.size() elements, exactly as many as the pieces hold.
 absl::Status DecodePiecesToFloat(absl::Span<const absl::string_view> pieces, int dtype,
                                  absl::string_view field, absl::Span<float> out);
+// Bytes [offset, offset + size) of the pieces taken in order, as pieces of the same memory (fewer
+// bytes when the pieces end first): to decode a large tensor in parts on several threads.
+std::vector<absl::string_view> PiecesRange(absl::Span<const absl::string_view> pieces,
+                                           std::size_t offset, std::size_t size);
 // INVALID_ARGUMENT naming `field` and the first element that is Inf or NaN, if any; elements are
 // numbered from `first_index` (for a tensor checked in parts).
 absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field,
@@ -61,6 +65,14 @@ absl::Status CheckFinite(absl::Span<const float> values, absl::string_view field
 // equals CheckFinite's on the decoded values).
 absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view field,
                             std::size_t first_index = 0);
+
+// Copies the raw little-endian elements of `dtype` in `source` (whole elements) to `destination`
+// and returns whether every one of them is finite (checked on their bits, as CheckFiniteRaw), in
+// one pass over the bytes. On x86-64 the stores bypass the cache (non-temporal), for a large copy
+// into memory the CPU does not read again (the server's page-locked staging, read by the GPU's
+// DMA): no read-for-ownership of the destination and no second pass to check. The copy is
+// complete (and visible to other threads) when it returns, whatever the answer.
+bool CopyAndCheckFinite(absl::string_view source, int dtype, char* destination);
 
 // CheckTensor, then DecodeToFloat into `out` (resized to the tensor's element count).
 absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,

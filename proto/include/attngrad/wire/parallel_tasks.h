@@ -1,9 +1,10 @@
 // A fixed set of threads that run the parts of jobs in parallel, each calling thread taking part in
-// its own job. The host copies of the GPU path run on them (received bytes into page-locked
-// staging, by the GPU worker or by the receiving threads on arrival): one thread copies at a few
-// GB/s, several reach the memory bandwidth.
-#ifndef ATTNGRAD_SERVER_PARALLEL_TASKS_H_
-#define ATTNGRAD_SERVER_PARALLEL_TASKS_H_
+// its own job. The server's host copies of the GPU path run on them (received bytes into
+// page-locked staging, by the GPU worker or by the receiving threads on arrival), and so do the
+// client's decodes of large answers: one thread copies at a few GB/s, several reach the memory
+// bandwidth.
+#ifndef ATTNGRAD_WIRE_PARALLEL_TASKS_H_
+#define ATTNGRAD_WIRE_PARALLEL_TASKS_H_
 
 #include <condition_variable>
 #include <cstddef>
@@ -13,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-namespace attngrad::server {
+namespace attngrad::wire {
 
 class ParallelTasks {
  public:
@@ -55,6 +56,6 @@ class ParallelTasks {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace attngrad::server
+}  // namespace attngrad::wire
 
-#endif  // ATTNGRAD_SERVER_PARALLEL_TASKS_H_
+#endif  // ATTNGRAD_WIRE_PARALLEL_TASKS_H_
