@@ -91,7 +91,8 @@ date -u +"bench done %T UTC" | tee -a "$INFO"
 echo "==== bench"
 grep -E "^====|geomean" "$OUT/bench.log"
 
-timeout 60 "$K/attngrad_attention_bench" --time-only --fp16-only > "$OUT/attention_bench.log" 2>&1
+timeout 60 "$K/attngrad_attention_bench" --time-only --fp16-only ${ATTENTION_FLAGS:-} \
+  > "$OUT/attention_bench.log" 2>&1
 echo "==== attention"
 grep -E "geomean|^time fp16|^forward" "$OUT/attention_bench.log" | cut -c1-150 | head -40
 
