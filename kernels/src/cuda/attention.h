@@ -116,7 +116,7 @@ enum class AttentionBackwardPart { kAll, kKeyValue, kQuery };
 // kFp16 at head_dim 128 on a compute-capability-9.0 GPU (H100/H200) runs the dK/dV and dQ kernels
 // on wgmma (attention_backward_hopper.cu; the parts below keep their meaning); every other case,
 // and S <= 256 where a short-sequence kernel is chosen (kAuto: its grid form while B * num_heads *
-// ceil(S/32) <= 1024), runs the mma.sync kernels.
+// ceil(S/32) <= 96, ShortGridPays), runs the mma.sync kernels.
 // ATTNGRAD_WORKSPACE_TOO_SMALL when workspace_size < AttentionBackwardWorkspaceSize(problem).
 //   q, k, v as in the forward; out fp32 [B*S, num_heads*D] is the forward's O; lse from the
 //   forward. grad_out: dO, same element type as q (float or __half), [B*S, ldo]. grad_q fp32 [B*S,

@@ -779,6 +779,19 @@ attngrad_status LaunchHopperForward(const AttentionParams& params, cudaStream_t 
 bool ShortForwardApplies(const AttentionProblem& problem);
 attngrad_status LaunchShortForward(const AttentionParams& params, cudaStream_t stream);
 
+// Where the short-sequence kernels of 32-row blocks (the forward of attention_forward_short.cu and
+// the backward's grid form) measured faster in the whole pipeline (H200, run 35 of
+// bench/RESULTS.md): at most 96 such blocks (B * num_heads * ceil(S / 32)), i.e. one sequence of
+// S <= 128 for Gemma-3 4B's 24 heads: (1,128) 145.0 / 146.3 against 148.5 / 148.8 us (backward
+// alone 19.3 against 26.4 us, forward 9.5 against 12.6). At (1,256) the backward alone won (31.4
+// against 39.3 us) but the pipeline lost (190.8 against 185.1; why was not examined); at (4,128),
+// (4,256), (8,128) and larger grids both lost.
+inline bool ShortGridPays(const AttentionProblem& problem) {
+  return static_cast<long long>(problem.batch) * problem.num_heads *
+             ((problem.seq_len + 31) / 32) <=
+         96;
+}
+
 // dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
 // kGrid / kGridSplit: the grid form of the short-sequence kernel, writing dK/dV itself (one query
 // head per key-value head) or per query head into the partials.
@@ -806,12 +819,8 @@ inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
       return grouped ? KeyValueTiling::kGridSplit : KeyValueTiling::kGrid;
     case AttentionTiles::kAuto: break;
   }
-  // The grid form while its blocks (2 per 32 rows and query head) fill the GPU a few times over:
-  // its chains are short but it does 7 products with one 8-warp block per SM (prediction, to be
-  // replaced by the measured rule).
-  if (ShortGridBackwardApplies(problem) &&
-      static_cast<long long>(problem.batch) * problem.num_heads * ((problem.seq_len + 31) / 32) <=
-          1024) {
+  // The grid form where it measured faster in the whole pipeline (ShortGridPays).
+  if (ShortGridBackwardApplies(problem) && ShortGridPays(problem)) {
     return grouped ? KeyValueTiling::kGridSplit : KeyValueTiling::kGrid;
   }
   // The short-sequence kernel (split over the query heads) measured faster than the tiled ones

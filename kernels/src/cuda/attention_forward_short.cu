@@ -238,10 +238,7 @@ bool ShortForwardApplies(const AttentionProblem& problem) {
     return false;
   }
   if (problem.forward_path == AttentionForwardPath::kAuto) {
-    // Prediction (to be replaced by the measured rule): while its blocks fill the GPU a few times.
-    const long long blocks =
-        static_cast<long long>(problem.batch) * problem.num_heads * ((problem.seq_len + 31) / 32);
-    if (blocks > 1024) return false;
+    if (!ShortGridPays(problem)) return false;
   } else if (problem.forward_path != AttentionForwardPath::kShort) {
     return false;
   }
