@@ -517,6 +517,68 @@ __device__ __forceinline__ float ScaledGradient(float weight, float dp, float de
   return ClampGradient<Op>(weight * (dp - delta));
 }
 
+// One key step of the mma.sync forwards' online softmax (attention_forward.cu,
+// attention_forward_short.cu): a warp's scores s (rows row_a / row_b of its 16, keys from key0 in
+// 8-column tiles, seq_len = p.seq_len) become their capped logits in log2 units (masked: -inf, when
+// needs_mask), then P unnormalised against the rows' running max (max_a, max_b), added to this
+// thread's part of the row sums; the row sums' and the output accumulator's earlier parts are
+// rescaled to the new max.
+template <class Op, int kNT, int kOutTiles>
+__device__ __forceinline__ void OnlineSoftmaxStep(const AttentionParams& p, float (&s)[kNT][4],
+                                                  float (&acc_o)[kOutTiles][4], bool needs_mask,
+                                                  int key0, int seq_len, int row_a, int row_b,
+                                                  int t, float& max_a, float& max_b, float& sum_a,
+                                                  float& sum_b) {
+  float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float slope;  // (the backward's factor; unused here)
+      float c = CappedLog2<Op>(p, s[n][e], slope);
+      if (needs_mask) {
+        const int key = key0 + n * 8 + 2 * t + (e & 1);
+        const int row = e < 2 ? row_a : row_b;
+        if (IsMasked(p, key, row) || key >= seq_len) c = -INFINITY;
+      }
+      s[n][e] = c;
+    }
+    tile_max_a = fmaxf(tile_max_a, fmaxf(s[n][0], s[n][1]));
+    tile_max_b = fmaxf(tile_max_b, fmaxf(s[n][2], s[n][3]));
+  }
+  tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 1));
+  tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(0xffffffffu, tile_max_a, 2));
+  tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 1));
+  tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(0xffffffffu, tile_max_b, 2));
+  // With a sliding window a row may see none of a step's keys (its max stays -inf until its first
+  // visible key): exponents are then taken against 0, so nothing becomes NaN.
+  const float new_max_a = fmaxf(max_a, tile_max_a), new_max_b = fmaxf(max_b, tile_max_b);
+  const float base_a = new_max_a == -INFINITY ? 0.f : new_max_a;
+  const float base_b = new_max_b == -INFINITY ? 0.f : new_max_b;
+  const float alpha_a = FastExp2(max_a - base_a), alpha_b = FastExp2(max_b - base_b);
+  max_a = new_max_a;
+  max_b = new_max_b;
+  float part_a = 0.f, part_b = 0.f;
+#pragma unroll
+  for (int n = 0; n < kNT; ++n) {
+    s[n][0] = FastExp2(s[n][0] - base_a);
+    s[n][1] = FastExp2(s[n][1] - base_a);
+    s[n][2] = FastExp2(s[n][2] - base_b);
+    s[n][3] = FastExp2(s[n][3] - base_b);
+    part_a += s[n][0] + s[n][1];
+    part_b += s[n][2] + s[n][3];
+  }
+  sum_a = sum_a * alpha_a + part_a;
+  sum_b = sum_b * alpha_b + part_b;
+#pragma unroll
+  for (int n = 0; n < kOutTiles; ++n) {
+    acc_o[n][0] *= alpha_a;
+    acc_o[n][1] *= alpha_a;
+    acc_o[n][2] *= alpha_b;
+    acc_o[n][3] *= alpha_b;
+  }
+}
+
 // ---- Tile loads (cp.async, 16 bytes per copy; rows >= seq_len are zero-filled)
 // ---------------------
 __device__ __forceinline__ void CpAsync16(void* shared_destination, const void* global_source,
