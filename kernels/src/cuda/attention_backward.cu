@@ -391,27 +391,8 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
 
     const int key0 = (first_kv_tile + j) * kBN;
     if (key0 <= q0 + warp * 16 + 15 && key0 + kBN - 1 >= FirstVisibleKey(p, q0 + warp * 16)) {
-      float s[kNT][4], dp[kNT][4];
-      ClearAccumulators(s);
-      ClearAccumulators(dp);
-      WarpProductNk<Op, kNT>(s, q_tile, warp * 16, k_tile);
-      WarpProductNk<Op, kNT>(dp, do_tile, warp * 16, v_tile);
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + n * 8 + 2 * t + (e & 1);
-          const int row = e < 2 ? row_a : row_b;
-          float ds;
-          SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
-                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor, IsMasked(p, key, row),
-                              ds);
-          dp[n][e] = ds;
-        }
-      }
-      AccumulatorA<Op, kNT> ds_a;
-      AccumulatorToA<Op, kNT>(dp, 1.f, ds_a);
-      WarpProductKn<Op, kNT>(acc_dq, ds_a, k_tile);
+      QueryGradientStep<Op, kNT>(p, q_tile, do_tile, warp * 16, k_tile, v_tile, key0, row_a, row_b,
+                                 t, rows, ds_factor, acc_dq);
     }
     __syncthreads();
   }

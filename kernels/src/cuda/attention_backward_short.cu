@@ -475,27 +475,8 @@ __global__ void __launch_bounds__(kGridThreads, 1)
       if (key0 > warp_row0 + 15 || key0 + kGridRows - 1 < FirstVisibleKey(p, warp_row0)) continue;
       const __half* k_step = tile.other_a + step * kGridRows * kPitch;
       const __half* v_step = tile.other_b + step * kGridRows * kPitch;
-      float s[kGridScoreTiles][4], dp[kGridScoreTiles][4];
-      ClearAccumulators(s);
-      ClearAccumulators(dp);
-      WarpProductNk<Op, kGridScoreTiles>(s, tile.own_a, half_rows, k_step);
-      WarpProductNk<Op, kGridScoreTiles>(dp, tile.own_b, half_rows, v_step);
-#pragma unroll
-      for (int n = 0; n < kGridScoreTiles; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + n * 8 + 2 * t + (e & 1);
-          const int row = e < 2 ? row_a : row_b;
-          float ds;
-          SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
-                              e < 2 ? rows.delta_a : rows.delta_b, ds_factor, IsMasked(p, key, row),
-                              ds);
-          dp[n][e] = ds;
-        }
-      }
-      AccumulatorA<Op, kGridScoreTiles> ds_a;
-      AccumulatorToA<Op, kGridScoreTiles>(dp, 1.f, ds_a);
-      WarpProductKn<Op, kGridScoreTiles>(acc_dq, ds_a, k_step);
+      QueryGradientStep<Op, kGridScoreTiles>(p, tile.own_a, tile.own_b, half_rows, k_step, v_step,
+                                             key0, row_a, row_b, t, rows, ds_factor, acc_dq);
     }
     __syncthreads();  // every warp is done with K and V: their space takes the sums
     StageAccumulator(acc_dq, tile.reduce + slot * kGridRows * kReducePitch, half_rows);

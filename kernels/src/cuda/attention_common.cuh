@@ -579,6 +579,39 @@ __device__ __forceinline__ void OnlineSoftmaxStep(const AttentionParams& p, floa
   }
 }
 
+// One key step of the mma.sync dQ kernels (attention_backward.cu, attention_backward_short.cu's
+// grid form): for a warp's 16 query rows from a_row0 of q_tile / do_tile and the keys from key0 of
+// k_tile / v_tile (this thread's rows row_a, row_b; their lse and Delta in rows), S and dP are
+// recomputed, dS formed (SoftmaxGradient) and dQ += dS K added into acc_dq.
+template <class Op, int kNT, int kOutTiles>
+__device__ __forceinline__ void QueryGradientStep(
+    const AttentionParams& p, const typename Op::Elem* q_tile, const typename Op::Elem* do_tile,
+    int a_row0, const typename Op::Elem* k_tile, const typename Op::Elem* v_tile, int key0,
+    int row_a, int row_b, int t, const RowStatistics& rows, float ds_factor,
+    float (&acc_dq)[kOutTiles][4]) {
+  float s[kNT][4], dp[kNT][4];
+  ClearAccumulators(s);
+  ClearAccumulators(dp);
+  WarpProductNk<Op, kNT>(s, q_tile, a_row0, k_tile);
+  WarpProductNk<Op, kNT>(dp, do_tile, a_row0, v_tile);
+#pragma unroll
+  for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + n * 8 + 2 * t + (e & 1);
+      const int row = e < 2 ? row_a : row_b;
+      float ds;
+      SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
+                          e < 2 ? rows.delta_a : rows.delta_b, ds_factor, IsMasked(p, key, row),
+                          ds);
+      dp[n][e] = ds;
+    }
+  }
+  AccumulatorA<Op, kNT> ds_a;
+  AccumulatorToA<Op, kNT>(dp, 1.f, ds_a);
+  WarpProductKn<Op, kNT>(acc_dq, ds_a, k_tile);
+}
+
 // ---- Tile loads (cp.async, 16 bytes per copy; rows >= seq_len are zero-filled)
 // ---------------------
 __device__ __forceinline__ void CpAsync16(void* shared_destination, const void* global_source,
