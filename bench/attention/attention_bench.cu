@@ -32,6 +32,7 @@
 using attngrad::cuda::AttentionForwardPath;
 using attngrad::cuda::AttentionOperand;
 using attngrad::cuda::AttentionProblem;
+using attngrad::cuda::AttentionScores;
 using attngrad::cuda::AttentionTiles;
 
 namespace {
@@ -496,6 +497,17 @@ double Time(int batch, int seq_len, AttentionOperand op, std::mt19937_64& rng, i
           stream, [&] { STATUS_CHECK(pr.Forward(stream)); }, reps);
     }
     pr.problem.forward_path = AttentionForwardPath::kAuto;
+    // The backward with dS stored (5 products) and recomputed (7), same call and data.
+    double scores_us[2];
+    const AttentionScores modes[2] = {AttentionScores::kStored, AttentionScores::kRecomputed};
+    for (int i = 0; i < 2; ++i) {
+      pr.problem.scores = modes[i];
+      scores_us[i] = GraphMedianUs(
+          stream, [&] { STATUS_CHECK(pr.Backward(stream)); }, reps);
+    }
+    pr.problem.scores = AttentionScores::kAuto;
+    std::printf("backward fp16 B=%-2d S=%-5d dS stored %8.1f us  recomputed %8.1f us\n", batch,
+                seq_len, scores_us[0], scores_us[1]);
     std::printf(
         "forward fp16 B=%-2d S=%-5d portable %8.1f us  hopper %8.1f us (%5.1f TFLOP/s)  short "
         "%8.1f us\n",

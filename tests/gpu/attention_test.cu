@@ -368,6 +368,64 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
       EXPECT_LT(RelativeError(Read(dk), ref.dk, 1e-2), bound) << "dk, forward " << name;
       EXPECT_LT(RelativeError(Read(dv), ref.dv), bound) << "dv, forward " << name;
     }
+
+    // The Hopper backward with dS stored (5 products) and recomputed (7): both within the bound;
+    // dK and dV come from the same dK/dV kernel, so they are bitwise equal; dQ (from the stored dS
+    // by its own kernel) is deterministic, and the dK/dV half alone writes it. Elsewhere both
+    // knobs run the same kernels.
+    std::vector<float> by_scores[2][3];
+    const AttentionScores modes[] = {AttentionScores::kStored, AttentionScores::kRecomputed};
+    ASSERT_EQ(AttentionForward(problem, q, kQkvWidth, k, v, kQkvWidth, out.get(), out_half.get(),
+                               lse.get(), nullptr),
+              ATTNGRAD_OK);
+    for (int m = 0; m < 2; ++m) {
+      AttentionProblem forced = problem;
+      forced.scores = modes[m];
+      const char* name = m == 0 ? "dS stored" : "dS recomputed";
+      const size_t forced_size = AttentionBackwardWorkspaceSize(forced);
+      ASSERT_GT(forced_size, 0u);
+      DeviceBuffer<unsigned char> forced_workspace = Allocate<unsigned char>(forced_size);
+      ASSERT_NE(forced_workspace.get(), nullptr);
+      for (AttentionBackwardPart part :
+           {AttentionBackwardPart::kAll, AttentionBackwardPart::kKeyValue}) {
+        Poison(dq);
+        Poison(dk);
+        Poison(dv);
+        ASSERT_CUDA(cudaMemset(forced_workspace.get(), 0xff, forced_size));
+        ASSERT_EQ(AttentionBackward(forced, q, kQkvWidth, k, v, kQkvWidth, out.get(), dout_d.get(),
+                                    kOutWidth, lse.get(), dq.get(), dk.get(), dv.get(),
+                                    forced_workspace.get(), forced_size, nullptr,
+                                    /*delta_ready=*/false, part),
+                  ATTNGRAD_OK);
+        if (part == AttentionBackwardPart::kKeyValue) {  // the dQ half: nothing or its kernel
+          ASSERT_EQ(AttentionBackward(forced, q, kQkvWidth, k, v, kQkvWidth, out.get(),
+                                      dout_d.get(), kOutWidth, lse.get(), dq.get(), dk.get(),
+                                      dv.get(), forced_workspace.get(), forced_size, nullptr,
+                                      /*delta_ready=*/true, AttentionBackwardPart::kQuery),
+                    ATTNGRAD_OK);
+        }
+        ASSERT_CUDA(cudaDeviceSynchronize());
+        const std::vector<float> results[3] = {Read(dq), Read(dk), Read(dv)};
+        EXPECT_LT(RelativeError(results[0], ref.dq, 1e-2), bound) << "dq, " << name;
+        EXPECT_LT(RelativeError(results[1], ref.dk, 1e-2), bound) << "dk, " << name;
+        EXPECT_LT(RelativeError(results[2], ref.dv), bound) << "dv, " << name;
+        for (int r = 0; r < 3; ++r) {
+          if (part == AttentionBackwardPart::kAll) {
+            by_scores[m][r] = results[r];
+          } else {
+            EXPECT_EQ(std::memcmp(results[r].data(), by_scores[m][r].data(), results[r].size() * 4),
+                      0)
+                << "output " << r << " by halves against the whole call, " << name;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(
+        std::memcmp(by_scores[0][1].data(), by_scores[1][1].data(), by_scores[0][1].size() * 4), 0)
+        << "dk, dS stored against recomputed";
+    EXPECT_EQ(
+        std::memcmp(by_scores[0][2].data(), by_scores[1][2].data(), by_scores[0][2].size() * 4), 0)
+        << "dv, dS stored against recomputed";
   }
 }
 

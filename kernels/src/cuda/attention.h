@@ -50,6 +50,14 @@ enum class AttentionTiles {
 // block's keys split over its warps; kAuto takes it for small grids), else the mma.sync one.
 enum class AttentionForwardPath { kAuto, kPortable, kHopper, kShort };
 
+// Where the Hopper backward (fp16, head_dim 128, compute capability 9.0, not a short-sequence
+// kernel) gets dS for dQ = dS k' (a knob for benchmarks and tests). kStored: its dK/dV kernel
+// writes dS, as fp16 64 x 64 tiles, into the workspace and a second kernel computes dQ from them
+// (5 products: S and dP once per score); kRecomputed: the dQ kernel computes S, dP and dS again (7
+// products, no dS in memory). kAuto stores while dS takes at most kMaxStoredScoreBytes.
+enum class AttentionScores { kAuto, kStored, kRecomputed };
+constexpr std::size_t kMaxStoredScoreBytes = std::size_t{512} << 20;
+
 struct AttentionProblem {
   int batch = 0;
   int seq_len = 0;
@@ -66,6 +74,7 @@ struct AttentionProblem {
   AttentionOperand operand = AttentionOperand::kTf32;
   AttentionTiles tiles = AttentionTiles::kAuto;
   AttentionForwardPath forward_path = AttentionForwardPath::kAuto;
+  AttentionScores scores = AttentionScores::kAuto;
 };
 
 // Common requirements (else ATTNGRAD_INVALID_ARGUMENT, before any launch): batch, seq_len >= 1;
@@ -103,18 +112,22 @@ attngrad_status AttentionForward(const AttentionProblem& problem, const void* q,
 // [B, num_heads, S] (rounded up to 256 bytes), plus, when the dK/dV work is split over query heads
 // (kSmallSplit, kShortSplit, kShortGrid; kAuto picks one of them for small problems), fp32
 // partials [group][2][B*S][num_kv_heads*D] (24 KiB per token for Gemma-3 4B; at
-// most ~80 MB).
+// most ~80 MB), plus, when the Hopper backward stores dS (AttentionScores), its 8 KiB tiles: per
+// (batch, query head) ceil(S/64) * (ceil(S/64) + 1) / 2 of them under the causal mask (207 MB at
+// B = 2, S = 2048 for 24 heads), fewer with a sliding window.
 std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem);
 
 // Which kernels a backward call launches: all of them, or one of its two independent halves so
 // that a caller can run them on two streams at once (both after the forward, delta_ready): the
 // dK/dV half (the dK/dV kernel and the split partials' sum; for short sequences the whole backward,
-// whose one kernel also writes dQ) and the dQ half (nothing for short sequences).
+// whose one kernel also writes dQ; with dS stored (AttentionScores), the dK/dV kernel and then the
+// dQ kernel that reads its dS) and the dQ half (nothing for short sequences or stored dS).
 enum class AttentionBackwardPart { kAll, kKeyValue, kQuery };
 
 // Backward: SPEC step 6. Deterministic (no atomics: bitwise-identical results call after call).
 // kFp16 at head_dim 128 on a compute-capability-9.0 GPU (H100/H200) runs the dK/dV and dQ kernels
-// on wgmma (attention_backward_hopper.cu; the parts below keep their meaning); every other case,
+// on wgmma (attention_backward_hopper.cu; dS stored or recomputed by problem.scores; the parts
+// below keep their meaning); every other case,
 // and S <= 256 where a short-sequence kernel is chosen (kAuto: its grid form while B * num_heads *
 // ceil(S/32) <= 96, ShortGridPays), runs the mma.sync kernels.
 // ATTNGRAD_WORKSPACE_TOO_SMALL when workspace_size < AttentionBackwardWorkspaceSize(problem).

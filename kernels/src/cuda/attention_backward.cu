@@ -47,6 +47,27 @@ struct BackwardTiling {
   static constexpr int kQueryKeys = kWide ? 32 : kQBlockN;
 };
 
+// Bytes of the dS tiles the Hopper backward stores (AttentionScores), 0 where it recomputes dS.
+// kAuto decides by the causal mask's count, so that a workspace sized without a window (as the
+// pipeline's is) serves every window (which never needs more).
+std::size_t StoredScoreBytes(const AttentionProblem& problem) {
+  if (!HopperBackwardApplies(problem) || IsWholeSequence(ChooseKeyValueTiling(problem)) ||
+      problem.scores == AttentionScores::kRecomputed) {
+    return 0;
+  }
+  const auto bytes_with_window = [&problem](int window) {
+    return static_cast<std::size_t>(problem.batch) * problem.num_heads *
+           ScoreTiles::Of(problem.seq_len, window).PerHead() * ScoreTiles::kHalves * sizeof(__half);
+  };
+  if (problem.scores == AttentionScores::kAuto &&
+      bytes_with_window(problem.seq_len) > kMaxStoredScoreBytes) {
+    return 0;
+  }
+  return bytes_with_window(problem.sliding_window > 0 && problem.sliding_window < problem.seq_len
+                               ? problem.sliding_window
+                               : problem.seq_len);
+}
+
 // Which gradients a dK/dV kernel computes: both (head_dim 128), or one of the two passes (256).
 enum class KeyValuePass { kBoth, kValue, kKey };
 
@@ -464,6 +485,10 @@ attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequenc
                     : LaunchShortSequenceBackward(params, stream);
     } else if (hopper) {
       status = LaunchHopperKeyValue(params, stream);
+      // dQ from the dS the dK/dV kernel just stored belongs to this half.
+      if (status == ATTNGRAD_OK && params.grad_scores != nullptr) {
+        status = LaunchHopperQuery(params, stream);
+      }
     } else if constexpr (Tiling::kWide) {
       status = LaunchKeyValue<Op, kWarps, kRows, KeyValuePass::kValue>(params, stream);
       if (status == ATTNGRAD_OK) {
@@ -478,8 +503,11 @@ attngrad_status LaunchBackward(const AttentionParams& params, bool short_sequenc
       if (cudaGetLastError() != cudaSuccess) return ATTNGRAD_CUDA_ERROR;
     }
   }
-  // The short-sequence kernel wrote dQ too.
-  if (short_sequence || part == AttentionBackwardPart::kKeyValue) return ATTNGRAD_OK;
+  // The short-sequence kernel wrote dQ too, and so did the dK/dV half with dS stored.
+  if (short_sequence || part == AttentionBackwardPart::kKeyValue ||
+      (hopper && params.grad_scores != nullptr)) {
+    return ATTNGRAD_OK;
+  }
   if (hopper) return LaunchHopperQuery(params, stream);
   return LaunchQuery<Op, BackwardTiling<Op>::kQueryWarps, BackwardTiling<Op>::kQueryKeys>(params,
                                                                                           stream);
@@ -492,7 +520,8 @@ std::size_t AttentionBackwardWorkspaceSize(const AttentionProblem& problem) {
   if (problem.batch < 1 || problem.seq_len < 1 || problem.num_heads < 1) return 0;
   if (problem.num_kv_heads < 1 || problem.num_heads % problem.num_kv_heads != 0) return 0;
   if (problem.head_dim != 128 && problem.head_dim != 256) return 0;
-  return attention_detail::DeltaBytes(problem) + attention_detail::PartialBytes(problem);
+  return attention_detail::DeltaBytes(problem) + attention_detail::PartialBytes(problem) +
+         attention_detail::StoredScoreBytes(problem);
 }
 
 attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q, int ldq,
@@ -512,7 +541,8 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
       ldo < problem.num_heads * problem.head_dim || ldo % per_16_bytes != 0) {
     return ATTNGRAD_INVALID_ARGUMENT;
   }
-  if (workspace_size < DeltaBytes(problem) + PartialBytes(problem)) {
+  const std::size_t score_bytes = StoredScoreBytes(problem);
+  if (workspace_size < DeltaBytes(problem) + PartialBytes(problem) + score_bytes) {
     return ATTNGRAD_WORKSPACE_TOO_SMALL;
   }
   if (workspace == nullptr || !Aligned16(workspace)) return ATTNGRAD_INVALID_ARGUMENT;
@@ -533,6 +563,10 @@ attngrad_status AttentionBackward(const AttentionProblem& problem, const void* q
   if (params.kv_split) {
     params.partials =
         reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + DeltaBytes(problem));
+  }
+  if (score_bytes > 0) {
+    params.grad_scores = reinterpret_cast<__half*>(static_cast<unsigned char*>(workspace) +
+                                                   DeltaBytes(problem) + PartialBytes(problem));
   }
   if (problem.operand == AttentionOperand::kFp16) {
     int exponent = 0;

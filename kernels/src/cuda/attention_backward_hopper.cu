@@ -1,16 +1,22 @@
 // SPEC section 2 step 6 (the attention backward) on Hopper's warpgroup MMA (sm_90a `wgmma`), for
-// fp16 operands at head_dim 128 on a compute-capability-9.0 GPU: the same two kernels as the
-// mma.sync path of attention_backward.cu (7 products: S and dP are computed in both), with every
-// product on wgmma. attention_backward.cu dispatches here (HopperBackwardApplies) and keeps
-// DeltaKernel, the split partials' sum and every other mode/GPU.
+// fp16 operands at head_dim 128 on a compute-capability-9.0 GPU, every product on wgmma, in one of
+// two forms (AttentionScores): 5 products, the dK/dV kernel storing dS (fp16 64 x 64 tiles in the
+// workspace, attention_common.cuh's ScoreTiles) and HopperQueryFromScoresKernel computing dQ = dS K
+// from them; or 7, the two kernels of the mma.sync path of attention_backward.cu (S and dP computed
+// in both). attention_backward.cu dispatches here (HopperBackwardApplies) and keeps DeltaKernel,
+// the split partials' sum and every other mode/GPU.
 //   HopperKeyValueKernel: one block of kGroups warpgroups per (64 * kGroups keys, key-value head,
 //     batch) or, split, per (keys, query head); warpgroup w owns 64 keys and keeps their dK, dV
 //     (64 x 128 fp32 each) in registers. Per step of 64 query rows (double-buffered with cp.async):
 //     S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory), P^T and dS^T in
 //     registers, then dV += P^T dO and dK += dS^T Q (wgmma, A from registers: the accumulator
 //     layout of S^T is the A-fragment layout of the next product).
-//   HopperQueryKernel: one block of kGroups warpgroups per (64 * kGroups queries, query head,
-//     batch); per step of 64 keys: S = Q K^T, dP = dO V^T, dS in registers, dQ += dS K.
+//     With dS stored, each warpgroup also writes its dS^T (the fp16 register operand of dK +=
+//     dS^T Q) to the workspace.
+//   HopperQueryKernel (7 products): one block of kGroups warpgroups per (64 * kGroups queries,
+//     query head, batch); per step of 64 keys: S = Q K^T, dP = dO V^T, dS in registers, dQ += dS K.
+//   HopperQueryFromScoresKernel (5 products): per (128 queries, query head, batch), per step of 64
+//     keys dQ += dS K with dS read back (below).
 // Overlap: one warpgroup per block and two blocks per SM (the element-wise work of one runs while
 // the other's products do), and inside a warpgroup the products are committed as separate groups
 // so that P is computed while dP runs and dS while dV runs (ProbabilityAndWeight, then
@@ -68,6 +74,25 @@ __device__ __forceinline__ void OutputProduct(float (&acc)[kHeadDim / 8][4],
         acc, a[ks], hopper::MnMajorDescriptor<kStepRows, kHeadDim>(b_tile, ks), 1);
   }
 }
+
+// A warpgroup's dS^T (64 keys x 64 queries, the fp16 register operand of dK += dS^T Q) into the
+// global tile `tile` of ScoreTiles as the image of a swizzled 64 x 64 shared-memory tile: a[k][i]
+// holds key row 16 warp + g (+ 8 when i is odd), query columns 16 k + 2 t (+ 8 when i >= 2), +1.
+__device__ __forceinline__ void StoreScoreTile(const std::uint32_t (&a)[kScoreTiles / 2][4],
+                                               __half* tile) {
+  using Tile = hopper::SwizzledTile<ScoreTiles::kRows, ScoreTiles::kRows>;
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int row = warp * 16 + (lane >> 2), column = 2 * (lane & 3);
+  unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
+#pragma unroll
+  for (int k = 0; k < kScoreTiles / 2; ++k) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      *reinterpret_cast<std::uint32_t*>(
+          bytes + Tile::Offset(row + 8 * (i & 1), 16 * k + 8 * (i >> 1) + column)) = a[k][i];
+    }
+  }
+}
 #endif  // ATTNGRAD_HOPPER_WGMMA
 
 // Shared memory of HopperKeyValueKernel (byte offsets from a 1024-byte aligned base).
@@ -93,6 +118,20 @@ struct HopperQueryLayout {
   static constexpr int kKeysOffset = kGradOutOffset + TileBytes(kQueries);      // [2]
   static constexpr int kValuesOffset = kKeysOffset + 2 * TileBytes(kStepRows);  // [2]
   static constexpr int kBytes = kValuesOffset + 2 * TileBytes(kStepRows);
+  static constexpr std::size_t kSharedBytes = kBytes + 1024;
+};
+
+// Shared memory of HopperQueryFromScoresKernel: per stage one key tile and each warpgroup's dS
+// tile.
+template <int kGroups>
+struct HopperScoresQueryLayout {
+  static constexpr int kQueries = kGroupRows * kGroups;
+  static constexpr int kStages = 2;
+  static constexpr int kScoreTileBytes = ScoreTiles::kHalves * 2;
+  static constexpr int kKeysOffset = 0;  // [stage]
+  static constexpr int kScoresOffset =
+      kKeysOffset + kStages * TileBytes(kStepRows);  // [stage][group]
+  static constexpr int kBytes = kScoresOffset + kStages * kGroups * kScoreTileBytes;
   static constexpr std::size_t kSharedBytes = kBytes + 1024;
 };
 
@@ -180,6 +219,7 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
   const int group_key0 = key0 + group * kGroupRows;
   const int key_a = group_key0 + warp * 16 + g, key_b = key_a + 8;
   const float ds_factor = p.scaling * p.ds_scale;
+  const ScoreTiles score_tiles = ScoreTiles::Of(seq_len, p.window);
 
   float acc_dk[kHeadDim / 8][4], acc_dv[kHeadDim / 8][4];
   ClearAccumulators(acc_dk);
@@ -257,6 +297,12 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
         }
       }
       hopper::AccumulatorToOperand(dp, 1.f, ds_a);
+      if (p.grad_scores != nullptr) {
+        const int head = first_head + step / q_tiles_per_head;
+        StoreScoreTile(
+            ds_a, p.grad_scores + score_tiles.Offset(item.batch, head, p.num_heads, q0 / kStepRows,
+                                                     group_key0 / kStepRows));
+      }
       hopper::FenceAccumulators(acc_dk);
       hopper::WgmmaFence();
       OutputProduct(acc_dk, ds_a, q_tile);
@@ -417,10 +463,112 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
 #endif
 }
 
+// dQ = dS K from the dS tiles HopperKeyValueKernel stored (AttentionScores::kStored): one block of
+// kGroups warpgroups per (64 * kGroups queries, query head, batch); per step of 64 keys the key
+// tile and each warpgroup's dS tile (a straight copy of its swizzled image) are loaded with
+// cp.async, double-buffered, and dQ += dS K runs on wgmma with both operands MN-major in shared
+// memory (dS^T [keys][queries], K [keys][head dim]). Each dQ element is summed in key order.
+template <int kGroups>
+__global__ void __launch_bounds__(kGroups * 128)
+    HopperQueryFromScoresKernel(const AttentionParams p) {
+#ifdef ATTNGRAD_HOPPER_WGMMA
+  using Layout = HopperScoresQueryLayout<kGroups>;
+  constexpr int kThreads = kGroups * 128;
+  constexpr int kQueries = Layout::kQueries;
+  extern __shared__ unsigned char shared_raw[];
+  unsigned char* shared = AlignedShared(shared_raw);
+  const std::uint32_t k_tiles = SmemAddress(shared) + Layout::kKeysOffset;
+  unsigned char* score_tiles_shared = shared + Layout::kScoresOffset;
+
+  const int seq_len = p.seq_len;
+  const int num_q_tiles = (seq_len + kQueries - 1) / kQueries;
+  const WorkItem item = DecodeBlock(num_q_tiles, p.num_heads, p.batch, /*heavy_last=*/true);
+  const int q0 = item.tile * kQueries;
+  const int kv_head = item.head / p.group;
+  const long long token0 = static_cast<long long>(item.batch) * seq_len;
+  const __half* k_base = static_cast<const __half*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
+  const ScoreTiles tiles = ScoreTiles::Of(seq_len, p.window);
+
+  const int group = threadIdx.x >> 7;  // warpgroup: queries [q0 + 64 group, +64)
+  const int group_thread = threadIdx.x & 127;
+  const int group_q_tile = q0 / kStepRows + group;
+  const bool group_valid = group_q_tile < tiles.query_tiles;
+  const int group_first_tile = tiles.FirstKeyTile(group_q_tile);
+  // Key tiles [first_kv_tile, last_kv_tile] cover every warpgroup's.
+  const int first_kv_tile = tiles.FirstKeyTile(q0 / kStepRows);
+  const int last_kv_tile = min(q0 / kStepRows + kGroups, tiles.query_tiles) - 1;
+  const int num_kv_tiles = last_kv_tile - first_kv_tile + 1;
+  const __half* group_scores =
+      group_valid ? p.grad_scores + tiles.Offset(item.batch, item.head, p.num_heads, group_q_tile,
+                                                 group_first_tile)
+                  : nullptr;
+  auto has_tile = [&](int key_tile) {
+    return group_valid && key_tile >= group_first_tile && key_tile <= group_q_tile;
+  };
+  auto load_step = [&](int j, int stage) {
+    const int key_tile = first_kv_tile + j;
+    hopper::LoadSwizzledTileAsync<kStepRows, kHeadDim, kThreads>(
+        k_tiles + stage * TileBytes(kStepRows), k_base, p.ldkv, key_tile * kStepRows, seq_len,
+        threadIdx.x);
+    if (has_tile(key_tile)) {  // the image as it is: 16 bytes per cp.async, 4 per thread
+      unsigned char* destination =
+          score_tiles_shared + (stage * kGroups + group) * Layout::kScoreTileBytes;
+      const __half* source =
+          group_scores + static_cast<long long>(key_tile - group_first_tile) * ScoreTiles::kHalves;
+#pragma unroll
+      for (int i = 0; i < Layout::kScoreTileBytes / 16 / 128; ++i) {
+        const int chunk = group_thread + i * 128;
+        CpAsync16(destination + chunk * 16, source + chunk * 8, true);
+      }
+    }
+  };
+
+  load_step(0, 0);
+  CpAsyncCommit();
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int row_a = q0 + group * kGroupRows + warp * 16 + (lane >> 2);
+  float acc_dq[kHeadDim / 8][4];
+  ClearAccumulators(acc_dq);
+
+  for (int j = 0; j < num_kv_tiles; ++j) {
+    const int stage = j & 1;
+    if (j + 1 < num_kv_tiles) load_step(j + 1, stage ^ 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    hopper::FenceProxyAsync();
+    __syncthreads();
+    if (has_tile(first_kv_tile + j)) {
+      const std::uint32_t k_tile = k_tiles + stage * TileBytes(kStepRows);
+      const std::uint32_t ds_tile =
+          SmemAddress(score_tiles_shared) + (stage * kGroups + group) * Layout::kScoreTileBytes;
+      hopper::FenceAccumulators(acc_dq);
+      hopper::WgmmaFence();
+#pragma unroll
+      for (int ks = 0; ks < kStepRows / 16; ++ks) {
+        hopper::Wgmma<kHeadDim>::SharedShared<1, 1>(
+            acc_dq, hopper::MnMajorDescriptor<kStepRows, ScoreTiles::kRows>(ds_tile, ks),
+            hopper::MnMajorDescriptor<kStepRows, kHeadDim>(k_tile, ks), 1);
+      }
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<0>();
+      hopper::FenceAccumulators(acc_dq);
+    }
+    __syncthreads();  // the stage is free for the load of step j + 2
+  }
+
+  StoreAccumulatorRows(acc_dq, p.grad_q, token0, p.num_heads * kHeadDim, item.head * kHeadDim,
+                       row_a, seq_len, p.inv_ds_scale);
+#else
+  __trap();
+#endif
+}
+
 // Warpgroups per block (measured on the H200: bench/ATTENTION_NOTES.md): one, so that two
 // independent blocks share an SM and one's element-wise work overlaps the other's products.
 constexpr int kKeyValueGroups = 1;
 constexpr int kQueryGroups = 1;
+// HopperQueryFromScoresKernel: two warpgroups share each key tile they load.
+constexpr int kScoresQueryGroups = 2;
 
 template <class Kernel>
 attngrad_status Launch(Kernel kernel, std::size_t shared_bytes, long long blocks, int threads,
@@ -455,6 +603,14 @@ attngrad_status LaunchHopperKeyValue(const AttentionParams& params, cudaStream_t
 }
 
 attngrad_status LaunchHopperQuery(const AttentionParams& params, cudaStream_t stream) {
+  if (params.grad_scores != nullptr) {
+    using Layout = HopperScoresQueryLayout<kScoresQueryGroups>;
+    const long long blocks =
+        static_cast<long long>((params.seq_len + Layout::kQueries - 1) / Layout::kQueries) *
+        params.num_heads * params.batch;
+    return Launch(HopperQueryFromScoresKernel<kScoresQueryGroups>, Layout::kSharedBytes, blocks,
+                  kScoresQueryGroups * 128, params, stream);
+  }
   constexpr int kQueries = HopperQueryLayout<kQueryGroups>::kQueries;
   const long long blocks = static_cast<long long>((params.seq_len + kQueries - 1) / kQueries) *
                            params.num_heads * params.batch;

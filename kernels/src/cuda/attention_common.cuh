@@ -102,6 +102,50 @@ struct AttentionParams {
   float* partials = nullptr;  // [group][2][B*S][num_kv_heads*head_dim]
   float ds_scale = 1.f;       // power of two applied to dS before it becomes an fp16 operand
   float inv_ds_scale = 1.f;
+  // dS stored by the Hopper dK/dV kernel for the dQ kernel (AttentionScores::kStored): fp16 tiles
+  // of 64 queries x 64 keys, ScoreTiles below; nullptr: not stored.
+  __half* grad_scores = nullptr;
+};
+
+// Where the stored dS tiles lie. Tile (query tile qt, key tile kt) of a (batch, query head) holds
+// dS^T, 64 keys x 64 queries, as the image of a 1024-byte aligned swizzled shared-memory tile
+// (hopper_wgmma.cuh's SwizzledTile<64, 64>: key rows of 128 bytes), 4096 halves. A query tile's key
+// tiles are kt = FirstKeyTile(qt) .. qt (the causal mask and the window; the tiles the dK/dV
+// kernel computes); row qt starts at RowStart(qt) of its head's PerHead() tiles: qt (qt + 1) / 2
+// under the causal mask, or qt * (the most key tiles a window covers) where a window makes that
+// fewer (so a window never needs more tiles than the causal mask alone).
+struct ScoreTiles {
+  static constexpr int kRows = 64;
+  static constexpr int kHalves = kRows * kRows;
+  int query_tiles = 0;
+  int window = 0;        // AttentionParams::window
+  int row_capacity = 0;  // 0: causal rows (qt + 1 tiles); else the window's most tiles per row
+
+  __host__ __device__ static ScoreTiles Of(int seq_len, int window) {
+    ScoreTiles tiles;
+    tiles.query_tiles = (seq_len + kRows - 1) / kRows;
+    tiles.window = window;
+    const int window_tiles = (window + kRows - 2) / kRows + 1;
+    tiles.row_capacity =
+        window < seq_len && 2 * window_tiles < tiles.query_tiles + 1 ? window_tiles : 0;
+    return tiles;
+  }
+  __host__ __device__ int FirstKeyTile(int query_tile) const {
+    const int first_key = query_tile * kRows - window + 1;
+    return first_key > 0 ? first_key / kRows : 0;
+  }
+  __host__ __device__ long long RowStart(int query_tile) const {
+    return row_capacity > 0 ? static_cast<long long>(query_tile) * row_capacity
+                            : static_cast<long long>(query_tile) * (query_tile + 1) / 2;
+  }
+  __host__ __device__ long long PerHead() const { return RowStart(query_tiles); }
+  // Halves from grad_scores to the tile (qt, kt) of `head` of `batch`.
+  __host__ __device__ long long Offset(int batch, int head, int num_heads, int query_tile,
+                                       int key_tile) const {
+    return ((static_cast<long long>(batch) * num_heads + head) * PerHead() + RowStart(query_tile) +
+            (key_tile - FirstKeyTile(query_tile))) *
+           kHalves;
+  }
 };
 
 // ---- Small device helpers ---------------------------------------------------------------------
