@@ -76,21 +76,17 @@ __device__ __forceinline__ void OutputProduct(float (&acc)[kHeadDim / 8][4],
 }
 
 // A warpgroup's dS^T (64 keys x 64 queries, the fp16 register operand of dK += dS^T Q) into the
-// global tile `tile` of ScoreTiles as the image of a swizzled 64 x 64 shared-memory tile: a[k][i]
-// holds key row 16 warp + g (+ 8 when i is odd), query columns 16 k + 2 t (+ 8 when i >= 2), +1.
+// swizzled 64 x 64 shared-memory tile at `tile` (ScoreTiles' image): a[k] holds the four 8 x 8
+// matrices of key rows 16 warp + (0..7, 8..15) and query columns 16 k + (0..7, 8..15), in the order
+// (rows 0-7, columns 0-7), (rows 8-15, columns 0-7), (rows 0-7, columns 8-15), (rows 8-15, 8-15).
 __device__ __forceinline__ void StoreScoreTile(const std::uint32_t (&a)[kScoreTiles / 2][4],
-                                               __half* tile) {
+                                               std::uint32_t tile) {
   using Tile = hopper::SwizzledTile<ScoreTiles::kRows, ScoreTiles::kRows>;
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int row = warp * 16 + (lane >> 2), column = 2 * (lane & 3);
-  unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
+  const int row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), column = 8 * (lane >> 4);
 #pragma unroll
   for (int k = 0; k < kScoreTiles / 2; ++k) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      *reinterpret_cast<std::uint32_t*>(
-          bytes + Tile::Offset(row + 8 * (i & 1), 16 * k + 8 * (i >> 1) + column)) = a[k][i];
-    }
+    hopper::StoreMatrices(tile + Tile::Offset(row, 16 * k + column), a[k]);
   }
 }
 #endif  // ATTNGRAD_HOPPER_WGMMA
@@ -105,7 +101,9 @@ struct HopperKeyValueLayout {
   static constexpr int kGradOutOffset = kQueriesOffset + 2 * TileBytes(kStepRows);  // [2]
   static constexpr int kLseOffset = kGradOutOffset + 2 * TileBytes(kStepRows);      // [2][64]
   static constexpr int kDeltaOffset = kLseOffset + 2 * kStepRows * 4;               // [2][64]
-  static constexpr int kBytes = kDeltaOffset + 2 * kStepRows * 4;
+  // dS^T of the last step on its way to the workspace (AttentionScores::kStored).
+  static constexpr int kScoresOffset = kDeltaOffset + 2 * kStepRows * 4;
+  static constexpr int kBytes = kScoresOffset + ScoreTiles::kHalves * 2;
   static constexpr std::size_t kSharedBytes = kBytes + 1024;  // room to align the base
 };
 
@@ -159,6 +157,11 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
   const std::uint32_t do_tiles = base + Layout::kGradOutOffset;
   float* lse_tiles = reinterpret_cast<float*>(shared + Layout::kLseOffset);
   float* delta_tiles = reinterpret_cast<float*>(shared + Layout::kDeltaOffset);
+  // dS^T goes through one staging tile per block, guarded by block barriers inside the step's
+  // block-uniform branch: one warpgroup per block.
+  static_assert(kGroups == 1, "the dS staging tile and its barriers assume one warpgroup");
+  const std::uint32_t score_tile = base + Layout::kScoresOffset;
+  __half* stored_scores = nullptr;  // where score_tile goes next (thread 0 copies it)
 
   const int seq_len = p.seq_len;
   const int num_kv_tiles = (seq_len + kKeys - 1) / kKeys;
@@ -298,10 +301,14 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       }
       hopper::AccumulatorToOperand(dp, 1.f, ds_a);
       if (p.grad_scores != nullptr) {
+        // The previous tile's copy has read score_tile (issued a step ago: no wait in practice).
+        if (threadIdx.x == 0) hopper::BulkWaitRead<0>();
+        __syncthreads();
+        StoreScoreTile(ds_a, score_tile);
+        hopper::FenceProxyAsync();
         const int head = first_head + step / q_tiles_per_head;
-        StoreScoreTile(
-            ds_a, p.grad_scores + score_tiles.Offset(item.batch, head, p.num_heads, q0 / kStepRows,
-                                                     group_key0 / kStepRows));
+        stored_scores = p.grad_scores + score_tiles.Offset(item.batch, head, p.num_heads,
+                                                           q0 / kStepRows, group_key0 / kStepRows);
       }
       hopper::FenceAccumulators(acc_dk);
       hopper::WgmmaFence();
@@ -314,7 +321,13 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       hopper::FenceAccumulators(acc_dk);
     }
     __syncthreads();  // the stage is free for the load of step + 2
+    if (threadIdx.x == 0 && stored_scores != nullptr) {  // this step's dS^T tile, whole
+      hopper::BulkCopyToGlobal(stored_scores, score_tile, ScoreTiles::kHalves * 2);
+      hopper::BulkCommit();
+      stored_scores = nullptr;
+    }
   }
+  if (threadIdx.x == 0) hopper::BulkWait<0>();
 
   const int out_ld = p.num_kv_heads * kHeadDim;
   float* grad_k = p.grad_k;

@@ -147,6 +147,39 @@ __device__ __forceinline__ void WgmmaWait() {
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+
+// Four 8 x 8 fp16 matrices from registers into shared memory (stmatrix .x4): register j of lane i
+// holds row i / 4, columns 2 (i % 4) and + 1 of matrix j (the mma fragment layout); lanes 8 j ..
+// 8 j + 7 give the shared addresses of matrix j's rows 0..7 (16 bytes each).
+__device__ __forceinline__ void StoreMatrices(std::uint32_t row_address,
+                                              const std::uint32_t (&registers)[4]) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_address),
+      "r"(registers[0]), "r"(registers[1]), "r"(registers[2]), "r"(registers[3])
+      : "memory");
+}
+
+// Bulk copies from shared to global memory (cp.async.bulk, one thread issues, `bytes` a multiple
+// of 16, both addresses 16-byte aligned): the shared bytes are read by the async proxy (write them
+// with FenceProxyAsync and a barrier before), and BulkWaitRead<n> returns once at most n of the
+// issuing thread's committed groups still read their source; BulkWait<n> once at most n are
+// unfinished (their global writes done).
+__device__ __forceinline__ void BulkCopyToGlobal(void* global, std::uint32_t shared, int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(global),
+               "r"(shared), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void BulkCommit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void BulkWait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 #endif  // ATTNGRAD_HOPPER_WGMMA
 
 // Keeps the compiler from moving accumulator registers across an async wgmma (no instruction: an
