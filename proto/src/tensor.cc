@@ -246,7 +246,7 @@ bool AnyMasked(const char* data, std::size_t bytes, std::size_t element_size, st
              : AnyNotFinite<std::uint16_t>(data, bytes / 2, static_cast<std::uint16_t>(mask));
 }
 
-// The one streaming copy (CopyAndCheckFinite, CopyPiecesStreaming): `source` to `destination`,
+// The one streaming copy (CopyAndCheckFinite, CopyPieces): `source` to `destination`,
 // from the destination's first 16-byte boundary on with non-temporal stores when the copy is at
 // least kStreamingMinBytes and that boundary is a whole number of elements of `element_size` bytes
 // in (else everything with memcpy). kCheck: returns whether any element has every bit of `mask`
@@ -306,12 +306,16 @@ bool CopyAndCheckFinite(absl::string_view source, int dtype, char* destination) 
   return !any;
 }
 
-void CopyPiecesStreaming(absl::Span<const absl::string_view> pieces, char* destination) {
+void CopyPieces(absl::Span<const absl::string_view> pieces, char* destination, bool streaming) {
   for (absl::string_view piece : pieces) {
-    CopyMaybeStreaming<false>(piece, 1, 0, destination);
+    if (streaming) {
+      CopyMaybeStreaming<false>(piece, 1, 0, destination);
+    } else if (!piece.empty()) {
+      std::memcpy(destination, piece.data(), piece.size());
+    }
     destination += piece.size();
   }
-  StoreFence();
+  if (streaming) StoreFence();
 }
 
 absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view field,
