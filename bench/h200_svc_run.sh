@@ -12,11 +12,17 @@
 # repository).
 #   D           seconds per timed run (default 2)
 #   CHECKS=0    skips the GPU checks of the server's batch path (TEST_LIMIT seconds, default 40)
+#   SHM=0       skips the shared-memory path's throughput
+#   AB_ROUNDS=2 each branch-CLI / main-CLI pair again in the other order (main's first), to tell the
+#               binary from its place in the call (the first run after the server starts is slow)
+#   PY_MAIN     a second client/python tree (default $B/py-main, when carried): the TCP bridge
+#               timed with it too, right after this branch's (main's Python client against it)
 #   ROOT        the build directory the tests were compiled in (they start attngrad-server there)
 #   DEVICES, SHAPE, LATENCY_SHAPE  for a dry run against a CPU build (--devices=cpu, small shapes)
 set -u
 B=${B:-build-svc2}
 PY=${PY:-$B/py}
+PY_MAIN=${PY_MAIN:-$B/py-main}
 D=${D:-2}
 source bench/device_setup.sh  # (run from the repository root)
 device_setup "$B" svc.tar.xz
@@ -97,20 +103,29 @@ bench() {  # $1 label, $2 cli binary, then the flags of both programs; CEIL=1: t
       tee -a "$OUT/timing.txt"
   fi
 }
-python_bench() {  # $1 what (cuda_ipc_bench.py --only), then its flags
+python_bench() {  # $1 what (cuda_ipc_bench.py --only), then its flags; PY: the client tree
   local what=$1
   shift
   [ -d "$PY/bench" ] || return
   timeout 75 python3 "$PY/bench/cuda_ipc_bench.py" --only="$what" "$@" 2>&1 |
-    grep -E "^\{|Error" | cut -c1-220 | sed "s/^/P $SERVER /" | tee -a "$OUT/timing.txt"
+    grep -E "^\{|Error" | cut -c1-220 | sed "s|^|P $SERVER $(basename "$PY") |" |
+    tee -a "$OUT/timing.txt"
 }
 
+ab() {  # $1 label, then the flags: the branch's CLI (the bare stream after it), then main's
+  local label=$1
+  shift
+  CEIL=1 bench "$label" "$CLI" "$@"
+  bench "$label main-cli" "$MAIN_CLI" "$@"
+  if [ "${AB_ROUNDS:-1}" -ge 2 ]; then
+    bench "$label main-cli (2nd)" "$MAIN_CLI" "$@"
+    bench "$label (2nd)" "$CLI" "$@"
+  fi
+}
 serve new "$NEW"
-CEIL=1 bench "fp32 ACC 8/8" "$CLI" $A $F8
-bench "fp32 ACC 8/8 main-cli" "$MAIN_CLI" $A $F8
-CEIL=1 bench "bf16 ACC 8/8" "$CLI" $A $F8 --input_dtype=bfloat16 --response_dtype=bfloat16
-CEIL=1 bench "fp32 RET 8/8" "$CLI" $A $F8 --mode=return
-bench "fp32 RET 8/8 main-cli" "$MAIN_CLI" $A $F8 --mode=return
+ab "fp32 ACC 8/8" $A $F8
+ab "bf16 ACC 8/8" $A $F8 --input_dtype=bfloat16 --response_dtype=bfloat16
+ab "fp32 RET 8/8" $A $F8 --mode=return
 CEIL=1 bench "RET 1x128 1 in flight" "$CLI" --mode=return ${LATENCY_SHAPE:---batch=1 --seq_len=128} \
   --channels=1 --streams=1 --in_flight=1 --count=${LATENCY_COUNT:-100}
 if [ ${#PERF[@]} -gt 0 ]; then  # where the server's CPU goes at 8 connections
@@ -125,8 +140,9 @@ if [ ${#PERF[@]} -gt 0 ]; then  # where the server's CPU goes at 8 connections
   "${PERF[@]}" report -i "$W/perf.data" --no-children --sort sym -g caller,0.5,callee --stdio \
     2> /dev/null | grep -vE "^#|^$" | head -300 > "$OUT/perf_callers.txt"
 fi
-python_bench shm --configs=8x2,4x2 --warmup=2 --duration=3
+[ "${SHM:-1}" = 1 ] && python_bench shm --configs=8x2,4x2 --warmup=2 --duration=3
 python_bench bridge,bridge_tcp --count=40
+[ -d "$PY_MAIN/bench" ] && PY=$PY_MAIN python_bench bridge_tcp --count=40
 unserve
 serve main "$MAIN_SERVER"
 bench "fp32 ACC 8/8 main-cli" "$MAIN_CLI" $A $F8

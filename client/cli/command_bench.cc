@@ -6,6 +6,7 @@
 #include <iostream>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <sys/resource.h>
@@ -13,7 +14,9 @@
 
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
+#include "attngrad/wire/tensor.h"
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -29,6 +32,13 @@ ABSL_FLAG(bool, borrow_inputs, true,
           "bench: send the float32 inputs from the bench's own memory, not copied "
           "(BackwardBatch::borrow_inputs; the inputs live for the whole run); false: one copy per "
           "request into the client's buffers");
+
+ABSL_FLAG(bool, float32_api, false,
+          "bench: hand the client float32 inputs and take float32 answers whatever --input_dtype "
+          "and --response_dtype say (the client converts every batch on the host); false: a "
+          "float16 / bfloat16 input is drawn once in that dtype and sent as it is "
+          "(BackwardBatch::hidden_states_16bit, grad_output_16bit), a float16 / bfloat16 answer "
+          "copied as it is into the reused buffers (grad_hidden_states_16bit_out)");
 
 namespace attngrad::cli {
 namespace {
@@ -96,6 +106,22 @@ int RunBench() {
   if (absl::GetFlag(FLAGS_layer) >= 0) batch.layer = absl::GetFlag(FLAGS_layer);
   batch.expected_weights_version = absl::GetFlag(FLAGS_expected_weights_version);
   batch.borrow_inputs = absl::GetFlag(FLAGS_borrow_inputs);
+  // 16-bit wire dtypes from and into 16-bit memory, as a bf16 trainer has it: the inputs converted
+  // here once (the wire library's conversion, which the client would otherwise run per batch).
+  const bool float32_api = absl::GetFlag(FLAGS_float32_api);
+  const bool inputs_16bit = !float32_api && wire::DTypeSize(*input_dtype) == 2;
+  const bool answers_16bit = !float32_api && wire::DTypeSize(*response_dtype) == 2;
+  std::vector<uint16_t> hidden_16bit, grad_16bit;
+  if (inputs_16bit) {
+    for (auto [from, to] : {std::pair(&inputs.hidden_states, &hidden_16bit),
+                            std::pair(&inputs.grad_output, &grad_16bit)}) {
+      to->resize(from->size());
+      wire::EncodeFromFloat(*from, *input_dtype, reinterpret_cast<char*>(to->data()));
+    }
+    batch.hidden_states = batch.grad_output = {};
+    batch.hidden_states_16bit = hidden_16bit;
+    batch.grad_output_16bit = grad_16bit;
+  }
 
   std::cerr << absl::StrFormat(
       "bench: %s, %d streams x %d in flight over %d channels, batches [%d,%d] (%d tokens), mode "
@@ -134,17 +160,22 @@ int RunBench() {
     // --answer_buffers: one buffer per batch in flight (and one for the warm-up), each lent to a
     // batch from its Submit until its result is taken.
     std::vector<std::vector<float>> buffers;
+    std::vector<std::vector<uint16_t>> buffers_16bit;           // instead, for a 16-bit answer
     std::vector<PerWeight<std::vector<float>>> weight_buffers;  // RETURN: one set per buffer
     std::vector<size_t> free_buffers;
     std::unordered_map<uint64_t, size_t> lent;  // batch id -> buffer
     if (answer_buffers) {
-      buffers.resize(static_cast<size_t>(in_flight) + 1);
-      for (size_t b = 0; b < buffers.size(); ++b) {
-        buffers[b].resize(answer_floats);
+      const size_t count = static_cast<size_t>(in_flight) + 1;
+      for (size_t b = 0; b < count; ++b) {
+        if (answers_16bit) {
+          buffers_16bit.emplace_back(answer_floats);
+        } else {
+          buffers.emplace_back(answer_floats);
+        }
         free_buffers.push_back(b);
       }
       if (*mode == v1::GRADIENT_MODE_RETURN) {
-        weight_buffers.resize(buffers.size());
+        weight_buffers.resize(count);
         for (PerWeight<std::vector<float>>& set : weight_buffers) {
           for (Weight weight : kAllWeights) set[weight].resize(WeightElements(config, weight));
         }
@@ -153,7 +184,11 @@ int RunBench() {
     auto submit = [&]() -> absl::StatusOr<uint64_t> {
       BackwardBatch own = batch;
       if (answer_buffers) {
-        own.grad_hidden_states_out = absl::MakeSpan(buffers[free_buffers.back()]);
+        if (answers_16bit) {
+          own.grad_hidden_states_16bit_out = absl::MakeSpan(buffers_16bit[free_buffers.back()]);
+        } else {
+          own.grad_hidden_states_out = absl::MakeSpan(buffers[free_buffers.back()]);
+        }
         if (!weight_buffers.empty()) {
           for (Weight weight : kAllWeights) {
             own.weight_gradients_out[weight] =
@@ -269,6 +304,15 @@ int RunBench() {
   const double timed_cpu = ProcessCpuSeconds() - timing_start_cpu;
   if (progress && tty) std::cerr << "\n";
 
+  const std::string inputs_described = absl::StrCat(
+      batch.borrow_inputs && (inputs_16bit || *input_dtype == v1::DTYPE_FLOAT32) ? "borrowed "
+                                                                                 : "copied ",
+      inputs_16bit ? wire::DTypeName(*input_dtype) : "float32");
+  const std::string answers_described =
+      !answer_buffers
+          ? "fresh float32 vectors"
+          : absl::StrCat("reused ", answers_16bit ? wire::DTypeName(*response_dtype) : "float32",
+                         " buffers");
   absl::MutexLock lock(&totals.mu);
   const double n = std::max<double>(1, static_cast<double>(totals.batches));
   std::cout << absl::StrFormat(
@@ -290,8 +334,7 @@ int RunBench() {
       totals.stages.queue_seconds() / n, totals.stages.copy_in_seconds() / n,
       totals.stages.compute_seconds() / n, totals.stages.copy_out_seconds() / n,
       totals.all_bytes / 1e9, timed_cpu / std::max(totals.bytes / 1e9, 1e-12), timed_cpu,
-      batch.borrow_inputs ? "borrowed" : "copied",
-      answer_buffers ? "reused buffers" : "fresh vectors", totals.errors,
+      inputs_described, answers_described, totals.errors,
       totals.first_error.empty() ? "" : absl::StrCat(" (first: ", totals.first_error, ")"));
   return totals.errors == 0 && totals.batches > 0 ? 0 : 1;
 }

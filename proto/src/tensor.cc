@@ -194,10 +194,11 @@ bool AnyNotFinite(const char* bytes, std::size_t count, Bits exponent_mask) {
 namespace {
 
 #if defined(__SSE2__)
-// Copies whole elements from `source` to the 16-byte aligned `destination` in 16-byte vectors
-// with non-temporal stores, OR-ing into *any the lanes whose exponent bits are all ones; returns
-// the bytes done (a multiple of 16; the rest is the caller's).
-template <int kBits>
+// Copies 16-byte vectors from `source` to the 16-byte aligned `destination` with non-temporal
+// stores; with kCheck, OR-s into *any the lanes of kBits-bit elements whose exponent bits
+// (`exponent_mask`) are all ones. Returns the bytes done (a multiple of 16; the rest is the
+// caller's).
+template <int kBits, bool kCheck>
 std::size_t StreamAndCheck(const char* source, std::size_t bytes, char* destination,
                            std::uint32_t exponent_mask, __m128i* any) {
   const __m128i mask =
@@ -217,15 +218,17 @@ std::size_t StreamAndCheck(const char* source, std::size_t bytes, char* destinat
     _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done + 16), b);
     _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done + 32), c);
     _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done + 48), d);
-    found = _mm_or_si128(found, _mm_or_si128(_mm_or_si128(equal(_mm_and_si128(a, mask), mask),
-                                                          equal(_mm_and_si128(b, mask), mask)),
-                                             _mm_or_si128(equal(_mm_and_si128(c, mask), mask),
-                                                          equal(_mm_and_si128(d, mask), mask))));
+    if (kCheck) {
+      found = _mm_or_si128(found, _mm_or_si128(_mm_or_si128(equal(_mm_and_si128(a, mask), mask),
+                                                            equal(_mm_and_si128(b, mask), mask)),
+                                               _mm_or_si128(equal(_mm_and_si128(c, mask), mask),
+                                                            equal(_mm_and_si128(d, mask), mask))));
+    }
   }
   for (; done + 16 <= bytes; done += 16) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + done));
     _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done), a);
-    found = _mm_or_si128(found, equal(_mm_and_si128(a, mask), mask));
+    if (kCheck) found = _mm_or_si128(found, equal(_mm_and_si128(a, mask), mask));
   }
   *any = found;
   return done;
@@ -235,10 +238,60 @@ std::size_t StreamAndCheck(const char* source, std::size_t bytes, char* destinat
 // Below this many bytes the plain copy and check are as fast (and leave the data in the cache).
 constexpr std::size_t kStreamingMinBytes = 4096;
 
+// Whether any of the whole elements of `element_size` bytes (4 or 2) in `bytes` bytes at `data`
+// has every bit of `mask` set (Inf or NaN for a dtype's exponent mask).
+bool AnyMasked(const char* data, std::size_t bytes, std::size_t element_size, std::uint32_t mask) {
+  return element_size == 4
+             ? AnyNotFinite<std::uint32_t>(data, bytes / 4, mask)
+             : AnyNotFinite<std::uint16_t>(data, bytes / 2, static_cast<std::uint16_t>(mask));
+}
+
+// The one streaming copy (CopyAndCheckFinite, CopyPieces): `source` to `destination`,
+// from the destination's first 16-byte boundary on with non-temporal stores when the copy is at
+// least kStreamingMinBytes and that boundary is a whole number of elements of `element_size` bytes
+// in (else everything with memcpy). kCheck: returns whether any element has every bit of `mask`
+// set (element_size 4 or 2); else false (element_size 1). The streamed stores are visible to other
+// threads only after a StoreFence.
+template <bool kCheck>
+bool CopyMaybeStreaming(absl::string_view source, std::size_t element_size, std::uint32_t mask,
+                        char* destination) {
+  auto plain = [&](const char* from, std::size_t bytes, char* to) {
+    if (bytes == 0) return false;
+    std::memcpy(to, from, bytes);
+    return kCheck && AnyMasked(from, bytes, element_size, mask);
+  };
+#if defined(__SSE2__)
+  if (source.size() >= kStreamingMinBytes) {
+    const std::size_t misalignment = reinterpret_cast<std::uintptr_t>(destination) % 16;
+    const std::size_t head = misalignment == 0 ? 0 : 16 - misalignment;
+    if (head % element_size == 0) {
+      bool any = plain(source.data(), head, destination);
+      __m128i found = _mm_setzero_si128();
+      const std::size_t streamed =
+          element_size == 2 ? StreamAndCheck<16, kCheck>(source.data() + head, source.size() - head,
+                                                         destination + head, mask, &found)
+                            : StreamAndCheck<32, kCheck>(source.data() + head, source.size() - head,
+                                                         destination + head, mask, &found);
+      if (kCheck) any = any || _mm_movemask_epi8(found) != 0;
+      const std::size_t done = head + streamed;
+      any = plain(source.data() + done, source.size() - done, destination + done) || any;
+      return any;
+    }
+  }
+#endif
+  return plain(source.data(), source.size(), destination);
+}
+
+// Makes the streamed (non-temporal) stores so far visible before anything that follows.
+void StoreFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 }  // namespace
 
 bool CopyAndCheckFinite(absl::string_view source, int dtype, char* destination) {
-  const std::size_t element_size = DTypeSize(dtype);
   std::uint32_t mask = 0;
   switch (dtype) {
     case v1::DTYPE_FLOAT32: mask = 0x7f800000u; break;
@@ -248,36 +301,21 @@ bool CopyAndCheckFinite(absl::string_view source, int dtype, char* destination) 
       if (!source.empty()) std::memcpy(destination, source.data(), source.size());
       return true;
   }
-  auto plain = [&](const char* from, std::size_t bytes, char* to) {
-    if (bytes == 0) return false;
-    std::memcpy(to, from, bytes);
-    return element_size == 4
-               ? AnyNotFinite<std::uint32_t>(from, bytes / 4, mask)
-               : AnyNotFinite<std::uint16_t>(from, bytes / 2, static_cast<std::uint16_t>(mask));
-  };
-#if defined(__SSE2__)
-  if (source.size() >= kStreamingMinBytes) {
-    // Whole elements up to the destination's first 16-byte boundary (a multiple of the element
-    // size whenever the destination is element-aligned; else everything goes the plain way).
-    const std::size_t misalignment = reinterpret_cast<std::uintptr_t>(destination) % 16;
-    const std::size_t head = misalignment == 0 ? 0 : 16 - misalignment;
-    if (head % element_size == 0) {
-      bool any = plain(source.data(), head, destination);
-      __m128i found = _mm_setzero_si128();
-      const std::size_t streamed =
-          element_size == 4 ? StreamAndCheck<32>(source.data() + head, source.size() - head,
-                                                 destination + head, mask, &found)
-                            : StreamAndCheck<16>(source.data() + head, source.size() - head,
-                                                 destination + head, mask, &found);
-      _mm_sfence();  // the streamed stores are visible before anything that follows
-      any = any || _mm_movemask_epi8(found) != 0;
-      const std::size_t done = head + streamed;
-      any = plain(source.data() + done, source.size() - done, destination + done) || any;
-      return !any;
+  const bool any = CopyMaybeStreaming<true>(source, DTypeSize(dtype), mask, destination);
+  StoreFence();
+  return !any;
+}
+
+void CopyPieces(absl::Span<const absl::string_view> pieces, char* destination, bool streaming) {
+  for (absl::string_view piece : pieces) {
+    if (streaming) {
+      CopyMaybeStreaming<false>(piece, 1, 0, destination);
+    } else if (!piece.empty()) {
+      std::memcpy(destination, piece.data(), piece.size());
     }
+    destination += piece.size();
   }
-#endif
-  return !plain(source.data(), source.size(), destination);
+  if (streaming) StoreFence();
 }
 
 absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view field,

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "attngrad/client.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
+#include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/tensor.h"
 #include "gmock/gmock.h"
@@ -238,6 +239,116 @@ TEST_F(EndToEndTest, CallerMemoryInAndOutEqualsCopies) {
   auto bad = (*stream)->Submit(batch);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
   EXPECT_THAT(bad.status().message(), HasSubstr("grad_hidden_states_out"));
+  EXPECT_TRUE((*stream)->Finish().ok());
+}
+
+// 16-bit inputs and answer (BackwardBatch::hidden_states_16bit, grad_output_16bit,
+// grad_hidden_states_16bit_out), for float16 and bfloat16, copied or borrowed, one request or a
+// batch split in two: the caller's encoded inputs are the very request of the float API with that
+// input_dtype (same bytes, same answers bit for bit), the answer's bits land in the caller's
+// memory unconverted (the float API's answer widens them exactly, so narrowing it gives them back)
+// and the result's vector stays empty. Misuse is INVALID_ARGUMENT naming the field.
+TEST_F(EndToEndTest, SixteenBitInputsAndAnswerAreTheFloatApisBits) {
+  auto stream = client_->StartStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  auto encoded = [](const std::vector<float>& values, v1::DType dtype) {
+    std::vector<uint16_t> bits(values.size());
+    wire::EncodeFromFloat(values, dtype, reinterpret_cast<char*>(bits.data()));
+    return bits;
+  };
+  for (Shape shape : {Shape{2, 8}, Shape{3, 16}}) {
+    for (v1::DType dtype : {v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+      SCOPED_TRACE(
+          absl::StrCat("B=", shape.batch, " S=", shape.seq_len, " ", wire::DTypeName(dtype)));
+      const BatchInputs inputs = RandomBatchInputs(config_, shape.batch, shape.seq_len, 21);
+      BackwardBatch floats = inputs.View();
+      floats.mode = v1::GRADIENT_MODE_RETURN;
+      floats.input_dtype = dtype;
+      floats.response_dtype = dtype;
+      auto expected = client_->Backward(floats);
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      const std::vector<uint16_t> hidden = encoded(inputs.hidden_states, dtype);
+      const std::vector<uint16_t> grad = encoded(inputs.grad_output, dtype);
+      const std::vector<uint16_t> expected_answer = encoded(expected->grad_hidden_states, dtype);
+      for (bool borrow : {false, true}) {
+        BackwardBatch own = floats;
+        own.hidden_states = own.grad_output = {};
+        own.hidden_states_16bit = hidden;
+        own.grad_output_16bit = grad;
+        own.borrow_inputs = borrow;
+        std::vector<uint16_t> out(expected_answer.size(), 0xffff);
+        own.grad_hidden_states_16bit_out = absl::MakeSpan(out);
+        auto id = (*stream)->Submit(own);
+        ASSERT_TRUE(id.ok()) << id.status();
+        auto got = (*stream)->Await(*id);
+        ASSERT_TRUE(got.ok()) << got.status();
+        EXPECT_EQ(got->parts, shape.batch == 3 ? 2 : 1);
+        EXPECT_EQ(got->parts, expected->parts);
+        EXPECT_EQ(got->request_bytes, expected->request_bytes);
+        EXPECT_EQ(got->shape, expected->shape);
+        EXPECT_TRUE(got->grad_hidden_states.empty());
+        EXPECT_EQ(out, expected_answer) << (borrow ? "borrowed" : "copied");
+        ASSERT_TRUE(got->weight_gradients.has_value());
+        for (Weight weight : kAllWeights) {
+          EXPECT_EQ((*got->weight_gradients)[weight].data,
+                    (*expected->weight_gradients)[weight].data)
+              << WeightModuleName(weight);
+        }
+      }
+      // 16-bit inputs with a float32 answer into the result's vector: the float API's answer.
+      BackwardBatch own = floats;
+      own.hidden_states = own.grad_output = {};
+      own.hidden_states_16bit = hidden;
+      own.grad_output_16bit = grad;
+      own.response_dtype = v1::DTYPE_FLOAT32;
+      floats.response_dtype = v1::DTYPE_FLOAT32;
+      auto float_answer = client_->Backward(floats);
+      ASSERT_TRUE(float_answer.ok()) << float_answer.status();
+      auto got = client_->Backward(own);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->grad_hidden_states, float_answer->grad_hidden_states);
+    }
+  }
+
+  const BatchInputs inputs = RandomBatchInputs(config_, 3, 16, 22);
+  const std::vector<uint16_t> hidden = encoded(inputs.hidden_states, v1::DTYPE_BFLOAT16);
+  const std::vector<uint16_t> grad = encoded(inputs.grad_output, v1::DTYPE_BFLOAT16);
+  BackwardBatch good;
+  good.batch = 3;
+  good.seq_len = 16;
+  good.hidden_states_16bit = hidden;
+  good.grad_output_16bit = grad;
+  good.input_dtype = v1::DTYPE_BFLOAT16;
+  good.response_dtype = v1::DTYPE_BFLOAT16;
+  std::vector<uint16_t> out(hidden.size());
+  good.grad_hidden_states_16bit_out = absl::MakeSpan(out);
+  auto refused = [&](const BackwardBatch& batch, const std::string& words) {
+    auto id = (*stream)->Submit(batch);
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << id.status();
+    EXPECT_THAT(id.status().message(), HasSubstr(words));
+  };
+  BackwardBatch bad = good;
+  bad.input_dtype = v1::DTYPE_FLOAT32;
+  refused(bad, "hidden_states_16bit / grad_output_16bit: input_dtype must be float16 or bfloat16");
+  bad = good;
+  bad.hidden_states = inputs.hidden_states;
+  refused(bad, "set one pair, not both");
+  bad = good;
+  bad.response_dtype = v1::DTYPE_FLOAT32;
+  refused(bad, "grad_hidden_states_16bit_out: response_dtype must be float16 or bfloat16");
+  bad = good;
+  bad.grad_hidden_states_16bit_out = absl::MakeSpan(out).subspan(1);
+  refused(bad, "grad_hidden_states_16bit_out: expected");
+  bad = good;
+  std::vector<float> float_out(hidden.size());
+  bad.grad_hidden_states_out = absl::MakeSpan(float_out);
+  refused(bad, "set one or neither");
+  bad = good;  // split in two: the client checks the sizes it slices
+  bad.grad_output_16bit = absl::MakeConstSpan(grad).subspan(1);
+  refused(bad, "grad_output_16bit: expected");
+  auto id = (*stream)->Submit(good);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_TRUE((*stream)->Await(*id).ok());
   EXPECT_TRUE((*stream)->Finish().ok());
 }
 

@@ -306,6 +306,18 @@ TEST_F(ShardedTest, CliBenchWithChannelsAndInputDType) {
   EXPECT_THAT(out, HasSubstr("2 channels"));
   EXPECT_THAT(out, HasSubstr("input bfloat16, response float16"));
   EXPECT_THAT(out, HasSubstr("errors      0"));
+  // 16-bit inputs drawn once and sent as they are, a 16-bit answer copied into 16-bit buffers; with
+  // --float32_api the client converts both ways per batch.
+  EXPECT_THAT(out, HasSubstr("inputs borrowed bfloat16, answers into reused float16 buffers"));
+  ASSERT_EQ(RunCommand({CliBinary(), "bench", "--target=" + server_a_->target(), "--layer=4",
+                        "--streams=1", "--in_flight=2", "--count=2", "--batch=1", "--seq_len=4",
+                        "--input_dtype=bfloat16", "--response_dtype=bfloat16", "--float32_api",
+                        "--progress=false"},
+                       &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("inputs copied float32, answers into reused float32 buffers"));
+  EXPECT_THAT(out, HasSubstr("errors      0"));
   EXPECT_NE(RunCommand({CliBinary(), "bench", "--target=" + server_a_->target(),
                         "--input_dtype=int4", "--count=1", "--progress=false"},
                        &out),

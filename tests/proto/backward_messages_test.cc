@@ -134,6 +134,45 @@ TEST(BackwardMessagesTest, BorrowedRequestIsTheSameBytesAndKeepsItsOwner) {
   }
 }
 
+// Activations already in the wire dtype (EncodeBackwardRequestBytes, e.g. a bf16 trainer's
+// tensors): byte for byte the request of the floats they encode, copied into the pool's buffer, or
+// borrowed (the caller's memory sent as it is, the owner kept until the last slice goes).
+TEST(BackwardMessagesTest, EncodedActivationsAreTheSameRequestCopiedOrBorrowed) {
+  const std::vector<float> hidden = Values(24, 1.5f), grad = Values(24, -0.75f);
+  auto pool = BufferPool::Create(1 << 20);
+  for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    for (bool borrow : {false, true}) {
+      SCOPED_TRACE(DTypeName(dtype) + (borrow ? " borrowed" : " copied"));
+      const v1::BackwardRequest full = FullRequest(dtype, false, hidden, grad);
+      v1::BackwardRequest fields = full;
+      fields.mutable_hidden_states()->clear_raw_data();
+      fields.mutable_grad_output()->clear_raw_data();
+      const std::string hidden_raw = full.hidden_states().raw_data();
+      const std::string grad_raw = full.grad_output().raw_data();
+      auto owner = borrow ? std::make_shared<int>(0) : nullptr;
+      std::weak_ptr<int> watch = owner;
+      absl::StatusOr<grpc::ByteBuffer> bytes =
+          EncodeBackwardRequestBytes(fields, hidden_raw, grad_raw, *pool, std::move(owner));
+      ASSERT_TRUE(bytes.ok()) << bytes.status();
+      EXPECT_EQ(Flatten(*bytes), full.SerializeAsString());
+      std::vector<grpc::Slice> slices;
+      ASSERT_TRUE(bytes->Dump(&slices).ok());
+      bool hidden_borrowed = false, grad_borrowed = false;
+      for (const grpc::Slice& slice : slices) {
+        const void* begin = slice.begin();
+        hidden_borrowed = hidden_borrowed || begin == hidden_raw.data();
+        grad_borrowed = grad_borrowed || begin == grad_raw.data();
+      }
+      EXPECT_EQ(hidden_borrowed, borrow);
+      EXPECT_EQ(grad_borrowed, borrow);
+      EXPECT_EQ(watch.expired(), !borrow);
+      slices.clear();
+      *bytes = grpc::ByteBuffer();
+      EXPECT_TRUE(watch.expired());
+    }
+  }
+}
+
 TEST(BackwardMessagesTest, RequestWithEmptyActivationsIsProtobufs) {
   v1::BackwardRequest fields;
   fields.set_batch_id(1);

@@ -194,5 +194,35 @@ TEST(TensorTest, CopyAndCheckFiniteCopiesAndFindsEveryNonFiniteElement) {
   }
 }
 
+// CopyPieces, streaming or not: the concatenated bytes of the pieces, whatever their sizes (empty,
+// below and above the streaming threshold, odd) and the destination's alignment, and not a byte
+// more.
+TEST(TensorTest, CopyPiecesCopiesThePiecesInOrder) {
+  std::string bytes(70000, '\0');
+  for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 131 + i / 251);
+  const std::vector<std::vector<std::size_t>> cuts = {
+      {}, {0}, {1}, {4095}, {4096}, {4097}, {70000}, {3, 0, 8191, 5, 12289, 1, 40000}};
+  for (const std::vector<std::size_t>& sizes : cuts) {
+    std::vector<absl::string_view> pieces;
+    std::size_t total = 0;
+    for (std::size_t size : sizes) {
+      pieces.push_back(absl::string_view(bytes).substr(total, size));
+      total += size;
+    }
+    for (std::size_t shift = 0; shift < 32; ++shift) {
+      const bool streaming = shift < 16;
+      std::vector<char> out(total + 64, 'x');
+      char* destination =
+          out.data() + (16 - reinterpret_cast<std::uintptr_t>(out.data()) % 16) + shift % 16;
+      CopyPieces(pieces, destination, streaming);
+      EXPECT_EQ(0, std::memcmp(destination, bytes.data(), total))
+          << "pieces " << sizes.size() << " total " << total << " shift " << shift % 16
+          << (streaming ? " streaming" : " memcpy");
+      for (char* c = out.data(); c < destination; ++c) ASSERT_EQ(*c, 'x');
+      for (char* c = destination + total; c < out.data() + out.size(); ++c) ASSERT_EQ(*c, 'x');
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attngrad::wire

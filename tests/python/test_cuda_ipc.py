@@ -76,6 +76,23 @@ class CudaIpcAgainstServer(t.ServerTestCase):
                            response_dtype="float16")
         self.assertEqual(len(got.batch_ids), 2)
 
+    def test_cuda_tensors_on_the_bytes_path_come_through_page_locked_memory(self):
+        # zero_copy=False: the inputs are copied to the host once, into page-locked memory
+        # (tensors.to_host); the answer is the one of the same values sent from the host.
+        from attngrad import tensors
+        hidden, grad, positions = self.inputs(2, 64, 5)
+        host = tensors.to_host(hidden)
+        self.assertTrue(host.is_pinned())
+        self.assertTrue(torch.equal(host, hidden.cpu()))
+        expected = self.client.backward(hidden.cpu(), grad.cpu(), position_ids=positions,
+                                        mode="return")
+        got = self.client.backward(hidden, grad, position_ids=positions, mode="return")
+        self.assertTrue(got.grad_hidden_states.is_cuda)
+        self.assert_same_bits(got.grad_hidden_states.cpu(), expected.grad_hidden_states,
+                              "grad_hidden_states")
+        for name, value in expected.weight_gradients.items():
+            self.assert_same_bits(got.weight_gradients[name].cpu(), value.cpu(), name)
+
     def test_accumulate_sums_equal_the_bytes_path(self):
         sums = []
         for zero_copy in (False, True):

@@ -11,10 +11,12 @@
 // Memory: Submit encodes a batch's activations once, into a host buffer that gRPC sends as it is
 // (the batch's spans are not read after Submit returns); sent buffers are kept for reuse by the
 // next batches, up to 1 GiB per Client, and freed with it. With BackwardBatch::borrow_inputs
-// (float32 inputs), gRPC sends them from the caller's memory instead, with no copy. Answers are
-// decoded straight from the received bytes into the result's vectors, or into the caller's memory
-// (BackwardBatch::grad_hidden_states_out, weight_gradients_out), in 4 MiB parts on up to 4 decode
-// threads that the Client keeps for all its streams (wire::ParallelTasks).
+// (inputs already in the wire dtype: float32, or the 16-bit spans), gRPC sends them from the
+// caller's memory instead, with no copy. Answers are decoded straight from the received bytes into
+// the result's vectors, or into the caller's memory (BackwardBatch::grad_hidden_states_out,
+// grad_hidden_states_16bit_out, weight_gradients_out; a float32 or 16-bit answer copied there with
+// non-temporal stores), in 4 MiB parts on up to 4 decode threads that the Client keeps for all its
+// streams (wire::ParallelTasks).
 #ifndef ATTNGRAD_CLIENT_H_
 #define ATTNGRAD_CLIENT_H_
 
@@ -137,9 +139,10 @@ struct BackwardBatch {
   // name the parts of a split batch). Reusing an id in ACCUMULATE mode within one window is a
   // retry: the server answers it again and does not add it twice.
   uint64_t batch_id = 0;
-  uint64_t expected_weights_version = 0;             // 0 = any
-  uint64_t accumulation_window_id = 0;               // ACCUMULATE: 0 = the current window
-  v1::DType response_dtype = v1::DTYPE_UNSPECIFIED;  // wire dtype of the answer; results are fp32
+  uint64_t expected_weights_version = 0;  // 0 = any
+  uint64_t accumulation_window_id = 0;    // ACCUMULATE: 0 = the current window
+  // Wire dtype of the answer; results are fp32 (but grad_hidden_states_16bit_out).
+  v1::DType response_dtype = v1::DTYPE_UNSPECIFIED;
   // Wire dtype of hidden_states and grad_output (float32 when unspecified; float16 / bfloat16 halve
   // the bytes, and the server computes from the rounded values: a different input, so compare with
   // the reference of the rounded input). cos/sin always travel as float32.
@@ -159,11 +162,25 @@ struct BackwardBatch {
   // same lifetime rule as grad_hidden_states_out. A RETURN answer of the SPEC layer carries ~100 MB
   // of weight gradients (fp32): fresh vectors cost their page faults on every answer.
   PerWeight<absl::Span<float>> weight_gradients_out;
-  // With float32 inputs: hidden_states and grad_output are sent from the caller's memory as they
-  // are, not copied (the same bytes on the wire). The caller must then keep that memory valid and
-  // unchanged until the batch's result has been returned (by Next, Await or Backward), which waits,
-  // if need be, until gRPC has let go of it. Ignored for float16 / bfloat16 inputs (converted into
-  // a buffer of the client's). False: the spans are read during Submit only (one copy).
+  // 16-bit inputs and answer, for a trainer whose tensors are already float16 or bfloat16: nothing
+  // is converted on the client. hidden_states_16bit and grad_output_16bit hold B*S*hidden elements
+  // each of input_dtype (which must then be float16 or bfloat16) as their bit patterns (e.g. the
+  // memory of a bf16 tensor), in place of the float spans above (set these two or those two); they
+  // go on the wire as they are, copied once into a buffer of the client's, or with borrow_inputs
+  // not at all.
+  absl::Span<const uint16_t> hidden_states_16bit;
+  absl::Span<const uint16_t> grad_output_16bit;
+  // The answer's grad_hidden_states in response_dtype (which must then be float16 or bfloat16):
+  // B*S*hidden elements of the caller's into which its bits are copied as they arrive (no
+  // conversion); the result's vector stays empty. The same lifetime rule as
+  // grad_hidden_states_out; set one or neither of the two.
+  absl::Span<uint16_t> grad_hidden_states_16bit_out;
+  // Inputs already in the wire dtype (float32 spans with float32 on the wire, or the 16-bit spans):
+  // hidden_states and grad_output are sent from the caller's memory as they are, not copied (the
+  // same bytes on the wire). The caller must then keep that memory valid and unchanged until the
+  // batch's result has been returned (by Next, Await or Backward), which waits, if need be, until
+  // gRPC has let go of it. Ignored for float spans with a 16-bit input_dtype (converted into a
+  // buffer of the client's). False: the spans are read during Submit only (one copy).
   bool borrow_inputs = false;
 };
 

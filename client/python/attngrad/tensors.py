@@ -2,7 +2,7 @@
 NumPy arrays and PyTorch tensors. PyTorch is never imported here: torch tensors are recognised by
 their type's module and converted with their own methods.
 
-Copies: contiguous() gives the wire bytes of an array without copying when it already is C-contiguous
+Copies: a CUDA tensor comes to the host once, into page-locked memory (to_host); contiguous() gives the wire bytes of an array without copying when it already is C-contiguous
 little-endian float32 (float16/bfloat16 need one conversion); the client then serialises backward
 requests and weight chunks with a single join of those buffers (client._WireRequest/_WireChunk).
 Decoding is zero-copy for float32 and float16 (np.frombuffer over the received bytes: the array is
@@ -21,15 +21,25 @@ def is_torch_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "detach")
 
 
+def to_host(tensor):
+    """A GPU tensor's copy in page-locked host memory (from PyTorch's caching host allocator, so a
+    buffer of the same size is reused call after call): the device copies into it at DMA speed,
+    where tensor.cpu() lands in fresh pageable memory (page faults on every call, and the driver's
+    bounce through its own staging buffer). A CPU tensor as it is."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = tensor.new_empty(tensor.shape, device="cpu", pin_memory=True)
+    host.copy_(tensor)  # synchronous: complete when it returns
+    return host
+
+
 def to_numpy(value: Any) -> np.ndarray:
     """A NumPy view (or, for GPU/bf16 tensors, a host copy as float32) of an array-like."""
     if is_torch_tensor(value):
         tensor = value.detach()
         if str(tensor.dtype) == "torch.bfloat16":
             tensor = tensor.float()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        return tensor.numpy()
+        return to_host(tensor).numpy()
     return np.asarray(value)
 
 

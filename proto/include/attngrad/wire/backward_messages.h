@@ -34,6 +34,15 @@ absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(
     absl::Span<const float> grad_output, int dtype, BufferPool& pool,
     std::shared_ptr<const void> borrow_owner = nullptr);
 
+// The same with hidden_states and grad_output already encoded in the request's dtype (their raw
+// little-endian bytes, e.g. a bf16 tensor's memory): nothing converted; with `borrow_owner`
+// non-null nothing copied either (the bytes go out as slices of their own, `borrow_owner` kept
+// until gRPC lets go of them), else copied once into one buffer of `pool`.
+absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequestBytes(
+    const v1::BackwardRequest& request, absl::string_view hidden_states,
+    absl::string_view grad_output, BufferPool& pool,
+    std::shared_ptr<const void> borrow_owner = nullptr);
+
 // An answer: its fields but the tensors' raw_data, which are `payloads` (in
 // BackwardResponseTensorPaths' order) in the received slices that `owner` keeps alive.
 struct ReceivedBackwardResponse {

@@ -73,6 +73,12 @@ absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view 
 // DMA): no read-for-ownership of the destination and no second pass to check. The copy is
 // complete (and visible to other threads) when it returns, whatever the answer.
 bool CopyAndCheckFinite(absl::string_view source, int dtype, char* destination);
+// Copies the pieces' bytes, in order, to `destination` (as many bytes as they hold). `streaming`:
+// with the same non-temporal stores as CopyAndCheckFinite for pieces of 4 KiB and more, for a copy
+// larger than the caches keep into memory the CPU does not read again soon (the client's large
+// answers into its caller's buffers); else memcpy. Complete (and visible to other threads) when it
+// returns.
+void CopyPieces(absl::Span<const absl::string_view> pieces, char* destination, bool streaming);
 
 // CheckTensor, then DecodeToFloat into `out` (resized to the tensor's element count).
 absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
