@@ -689,19 +689,14 @@ def _raw_of(response, name: str):
 def _torch_from_numpy(array: np.ndarray, device, dtype):
     import torch  # only reached when the caller passed torch tensors
 
-    if device.type == "cpu":
-        array = np.array(array, copy=True)  # the response's bytes are immutable: own a copy
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a read-only view, copied next
+    if device.type == "cpu" or not array.flags.writeable:
+        if device.type == "cpu":
+            array = np.array(array, copy=True)  # the response's bytes are immutable: own a copy
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only view, copied to the device next
+            tensor = torch.from_numpy(array)
+    else:
         tensor = torch.from_numpy(array)
-    if device.type != "cpu":
-        # To the GPU through page-locked memory (PyTorch's caching host allocator, reused call
-        # after call): one host copy and a DMA, where pageable memory goes through the driver's
-        # bounce buffer (on the H200 host, run of 2026-12-02 16:00, the pageable D2H of the
-        # inputs cost the TCP bridge ~27 ms of 68; tensors.to_host is the other direction).
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor)
-        tensor = host
     return tensor.to(device=device, dtype=dtype if dtype is not None else tensor.dtype)
 
 
