@@ -189,6 +189,16 @@ bool AnyNotFinite(const char* bytes, std::size_t count, Bits exponent_mask) {
   return any != 0;
 }
 
+// The bits that are all ones in an Inf or NaN of `dtype` (0 for a dtype without them).
+std::uint32_t ExponentMask(int dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: return 0x7f800000u;
+    case v1::DTYPE_FLOAT16: return 0x7c00u;
+    case v1::DTYPE_BFLOAT16: return 0x7f80u;
+    default: return 0;
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -292,14 +302,10 @@ void StoreFence() {
 }  // namespace
 
 bool CopyAndCheckFinite(absl::string_view source, int dtype, char* destination) {
-  std::uint32_t mask = 0;
-  switch (dtype) {
-    case v1::DTYPE_FLOAT32: mask = 0x7f800000u; break;
-    case v1::DTYPE_FLOAT16: mask = 0x7c00u; break;
-    case v1::DTYPE_BFLOAT16: mask = 0x7f80u; break;
-    default:
-      if (!source.empty()) std::memcpy(destination, source.data(), source.size());
-      return true;
+  const std::uint32_t mask = ExponentMask(dtype);
+  if (mask == 0) {
+    if (!source.empty()) std::memcpy(destination, source.data(), source.size());
+    return true;
   }
   const bool any = CopyMaybeStreaming<true>(source, DTypeSize(dtype), mask, destination);
   StoreFence();
@@ -321,17 +327,10 @@ void CopyPieces(absl::Span<const absl::string_view> pieces, char* destination, b
 absl::Status CheckFiniteRaw(absl::string_view raw, int dtype, absl::string_view field,
                             std::size_t first_index) {
   const std::size_t element_size = DTypeSize(dtype);
-  if (element_size == 0) return absl::OkStatus();
+  const std::uint32_t mask = ExponentMask(dtype);
+  if (element_size == 0 || mask == 0) return absl::OkStatus();
   const std::size_t count = raw.size() / element_size;
-  bool any = false;
-  switch (dtype) {
-    case v1::DTYPE_FLOAT32:
-      any = AnyNotFinite<std::uint32_t>(raw.data(), count, 0x7f800000u);
-      break;
-    case v1::DTYPE_FLOAT16: any = AnyNotFinite<std::uint16_t>(raw.data(), count, 0x7c00u); break;
-    case v1::DTYPE_BFLOAT16: any = AnyNotFinite<std::uint16_t>(raw.data(), count, 0x7f80u); break;
-  }
-  if (!any) return absl::OkStatus();
+  if (!AnyMasked(raw.data(), count * element_size, element_size, mask)) return absl::OkStatus();
   // Decode in blocks to name the first offender exactly as CheckFinite does.
   constexpr std::size_t kBlock = 4096;
   std::vector<float> values(kBlock);
