@@ -63,9 +63,7 @@ std::size_t StoredScoreBytes(const AttentionProblem& problem) {
       bytes_with_window(problem.seq_len) > kMaxStoredScoreBytes) {
     return 0;
   }
-  return bytes_with_window(problem.sliding_window > 0 && problem.sliding_window < problem.seq_len
-                               ? problem.sliding_window
-                               : problem.seq_len);
+  return bytes_with_window(EffectiveWindow(problem));
 }
 
 // Which gradients a dK/dV kernel computes: both (head_dim 128), or one of the two passes (256).

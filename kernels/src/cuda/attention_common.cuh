@@ -822,6 +822,13 @@ inline bool Aligned16(const void* pointer) {
   return (reinterpret_cast<std::uintptr_t>(pointer) & 15u) == 0;
 }
 
+// AttentionParams::window of a problem: its sliding window, or seq_len for none (or one as long).
+inline int EffectiveWindow(const AttentionProblem& problem) {
+  return problem.sliding_window > 0 && problem.sliding_window < problem.seq_len
+             ? problem.sliding_window
+             : problem.seq_len;
+}
+
 inline int ElementBytes(AttentionOperand operand) {
   return operand == AttentionOperand::kFp16 ? 2 : 4;
 }
@@ -861,9 +868,7 @@ inline attngrad_status MakeParams(const AttentionProblem& problem, const void* q
   params->num_kv_heads = problem.num_kv_heads;
   params->group = problem.num_heads / problem.num_kv_heads;
   params->head_dim = problem.head_dim;
-  params->window = problem.sliding_window > 0 && problem.sliding_window < problem.seq_len
-                       ? problem.sliding_window
-                       : problem.seq_len;
+  params->window = EffectiveWindow(problem);
   params->scaling = problem.scaling;
   params->has_cap = problem.softcap > 0.f;
   params->score_scale =
