@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import itertools
 import math
 import os
@@ -212,7 +213,11 @@ class BackwardResult:
     weight_gradients: RETURN mode: {"q_proj": ..., ..., "k_norm": ...} summed over the parts; None
       in ACCUMULATE mode.
     duplicate: ACCUMULATE mode: every part had already been accumulated in this window (a retry).
-    batch_ids / devices / timings: one entry per request the batch was split into."""
+    batch_ids / devices / timings: one entry per request the batch was split into.
+    client_phases: Client(phase_timings=True): the seconds this client spent in each phase of the
+      call: "prepare" (checks, host copies of the inputs), "register" (zero_copy: regions),
+      "encode" (requests serialised), "send" (queued for gRPC's sender), "wait" (until the answers
+      arrived), "decode" (the result assembled); None otherwise."""
     batch_id: int
     grad_hidden_states: Any
     weight_gradients: Optional[Dict[str, Any]]
@@ -223,6 +228,7 @@ class BackwardResult:
     batch_ids: Tuple[int, ...]
     devices: Tuple[str, ...]
     timings: Tuple[StageTimings, ...]
+    client_phases: Optional[Dict[str, float]] = None
 
 
 @dataclasses.dataclass
@@ -473,8 +479,11 @@ class _CudaLayout:
 
     on_device = True
 
-    def __init__(self, batch: "_Batch", cache, hidden, grad, answer, weights=None, shapes=None):
-        self.batch = batch
+    def __init__(self, parts, cache, hidden, grad, answer, weights=None, shapes=None):
+        # The parts' bounds, not the batch: the batch holds this layout (batch.region), and a
+        # reference back would make a cycle that keeps every call's tensors alive until the
+        # garbage collector runs (torch's allocator could not reuse their memory meanwhile).
+        self._parts = parts
         self.grad_hidden_states = answer
         self._tensors = [(cache.slice_of(tensor), tensor[0].numel() * tensor.element_size())
                          for tensor in (hidden, grad, answer)]
@@ -484,7 +493,7 @@ class _CudaLayout:
         self._weights_slice = cache.slice_of(weights) if weights is not None else None
 
     def slices(self, part_index: int):
-        _, (b0, b1) = self.batch.parts[part_index]
+        _, (b0, b1) = self._parts[part_index]
         return tuple(pb.RegionSlice(region_id=region, offset=offset + b0 * per_sequence,
                                     byte_size=(b1 - b0) * per_sequence)
                      for (region, offset, _), per_sequence in self._tensors)
@@ -525,7 +534,7 @@ class _RegionLayout:
     on_device = False
 
     def __init__(self, batch: "_Batch"):
-        self.batch = batch
+        # No reference to BATCH is kept (it holds this layout: see _CudaLayout).
         in_size = tensors.itemsize(batch.input_dtype)
         out_size = tensors.itemsize(batch.response_dtype)
         per_sequence = int(np.prod(batch.shape[1:]))
@@ -548,12 +557,12 @@ class _RegionLayout:
     def _slice(self, offset: int, size: int):
         return pb.RegionSlice(region_id=self.shared.region_id, offset=offset, byte_size=size)
 
-    def write_inputs(self, shared: _SharedRegion) -> None:
+    def write_inputs(self, shared: _SharedRegion, batch: "_Batch") -> None:
         self.shared = shared
         buffer = shared.memory.buf
-        for (_, (b0, b1)), (hidden, grad, _, in_bytes, _) in zip(self.batch.parts, self.parts):
-            for offset, array in ((hidden, self.batch.hidden_states), (grad, self.batch.grad_output)):
-                raw = memoryview(tensors.contiguous(array[b0:b1], self.batch.input_dtype)).cast("B")
+        for (_, (b0, b1)), (hidden, grad, _, in_bytes, _) in zip(batch.parts, self.parts):
+            for offset, array in ((hidden, batch.hidden_states), (grad, batch.grad_output)):
+                raw = memoryview(tensors.contiguous(array[b0:b1], batch.input_dtype)).cast("B")
                 buffer[offset:offset + in_bytes] = raw
 
     def slices(self, part_index: int):
@@ -827,6 +836,213 @@ def ordered_fan_out(items: Iterable[Any], lane_of, run_lane, *, limit: int) -> I
     finally:
         for inbox in inboxes.values():
             inbox.put(end)
+# ------------------------------------------------------------------------------------------------
+# backward(): one Backward stream kept open across calls
+
+
+class _Phases:
+    """The client-side phases of one backward() (Client(phase_timings=True)): mark(NAME) adds the
+    time since the previous mark to NAME's seconds."""
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + (now - self._last)
+        self._last = now
+
+
+class _NoPhases:
+    """_Phases when phase timings are off: nothing is measured."""
+
+    seconds = None
+
+    def mark(self, name: str) -> None:
+        pass
+
+
+_NO_PHASES = _NoPhases()
+
+
+class _StreamBroken(Exception):
+    """The Backward stream ended or failed under a call (ERROR: the AttngradError to raise when it
+    is not retried; RETRYABLE: a new stream may carry the call's unanswered parts again)."""
+
+    def __init__(self, error: errors.AttngradError, retryable: bool):
+        super().__init__(str(error))
+        self.error = error
+        self.retryable = retryable
+
+
+class _BackwardStream:
+    """One Backward call kept open: send() queues a serialised request for gRPC's sending thread,
+    receive() reads the next response. Used by one backward() at a time (_StreamPool); returned to
+    the pool only with no request outstanding, so the next user reads only its own answers."""
+
+    def __init__(self, multi_callable):
+        self._outbox: "queue.Queue" = queue.Queue()
+        self._responses = multi_callable(self._requests(), timeout=None)
+        self.outstanding = 0
+        self.broken = False
+        self.expired = False  # the watchdog cancelled it: a call's deadline passed
+
+    def _requests(self):
+        while True:
+            payload = self._outbox.get()  # a serialised request (bytes): no caller's array
+            if payload is _END:
+                return
+            yield payload
+
+    def usable(self) -> bool:
+        return not (self.broken or self.expired or self.outstanding or self._responses.done())
+
+    def send(self, payload: bytes) -> None:
+        self.outstanding += 1
+        self._outbox.put(payload)
+
+    def receive(self):
+        try:
+            response = next(self._responses)
+        except StopIteration:
+            self.broken = True
+            raise _StreamBroken(errors.AttngradError(
+                grpc.StatusCode.INTERNAL, "the server closed the stream without answering "
+                f"{self.outstanding} outstanding request(s)", method="Backward"),
+                retryable=True) from None
+        except grpc.RpcError as error:
+            self.broken = True
+            if self.expired:
+                raise errors.DeadlineExceededError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the call's timeout",
+                    method="Backward") from None
+            raise _StreamBroken(errors.from_rpc_error(error, "Backward"),
+                                retryable=error.code() in _RETRYABLE) from None
+        self.outstanding -= 1
+        return response
+
+    def expire(self) -> None:
+        """The watchdog's: a call's deadline passed; the call's receive() raises
+        DeadlineExceededError."""
+        self.expired = True
+        self._responses.cancel()
+
+    def close(self, wait: float = 5.0) -> None:
+        """Half-closes the stream (the server ends it with OK) and waits up to WAIT seconds for
+        that; cancels it when it does not end (requests outstanding, or no answer)."""
+        self._outbox.put(_END)
+        if self.outstanding == 0 and not self.broken and not self.expired:
+            ended = threading.Event()
+            self._responses.add_done_callback(lambda *_: ended.set())
+            if ended.wait(wait):
+                return
+        self._responses.cancel()
+
+
+class _StreamPool:
+    """The Backward streams of a client's backward() calls: a call takes an idle stream (or opens
+    one on the next channel) and gives it back when it is done, so that a training loop's calls
+    share one stream and concurrent calls each have their own. At most IDLE_LIMIT idle streams are
+    kept open (each counts against the server's streams per client)."""
+
+    def __init__(self, open_stream, idle_limit: int):
+        self._open = open_stream
+        self._idle_limit = max(1, int(idle_limit))
+        self._idle: List[_BackwardStream] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> _BackwardStream:
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise ValueError("the client is closed")
+                stream = self._idle.pop() if self._idle else None
+            if stream is None:
+                return _BackwardStream(self._open())
+            if stream.usable():
+                return stream
+            stream.close(wait=0)  # ended meanwhile (e.g. the server restarted): a new one
+
+    def give_back(self, stream: _BackwardStream) -> None:
+        if stream.usable():
+            with self._lock:
+                if not self._closed and len(self._idle) < self._idle_limit:
+                    self._idle.append(stream)
+                    return
+        stream.close(wait=0 if not stream.usable() else 5.0)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            streams, self._idle = self._idle, []
+        for stream in streams:
+            stream.close()
+
+
+class _Watchdog:
+    """One thread per client (started by the first call with a deadline): expires the stream of a
+    backward() whose deadline has passed (_BackwardStream.expire), instead of a thread per call."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._heap: List[list] = []  # [deadline (monotonic), sequence, stream or None when done]
+        self._sequence = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def watch(self, deadline: float, stream: _BackwardStream) -> list:
+        entry = [deadline, next(self._sequence), stream]
+        with self._changed:
+            if len(self._heap) > 1024:  # done entries are dropped lazily: drop them now
+                self._heap = [e for e in self._heap if e[2] is not None]
+                heapq.heapify(self._heap)
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="attngrad-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            if self._heap[0] is entry:
+                self._changed.notify()
+        return entry
+
+    def done(self, entry: list) -> None:
+        with self._changed:
+            entry[2] = None
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+
+    def _run(self) -> None:
+        with self._changed:
+            while not self._closed:
+                while self._heap and self._heap[0][2] is None:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._changed.wait()
+                    continue
+                delay = self._heap[0][0] - time.monotonic()
+                if delay > 0:
+                    self._changed.wait(delay)
+                    continue
+                heapq.heappop(self._heap)[2].expire()
+
+
+def _raise_in_band_error(batch: _Batch, response) -> None:
+    """Raises the AttngradError of a part answered with BackwardResponse.error."""
+    if not response.HasField("error") or response.error.code == 0:
+        return
+    message = response.error.message
+    if len(batch.parts) > 1:
+        message += (f" (part of batch {batch.batch_id}, split into {len(batch.parts)} requests "
+                    f"along B; a retry with the same batch_id is not double-counted)")
+    raise errors.make_error(errors.status_code_from_number(response.error.code), message,
+                            batch_id=response.batch_id, method="Backward")
+
+
 _SERVICE = pb.DESCRIPTOR.services_by_name["AttentionGradient"].full_name
 
 
@@ -953,13 +1169,23 @@ class Client:
         streaming at once each get a connection of their own (on one H200 host a bare gRPC stream
         moved 4x more over 8 connections than over one: issue 13); 1 = one connection.
       options: extra grpc channel options.
+      phase_timings: each BackwardResult of backward() gets client_phases (seconds per
+        client-side phase of the call).
+
+    backward() keeps its Backward stream open between calls (one per concurrent caller, at most
+    `channels` of them idle): a training loop's calls share one stream on one connection, with no
+    stream set-up per call. A stream that broke (the server restarted, the connection dropped) is
+    replaced, and the call's unanswered requests are sent again once with the same batch ids
+    (ACCUMULATE counts each batch id once per window). A call's deadline is kept by one watchdog
+    thread per client, which cancels the stream of a call that ran past it.
     """
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
                  timeout: Optional[float] = DEFAULT_TIMEOUT_SECONDS, max_in_flight: int = 4,
                  options: Sequence[Tuple[str, Any]] = (), token: Optional[str] = None,
                  client_id: Optional[str] = None, for_client: Optional[str] = None,
-                 tls_server_name: Optional[str] = None, channels: int = 8):
+                 tls_server_name: Optional[str] = None, channels: int = 8,
+                 phase_timings: bool = False):
         if int(channels) < 1:
             raise ValueError(f"channels must be >= 1, got {channels}")
         channel_options = [("grpc.max_send_message_length", -1),
@@ -977,7 +1203,7 @@ class Client:
         self._channel_options = channel_options
         self._metadata = metadata
         self._raw_channels: List[Optional[grpc.Channel]] = [None] * int(channels)
-        self._backward_calls: List[Any] = [None] * int(channels)
+        self._backward_calls: Dict[Tuple[int, bool], Any] = {}
         self._next_channel = itertools.count()
         self.target = target
         self._channel = self._open_channel(0)
@@ -997,6 +1223,11 @@ class Client:
         # Why the server cannot open CUDA IPC regions (it is elsewhere or on the CPU), once seen.
         self._cuda_ipc_refused: Optional[str] = None
         self._batch_ids = itertools.count(random.SystemRandom().getrandbits(62) + 1)
+        self.phase_timings = bool(phase_timings)
+        # backward()'s streams, kept open across calls, and the watchdog of their deadlines.
+        self._streams = _StreamPool(lambda: self._next_backward(serialized=True),
+                                    idle_limit=int(channels))
+        self._watchdog = _Watchdog()
 
     @property
     def channels(self) -> int:
@@ -1018,21 +1249,25 @@ class Client:
         return (grpc.intercept_channel(raw, _MetadataInterceptor(self._metadata))
                 if self._metadata else raw)
 
-    def _next_backward(self):
-        """The Backward call of the next channel in turn (one-copy request serialisation)."""
+    def _next_backward(self, serialized: bool = False):
+        """The Backward call of the next channel in turn: requests are _WireRequests (one-copy
+        serialisation by gRPC's sender) or, SERIALIZED, their bytes."""
         index = next(self._next_channel) % len(self._raw_channels)
-        call = self._backward_calls[index]
+        call = self._backward_calls.get((index, serialized))
         if call is None:
             channel = self._channel if index == 0 else self._open_channel(index)
             call = channel.stream_stream(
-                f"/{_SERVICE}/Backward", request_serializer=_WireRequest.serialize,
+                f"/{_SERVICE}/Backward",
+                request_serializer=None if serialized else _WireRequest.serialize,
                 response_deserializer=_parse_backward_response)
-            self._backward_calls[index] = call
+            self._backward_calls[(index, serialized)] = call
         return call
 
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
+        self._streams.close()  # half-closed: the server ends them with OK
+        self._watchdog.close()
         with self._regions_lock:
             regions, self._free_regions = self._free_regions, []
             cuda_cache, self._cuda_regions = self._cuda_regions, None
@@ -1140,11 +1375,12 @@ class Client:
         """
         timeout = kwargs.pop("timeout", None)
         zero_copy = bool(kwargs.pop("zero_copy", False))
+        phases = _Phases() if self.phase_timings else _NO_PHASES
         if zero_copy and cuda_regions.is_cuda_tensor(hidden_states):
             if self._cuda_ipc_refused is None:
                 try:
                     return self._backward_on_gpu(hidden_states, grad_output, cos, sin, timeout,
-                                                 dict(kwargs))
+                                                 dict(kwargs), phases)
                 except _CudaIpcRefused as refused:
                     self._cuda_ipc_refused = str(refused)
                     warnings.warn(f"zero_copy: the server cannot open this process's GPU memory "
@@ -1152,18 +1388,71 @@ class Client:
                                   RuntimeWarning, stacklevel=2)
             zero_copy = False  # the bytes path (a server elsewhere, or on the CPU)
         batch = self._prepare(hidden_states, grad_output, cos, sin, **kwargs)
+        phases.mark("prepare")
         if not zero_copy:
-            return list(self._run([batch], timeout=timeout))[0]
+            return self._exchange(batch, timeout, phases)
         layout = _RegionLayout(batch)
         shared = self._take_region(layout.size)
         try:
-            layout.write_inputs(shared)
+            layout.write_inputs(shared, batch)
             batch.region = layout
-            return list(self._run([batch], timeout=timeout))[0]
+            phases.mark("register")
+            return self._exchange(batch, timeout, phases)
         finally:
             self._give_back_region(shared)
 
-    def _backward_on_gpu(self, hidden_states, grad_output, cos, sin, timeout, kwargs):
+    def _exchange(self, batch: _Batch, timeout, phases) -> BackwardResult:
+        """Sends BATCH's parts over a stream of the pool (max_in_flight outstanding) and returns its
+        result. A stream that breaks is replaced once, and the parts it had not answered are sent
+        again with the same batch ids."""
+        seconds = self._timeout(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        answered: Dict[int, Any] = {}
+        for attempt in range(2):
+            stream = self._streams.take()
+            entry = self._watchdog.watch(deadline, stream) if deadline is not None else None
+            try:
+                self._send_parts(stream, batch, answered, phases)
+            except _StreamBroken as broken:
+                if attempt or not broken.retryable:
+                    raise broken.error from None
+                continue
+            finally:
+                if entry is not None:
+                    self._watchdog.done(entry)
+                self._streams.give_back(stream)  # or closes it: broken, expired, answers due
+            break
+        for part_id, _ in batch.parts:
+            batch.add(answered[part_id])
+        result = batch.result()
+        phases.mark("decode")
+        result.client_phases = phases.seconds
+        return result
+
+    def _send_parts(self, stream: _BackwardStream, batch: _Batch, answered: Dict[int, Any],
+                    phases) -> None:
+        """The parts of BATCH not in ANSWERED, over STREAM: their responses go into ANSWERED."""
+        unsent = collections.deque(index for index, (part_id, _) in enumerate(batch.parts)
+                                   if part_id not in answered)
+        due = {batch.parts[index][0] for index in unsent}
+        while due:
+            while unsent and stream.outstanding < self.max_in_flight:
+                payload = batch.request(unsent.popleft()).serialize()
+                phases.mark("encode")
+                stream.send(payload)
+                phases.mark("send")
+            response = stream.receive()
+            phases.mark("wait")
+            if response.batch_id not in due:
+                stream.broken = True  # out of step: no later call may read from it
+                raise errors.AttngradError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the server answered unknown batch id {response.batch_id}", method="Backward")
+            _raise_in_band_error(batch, response)
+            due.discard(response.batch_id)
+            answered[response.batch_id] = response
+
+    def _backward_on_gpu(self, hidden_states, grad_output, cos, sin, timeout, kwargs, phases):
         """backward(zero_copy=True) of CUDA tensors: CUDA IPC regions (cuda_regions.py)."""
         import torch
 
@@ -1183,6 +1472,7 @@ class Client:
         batch = self._prepare(hidden, grad, cos, sin, input_dtype=inputs,
                               response_dtype=answer_dtype, keep_on_device=True, **kwargs)
         batch.like = hidden_states
+        phases.mark("prepare")
         weights = shapes = None
         if batch.mode != pb.GRADIENT_MODE_ACCUMULATE:
             # The weight gradients go into this process's GPU memory too: one row per part.
@@ -1190,15 +1480,17 @@ class Client:
             weights = torch.empty((len(batch.parts), sum(int(np.prod(s)) for s in shapes)),
                                   dtype=cuda_regions.torch_dtype(answer_dtype), device=hidden.device)
         try:
-            batch.region = _CudaLayout(batch, self._cuda_region_cache(), hidden, grad, answer,
-                                       weights, shapes)
+            batch.region = _CudaLayout(batch.parts, self._cuda_region_cache(), hidden, grad,
+                                       answer, weights, shapes)
         except (errors.FailedPreconditionError, errors.InvalidArgumentError) as error:
             if error.method != "RegisterRegion":
                 raise
             raise _CudaIpcRefused(str(error)) from None
+        phases.mark("register")
         # The server reads the inputs as soon as the request arrives: their writes must be done.
         torch.cuda.current_stream(hidden.device).synchronize()
-        return list(self._run([batch], timeout=timeout))[0]
+        phases.mark("synchronize")
+        return self._exchange(batch, timeout, phases)
 
     def _cuda_region_cache(self) -> cuda_regions.CudaRegionCache:
         with self._regions_lock:
@@ -1403,14 +1695,7 @@ class Client:
                     raise errors.AttngradError(
                         grpc.StatusCode.INTERNAL,
                         f"the server answered unknown batch id {response.batch_id}", method="Backward")
-                if response.HasField("error") and response.error.code != 0:
-                    message = response.error.message
-                    if len(batch.parts) > 1:
-                        message += (f" (part of batch {batch.batch_id}, split into {len(batch.parts)} "
-                                    f"requests along B; a retry with the same batch_id is not "
-                                    f"double-counted)")
-                    raise errors.make_error(errors.status_code_from_number(response.error.code),
-                                            message, batch_id=response.batch_id, method="Backward")
+                _raise_in_band_error(batch, response)
                 batch.add(response)
             finished = True
         finally:

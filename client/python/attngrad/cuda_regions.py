@@ -1,24 +1,31 @@
 """Same-host zero-copy over CUDA IPC: torch CUDA tensors registered with the server as regions.
 
-A tensor's storage is shared with `storage._share_cuda_()` (the CUDA IPC handle of the allocation
-that holds it, its offset there and its size), registered once (RegisterRegion with cuda_ipc) and
-remembered by (handle, offset, size): torch's caching allocator hands the same memory to the
-same-shaped tensors of the next step, so a training loop registers a few regions once. At most
-CAPACITY registrations are kept (the oldest is unregistered first); close() unregisters them all.
+A tensor's memory lies in a GPU allocation (a cudaMalloc segment of torch's caching allocator).
+The client asks the CUDA driver (libcuda through ctypes: cuPointerGetAttributes) which allocation
+holds the tensor's first byte: its base address, size, device and the driver's process-wide unique
+buffer id. It registers ONE region per allocation (RegisterRegion with the cuda_ipc handle of its
+base, cuIpcGetMemHandle, offset 0 and the allocation's whole size) and names a tensor by its
+offset from the base. Registrations are remembered by (device, buffer id): torch's allocator
+keeps its segments and hands their memory to the tensors of the next steps, so a training loop
+registers a handful of regions once and then only asks the driver (a few microseconds a tensor).
+An allocation freed and another made in its address range (torch.cuda.empty_cache(), a segment
+released under memory pressure) has a new buffer id: the new one is registered and the old
+registration, which kept the freed memory mapped in the server, is unregistered. At most
+CAPACITY registrations are kept (the least recently used is unregistered first); close()
+unregisters them all.
 
-torch counts the consumers of a shared storage (a reference counter that `_share_cuda_()` sets
-to 1 for the consumer it expects) and keeps its memory out of reuse until a consumer releases it;
-the server is no torch consumer, so the client releases that count itself right after sharing,
-and torch then reuses the memory as usual. The server computes straight from and into this
-memory: before a batch is sent, the work of the tensors' stream must be done (the client
-synchronises the current stream of the tensors' device), and the answer is there once the
-response has arrived.
+Nothing of torch's IPC machinery is used (no `storage._share_cuda_()`, whose consumer counters
+kept memory out of reuse). The server computes straight from and into this memory: before a batch
+is sent, the work of the tensors' stream must be done (the client synchronises the current stream
+of the tensors' device), and the answer is there once the response has arrived.
 """
 from __future__ import annotations
 
 import collections
+import ctypes
+import dataclasses
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 ALIGNMENT = 16  # a CUDA IPC slice's address must be a multiple of this (the server's rule)
 
@@ -41,89 +48,167 @@ def torch_dtype(wire_dtype: str):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wire_dtype]
 
 
-_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+_IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 
 
-def cuda_ipc_handle(torch_handle: bytes) -> bytes:
-    """The cudaIpcMemHandle_t in what `_share_cuda_()` returns: the 64 bytes themselves (older
-    torch), or a version byte, a type byte ('c': a cudaMalloc block) and the 64 bytes (torch 2.x's
-    caching allocator). Memory of expandable segments (type 'e') has no such handle."""
-    raw = bytes(torch_handle)
-    if len(raw) == _IPC_HANDLE_BYTES:
-        return raw
-    if len(raw) == _IPC_HANDLE_BYTES + 2 and raw[1] == ord("c"):
-        return raw[2:]
-    if len(raw) >= 2 and raw[1] == ord("e"):
-        raise ValueError("zero_copy with CUDA tensors needs cudaMalloc'd memory: this tensor lives "
-                         "in an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
-                         "True), which has no CUDA IPC memory handle; turn expandable segments off")
-    raise ValueError(f"unknown CUDA IPC handle format from torch ({len(raw)} bytes)")
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """The GPU allocation that holds an address: [base, base + size) on CUDA device DEVICE;
+    BUFFER_ID is the driver's id of it, never reused within the process."""
+    device: int
+    base: int
+    size: int
+    buffer_id: int
+
+
+# CUpointer_attribute (cuda.h)
+_BUFFER_ID, _DEVICE_ORDINAL, _IPC_CAPABLE, _RANGE_START, _RANGE_SIZE = 7, 9, 10, 11, 12
+_CUDA_SUCCESS = 0
+
+
+class _Driver:
+    """The few CUDA driver calls the cache needs, through ctypes on libcuda (loaded once)."""
+
+    _instance: Optional["_Driver"] = None
+    _instance_lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> "_Driver":
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self):
+        library = ctypes.CDLL("libcuda.so.1")
+        self._get_attributes = library.cuPointerGetAttributes
+        self._get_attributes.restype = ctypes.c_int
+        self._get_attributes.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int),
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_ulonglong]
+        self._ipc_handle = library.cuIpcGetMemHandle
+        self._ipc_handle.restype = ctypes.c_int
+        self._ipc_handle.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong]
+        self._error_name = library.cuGetErrorName
+        self._error_name.restype = ctypes.c_int
+        self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        kinds = (_BUFFER_ID, _DEVICE_ORDINAL, _IPC_CAPABLE, _RANGE_START, _RANGE_SIZE)
+        self._kinds = (ctypes.c_int * len(kinds))(*kinds)
+
+    def error_name(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        if self._error_name(code, ctypes.byref(name)) == _CUDA_SUCCESS and name.value:
+            return f"{name.value.decode()} ({code})"
+        return f"CUresult {code}"
+
+    def allocation(self, address: int) -> Allocation:
+        """The allocation holding ADDRESS (one cuPointerGetAttributes call)."""
+        buffer_id, base, size = ctypes.c_ulonglong(), ctypes.c_ulonglong(), ctypes.c_size_t()
+        device, capable = ctypes.c_int(-1), ctypes.c_int(0)  # a C bool is written into `capable`
+        values = (ctypes.c_void_p * 5)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+                                         for v in (buffer_id, device, capable, base, size)))
+        status = self._get_attributes(5, self._kinds, values, address)
+        if status != _CUDA_SUCCESS or base.value == 0 or size.value == 0:
+            raise ValueError(f"zero_copy: the CUDA driver does not know the allocation of address "
+                             f"{address:#x} ({self.error_name(status)})")
+        if not capable.value & 0xFF:
+            raise ValueError("zero_copy with CUDA tensors needs cudaMalloc'd memory: this tensor "
+                             "lives in memory without a CUDA IPC handle (e.g. an expandable segment: "
+                             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); turn expandable "
+                             "segments off")
+        return Allocation(device.value, base.value, size.value, buffer_id.value)
+
+    def ipc_handle(self, allocation: Allocation) -> bytes:
+        """The 64 bytes of the CUipcMemHandle of ALLOCATION (its base address)."""
+        import torch
+
+        handle = ctypes.create_string_buffer(_IPC_HANDLE_BYTES)
+        with torch.cuda.device(allocation.device):  # makes the device's context current here
+            status = self._ipc_handle(handle, allocation.base)
+        if status != _CUDA_SUCCESS:
+            raise ValueError(f"zero_copy: cuIpcGetMemHandle of the allocation at "
+                             f"{allocation.base:#x} failed: {self.error_name(status)}")
+        return handle.raw
+
+
+def _driver_allocation(address: int) -> Allocation:
+    return _Driver.get().allocation(address)
+
+
+def _driver_ipc_handle(allocation: Allocation) -> bytes:
+    return _Driver.get().ipc_handle(allocation)
 
 
 class CudaRegionCache:
-    """The CUDA IPC regions a client has registered, by (device, handle, offset, size)."""
+    """The CUDA IPC regions a client has registered: one per GPU allocation, by (device, buffer
+    id). REGISTER (handle bytes, device, offset, size) -> region id and UNREGISTER (region id) are
+    the client's RPCs; LOCATE (address) -> Allocation and IPC_HANDLE (Allocation) -> bytes are the
+    driver's (replaceable in tests)."""
 
-    def __init__(self, register, unregister, capacity: int = 64):
-        self._register = register      # (handle bytes, device, offset, size) -> region id
-        self._unregister = unregister  # region id -> None
+    def __init__(self, register, unregister, capacity: int = 64,
+                 locate: Callable[[int], Allocation] = _driver_allocation,
+                 ipc_handle: Callable[[Allocation], bytes] = _driver_ipc_handle):
+        self._register = register
+        self._unregister = unregister
+        self._locate = locate
+        self._ipc_handle = ipc_handle
         self._capacity = max(1, int(capacity))
         self._lock = threading.Lock()
-        self._regions: "collections.OrderedDict[Tuple, int]" = collections.OrderedDict()
-        # torch's consumer counters already released (a storage shared again returns its counter).
-        self._released: "collections.OrderedDict[Tuple[bytes, int], None]" = \
+        # (device, buffer id) -> (Allocation, region id), least recently used first.
+        self._regions: "collections.OrderedDict[Tuple[int, int], Tuple[Allocation, int]]" = \
             collections.OrderedDict()
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._regions)
 
+    def allocation_of(self, tensor) -> Allocation:
+        """The GPU allocation that holds TENSOR's first byte."""
+        return self._locate(int(tensor.data_ptr()))
+
     def slice_of(self, tensor):
-        """(region id, byte offset, byte size) of a contiguous CUDA tensor's bytes, its storage
+        """(region id, byte offset, byte size) of a contiguous CUDA tensor's bytes, its allocation
         registered when it was not yet."""
-        storage = tensor.untyped_storage()
-        shared = storage._share_cuda_()
-        device, handle, storage_bytes, storage_offset = shared[0], shared[1], shared[2], shared[3]
-        self._release_torch_count(shared)
-        key = (int(device), cuda_ipc_handle(handle), int(storage_offset), int(storage_bytes))
+        address = int(tensor.data_ptr())
+        size = tensor.numel() * tensor.element_size()
+        allocation = self._locate(address)
+        if address + size > allocation.base + allocation.size:
+            raise ValueError(f"zero_copy: the tensor's {size} bytes at {address:#x} run past the end "
+                             f"of their allocation [{allocation.base:#x}, +{allocation.size})")
+        return self.region_of(allocation), address - allocation.base, size
+
+    def region_of(self, allocation: Allocation) -> int:
+        """The region id of ALLOCATION, registered now when it was not. Registrations of
+        allocations that overlap it on its device (freed ones whose address range it reuses) are
+        unregistered."""
+        key = (allocation.device, allocation.buffer_id)
         with self._lock:
-            region = self._regions.get(key)
-            if region is not None:
+            known = self._regions.get(key)
+            if known is not None:
                 self._regions.move_to_end(key)
-        if region is None:
-            region = self._register(key[1], key[0], key[2], key[3])
-            evicted = []
-            with self._lock:
-                self._regions[key] = region
-                while len(self._regions) > self._capacity:
-                    evicted.append(self._regions.popitem(last=False)[1])
-            for old in evicted:
-                self._unregister(old)
-        offset = tensor.storage_offset() * tensor.element_size()
-        return region, offset, tensor.numel() * tensor.element_size()
-
-    def _release_torch_count(self, shared) -> None:
-        """Releases, once per storage, the consumer count that _share_cuda_() set (see above)."""
-        import torch
-
-        counter_handle, counter_offset = shared[4], shared[5]
-        if not counter_handle:
-            return
-        key = (bytes(counter_handle), int(counter_offset))
+                return known[1]
+        region = self._register(self._ipc_handle(allocation), allocation.device, 0, allocation.size)
+        stale = []
         with self._lock:
-            if key in self._released:
-                return
-            self._released[key] = None
-            while len(self._released) > 4096:
-                self._released.popitem(last=False)
-        release = getattr(torch.UntypedStorage, "_release_ipc_counter_cuda", None)
-        if release is not None:
-            try:
-                release(counter_handle, counter_offset)
-            except (RuntimeError, TypeError):
-                pass  # torch keeps that memory out of reuse: a leak, never a wrong result
+            for other_key, (other, other_region) in list(self._regions.items()):
+                if other.device == allocation.device and other_key != key and \
+                        other.base < allocation.base + allocation.size and \
+                        allocation.base < other.base + other.size:
+                    stale.append(other_region)
+                    del self._regions[other_key]
+            previous = self._regions.get(key)
+            if previous is not None:  # registered by another thread meanwhile: keep the first
+                stale.append(region)
+                region = previous[1]
+            else:
+                self._regions[key] = (allocation, region)
+            while len(self._regions) > self._capacity:
+                stale.append(self._regions.popitem(last=False)[1][1])
+        for old in stale:
+            self._unregister(old)
+        return region
 
     def close(self) -> None:
         with self._lock:
-            regions, self._regions = list(self._regions.values()), collections.OrderedDict()
+            regions, self._regions = [r for _, r in self._regions.values()], collections.OrderedDict()
         for region in regions:
             self._unregister(region)
