@@ -2,14 +2,18 @@
 CPU backend: backward round trips (split along B, position ids, non-default scalars, pipelined) match
 the CPU reference through the C ABI; ACCUMULATE + fetch with dedup of retried batches; weights
 version and accumulation window mismatches; bad input raises with the server's message and the
-stream and accumulators stay usable.
+stream and accumulators stay usable; backward()'s kept-open stream (BackwardStream).
 
 The server runs with small limits (--max_message_bytes=134217728, --max_batch_tokens=16) so that
 [3,8] batches are split in two requests along B by the client."""
 from __future__ import annotations
 
+import gc
 import math
+import threading
+import time
 import unittest
+import weakref
 
 import grpc
 import numpy as np
@@ -277,6 +281,145 @@ class ClientAgainstServer(t.ServerTestCase):
                 nobody.info()
         self.assertIn(caught.exception.code, (grpc.StatusCode.UNAVAILABLE,
                                               grpc.StatusCode.DEADLINE_EXCEEDED))
+
+
+class BackwardStream(t.ServerTestCase):
+    """backward() keeps one Backward stream open across calls: a loop of calls shares it (no
+    stream, thread or connection per call); a stream that breaks under a call is replaced and the
+    call's requests are sent again once with the same batch ids (ACCUMULATE counts them once); a
+    call past its deadline raises DeadlineExceededError and the next call gets a new stream; a
+    restarted server is reached by the next call; close() ends the stream with OK; phase timings;
+    a call's arrays are freed when it returns, without the garbage collector.
+
+    An open stream is a running RPC for the server: SIGTERM waits for it up to
+    --shutdown_grace_seconds (then cancels it), so these servers have a short grace period."""
+
+    server_flags = ("--max_clients_with_sums=16", "--shutdown_grace_seconds=2")
+
+    def batch(self, batch=1, seq_len=4):
+        return t.random_batch(np.random.default_rng(seq_len), batch, seq_len)
+
+    def test_a_loop_of_calls_shares_one_stream_and_no_thread_per_call(self):
+        with attngrad.Client(self.server.target, client_id="loop", timeout=60) as client:
+            hidden, grad, cos, sin = self.batch()
+            client.backward(hidden, grad, cos, sin, mode="accumulate")
+            stream = client._streams._idle[0]
+            threads = threading.active_count()
+            for _ in range(5):
+                result = client.backward(hidden, grad, cos, sin, mode="accumulate")
+            self.assertEqual(client._streams._idle, [stream])
+            self.assertEqual(threading.active_count(), threads)  # the watchdog's is there already
+            self.assertEqual(client.fetch_gradients().state.batches, 6)
+            self.assertIsNone(result.client_phases)
+
+    def test_a_broken_stream_is_replaced_and_the_batch_resent_with_its_id(self):
+        class Unavailable(grpc.RpcError):
+            def code(self):
+                return grpc.StatusCode.UNAVAILABLE
+
+            def details(self):
+                return "test: the connection dropped after the server answered"
+
+        class LosesTheFirstAnswer:
+            """A Backward call whose first answer is lost: the server has computed the batch."""
+
+            def __init__(self, call):
+                self.call = call
+
+            def __next__(self):
+                next(self.call)
+                raise Unavailable()
+
+            def __getattr__(self, name):
+                return getattr(self.call, name)
+
+        with attngrad.Client(self.server.target, client_id="resend", timeout=60) as client:
+            open_stream, opened = client._streams._open, []
+
+            def open_breaking():
+                backward = open_stream()
+                if opened:
+                    return backward
+                opened.append(True)
+                return lambda requests, timeout=None: LosesTheFirstAnswer(
+                    backward(requests, timeout=timeout))
+
+            client._streams._open = open_breaking
+            hidden, grad, cos, sin = self.batch()
+            result = client.backward(hidden, grad, cos, sin, mode="accumulate", batch_id=4242)
+            self.assertEqual(result.batch_ids, (4242,))
+            self.assertTrue(result.duplicate)  # the resent batch was the one already summed
+            self.assertEqual(client.fetch_gradients().state.batches, 1)
+            self.assertEqual(len(client._streams._idle), 1)  # the new stream, kept
+
+    def test_a_call_past_its_deadline_raises_and_the_next_call_works(self):
+        with attngrad.Client(self.server.target, client_id="deadline", timeout=60) as client:
+            hidden, grad, cos, sin = self.batch(2, 64)
+            with self.assertRaises(attngrad.DeadlineExceededError):
+                client.backward(hidden, grad, cos, sin, mode="accumulate", timeout=0.05)
+            self.assertEqual(client._streams._idle, [])  # the expired stream is not reused
+            small = self.batch()
+            result = client.backward(*small, mode="accumulate")
+            self.assertFalse(result.duplicate)
+            self.assertEqual(len(client._streams._idle), 1)
+
+    def test_a_restarted_server_is_reached_by_the_next_call(self):
+        # The client's idle stream keeps the first server in its grace period, then is cancelled.
+        server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"), "--shutdown_grace_seconds=1")
+        restarted = None
+        try:
+            with attngrad.Client(server.target, timeout=60) as client:
+                server.wait_ready(client)
+                hidden, grad, cos, sin = self.batch()
+                first = client.backward(hidden, grad, cos, sin, mode="accumulate")
+                self.assertEqual(server.stop(), 0)
+                restarted = t.ServerProcess(server.binary, f"--listen={server.target}",
+                                            "--shutdown_grace_seconds=1")
+                with attngrad.Client(server.target, timeout=60) as probe:
+                    restarted.wait_ready(probe)
+                second = client.backward(hidden, grad, cos, sin, mode="accumulate")
+                self.assertNotEqual(second.server_instance_id, first.server_instance_id)
+        finally:
+            server.stop()
+            if restarted is not None:
+                restarted.stop()
+
+    def test_close_ends_the_stream_with_ok(self):
+        client = attngrad.Client(self.server.target, client_id="close", timeout=60)
+        try:
+            client.backward(*self.batch(), mode="accumulate")
+            stream = client._streams._idle[0]
+        finally:
+            client.close()
+        self.assertTrue(stream._responses.done())
+        self.assertEqual(stream._responses.code(), grpc.StatusCode.OK)
+
+    def test_phase_timings(self):
+        with attngrad.Client(self.server.target, client_id="phases", timeout=60,
+                             phase_timings=True) as client:
+            start = time.perf_counter()
+            result = client.backward(*self.batch(), mode="accumulate")
+            elapsed = time.perf_counter() - start
+        phases = result.client_phases
+        self.assertEqual(set(phases), {"prepare", "encode", "send", "wait", "decode"})
+        self.assertTrue(all(seconds >= 0 for seconds in phases.values()), phases)
+        self.assertLessEqual(sum(phases.values()), elapsed)
+        self.assertGreater(phases["wait"], 0)
+
+    def test_a_calls_arrays_are_freed_when_it_returns(self):
+        for zero_copy in (False, True):
+            with self.subTest(zero_copy=zero_copy):
+                gc.disable()  # freed by reference counting alone: no cycle holds them
+                try:
+                    hidden, grad, cos, sin = self.batch()
+                    alive = [weakref.ref(array) for array in (hidden, grad, cos, sin)]
+                    result = self.client.backward(hidden, grad, cos, sin, mode="accumulate",
+                                                  zero_copy=zero_copy)
+                    del hidden, grad, cos, sin
+                    self.assertEqual([ref() is None for ref in alive], [True] * 4)
+                    self.assertEqual(result.grad_hidden_states.shape, (1, 4, t.HIDDEN))
+                finally:
+                    gc.enable()
 
 
 class WireEncoding(unittest.TestCase):

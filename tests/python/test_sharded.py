@@ -6,12 +6,14 @@ input dtype (issue 13, items 2 and 3), against attngrad-server processes on the 
   instance id in the answers, its own accumulation windows), backward_many across both, and the
   refusals: servers of different models, a server lacking a mapped layer, a layer outside the map,
   malformed maps.
-- attngrad.Client(channels=N): N backward streams on N distinct TCP connections (counted in
-  /proc/net/tcp), channels=1 sharing one.
+- attngrad.Client(channels=N): backward_many's N streams on N distinct TCP connections (counted
+  in /proc/net/tcp), channels=1 sharing one; sequential backward() calls share one kept-open
+  stream (one connection), concurrent ones take a stream each, on up to N connections.
 - input_dtype="bfloat16": the answer equals the float32 answer for the bf16-rounded inputs, bit
   for bit (the server computes from exactly those values)."""
 from __future__ import annotations
 
+import threading
 import unittest
 from pathlib import Path
 
@@ -236,9 +238,40 @@ class ChannelsAndInputDType(unittest.TestCase):
                 client.backward(hidden, grad, position_ids=positions)
             return established_connections(self.server.port) - before
 
-    def test_streams_take_their_own_connections(self):
-        self.assertEqual(self.connections_after(channels=3, streams=3), 3)
-        self.assertEqual(self.connections_after(channels=3, streams=6), 3)  # in turn, reused
+    def test_sequential_calls_share_one_stream_and_concurrent_ones_take_their_own(self):
+        # backward() keeps its stream open: a loop of calls shares one stream, so one connection.
+        self.assertEqual(self.connections_after(channels=3, streams=6), 1)
+        # Concurrent calls each take a stream of their own, each opened on the next connection.
+        hidden, grad, positions = self.batch(seq_len=64)
+        expected = self.client.backward(hidden, grad, position_ids=positions)
+        before = established_connections(self.server.port)
+        with attngrad.Client(self.server.target, channels=3, timeout=60) as client:
+            start = threading.Barrier(3)
+            results, failures = [], []
+
+            def caller():
+                try:
+                    start.wait()
+                    for _ in range(4):
+                        results.append(client.backward(hidden, grad, position_ids=positions))
+                except BaseException as error:  # noqa: BLE001 - reported below
+                    failures.append(error)
+
+            threads = [threading.Thread(target=caller) for _ in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            connections = established_connections(self.server.port) - before
+            idle = len(client._streams._idle)
+        self.assertEqual(failures, [])
+        self.assertEqual(len(results), 12)
+        for result in results:
+            np.testing.assert_array_equal(result.grad_hidden_states, expected.grad_hidden_states)
+        self.assertGreaterEqual(connections, 1)
+        self.assertLessEqual(connections, 3)
+        self.assertGreaterEqual(idle, 1)
+        self.assertLessEqual(idle, 3)
 
     def test_backward_many_spreads_over_streams_in_input_order(self):
         batches = []
