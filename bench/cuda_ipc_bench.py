@@ -12,7 +12,10 @@ that name them, so that no activation byte crosses the connection.
               ACCUMULATE: nothing but the response): the p50/p90 round trip of COUNT batches.
   bridge:     attngrad.torch's RemoteGemma3Attention (zero_copy=True, ACCUMULATE), one B x S
               backward in a loop: p50 wall time of loss.backward(); bridge_tcp: the same with
-              zero_copy=False (the tensors' bytes over the connection).
+              zero_copy=False (the tensors' bytes over the connection). With --phases, also the
+              median seconds of each client-side phase of the backward (Client(phase_timings=True):
+              prepare, register, synchronize, encode, send, wait, decode) and the CUDA IPC regions
+              the client holds at the end.
 
 Prints one line per measurement (and JSON with --json). Run against a server on the same GPU:
   attngrad-server --devices=0 --listen=127.0.0.1:50051 &
@@ -235,6 +238,7 @@ def bridge(args, client, device, zero_copy):
     positions = torch.arange(args.bridge_seq_len, device=device)
     cos, sin = bridge_module.rotary_tables(positions, info.head_dim)
     times = []
+    phases = {}
     for index in range(args.count + 5):
         out = layer(hidden, cos, sin)
         loss = out.float().square().mean()
@@ -246,10 +250,19 @@ def bridge(args, client, device, zero_copy):
         hidden.grad = None
         if index >= 5:
             times.append(elapsed)
+            measured = getattr(layer.last_result, "client_phases", None) or {}
+            for name, seconds in measured.items():
+                phases.setdefault(name, []).append(seconds)
     times.sort()
-    return {"what": f"attngrad.torch zero_copy={zero_copy} ACCUMULATE 1x{args.bridge_seq_len} "
-                    "loss.backward()", "count": len(times),
-            "p50_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3}
+    result = {"what": f"attngrad.torch zero_copy={zero_copy} ACCUMULATE 1x{args.bridge_seq_len} "
+                      "loss.backward()", "count": len(times),
+              "p50_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3}
+    if args.phases:
+        result["client_phases_p50_ms"] = {name: round(statistics.median(values) * 1e3, 3)
+                                          for name, values in phases.items()}
+        regions = getattr(client, "_cuda_regions", None)
+        result["cuda_regions"] = len(regions) if regions is not None else 0
+    return result
 
 
 def client_id_of(args):
@@ -273,11 +286,15 @@ def main():
                         help="bridge: over CUDA IPC (zero_copy=True); bridge_tcp: the bytes path; "
                              "shm: throughput over host shared-memory regions (--configs)")
     parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--phases", action="store_true",
+                        help="bridge: the client's phase timings (Client(phase_timings=True)) and "
+                             "its CUDA IPC regions")
     args = parser.parse_args()
     if torch is None and set(args.only.split(",")) - {"shm"}:
         parser.error("torch is needed for everything but --only=shm")
     device = torch.device("cuda", 0) if torch is not None else None
-    client = attngrad.Client(args.target, client_id=args.client_id, timeout=0)
+    options = {"phase_timings": True} if args.phases else {}
+    client = attngrad.Client(args.target, client_id=args.client_id, timeout=0, **options)
     info = client.wait_until_serving(60)
     results = []
     parts = args.only.split(",")

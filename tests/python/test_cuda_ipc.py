@@ -4,9 +4,11 @@ computes straight from them and writes grad_hidden_states into them. The results
 path's bit for bit (RETURN, whose weight gradients go into this process's GPU memory too, and
 ACCUMULATE; fp32 and bf16 inputs, fp32 and fp16 answers; a batch split in parts along B); every bad reference into a CUDA IPC region (unknown region, another
 client's, out of bounds, misaligned, too small, a slice on another GPU's memory) is
-INVALID_ARGUMENT naming the field and the stream goes on; registrations are cached per storage and
-closed by close(); a server on the CPU refuses the regions and the client falls back to the bytes
-path with a warning.
+INVALID_ARGUMENT naming the field and the stream goes on; one registration per GPU allocation,
+reused by the next calls (also with new tensors each call, as in a training loop, whose memory is
+freed when a call returns) and closed by close(); an allocation freed and made again
+(torch.cuda.empty_cache()) is registered anew and the answers stay right; a server on the CPU
+refuses the regions and the client falls back to the bytes path with a warning.
 
 Needs PyTorch with CUDA and a GPU build of attngrad-server (ATTNGRAD_SERVER); skips otherwise
 (label gpu: tests/python/CMakeLists.txt). ATTNGRAD_TEST_GPU: the GPU (default 0)."""
@@ -24,6 +26,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 import attngrad  # noqa: E402
 from attngrad import client as client_module  # noqa: E402
+from attngrad import cuda_regions  # noqa: E402
 
 HAVE_GPU = torch is not None and torch.cuda.is_available()
 GPU = int(os.environ.get("ATTNGRAD_TEST_GPU", "0"))
@@ -114,15 +117,24 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         answer = torch.empty_like(hidden)
         bytes_ = hidden.numel() * 4
         cache = self.client._cuda_region_cache()
-        regions = [cache.slice_of(tensor)[0] for tensor in (hidden, grad, answer)]
+        slices = [cache.slice_of(tensor) for tensor in (hidden, grad, answer)]
         other = attngrad.Client(self.server.target, client_id="other")
-        small = torch.empty(bytes_ // 32, device=self.device)  # a region too small for the tensor
         roomy = torch.empty(bytes_ // 4 + 64, device=self.device)  # room for a misaligned slice
+
+        def exact_region(tensor, size):
+            """A region of SIZE bytes from TENSOR's first byte (the cache registers whole
+            allocations, which are larger)."""
+            allocation = cache.allocation_of(tensor)
+            handle = cuda_regions._driver_ipc_handle(allocation)
+            return self.client.register_cuda_region(
+                handle, allocation.device, size, offset=tensor.data_ptr() - allocation.base)
+
         try:
             other_storage = torch.empty_like(hidden)
             other_region = other._cuda_region_cache().slice_of(other_storage)[0]
-            small_region = cache.slice_of(small)[0]
-            roomy_region = cache.slice_of(roomy)[0]
+            small_region = exact_region(hidden, bytes_ // 8)  # a region too small for the tensor
+            answer_region = exact_region(answer, bytes_)  # exactly the answer's bytes
+            roomy_region, roomy_offset, _ = cache.slice_of(roomy)
 
             shapes = client_module._weight_shapes(self.client.info())
             weight_bytes = sum(int(torch.tensor(shape).prod()) for shape in shapes) * 4
@@ -146,13 +158,15 @@ class CudaIpcAgainstServer(t.ServerTestCase):
                         pb.RegionSlice(region_id=region, offset=offset, byte_size=size))
                 return message
 
-            good = ((regions[0], 0, bytes_), (regions[1], 0, bytes_), (regions[2], 0, bytes_))
+            good = tuple(slices)
+            regions = [region for region, _, _ in slices]
             cases = {
-                "hidden_states_region.region_id": ((regions[0] + 1000, 0, bytes_),) + good[1:],
+                "hidden_states_region.region_id": ((regions[0] + 1000,) + good[0][1:],) + good[1:],
                 "grad_output_region.region_id": (good[0], (other_region, 0, bytes_), good[2]),
-                "grad_hidden_states_region": good[:2] + ((regions[2], 64, bytes_),),  # past the end
-                "grad_output_region.offset": (good[0], (roomy_region, 8, bytes_), good[2]),
-                "hidden_states_region.byte_size": ((regions[0], 0, bytes_ - 16),) + good[1:],
+                "grad_hidden_states_region": good[:2] + ((answer_region, 64, bytes_),),  # past the end
+                "grad_output_region.offset": (good[0], (roomy_region, roomy_offset + 8, bytes_),
+                                              good[2]),
+                "hidden_states_region.byte_size": ((regions[0], good[0][1], bytes_ - 16),) + good[1:],
                 "hidden_states_region ": ((small_region, 0, bytes_),) + good[1:],  # too small
                 "weight_gradients_region.byte_size": good + ((weights_region, 0, weight_bytes - 4),),
             }
@@ -178,6 +192,46 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         finally:
             other.close()
 
+    def test_a_calls_tensors_are_freed_when_it_returns(self):
+        import gc
+        import weakref
+
+        hidden, grad, positions = self.inputs(1, 64, 8)
+        self.client.backward(hidden, grad, position_ids=positions, zero_copy=True)  # registered
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated(self.device)
+        gc.disable()  # by reference counting alone: no cycle may hold a call's tensors
+        try:
+            for _ in range(3):
+                fresh_hidden, fresh_grad, _ = self.inputs(1, 64, 9)
+                alive = [weakref.ref(fresh_hidden), weakref.ref(fresh_grad)]
+                result = self.client.backward(fresh_hidden, fresh_grad, position_ids=positions,
+                                              mode="accumulate", zero_copy=True)
+                answer = weakref.ref(result.grad_hidden_states)
+                del fresh_hidden, fresh_grad, result
+                self.assertEqual([ref() is None for ref in alive + [answer]], [True] * 3)
+            self.assertEqual(torch.cuda.memory_allocated(self.device), baseline)
+        finally:
+            gc.enable()
+
+    def test_a_freed_and_remade_allocation_is_registered_anew(self):
+        client = attngrad.Client(self.server.target, client_id="remade")
+        try:
+            positions = torch.arange(64)
+            for seed in (11, 12):
+                hidden, grad, _ = self.inputs(2, 64, seed)
+                expected = client.backward(hidden.cpu(), grad.cpu(), position_ids=positions)
+                got = client.backward(hidden, grad, position_ids=positions, zero_copy=True)
+                self.assert_same_bits(got.grad_hidden_states.cpu(), expected.grad_hidden_states,
+                                      f"seed {seed}")
+                first_allocation = client._cuda_region_cache().allocation_of(hidden)
+                del hidden, grad, got, expected
+                torch.cuda.empty_cache()  # the segments go back to the driver
+            self.assertLessEqual(len(client._cuda_regions), 6)
+            self.assertIsNotNone(first_allocation)
+        finally:
+            client.close()
+
     def test_a_server_on_the_cpu_refuses_and_the_client_falls_back_to_bytes(self):
         server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"))  # --devices=cpu
         try:
@@ -193,21 +247,25 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         finally:
             server.stop()
 
-    def test_registrations_are_cached_per_storage_and_closed(self):
+    def test_one_registration_per_allocation_reused_by_later_calls_and_closed(self):
         client = attngrad.Client(self.server.target, client_id="cache")
         try:
             hidden, grad, positions = self.inputs(1, 32, 6)
             client.backward(hidden, grad, position_ids=positions, zero_copy=True)
-            after_one = len(client._cuda_regions)  # hidden, grad and the call's outputs
+            after_one = len(client._cuda_regions)  # the allocations of hidden, grad and the answer
+            self.assertLessEqual(after_one, 3)
             hidden_region = client._cuda_region_cache().slice_of(hidden)[0]
             for _ in range(3):
                 client.backward(hidden, grad, position_ids=positions, zero_copy=True)
-            # The inputs' storages are registered once (the same region every call); each call's
-            # new outputs at most once more (H200, 06:31 UTC: 10 regions after four calls, where
-            # registering per call would make 4 * after_one).
+            # A training loop: new tensors every call, dropped after it; the allocator hands their
+            # memory to the next call's, in the same allocations: no new registration.
+            for seed in range(8):
+                fresh_hidden, fresh_grad, _ = self.inputs(1, 32, 100 + seed)
+                client.backward(fresh_hidden, fresh_grad, position_ids=positions, zero_copy=True)
+                del fresh_hidden, fresh_grad
             self.assertEqual(client._cuda_region_cache().slice_of(hidden)[0], hidden_region)
-            self.assertLessEqual(len(client._cuda_regions), 2 + 4 * (after_one - 2))
-            region = client._cuda_region_cache().slice_of(hidden)[0]
+            self.assertEqual(len(client._cuda_regions), after_one)
+            region = hidden_region
         finally:
             client.close()
         again = attngrad.Client(self.server.target, client_id="cache")
