@@ -79,8 +79,8 @@ class _Driver:
                 cls._instance = cls()
             return cls._instance
 
-    def __init__(self):
-        library = ctypes.CDLL("libcuda.so.1")
+    def __init__(self, library_path: str = "libcuda.so.1"):
+        library = ctypes.CDLL(library_path)
         self._get_attributes = library.cuPointerGetAttributes
         self._get_attributes.restype = ctypes.c_int
         self._get_attributes.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int),
@@ -104,7 +104,7 @@ class _Driver:
         """The allocation holding ADDRESS (one cuPointerGetAttributes call)."""
         buffer_id, base, size = ctypes.c_ulonglong(), ctypes.c_ulonglong(), ctypes.c_size_t()
         device, capable = ctypes.c_int(-1), ctypes.c_int(0)  # a C bool is written into `capable`
-        values = (ctypes.c_void_p * 5)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+        values = (ctypes.c_void_p * 5)(*(ctypes.addressof(v)
                                          for v in (buffer_id, device, capable, base, size)))
         status = self._get_attributes(5, self._kinds, values, address)
         if status != _CUDA_SUCCESS or base.value == 0 or size.value == 0:
