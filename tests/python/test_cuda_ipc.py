@@ -163,10 +163,12 @@ class CudaIpcAgainstServer(t.ServerTestCase):
             cases = {
                 "hidden_states_region.region_id": ((regions[0] + 1000,) + good[0][1:],) + good[1:],
                 "grad_output_region.region_id": (good[0], (other_region, 0, bytes_), good[2]),
-                "grad_hidden_states_region": good[:2] + ((answer_region, 64, bytes_),),  # past the end
+                # past the end of the region:
+                "grad_hidden_states_region": good[:2] + ((answer_region, 64, bytes_),),
                 "grad_output_region.offset": (good[0], (roomy_region, roomy_offset + 8, bytes_),
                                               good[2]),
-                "hidden_states_region.byte_size": ((regions[0], good[0][1], bytes_ - 16),) + good[1:],
+                "hidden_states_region.byte_size":
+                    ((regions[0], good[0][1], bytes_ - 16),) + good[1:],
                 "hidden_states_region ": ((small_region, 0, bytes_),) + good[1:],  # too small
                 "weight_gradients_region.byte_size": good + ((weights_region, 0, weight_bytes - 4),),
             }

@@ -43,7 +43,8 @@ class FakeDriver:
         allocation = cuda_regions.Allocation(device, base, size, self.next_id)
         self.next_id += 1
         self.allocations = [a for a in self.allocations
-                            if not (a.device == device and a.base < base + size and base < a.base + a.size)]
+                            if not (a.device == device and a.base < base + size
+                                    and base < a.base + a.size)]
         self.allocations.append(allocation)
         return allocation
 
@@ -115,7 +116,7 @@ class CudaRegionCacheTest(unittest.TestCase):
         for base in bases:
             self.driver.allocate(base, 2 * MiB)
         regions = [self.cache.slice_of(FakeTensor(base, 4))[0] for base in bases[:3]]
-        self.cache.slice_of(FakeTensor(bases[0], 4))  # the first is used again: the second is oldest
+        self.cache.slice_of(FakeTensor(bases[0], 4))  # used again: the second is the oldest now
         fourth = self.cache.slice_of(FakeTensor(bases[3], 4))[0]
         self.assertEqual(sorted(self.server.live), sorted([regions[0], regions[2], fourth]))
         self.assertEqual(len(self.cache), 3)

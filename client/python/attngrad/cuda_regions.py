@@ -111,10 +111,10 @@ class _Driver:
             raise ValueError(f"zero_copy: the CUDA driver does not know the allocation of address "
                              f"{address:#x} ({self.error_name(status)})")
         if not capable.value & 0xFF:
-            raise ValueError("zero_copy with CUDA tensors needs cudaMalloc'd memory: this tensor "
-                             "lives in memory without a CUDA IPC handle (e.g. an expandable segment: "
-                             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); turn expandable "
-                             "segments off")
+            raise ValueError("zero_copy with CUDA tensors needs cudaMalloc'd memory: this "
+                             "tensor lives in memory without a CUDA IPC handle (e.g. an expandable "
+                             "segment: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); turn "
+                             "expandable segments off")
         return Allocation(device.value, base.value, size.value, buffer_id.value)
 
     def ipc_handle(self, allocation: Allocation) -> bytes:
@@ -172,8 +172,8 @@ class CudaRegionCache:
         size = tensor.numel() * tensor.element_size()
         allocation = self._locate(address)
         if address + size > allocation.base + allocation.size:
-            raise ValueError(f"zero_copy: the tensor's {size} bytes at {address:#x} run past the end "
-                             f"of their allocation [{allocation.base:#x}, +{allocation.size})")
+            raise ValueError(f"zero_copy: the tensor's {size} bytes at {address:#x} run past the "
+                             f"end of their allocation [{allocation.base:#x}, +{allocation.size})")
         return self.region_of(allocation), address - allocation.base, size
 
     def region_of(self, allocation: Allocation) -> int:
@@ -209,6 +209,7 @@ class CudaRegionCache:
 
     def close(self) -> None:
         with self._lock:
-            regions, self._regions = [r for _, r in self._regions.values()], collections.OrderedDict()
+            regions = [region for _, region in self._regions.values()]
+            self._regions = collections.OrderedDict()
         for region in regions:
             self._unregister(region)
