@@ -1360,14 +1360,16 @@ class Client:
             input: compare with the reference of the rounded input). None: wire_dtype.
           wire_dtype: the wire dtype of every input tensor (cos/sin too) unless input_dtype says
             otherwise; response_dtype: the answer's. "float32" (default), "float16" or "bfloat16".
-          timeout: the deadline of the stream in seconds.
+          timeout: the deadline of the call in seconds (kept by the client's watchdog thread; the
+            stream of a call past it is cancelled and DeadlineExceededError raised).
           zero_copy: same host only: the inputs are written into a POSIX shared-memory region this
             client registers with the server (register_region; kept for later calls, removed by
             close()), the request names them there and the server writes grad_hidden_states back
             into it, so no activation bytes cross the connection. NumPy arrays and CPU torch
             tensors; the results equal the bytes path's bit for bit. CUDA torch tensors (a server
             on their GPU): their own memory is registered over CUDA IPC (register_cuda_region,
-            remembered per storage, unregistered by close()) and the server computes straight
+            one region per GPU allocation, remembered across calls: cuda_regions.py;
+            unregistered by close()) and the server computes straight
             from it and writes grad_hidden_states into a new CUDA tensor, with no copy at all
             (inputs in float32, float16 or bfloat16: their dtype unless input_dtype says
             otherwise, then converted on the GPU). The client synchronises the tensors' current
