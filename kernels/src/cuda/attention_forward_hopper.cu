@@ -142,8 +142,11 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
   // the running max is kept on raw scores and only it goes through the cap. Per element, with the
   // cap: c * log2(e) = cap_log2e * tanh(x) = cap_log2e - 2 cap_log2e / (1 + 2^(2 x log2(e))), so
   // P = 2^(c log2(e) - base) is ex2, add, rcp, fma, ex2 (branch-free; absolute error of c ~ cap *
-  // 1e-6, far below the fp16 rounding of P). Masked entries get P = 0.
+  // 1e-6, far below the fp16 rounding of P). A warp tile whose scores are all of ordinary size
+  // (TanhIsPolynomial) takes t = PolynomialTanh instead: one ex2 per element, not three
+  // special-function instructions. Masked entries get P = 0.
   auto softmax = [&](int j, float& alpha_a, float& alpha_b) {
+    const bool polynomial = TanhIsPolynomial(p, s);  // on the raw scores, before the mask
     const int key0 = (first_kv_tile + j) * kBN;
     const int warp_row0 = wg_row0 + 16 * warp;
     const bool needs_mask = key0 + kBN - 1 > warp_row0 || key0 + kBN > seq_len ||
@@ -181,7 +184,20 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
     base_a = new_base_a;
     base_b = new_base_b;
     float part_a = 0.f, part_b = 0.f;
-    if (p.has_cap) {
+    if (polynomial) {  // c * log2(e) = cap_log2e * t (masked: -inf * cap, P = 0)
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float t = PolynomialTanh(s[n][e] * p.score_scale);
+          float prob_value = FastExp2(fmaf(t, p.cap_log2e, e < 2 ? -base_a : -base_b));
+          if (needs_mask && s[n][e] == -INFINITY) prob_value = 0.f;
+          s[n][e] = prob_value;
+        }
+        part_a += s[n][0] + s[n][1];
+        part_b += s[n][2] + s[n][3];
+      }
+    } else if (p.has_cap) {
       const float offset_a = p.cap_log2e - base_a, offset_b = p.cap_log2e - base_b;
       const float minus_two_cap = -2.f * p.cap_log2e;
 #pragma unroll
