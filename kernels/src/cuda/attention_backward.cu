@@ -288,7 +288,6 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
       if constexpr (kWantKey) WarpProductNk<Op, kNT>(dp, v_tile, warp * 16, do_tile);
       const float* lse_tile = lse_tiles + stage * kBM;
       const float* delta_tile = delta_tiles + stage * kBM;
-      const bool polynomial = TanhIsPolynomial(p, s);
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
 #pragma unroll
@@ -297,7 +296,7 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
           const int key = e < 2 ? key_a : key_b;
           float ds;
           s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], lse_tile[column], delta_tile[column],
-                                        ds_factor, IsMasked(p, key, q0 + column), ds, polynomial);
+                                        ds_factor, IsMasked(p, key, q0 + column), ds);
           dp[n][e] = ds;
         }
       }

@@ -258,14 +258,13 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       std::uint32_t prob_a[kScoreTiles / 2][4], ds_a[kScoreTiles / 2][4];
       {
         float prob[kScoreTiles][4];
-        const bool polynomial = TanhIsPolynomial(p, s);
 #pragma unroll
         for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int column = n * 8 + 2 * t + (e & 1);
             prob[n][e] = ProbabilityAndWeight<Op>(p, s[n][e], lse_tile[column] * kLog2e, ds_factor,
-                                                  /*masked=*/false, s[n][e], polynomial);
+                                                  /*masked=*/false, s[n][e]);
           }
         }
         // The mask only where it hides some (key, query) pair of this warp's 16 keys and the
@@ -428,13 +427,12 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       hopper::WgmmaCommit();
       hopper::WgmmaWait<1>();
       hopper::FenceAccumulators(s);
-      const bool polynomial = TanhIsPolynomial(p, s);
 #pragma unroll
       for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           ProbabilityAndWeight<Op>(p, s[n][e], e < 2 ? rows.lse_a : rows.lse_b, ds_factor,
-                                   /*masked=*/false, s[n][e], polynomial);
+                                   /*masked=*/false, s[n][e]);
         }
       }
       // The mask (weight 0) only where it hides some (row, key) pair of this warp's 16 rows and

@@ -168,7 +168,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           ClearAccumulators(dp);
           WarpProductNk<Op, 16>(s, q_tile, warp_row0, k_block, visible);
           WarpProductNk<Op, 16>(dp, do_tile, warp_row0, v_block, visible);
-          const bool polynomial = TanhIsPolynomial(p, s);
 #pragma unroll
           for (int n = 0; n < 16; ++n) {
 #pragma unroll
@@ -179,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               float ds;
               s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
                                             e < 2 ? rows.delta_a : rows.delta_b, ds_factor,
-                                            IsMasked(p, key, row), ds, polynomial);
+                                            IsMasked(p, key, row), ds);
               dp[n][e] = ds;
             }
           }
@@ -416,7 +415,6 @@ __global__ void __launch_bounds__(kGridThreads, 1)
       ClearAccumulators(dp);
       WarpProductNk<Op, kGridScoreTiles>(s, tile.own_a, half_rows, q_step);
       WarpProductNk<Op, kGridScoreTiles>(dp, tile.own_b, half_rows, do_step);
-      const bool polynomial = TanhIsPolynomial(p, s);
 #pragma unroll
       for (int n = 0; n < kGridScoreTiles; ++n) {
 #pragma unroll
@@ -426,7 +424,7 @@ __global__ void __launch_bounds__(kGridThreads, 1)
           float ds;
           s[n][e] = SoftmaxGradient<Op>(p, s[n][e], dp[n][e], tile.lse[rows0 + column],
                                         tile.delta[rows0 + column], ds_factor,
-                                        IsMasked(p, key, query0 + column), ds, polynomial);
+                                        IsMasked(p, key, query0 + column), ds);
           dp[n][e] = ds;
         }
       }

@@ -199,46 +199,12 @@ __device__ __forceinline__ float TanhComplement(const AttentionParams& p, float 
   return FastReciprocal(1.f + FastExp2(s * (2.f * kLog2e * p.score_scale)));
 }
 
-// tanh(x) for |x| <= kPolynomialTanhBound as x Q(x^2), Q of degree 4 fitted to tanh(x) / x
-// (relative minimax on [0, 0.25]): absolute error <= 5e-8 in fp32 arithmetic (TanhComplement's
-// ~1e-7), six instructions on the FMA pipe instead of two on the special-function unit (ex2, rcp),
-// which the soft-capped softmax otherwise keeps busy with three per score.
-inline constexpr float kPolynomialTanhBound = 0.5f;
-__device__ __forceinline__ float PolynomialTanh(float x) {
-  const float y = x * x;
-  float q = fmaf(y, 0.017135001718997955f, -0.05298607423901558f);
-  q = fmaf(y, q, 0.13324779272079468f);
-  q = fmaf(y, q, -0.3333306908607483f);
-  q = fmaf(y, q, 1.f);
-  return x * q;
-}
-
-// Whether every raw score of a warp's tile (each thread's part: s) gives a tanh argument within
-// kPolynomialTanhBound, so that the tile's soft-cap may take PolynomialTanh (CappedLog2's
-// `polynomial`): a warp vote, so warp-uniform. False without a cap. Scores of ordinary size (|s|
-// <= 25 for a cap of 50 at any scaling ≤ 1: every score of SPEC's inputs) pass.
-template <int kTiles>
-__device__ __forceinline__ bool TanhIsPolynomial(const AttentionParams& p,
-                                                 const float (&s)[kTiles][4]) {
-  if (!p.has_cap) return false;
-  float largest = 0.f;
-#pragma unroll
-  for (int n = 0; n < kTiles; ++n) {
-    largest = fmaxf(largest, fmaxf(fmaxf(fabsf(s[n][0]), fabsf(s[n][1])),
-                                   fmaxf(fabsf(s[n][2]), fabsf(s[n][3]))));
-  }
-  return __all_sync(0xffffffffu, largest * fabsf(p.score_scale) <= kPolynomialTanhBound);
-}
-
 // Soft-capped score in log2 units: returns c * log2(e) of a raw score s and writes the cap's
 // derivative factor slope = 1 - t^2, t = tanh(s * scaling / cap) (slope = 1 without a cap).
-// kPreciseTanh (FP32 mode): tanhf. Otherwise, `polynomial` (TanhIsPolynomial of the score's
-// tile): t = PolynomialTanh (|t| <= 0.47: no cancellation in 1 - t^2); else with u =
-// TanhComplement: c * log2(e) = cap_log2e (1 - 2u) and 1 - t^2 = 4u(1 - u), free of the
-// cancellation of 1 - t^2 near |t| = 1.
+// kPreciseTanh (FP32 mode): tanhf. Otherwise with u = TanhComplement: c * log2(e) = cap_log2e
+// (1 - 2u) and 1 - t^2 = 4u(1 - u), free of the cancellation of 1 - t^2 near |t| = 1.
 template <class Op>
-__device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, float& slope,
-                                            bool polynomial = false) {
+__device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, float& slope) {
   if (!p.has_cap) {
     slope = 1.f;
     return s * p.score_scale;
@@ -248,11 +214,6 @@ __device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, f
     slope = fmaf(-t, t, 1.f);
     return t * p.cap_log2e;
   } else {
-    if (polynomial) {
-      const float t = PolynomialTanh(s * p.score_scale);
-      slope = fmaf(-t, t, 1.f);
-      return t * p.cap_log2e;
-    }
     const float u = TanhComplement(p, s);
     slope = 4.f * fmaf(-u, u, u);
     return fmaf(-2.f * p.cap_log2e, u, p.cap_log2e);
@@ -556,8 +517,8 @@ inline constexpr float kHalfMax = 65504.f;
 // (CappedLog2). lse_log2 is the row's log-sum-exp in log2 units.
 template <class Op>
 __device__ __forceinline__ float Probability(const AttentionParams& p, float s, float lse_log2,
-                                             bool masked, float& slope, bool polynomial = false) {
-  const float c = CappedLog2<Op>(p, s, slope, polynomial);
+                                             bool masked, float& slope) {
+  const float c = CappedLog2<Op>(p, s, slope);
   const float prob = FastExp2(c - lse_log2);
   return masked ? 0.f : prob;
 }
@@ -576,9 +537,9 @@ __device__ __forceinline__ float ClampGradient(float ds) {
 template <class Op>
 __device__ __forceinline__ float SoftmaxGradient(const AttentionParams& p, float s, float dp,
                                                  float lse_log2, float delta, float ds_factor,
-                                                 bool masked, float& ds, bool polynomial = false) {
+                                                 bool masked, float& ds) {
   float slope;
-  const float prob = Probability<Op>(p, s, lse_log2, masked, slope, polynomial);
+  const float prob = Probability<Op>(p, s, lse_log2, masked, slope);
   ds = ClampGradient<Op>(prob * (dp - delta) * slope * ds_factor);
   return prob;
 }
@@ -588,9 +549,9 @@ __device__ __forceinline__ float SoftmaxGradient(const AttentionParams& p, float
 template <class Op>
 __device__ __forceinline__ float ProbabilityAndWeight(const AttentionParams& p, float s,
                                                       float lse_log2, float ds_factor, bool masked,
-                                                      float& weight, bool polynomial = false) {
+                                                      float& weight) {
   float slope;
-  const float prob = Probability<Op>(p, s, lse_log2, masked, slope, polynomial);
+  const float prob = Probability<Op>(p, s, lse_log2, masked, slope);
   weight = prob * slope * ds_factor;
   return prob;
 }
@@ -613,13 +574,12 @@ __device__ __forceinline__ void OnlineSoftmaxStep(const AttentionParams& p, floa
                                                   int t, float& max_a, float& max_b, float& sum_a,
                                                   float& sum_b) {
   float tile_max_a = -INFINITY, tile_max_b = -INFINITY;
-  const bool polynomial = TanhIsPolynomial(p, s);
 #pragma unroll
   for (int n = 0; n < kNT; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float slope;  // (the backward's factor; unused here)
-      float c = CappedLog2<Op>(p, s[n][e], slope, polynomial);
+      float c = CappedLog2<Op>(p, s[n][e], slope);
       if (needs_mask) {
         const int key = key0 + n * 8 + 2 * t + (e & 1);
         const int row = e < 2 ? row_a : row_b;
@@ -678,7 +638,6 @@ __device__ __forceinline__ void QueryGradientStep(
   ClearAccumulators(dp);
   WarpProductNk<Op, kNT>(s, q_tile, a_row0, k_tile);
   WarpProductNk<Op, kNT>(dp, do_tile, a_row0, v_tile);
-  const bool polynomial = TanhIsPolynomial(p, s);
 #pragma unroll
   for (int n = 0; n < kNT; ++n) {
 #pragma unroll
@@ -687,8 +646,8 @@ __device__ __forceinline__ void QueryGradientStep(
       const int row = e < 2 ? row_a : row_b;
       float ds;
       SoftmaxGradient<Op>(p, s[n][e], dp[n][e], e < 2 ? rows.lse_a : rows.lse_b,
-                          e < 2 ? rows.delta_a : rows.delta_b, ds_factor, IsMasked(p, key, row), ds,
-                          polynomial);
+                          e < 2 ? rows.delta_a : rows.delta_b, ds_factor, IsMasked(p, key, row),
+                          ds);
       dp[n][e] = ds;
     }
   }

@@ -47,6 +47,40 @@ struct HopperForwardLayout {
   static constexpr int kSharedBytes = kBytes + 1024;  // the base is rounded up to 1024 bytes
 };
 
+// tanh(x) for |x| <= kPolynomialTanhBound as x Q(x^2), Q of degree 4 fitted to tanh(x) / x
+// (relative minimax on [0, 0.25]): absolute error <= 5e-8 in fp32 arithmetic (TanhComplement's
+// ~1e-7), six instructions on the FMA pipe instead of two on the special-function unit (ex2, rcp).
+// This kernel's soft-capped softmax keeps that unit busy with three per score (226 -> 194 us at
+// 2x2048 on the H200 with this, bench/RESULTS.md run 46); the backward kernels, bound by dependent
+// chains and issue slots rather than that unit, measured slower with it (2x2048 507 -> 544 us), and
+// so did the mma.sync forwards (64x256 281 -> 298 us): they keep TanhComplement.
+inline constexpr float kPolynomialTanhBound = 0.5f;
+__device__ __forceinline__ float PolynomialTanh(float x) {
+  const float y = x * x;
+  float q = fmaf(y, 0.017135001718997955f, -0.05298607423901558f);
+  q = fmaf(y, q, 0.13324779272079468f);
+  q = fmaf(y, q, -0.3333306908607483f);
+  q = fmaf(y, q, 1.f);
+  return x * q;
+}
+
+// Whether every raw score of a warp's tile (each thread's part: s) gives a tanh argument within
+// kPolynomialTanhBound, so that the tile's soft-cap may take PolynomialTanh: a warp vote, so
+// warp-uniform. False without a cap. Scores of ordinary size (|s| <= 25 for a cap of 50 at any
+// scaling <= 1: every score of SPEC's inputs) pass.
+template <int kTiles>
+__device__ __forceinline__ bool TanhIsPolynomial(const AttentionParams& p,
+                                                 const float (&s)[kTiles][4]) {
+  if (!p.has_cap) return false;
+  float largest = 0.f;
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n) {
+    largest = fmaxf(largest, fmaxf(fmaxf(fabsf(s[n][0]), fabsf(s[n][1])),
+                                   fmaxf(fabsf(s[n][2]), fabsf(s[n][3]))));
+  }
+  return __all_sync(0xffffffffu, largest * fabsf(p.score_scale) <= kPolynomialTanhBound);
+}
+
 template <int D>
 __global__ void __launch_bounds__(kHopperForwardThreads, 1)
     HopperAttentionForwardKernel(const AttentionParams p) {
