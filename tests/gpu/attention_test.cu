@@ -512,6 +512,20 @@ std::vector<Case> Cases() {
     cases.push_back({2, 300, op, AttentionTiles::kAuto, 0, uncapped});
     cases.push_back({1, 541, op, AttentionTiles::kSmallSplit, 100, uncapped});
   }
+  // Soft-caps tight enough that scores leave PolynomialTanh's range (|s * scaling| <= cap / 2):
+  // cap 8, where a few warp tiles per head take the special-function form beside polynomial ones,
+  // and cap 2, where nearly all do; every kernel (short, tiled, Hopper).
+  Layer cap8, cap2;
+  cap8.cap = 8.0;
+  cap2.cap = 2.0;
+  for (AttentionOperand op :
+       {AttentionOperand::kFp32, AttentionOperand::kTf32, AttentionOperand::kFp16}) {
+    cases.push_back({1, 600, op, AttentionTiles::kAuto, 0, cap8});
+    cases.push_back({2, 200, op, AttentionTiles::kAuto, 0, cap2});
+  }
+  cases.push_back({2, 200, AttentionOperand::kFp16, AttentionTiles::kShort, 0, cap8});
+  cases.push_back({2, 130, AttentionOperand::kFp16, AttentionTiles::kShortGrid, 0, cap8});
+  cases.push_back({1, 600, AttentionOperand::kFp16, AttentionTiles::kAuto, 0, cap2});
   // (the float64 evaluation of a global S = 2500 layer takes seconds: one mode)
   cases.push_back({1, 2500, AttentionOperand::kFp16, AttentionTiles::kAuto, 0, l1b});
   return cases;
@@ -536,7 +550,9 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
               : (c.layer.heads != kHeads || c.layer.kv_heads != kKvHeads
                      ? "_H" + std::to_string(c.layer.heads) + "x" + std::to_string(c.layer.kv_heads)
                      : std::string()) +
-                    (c.layer.cap > 0 ? "" : "_nocap"));
+                    (c.layer.cap <= 0      ? "_nocap"
+                     : c.layer.cap != 50.0 ? "_cap" + std::to_string(static_cast<int>(c.layer.cap))
+                                           : std::string()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionKernelTest, ::testing::ValuesIn(Cases()), CaseName);
