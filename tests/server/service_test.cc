@@ -244,9 +244,9 @@ TEST_F(ServerServiceTest, ShutdownEndsAnIdleOpenStreamAtOnce) {
 // the client has not half-closed; a batch sent after the shutdown began is answered UNAVAILABLE;
 // then the stream ends UNAVAILABLE, well within the grace period.
 TEST_F(ServerServiceTest, ShutdownAnswersTheBatchInFlightAndRefusesLaterOnes) {
-  // 1 x 128 tokens: about a second of work for the CPU backend, so it is computing when the
+  // 1 x 256 tokens: seconds of work for the CPU backend, so it is computing when the
   // shutdown begins (a GPU answers it sooner; then only the refusal is checked).
-  const Batch in_flight = MakeBatch(config(), 1, 128, 1700);
+  const Batch in_flight = MakeBatch(config(), 1, 256, 1700);
   const Batch late = MakeBatch(config(), 1, 2, 1701);
   grpc::ClientContext context;
   auto stream = stub().Backward(&context);
