@@ -146,19 +146,38 @@ TEST_F(ServerServiceTest, MetricsAreExported) {
   if (HasFailure()) std::cerr << text << "\n";
 }
 
+// A Backward stream that has answered one small ACCUMULATE batch and is left open (not
+// half-closed).
+class AnsweredStream {
+ public:
+  AnsweredStream(v1::AttentionGradient::Stub& stub, const LayerConfig& config,
+                 std::uint64_t batch_id)
+      : stream_(stub.Backward(&context_)) {
+    const Batch batch = MakeBatch(config, 1, 2, 1400 + batch_id);
+    EXPECT_TRUE(stream_->Write(MakeRequest(config, batch, batch_id, v1::GRADIENT_MODE_ACCUMULATE)));
+    v1::BackwardResponse response;
+    EXPECT_TRUE(stream_->Read(&response));
+    EXPECT_FALSE(response.has_error()) << response.error().message();
+  }
+  grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>* operator->() {
+    return stream_.get();
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>> stream_;
+};
+
 class ServerStreamLimitTest : public ServerTest {
  protected:
   void Customize(ServerOptions& options) override { options.max_concurrent_streams = 1; }
 };
 
 TEST_F(ServerStreamLimitTest, StreamsBeyondTheLimitAreRefused) {
-  const Batch batch = MakeBatch(config(), 1, 1, 1400);
-  grpc::ClientContext context;
-  auto open = stub().Backward(&context);
-  ASSERT_TRUE(open->Write(MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)));
-  v1::BackwardResponse response;
-  ASSERT_TRUE(open->Read(&response));  // the first stream is established
+  AnsweredStream open(stub(), config(), 1);  // the first stream is established
+  ASSERT_FALSE(HasFailure());
 
+  v1::BackwardResponse response;
   auto other_stub = NewStub();
   grpc::ClientContext other_context;
   auto refused = other_stub->Backward(&other_context);
@@ -170,6 +189,7 @@ TEST_F(ServerStreamLimitTest, StreamsBeyondTheLimitAreRefused) {
   open->WritesDone();
   EXPECT_TRUE(open->Finish().ok());
   // Once the first stream is done, a new one is accepted.
+  const Batch batch = MakeBatch(config(), 1, 1, 1400);
   EXPECT_FALSE(RunOne(*other_stub, MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE))
                    .has_error());
 }
@@ -223,15 +243,11 @@ class TimedShutdown {
 // A client's kept-open stream (answered, not half-closed, idle) does not hold the shutdown for the
 // grace period: it ends at once with UNAVAILABLE naming the shutdown, which clients retry.
 TEST_F(ServerServiceTest, ShutdownEndsAnIdleOpenStreamAtOnce) {
-  const Batch batch = MakeBatch(config(), 1, 2, 1600);
-  grpc::ClientContext context;
-  auto stream = stub().Backward(&context);
-  ASSERT_TRUE(stream->Write(MakeRequest(config(), batch, 7, v1::GRADIENT_MODE_ACCUMULATE)));
-  v1::BackwardResponse response;
-  ASSERT_TRUE(stream->Read(&response));
-  ASSERT_FALSE(response.has_error()) << response.error().message();
+  AnsweredStream stream(stub(), config(), 7);
+  ASSERT_FALSE(HasFailure());
 
   TimedShutdown shutdown(server(), absl::Seconds(20));
+  v1::BackwardResponse response;
   EXPECT_FALSE(stream->Read(&response));
   const grpc::Status status = stream->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
@@ -244,9 +260,9 @@ TEST_F(ServerServiceTest, ShutdownEndsAnIdleOpenStreamAtOnce) {
 // the client has not half-closed; a batch sent after the shutdown began is answered UNAVAILABLE;
 // then the stream ends UNAVAILABLE, well within the grace period.
 TEST_F(ServerServiceTest, ShutdownAnswersTheBatchInFlightAndRefusesLaterOnes) {
-  // 1 x 256 tokens: seconds of work for the CPU backend, so it is computing when the
+  // 1 x 512 tokens: seconds of work for the CPU backend, so it is computing when the
   // shutdown begins (a GPU answers it sooner; then only the refusal is checked).
-  const Batch in_flight = MakeBatch(config(), 1, 256, 1700);
+  const Batch in_flight = MakeBatch(config(), 1, 512, 1700);
   const Batch late = MakeBatch(config(), 1, 2, 1701);
   grpc::ClientContext context;
   auto stream = stub().Backward(&context);
