@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import math
+import signal
 import threading
 import time
 import unittest
@@ -364,8 +365,8 @@ class BackwardStream(t.ServerTestCase):
             self.assertEqual(len(client._streams._idle), 1)
 
     def test_a_restarted_server_is_reached_by_the_next_call(self):
-        # The client's kept-open idle stream does not hold the first server's shutdown (default
-        # grace, 30 s): the server ends it at once with UNAVAILABLE and exits.
+        # The client's kept-open idle stream does not hold the server's shutdown (default grace,
+        # 30 s): the server ends it at once with UNAVAILABLE and exits.
         server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"))
         restarted = None
         try:
@@ -374,11 +375,7 @@ class BackwardStream(t.ServerTestCase):
                 hidden, grad, cos, sin = self.batch()
                 first = client.backward(hidden, grad, cos, sin, mode="accumulate")
                 stream = client._streams._idle[0]
-                start = time.monotonic()
-                self.assertEqual(server.stop(), 0)
-                self.assertLess(time.monotonic() - start, 5.0)
-                self.assertEqual(stream._responses.code(), grpc.StatusCode.UNAVAILABLE)
-                self.assertIn("shutting down", stream._responses.details())
+                self.assert_sigterm_ends_the_stream_and_exits(server, stream)
                 restarted = t.ServerProcess(server.binary, f"--listen={server.target}")
                 with attngrad.Client(server.target, timeout=60) as probe:
                     restarted.wait_ready(probe)
@@ -386,13 +383,24 @@ class BackwardStream(t.ServerTestCase):
                 self.assertNotEqual(second.server_instance_id, first.server_instance_id)
                 self.assertFalse(second.duplicate)
                 self.assertIsNot(client._streams._idle[0], stream)  # a new one
-                start = time.monotonic()
-                self.assertEqual(restarted.stop(), 0)
-                self.assertLess(time.monotonic() - start, 5.0)
+                self.assert_sigterm_ends_the_stream_and_exits(restarted, client._streams._idle[0])
         finally:
             server.stop()
             if restarted is not None:
                 restarted.stop()
+
+    def assert_sigterm_ends_the_stream_and_exits(self, server, stream):
+        """SIGTERM to SERVER: its idle open STREAM ends with UNAVAILABLE naming the shutdown, and the
+        server exits 0 well within its grace period of 30 s. What the exit still waits for is the
+        client's connection: gRPC's server shutdown waits until its connections close, and an idle
+        grpc-python channel reads the server's GOAWAY at its backup poll, every 5 s (measured: exit
+        after 4.0-4.8 s; 0.04 s with GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS=200)."""
+        start = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        self.assertEqual(stream._responses.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertIn("shutting down", stream._responses.details())
+        self.assertEqual(server.stop(), 0)
+        self.assertLess(time.monotonic() - start, 10.0)
 
     def test_close_ends_the_stream_with_ok(self):
         client = attngrad.Client(self.server.target, client_id="close", timeout=60)
