@@ -59,7 +59,8 @@ class StreamRegistry {
   // Counts the stream in (OK) or refuses it (RESOURCE_EXHAUSTED naming the limit reached, or
   // ShuttingDownError after Drain).
   absl::Status Open(const std::string& client_id, IdleStream* stream);
-  // Counts it out; does nothing when it is not counted in (refused, or already closed as idle).
+  // Counts it out; does nothing when it is not counted in (refused, or already ended as idle or
+  // at shutdown).
   void Close(IdleStream* stream);
   int open_streams() const;
   const StreamLimits& limits() const { return limits_; }
