@@ -285,6 +285,9 @@ void GradientServer::Shutdown(absl::Duration grace) {
   stopped_ = true;
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
+    // Backward streams take no new batch: those with none in flight end now (a client's idle
+    // kept-open stream does not hold the shutdown), the others once their batches are answered.
+    service_->streams().Drain();
     // Refuses new RPCs at once; running ones may finish until the deadline, then are cancelled.
     // Returns when every RPC is done (a Backward stream finishes only after its batches).
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));

@@ -57,8 +57,9 @@ class GradientServer {
   const std::vector<std::string>& security_summary() const { return security_summary_; }
   const std::string& model_summary() const { return model_summary_; }
 
-  // Stops accepting RPCs, marks health NOT_SERVING, lets running RPCs (and their batches) finish
-  // for up to `grace`, then cancels the rest, drains the workers and stops. Idempotent.
+  // Stops accepting RPCs, marks health NOT_SERVING, ends the Backward streams with no batch in
+  // flight (UNAVAILABLE) and lets running RPCs (and their batches) finish for up to `grace`, then
+  // cancels the rest, drains the workers and stops. Idempotent.
   void Shutdown(absl::Duration grace);
 
  private:

@@ -35,8 +35,10 @@ void FillState(const WindowState& state, v1::AccumulationState* out) {
 // Backward: one batch per request; answers in order of completion. At most `stream_window`
 // batches of a stream are queued or waiting to be written; beyond that the stream stops reading
 // (gRPC flow control then pushes back on the client). The stream is counted in the service's
-// StreamRegistry (server-wide and per-client limits) and ended by it when idle. ACCUMULATE batches
-// go to the window of the stream's client.
+// StreamRegistry (server-wide and per-client limits) and ended by it when idle, or drained at
+// shutdown: batches that arrive then are answered UNAVAILABLE, and the stream ends UNAVAILABLE
+// (OK when the client has half-closed) as soon as the batches it has are answered. ACCUMULATE
+// batches go to the window of the stream's client.
 class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                               public IdleStream {
  public:
@@ -66,17 +68,28 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     if (finished_ || jobs_outstanding_ != 0 || now - last_progress_ < timeout) return false;
     finished_ = true;
     cancel_on_expiry_ = write_in_flight_;  // an answer the client does not read
-    idle_seconds_ = std::chrono::duration<double>(timeout).count();
+    expiry_status_ = grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("Backward: the stream made no progress for ",
+                     std::chrono::duration<double>(timeout).count(),
+                     " s (--stream_idle_timeout_seconds) and was closed; open a new stream when "
+                     "there are batches to send"));
+    return true;
+  }
+
+  bool Drain() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) return false;
+    draining_ = true;
+    if (HasBatchesLocked()) return false;  // NextLocked ends it once they are answered
+    finished_ = true;
+    expiry_status_ = ToGrpcStatus(ShuttingDownError());
     return true;
   }
 
   void FinishIdle() override {
     if (cancel_on_expiry_) context_->TryCancel();
-    FinishStream(grpc::Status(
-        grpc::StatusCode::DEADLINE_EXCEEDED,
-        absl::StrCat("Backward: the stream made no progress for ", idle_seconds_,
-                     " s (--stream_idle_timeout_seconds) and was closed; open a new stream when "
-                     "there are batches to send")));
+    FinishStream(expiry_status_);
   }
 
   // The request is parsed (its slices taken out of request_) and counted as outstanding, the next
@@ -102,6 +115,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       }
     }
     Actions actions;
+    bool refused = false;  // arrived after the shutdown began
     {
       std::lock_guard<std::mutex> lock(mutex_);
       read_in_flight_ = false;
@@ -109,12 +123,19 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       if (!ok) reads_done_ = true;
       // Counted before the next read may start: the batch holds its place in the stream's window
       // and keeps the stream open until it is answered (every path below answers it).
-      if (finished_) received.reset();  // closed as idle while this request arrived: not computed
+      if (finished_) received.reset();  // closed while this request arrived: not computed
       if (received.has_value()) ++jobs_outstanding_;
+      refused = draining_;
       actions = NextLocked();
     }
     Do(actions);
-    if (received.has_value()) HandleRequest(*std::move(received), received_bytes);
+    if (!received.has_value()) return;
+    if (refused) {
+      QueueResponse(ErrorResponse(received->message.batch_id(), ShuttingDownError()),
+                    /*job_finished=*/true);
+      return;
+    }
+    HandleRequest(*std::move(received), received_bytes);
   }
 
   void OnWriteDone(bool ok) override {
@@ -158,7 +179,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
   // Gives its stream slot back before finishing, so that a client that has seen the stream end
   // finds the slot free (OnDone may run later). The RPC metrics: rpc_metrics_interceptor.h.
   void FinishStream(const grpc::Status& status) {
-    service_->streams().Close(client_id_, this);
+    service_->streams().Close(this);
     Finish(status);
   }
 
@@ -175,6 +196,11 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     grpc::Status status;
   };
 
+  // Batches computing, or answers not yet written.
+  bool HasBatchesLocked() const {
+    return jobs_outstanding_ != 0 || write_in_flight_ || !writes_.empty();
+  }
+
   // What to start next; the caller performs it after releasing the mutex.
   Actions NextLocked() {
     Actions actions;
@@ -184,7 +210,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       actions.write = &writes_.front()->bytes;
     }
     const std::size_t pending = static_cast<std::size_t>(jobs_outstanding_) + writes_.size();
-    if (!broken_ && !reads_done_ && !read_in_flight_ &&
+    if (!broken_ && !reads_done_ && !read_in_flight_ && !draining_ &&
         pending < static_cast<std::size_t>(service_->limits().stream_window)) {
       read_in_flight_ = true;
       actions.read = true;
@@ -200,6 +226,12 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       } else {
         actions.status = grpc::Status::OK;
       }
+    } else if (draining_ && !HasBatchesLocked()) {
+      // The shutdown began and every batch is answered: end without waiting for the client's
+      // half-close (a read still waiting for it completes with ok = false).
+      finished_ = true;
+      actions.finish = true;
+      actions.status = ToGrpcStatus(ShuttingDownError());
     }
     return actions;
   }
@@ -361,7 +393,8 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
   absl::Status end_status_;          // not OK: the stream ends with it (bytes that were no request)
   Clock::time_point last_progress_;  // the last request read or answer written
   bool cancel_on_expiry_ = false;
-  double idle_seconds_ = 0;
+  grpc::Status expiry_status_;                 // how FinishIdle ends the stream: idle or shutdown
+  bool draining_ = false;                      // the shutdown began: no new batch is computed
   std::deque<std::unique_ptr<Write>> writes_;  // front is being written
   int jobs_outstanding_ = 0;
   bool read_in_flight_ = false;

@@ -8,6 +8,12 @@
 
 namespace attngrad::server {
 
+absl::Status ShuttingDownError() {
+  return absl::UnavailableError(
+      "Backward: the server is shutting down; send the batches it did not answer again, with the "
+      "same batch ids, once it (or another server) is serving");
+}
+
 StreamRegistry::StreamRegistry(StreamLimits limits) : limits_(limits) {
   if (limits_.idle_timeout > std::chrono::steady_clock::duration::zero()) {
     idle_thread_ = std::thread(&StreamRegistry::WatchIdleStreams, this);
@@ -25,6 +31,7 @@ StreamRegistry::~StreamRegistry() {
 
 absl::Status StreamRegistry::Open(const std::string& client_id, IdleStream* stream) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (draining_) return ShuttingDownError();
   if (static_cast<int>(streams_.size()) >= limits_.max_streams) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "Backward: the server already has ", limits_.max_streams,
@@ -42,11 +49,10 @@ absl::Status StreamRegistry::Open(const std::string& client_id, IdleStream* stre
   return absl::OkStatus();
 }
 
-void StreamRegistry::Close(const std::string& client_id, IdleStream* stream) {
+void StreamRegistry::Close(IdleStream* stream) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (streams_.erase(stream) == 0) return;
-  auto count = per_client_.find(client_id);
-  if (count != per_client_.end() && --count->second <= 0) per_client_.erase(count);
+  const auto entry = streams_.find(stream);
+  if (entry != streams_.end()) CountOutLocked(entry);
 }
 
 int StreamRegistry::open_streams() const {
@@ -64,23 +70,40 @@ void StreamRegistry::WatchIdleStreams() {
     stop_requested_.wait_for(lock, period, [this] { return stopping_; });
     if (stopping_) break;
     const auto now = std::chrono::steady_clock::now();
-    std::vector<IdleStream*> expired;
-    for (auto entry = streams_.begin(); entry != streams_.end();) {
-      if (!entry->first->ExpireIfIdle(now, limits_.idle_timeout)) {
-        ++entry;
-        continue;
-      }
-      expired.push_back(entry->first);
-      auto count = per_client_.find(entry->second);
-      if (count != per_client_.end() && --count->second <= 0) per_client_.erase(count);
-      entry = streams_.erase(entry);
-    }
-    // Out of the registry now: nothing but this thread ends them (their reactors stay alive until
-    // they are finished), and finishing may call Close, which takes the lock.
-    lock.unlock();
-    for (IdleStream* stream : expired) stream->FinishIdle();
-    lock.lock();
+    EndMarkedStreams(lock, [this, now](IdleStream* stream) {
+      return stream->ExpireIfIdle(now, limits_.idle_timeout);
+    });
   }
+}
+
+StreamRegistry::Streams::iterator StreamRegistry::CountOutLocked(Streams::iterator entry) {
+  const auto count = per_client_.find(entry->second);
+  if (count != per_client_.end() && --count->second <= 0) per_client_.erase(count);
+  return streams_.erase(entry);
+}
+
+void StreamRegistry::Drain() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  draining_ = true;
+  EndMarkedStreams(lock, [](IdleStream* stream) { return stream->Drain(); });
+}
+
+void StreamRegistry::EndMarkedStreams(std::unique_lock<std::mutex>& lock,
+                                      absl::FunctionRef<bool(IdleStream*)> mark) {
+  std::vector<IdleStream*> marked;
+  for (auto entry = streams_.begin(); entry != streams_.end();) {
+    if (!mark(entry->first)) {
+      ++entry;
+      continue;
+    }
+    marked.push_back(entry->first);
+    entry = CountOutLocked(entry);
+  }
+  // Out of the registry now: nothing but this thread ends them (their reactors stay alive until
+  // they are finished), and finishing may call Close, which takes the lock.
+  lock.unlock();
+  for (IdleStream* stream : marked) stream->FinishIdle();
+  lock.lock();
 }
 
 }  // namespace attngrad::server

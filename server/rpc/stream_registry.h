@@ -1,6 +1,8 @@
 // The Backward streams open: counted server-wide and per client (RESOURCE_EXHAUSTED beyond
 // either limit), and closed by a background thread once they have made no progress for the idle
-// timeout, so that streams a client leaves open cannot hold the server's stream slots forever.
+// timeout, so that streams a client leaves open cannot hold the server's stream slots forever. At
+// shutdown they are drained: a stream with no batch in flight ends at once, the others once their
+// batches are answered, so that streams a client keeps open do not hold the shutdown.
 #ifndef ATTNGRAD_SERVER_RPC_STREAM_REGISTRY_H_
 #define ATTNGRAD_SERVER_RPC_STREAM_REGISTRY_H_
 
@@ -12,11 +14,16 @@
 #include <string>
 #include <thread>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 
 namespace attngrad::server {
 
-// A stream the registry can close when idle (implemented by the Backward reactor).
+// UNAVAILABLE: the server is shutting down (a stream opened or a batch sent after the shutdown
+// began, and the end of a stream it drained), saying that unanswered batches may be sent again.
+absl::Status ShuttingDownError();
+
+// A stream the registry can close when idle or at shutdown (implemented by the Backward reactor).
 class IdleStream {
  public:
   virtual ~IdleStream() = default;
@@ -25,8 +32,14 @@ class IdleStream {
   // Called with the registry's lock held; must not call back into the registry.
   virtual bool ExpireIfIdle(std::chrono::steady_clock::time_point now,
                             std::chrono::steady_clock::duration timeout) = 0;
-  // Ends a stream ExpireIfIdle marked (DEADLINE_EXCEEDED naming the idle timeout; a write stuck on
-  // a client that does not read is cancelled first). Called without the registry's lock.
+  // The shutdown began: the stream computes no new batch (one that arrives is answered with
+  // ShuttingDownError) and ends once the batches it has are answered and their answers written.
+  // True when it has none: it is then marked finished, so that nothing but FinishIdle ends it.
+  // Called with the registry's lock held; must not call back into the registry.
+  virtual bool Drain() = 0;
+  // Ends a stream ExpireIfIdle or Drain marked: DEADLINE_EXCEEDED naming the idle timeout (a write
+  // stuck on a client that does not read is cancelled first), or ShuttingDownError. Called without
+  // the registry's lock.
   virtual void FinishIdle() = 0;
 };
 
@@ -43,21 +56,35 @@ class StreamRegistry {
   StreamRegistry(const StreamRegistry&) = delete;
   StreamRegistry& operator=(const StreamRegistry&) = delete;
 
-  // Counts the stream in (OK) or refuses it (RESOURCE_EXHAUSTED naming the limit reached).
+  // Counts the stream in (OK) or refuses it (RESOURCE_EXHAUSTED naming the limit reached, or
+  // ShuttingDownError after Drain).
   absl::Status Open(const std::string& client_id, IdleStream* stream);
-  // Counts it out; does nothing when it is not counted in (refused, or already closed as idle).
-  void Close(const std::string& client_id, IdleStream* stream);
+  // Counts it out; does nothing when it is not counted in (refused, or already ended as idle or
+  // at shutdown).
+  void Close(IdleStream* stream);
   int open_streams() const;
   const StreamLimits& limits() const { return limits_; }
+  // The shutdown began: refuses new streams and drains the open ones (IdleStream::Drain), ending
+  // at once those with nothing in flight. Returns without waiting for the others.
+  void Drain();
 
  private:
+  using Streams = std::map<IdleStream*, std::string>;  // open stream -> its client id
+
   void WatchIdleStreams();
+  // Removes the stream from streams_ and per_client_; returns the entry after it.
+  Streams::iterator CountOutLocked(Streams::iterator entry);
+  // Counts out every stream that `mark` marks (called with the lock held) and ends them with
+  // FinishIdle, without the lock (finishing may call Close). Returns with the lock held again.
+  void EndMarkedStreams(std::unique_lock<std::mutex>& lock,
+                        absl::FunctionRef<bool(IdleStream*)> mark);
 
   const StreamLimits limits_;
   mutable std::mutex mutex_;
   std::condition_variable stop_requested_;
   bool stopping_ = false;
-  std::map<IdleStream*, std::string> streams_;  // open stream -> its client id
+  bool draining_ = false;  // the shutdown began: Open refuses
+  Streams streams_;
   std::map<std::string, int> per_client_;
   std::thread idle_thread_;
 };

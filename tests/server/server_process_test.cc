@@ -41,18 +41,6 @@ std::unique_ptr<v1::AttentionGradient::Stub> Connect(int port) {
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
 }
 
-// A Backward stream opened and left idle (nothing written, not half-closed): the server keeps the
-// RPC running until its shutdown deadline cancels it.
-struct IdleStream {
-  explicit IdleStream(v1::AttentionGradient::Stub& stub) : stream(stub.Backward(&context)) {}
-  ~IdleStream() {
-    context.TryCancel();
-    (void)stream->Finish();
-  }
-  grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>> stream;
-};
-
 // A request of the Gemma-3 4B layer with random inputs and server-built rotary tables.
 v1::BackwardRequest LoadRequest(int batch, int seq_len, std::uint64_t batch_id) {
   constexpr int kHidden = 3072;
@@ -71,6 +59,22 @@ v1::BackwardRequest LoadRequest(int batch, int seq_len, std::uint64_t batch_id) 
   for (int s = 0; s < seq_len; ++s) request.mutable_positions()->add_position_ids(s);
   return request;
 }
+
+// A Backward stream with one RETURN batch whose answer the client never reads (~150 MB of weight
+// gradients, beyond HTTP/2's flow-control windows): the server's write of it stays in flight, so
+// the RPC runs until the shutdown deadline cancels it. (An idle stream does not hold the shutdown:
+// the server ends it at once.)
+struct UnreadStream {
+  explicit UnreadStream(v1::AttentionGradient::Stub& stub) : stream(stub.Backward(&context)) {
+    EXPECT_TRUE(stream->Write(LoadRequest(1, 1, 1)));
+  }
+  ~UnreadStream() {
+    context.TryCancel();
+    (void)stream->Finish();
+  }
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>> stream;
+};
 
 // Streams batches until stopped or the server goes away, from two threads (writer and reader).
 class LoadClient {
@@ -135,8 +139,8 @@ TEST_F(ServerProcessTest, RepeatedSigtermKeepsOneGracePeriod) {
   const int port = server.WaitServing(120);
   ASSERT_NE(port, 0) << server.log();
   auto stub = Connect(port);
-  IdleStream idle(*stub);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the RPC has reached the server
+  UnreadStream unread(*stub);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the answer is being written
 
   const auto start = Clock::now();
   server.Signal(SIGTERM);
@@ -158,12 +162,12 @@ TEST_F(ServerProcessTest, SigintDuringTheShutdownExitsAtOnce) {
   const int port = server.WaitServing(120);
   ASSERT_NE(port, 0) << server.log();
   auto stub = Connect(port);
-  IdleStream idle(*stub);
+  UnreadStream unread(*stub);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
 
   server.Signal(SIGTERM);
   std::this_thread::sleep_for(std::chrono::seconds(1));
-  ASSERT_FALSE(server.exited()) << "the idle stream should hold the shutdown\n" << server.log();
+  ASSERT_FALSE(server.exited()) << "the unread answer should hold the shutdown\n" << server.log();
   const auto start = Clock::now();
   server.Signal(SIGINT);
   const int status = server.WaitExit(20);

@@ -1,7 +1,9 @@
 // The service around the math: model info, grpc.health.v1, reflection, Prometheus metrics, the
-// stream limit and a graceful shutdown that finishes the batch in flight.
+// stream limit and a graceful shutdown that finishes the batch in flight, ends idle kept-open
+// streams at once and refuses batches that arrive after it began.
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <thread>
 
 #include <grpcpp/generic/generic_stub.h>
@@ -144,19 +146,38 @@ TEST_F(ServerServiceTest, MetricsAreExported) {
   if (HasFailure()) std::cerr << text << "\n";
 }
 
+// A Backward stream that has answered one small ACCUMULATE batch and is left open (not
+// half-closed).
+class AnsweredStream {
+ public:
+  AnsweredStream(v1::AttentionGradient::Stub& stub, const LayerConfig& config,
+                 std::uint64_t batch_id)
+      : stream_(stub.Backward(&context_)) {
+    const Batch batch = MakeBatch(config, 1, 2, 1400 + batch_id);
+    EXPECT_TRUE(stream_->Write(MakeRequest(config, batch, batch_id, v1::GRADIENT_MODE_ACCUMULATE)));
+    v1::BackwardResponse response;
+    EXPECT_TRUE(stream_->Read(&response));
+    EXPECT_FALSE(response.has_error()) << response.error().message();
+  }
+  grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>* operator->() {
+    return stream_.get();
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>> stream_;
+};
+
 class ServerStreamLimitTest : public ServerTest {
  protected:
   void Customize(ServerOptions& options) override { options.max_concurrent_streams = 1; }
 };
 
 TEST_F(ServerStreamLimitTest, StreamsBeyondTheLimitAreRefused) {
-  const Batch batch = MakeBatch(config(), 1, 1, 1400);
-  grpc::ClientContext context;
-  auto open = stub().Backward(&context);
-  ASSERT_TRUE(open->Write(MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE)));
-  v1::BackwardResponse response;
-  ASSERT_TRUE(open->Read(&response));  // the first stream is established
+  AnsweredStream open(stub(), config(), 1);  // the first stream is established
+  ASSERT_FALSE(HasFailure());
 
+  v1::BackwardResponse response;
   auto other_stub = NewStub();
   grpc::ClientContext other_context;
   auto refused = other_stub->Backward(&other_context);
@@ -168,6 +189,7 @@ TEST_F(ServerStreamLimitTest, StreamsBeyondTheLimitAreRefused) {
   open->WritesDone();
   EXPECT_TRUE(open->Finish().ok());
   // Once the first stream is done, a new one is accepted.
+  const Batch batch = MakeBatch(config(), 1, 1, 1400);
   EXPECT_FALSE(RunOne(*other_stub, MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE))
                    .has_error());
 }
@@ -192,6 +214,88 @@ TEST_F(ServerServiceTest, ShutdownFinishesTheBatchInFlight) {
   late.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::GetModelInfoResponse info;
   EXPECT_FALSE(stub().GetModelInfo(&late, {}, &info).ok());
+}
+
+// Shutdown(grace) on its own thread, timed.
+class TimedShutdown {
+ public:
+  TimedShutdown(GradientServer& server, absl::Duration grace)
+      : start_(std::chrono::steady_clock::now()), thread_([this, &server, grace] {
+          server.Shutdown(grace);
+          seconds_ =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+        }) {}
+  ~TimedShutdown() {
+    if (thread_.joinable()) thread_.join();
+  }
+  // Waits for the shutdown; the seconds it took.
+  double Seconds() {
+    thread_.join();
+    return seconds_;
+  }
+
+ private:
+  const std::chrono::steady_clock::time_point start_;
+  double seconds_ = 0;
+  std::thread thread_;
+};
+
+// A client's kept-open stream (answered, not half-closed, idle) does not hold the shutdown for the
+// grace period: it ends at once with UNAVAILABLE naming the shutdown, which clients retry.
+TEST_F(ServerServiceTest, ShutdownEndsAnIdleOpenStreamAtOnce) {
+  AnsweredStream stream(stub(), config(), 7);
+  ASSERT_FALSE(HasFailure());
+
+  TimedShutdown shutdown(server(), absl::Seconds(20));
+  v1::BackwardResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_NE(status.error_message().find("shutting down"), std::string::npos)
+      << status.error_message();
+  EXPECT_LT(shutdown.Seconds(), 2.0);
+}
+
+// A batch computing when the shutdown begins is answered (its ACCUMULATE sum counted) on a stream
+// the client has not half-closed; a batch sent after the shutdown began is answered UNAVAILABLE;
+// then the stream ends UNAVAILABLE, well within the grace period.
+TEST_F(ServerServiceTest, ShutdownAnswersTheBatchInFlightAndRefusesLaterOnes) {
+  // 1 x 512 tokens: seconds of work for the CPU backend, so it is computing when the
+  // shutdown begins (a GPU answers it sooner; then only the refusal is checked).
+  const Batch in_flight = MakeBatch(config(), 1, 512, 1700);
+  const Batch late = MakeBatch(config(), 1, 2, 1701);
+  grpc::ClientContext context;
+  auto stream = stub().Backward(&context);
+  ASSERT_TRUE(stream->Write(MakeRequest(config(), in_flight, 8, v1::GRADIENT_MODE_ACCUMULATE)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // received and computing
+
+  TimedShutdown shutdown(server(), absl::Seconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the shutdown has begun
+  const bool late_written =
+      stream->Write(MakeRequest(config(), late, 9, v1::GRADIENT_MODE_ACCUMULATE));
+  std::map<std::uint64_t, v1::BackwardResponse> answers;
+  v1::BackwardResponse response;
+  while (stream->Read(&response)) answers[response.batch_id()] = response;
+  const grpc::Status status = stream->Finish();
+  const double seconds = shutdown.Seconds();
+
+  ASSERT_EQ(answers.count(8), 1u) << "the batch in flight was not answered";
+  EXPECT_FALSE(answers[8].has_error()) << answers[8].error().message();
+  EXPECT_FALSE(answers[8].duplicate());
+  EXPECT_GT(answers[8].accumulation_window_id(), 0u);
+  if (!TestOnGpu()) {
+    EXPECT_TRUE(late_written);
+    ASSERT_EQ(answers.count(9), 1u) << "the batch sent after the shutdown began got no answer";
+  }
+  if (answers.count(9) == 1) {
+    EXPECT_EQ(answers[9].error().code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+    EXPECT_NE(answers[9].error().message().find("shutting down"), std::string::npos)
+        << answers[9].error().message();
+  }
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_NE(status.error_message().find("shutting down"), std::string::npos)
+      << status.error_message();
+  EXPECT_LT(seconds, 10.0);
 }
 
 }  // namespace
