@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -180,6 +181,60 @@ TEST(HopperWgmmaTest, Product128x128x128) { CheckProduct<128, 128, 128>(1); }
 TEST(HopperWgmmaTest, Product64x256x256) { CheckProduct<64, 256, 256>(2); }
 TEST(HopperWgmmaTest, Product256x128x64) { CheckProduct<256, 128, 64>(3); }
 TEST(HopperWgmmaTest, Product32x64x192) { CheckProduct<32, 64, 192>(4); }
+
+// AccumulatorToSaturatedOperand on one thread's 4 x 4 accumulator: the same fp16 bits as
+// AccumulatorToOperand's round to nearest for values in range (the halves in the same order), and
+// +-65504 for values beyond fp16's range and infinities (AccumulatorToOperand gives +-inf there).
+__global__ void SaturatedOperandKernel(const float* values, std::uint32_t* saturated,
+                                       std::uint32_t* plain) {
+  float c[4][4];
+  for (int i = 0; i < 16; ++i) c[i / 4][i % 4] = values[i];
+  std::uint32_t a[2][4], b[2][4];
+  AccumulatorToSaturatedOperand(c, a);
+  AccumulatorToOperand(c, 1.f, b);
+  for (int i = 0; i < 8; ++i) {
+    saturated[i] = a[i / 4][i % 4];
+    plain[i] = b[i / 4][i % 4];
+  }
+}
+
+TEST(HopperWgmmaTest, SaturatedOperandClampsToTheHalfRange) {
+  if (!IsHopper()) GTEST_SKIP() << "needs a compute-capability-9.0 GPU";
+  const float inf = INFINITY;
+  const std::vector<float> values = {1.f,  -2.5f, 0.1f, 65504.f, 65519.f,  1e6f, -1e6f, inf,
+                                     -inf, 3e-8f, -7.f, 1234.5f, -65536.f, 0.f,  4e4f,  -0.3333f};
+  const DeviceBuffer<float> values_d = Upload(values);
+  DeviceBuffer<std::uint32_t> saturated_d, plain_d;
+  ASSERT_EQ(DeviceBuffer<std::uint32_t>::Create(8, &saturated_d), cudaSuccess);
+  ASSERT_EQ(DeviceBuffer<std::uint32_t>::Create(8, &plain_d), cudaSuccess);
+  SaturatedOperandKernel<<<1, 1>>>(values_d.get(), saturated_d.get(), plain_d.get());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<std::uint32_t> saturated = Download(saturated_d, 8);
+  const std::vector<std::uint32_t> plain = Download(plain_d, 8);
+  // Operand word w holds accumulator elements (tile 2k + w / 2, elements 2 (w % 2), + 1) of k-step
+  // k = word / 4: the value pairs in `values` order are (0,1) (2,3) (4,5) (6,7) | (8,9) ...
+  for (int word = 0; word < 8; ++word) {
+    for (int half = 0; half < 2; ++half) {
+      const float value = values[2 * word + half];
+      const auto bits = [half](std::uint32_t packed) {
+        const std::uint16_t raw = static_cast<std::uint16_t>(packed >> (16 * half));
+        __half h;
+        std::memcpy(&h, &raw, 2);
+        return __half2float(h);
+      };
+      const float expected = std::fabs(value) > 65504.f ? std::copysign(65504.f, value)
+                                                        : __half2float(__float2half_rn(value));
+      if (std::fabs(value) >= 65520.f) {  // beyond the rounding: only the saturated form clamps
+        EXPECT_EQ(bits(saturated[word]), expected) << value;
+        EXPECT_TRUE(std::isinf(bits(plain[word]))) << value;
+      } else {
+        EXPECT_EQ(bits(saturated[word]), bits(plain[word])) << value;
+        EXPECT_EQ(bits(saturated[word]), expected) << value;
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace attngrad::cuda::hopper

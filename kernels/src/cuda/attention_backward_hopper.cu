@@ -296,10 +296,11 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          dp[n][e] = ScaledGradient<Op>(s[n][e], dp[n][e], delta_tile[n * 8 + 2 * t + (e & 1)]);
+          dp[n][e] = ScaledGradient<Op, /*kClamp=*/false>(s[n][e], dp[n][e],
+                                                          delta_tile[n * 8 + 2 * t + (e & 1)]);
         }
       }
-      hopper::AccumulatorToOperand(dp, 1.f, ds_a);
+      hopper::AccumulatorToSaturatedOperand(dp, ds_a);  // the fp16 clamp
       if (p.grad_scores != nullptr) {
         // The previous tile's copy has read score_tile (issued a step ago: no wait in practice).
         if (threadIdx.x == 0) hopper::BulkWaitRead<0>();
@@ -453,11 +454,12 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
       for (int n = 0; n < kScoreTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          dp[n][e] = ScaledGradient<Op>(s[n][e], dp[n][e], e < 2 ? rows.delta_a : rows.delta_b);
+          dp[n][e] = ScaledGradient<Op, /*kClamp=*/false>(s[n][e], dp[n][e],
+                                                          e < 2 ? rows.delta_a : rows.delta_b);
         }
       }
       std::uint32_t ds_a[kScoreTiles / 2][4];
-      hopper::AccumulatorToOperand(dp, 1.f, ds_a);
+      hopper::AccumulatorToSaturatedOperand(dp, ds_a);  // the fp16 clamp
       hopper::FenceAccumulators(acc_dq);
       hopper::WgmmaFence();
       OutputProduct(acc_dq, ds_a, k_tile);

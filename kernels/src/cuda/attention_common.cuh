@@ -555,10 +555,13 @@ __device__ __forceinline__ float ProbabilityAndWeight(const AttentionParams& p, 
   weight = prob * slope * ds_factor;
   return prob;
 }
-// Second: dS = w (dP - Delta), clamped as above.
-template <class Op>
+// Second: dS = w (dP - Delta), clamped as above unless the caller's conversion to fp16 saturates
+// (kClamp = false: hopper_wgmma.cuh's AccumulatorToSaturatedOperand).
+template <class Op, bool kClamp = true>
 __device__ __forceinline__ float ScaledGradient(float weight, float dp, float delta) {
-  return ClampGradient<Op>(weight * (dp - delta));
+  const float ds = weight * (dp - delta);
+  if constexpr (kClamp) return ClampGradient<Op>(ds);
+  return ds;
 }
 
 // One key step of the mma.sync forwards' online softmax (attention_forward.cu,

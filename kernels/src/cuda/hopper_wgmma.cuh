@@ -224,6 +224,28 @@ __device__ __forceinline__ void AccumulatorToOperand(const float (&c)[kTiles][4]
   }
 }
 
+// The same without a scale, each value rounded to fp16 and saturated to its finite range by the
+// conversion itself (cvt.rn.satfinite.f16x2.f32: beyond +-65504, infinities included, gives
+// +-65504; NaN stays NaN): dS as an operand with attention_common.cuh's ClampGradient folded into
+// the conversion instead of two instructions per element before it.
+template <int kTiles>
+__device__ __forceinline__ void AccumulatorToSaturatedOperand(const float (&c)[kTiles][4],
+                                                              std::uint32_t (&a)[kTiles / 2][4]) {
+  static_assert(kTiles % 2 == 0, "k-steps of 16 columns");
+  const auto saturated = [](float low, float high) {
+    std::uint32_t packed;  // `high` goes to the upper half
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    return packed;
+  };
+#pragma unroll
+  for (int k = 0; k < kTiles / 2; ++k) {
+    a[k][0] = saturated(c[2 * k][0], c[2 * k][1]);
+    a[k][1] = saturated(c[2 * k][2], c[2 * k][3]);
+    a[k][2] = saturated(c[2 * k + 1][0], c[2 * k + 1][1]);
+    a[k][3] = saturated(c[2 * k + 1][2], c[2 * k + 1][3]);
+  }
+}
+
 // ---- wgmma.mma_async m64nNk16, fp16 x fp16 -> fp32
 // ----------------------------------------------- Wgmma<N>::SharedShared<kTransA, kTransB>(d,
 // desc_a, desc_b, accumulate): d[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory
