@@ -47,11 +47,12 @@ struct HopperForwardLayout {
   static constexpr int kSharedBytes = kBytes + 1024;  // the base is rounded up to 1024 bytes
 };
 
+#if defined(ATTNGRAD_HOPPER_WGMMA)  // (the kernel's body is sm_90a code only)
 // tanh(x) for |x| <= kPolynomialTanhBound as x Q(x^2), Q of degree 4 fitted to tanh(x) / x
 // (relative minimax on [0, 0.25]): absolute error <= 5e-8 in fp32 arithmetic (TanhComplement's
 // ~1e-7), six instructions on the FMA pipe instead of two on the special-function unit (ex2, rcp).
 // This kernel's soft-capped softmax keeps that unit busy with three per score (226 -> 194 us at
-// 2x2048 on the H200 with this, bench/RESULTS.md run 46); the backward kernels, bound by dependent
+// 2x2048 on the H200 with this, bench/RESULTS.md runs 46-47); the backward kernels, bound by dependent
 // chains and issue slots rather than that unit, measured slower with it (2x2048 507 -> 544 us), and
 // so did the mma.sync forwards (64x256 281 -> 298 us): they keep TanhComplement.
 inline constexpr float kPolynomialTanhBound = 0.5f;
@@ -80,6 +81,7 @@ __device__ __forceinline__ bool TanhIsPolynomial(const AttentionParams& p,
   }
   return __all_sync(0xffffffffu, largest * fabsf(p.score_scale) <= kPolynomialTanhBound);
 }
+#endif  // ATTNGRAD_HOPPER_WGMMA
 
 template <int D>
 __global__ void __launch_bounds__(kHopperForwardThreads, 1)
