@@ -52,9 +52,9 @@ struct HopperForwardLayout {
 // (relative minimax on [0, 0.25]): absolute error <= 5e-8 in fp32 arithmetic (TanhComplement's
 // ~1e-7), six instructions on the FMA pipe instead of two on the special-function unit (ex2, rcp).
 // This kernel's soft-capped softmax keeps that unit busy with three per score (226 -> 194 us at
-// 2x2048 on the H200 with this, bench/RESULTS.md runs 46-47); the backward kernels, bound by dependent
-// chains and issue slots rather than that unit, measured slower with it (2x2048 507 -> 544 us), and
-// so did the mma.sync forwards (64x256 281 -> 298 us): they keep TanhComplement.
+// 2x2048 on the H200 with this, bench/RESULTS.md runs 46-47); the backward kernels, bound by
+// dependent chains and issue slots rather than that unit, measured slower with it (2x2048 507 ->
+// 544 us), and so did the mma.sync forwards (64x256 281 -> 298 us): they keep TanhComplement.
 inline constexpr float kPolynomialTanhBound = 0.5f;
 __device__ __forceinline__ float PolynomialTanh(float x) {
   const float y = x * x;
