@@ -15,3 +15,14 @@ device_setup() {
   nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$INFO"
   date -u +"start %F %T UTC" | tee -a "$INFO"
 }
+
+# device_setup DIR ARCHIVE, then what the scripts that run DIR/attngrad-server beside PyTorch
+# clients share: SERVER_BINARY (its absolute path), no .pyc files written into the carried trees,
+# and the torch and grpcio versions recorded in $INFO.
+device_setup_with_torch_clients() {
+  device_setup "$1" "$2"
+  SERVER_BINARY="$PWD/$1/attngrad-server"
+  export PYTHONDONTWRITEBYTECODE=1
+  python3 -c "import torch, grpc; print('torch', torch.__version__, 'grpcio', grpc.__version__)" \
+    | tee -a "$INFO"
+}

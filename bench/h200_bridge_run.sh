@@ -20,11 +20,7 @@ B=${B:-build-bridge}
 TREES=${TREES:-"py-main py-new py-main py-new"}
 COUNT=${COUNT:-40}
 source bench/device_setup.sh  # (run from the repository root)
-device_setup "$B" "${ARCHIVE:-bridge.tar.xz}"
-SERVER_BINARY="$PWD/$B/attngrad-server"
-export PYTHONDONTWRITEBYTECODE=1
-python3 -c "import torch, grpc; print('torch', torch.__version__, 'grpcio', grpc.__version__)" \
-  | tee -a "$INFO"
+device_setup_with_torch_clients "$B" "${ARCHIVE:-bridge.tar.xz}"
 
 "$SERVER_BINARY" --devices=0 --listen=127.0.0.1:50051 --metrics_listen= \
   --shutdown_grace_seconds=2 > "$OUT/server.log" 2>&1 &

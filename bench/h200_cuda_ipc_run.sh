@@ -17,11 +17,7 @@ set -u
 B=${B:-build-ipcr}
 PY=${PY:-$B/py}
 source bench/device_setup.sh  # (run from the repository root)
-device_setup "$B" "${ARCHIVE:-ipcr.tar.xz}"
-SERVER_BINARY="$PWD/$B/attngrad-server"
-export PYTHONDONTWRITEBYTECODE=1
-python3 -c "import torch, grpc; print('torch', torch.__version__, 'grpcio', grpc.__version__)" \
-  | tee -a "$INFO"
+device_setup_with_torch_clients "$B" "${ARCHIVE:-ipcr.tar.xz}"
 
 (ATTNGRAD_TEST_DEVICES=0 timeout 120 "$B/attngrad_server_wire_test" --gtest_filter='Regions*' \
    > "$OUT/regions_gpu.log" 2>&1; echo "exit $?" >> "$OUT/regions_gpu.log")
