@@ -440,6 +440,28 @@ class BackwardStream(t.ServerTestCase):
                     gc.enable()
 
 
+class IdleExpiredStream(t.ServerTestCase):
+    """A training loop that pauses longer than the server's --stream_idle_timeout_seconds (an
+    evaluation, a checkpoint): the server has ended the client's kept-open stream as idle
+    (DEADLINE_EXCEEDED), which the client may learn only when its next call uses that stream; the
+    call then goes through on a new stream, its batch computed once."""
+
+    server_flags = ("--stream_idle_timeout_seconds=1",)
+
+    def test_a_call_after_the_server_ended_the_idle_stream_goes_through(self):
+        with attngrad.Client(self.server.target, client_id="pause", timeout=60) as client:
+            hidden, grad, cos, sin = t.random_batch(np.random.default_rng(7), 1, 4)
+            client.backward(hidden, grad, cos, sin, mode="accumulate")
+            stream = client._streams._idle[0]
+            time.sleep(2.5)  # the server ends the stream after 1 s (checked every 0.25 s)
+            # As when the client has not yet read the stream's end (an idle channel is read late).
+            stream.usable = lambda: not (stream.broken or stream.expired or stream.outstanding)
+            result = client.backward(hidden, grad, cos, sin, mode="accumulate")
+            self.assertFalse(result.duplicate)
+            self.assertEqual(client.fetch_gradients().state.batches, 2)
+            self.assertIsNot(client._streams._idle[0], stream)
+
+
 class WireEncoding(unittest.TestCase):
     """The client's one-copy BackwardRequest serialisation parses to the same message as protobuf's."""
 

@@ -917,8 +917,14 @@ class _BackwardStream:
                 raise errors.DeadlineExceededError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the call's timeout",
                     method="Backward") from None
+            # The stream has no gRPC deadline: DEADLINE_EXCEEDED is the server ending it as idle
+            # (--stream_idle_timeout_seconds) after a pause longer than that, which this client
+            # may learn only now; the server computes no batch that arrives then, so the call's
+            # parts go again on a new stream, like those of a dropped connection.
+            retryable = (error.code() in _RETRYABLE
+                         or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
             raise _StreamBroken(errors.from_rpc_error(error, "Backward"),
-                                retryable=error.code() in _RETRYABLE) from None
+                                retryable=retryable) from None
         self.outstanding -= 1
         return response
 
