@@ -26,7 +26,6 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 import attngrad  # noqa: E402
 from attngrad import client as client_module  # noqa: E402
-from attngrad import cuda_regions  # noqa: E402
 
 HAVE_GPU = torch is not None and torch.cuda.is_available()
 GPU = int(os.environ.get("ATTNGRAD_TEST_GPU", "0"))
@@ -125,7 +124,7 @@ class CudaIpcAgainstServer(t.ServerTestCase):
             """A region of SIZE bytes from TENSOR's first byte (the cache registers whole
             allocations, which are larger)."""
             allocation = cache.allocation_of(tensor)
-            handle = cuda_regions._driver_ipc_handle(allocation)
+            handle = cache.ipc_handle_of(allocation)
             return self.client.register_cuda_region(
                 handle, allocation.device, size, offset=tensor.data_ptr() - allocation.base)
 

@@ -67,17 +67,8 @@ _CUDA_SUCCESS = 0
 
 
 class _Driver:
-    """The few CUDA driver calls the cache needs, through ctypes on libcuda (loaded once)."""
-
-    _instance: Optional["_Driver"] = None
-    _instance_lock = threading.Lock()
-
-    @classmethod
-    def get(cls) -> "_Driver":
-        with cls._instance_lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
+    """The few CUDA driver calls the cache needs, through ctypes on libcuda (loaded by each
+    CudaRegionCache at its first lookup)."""
 
     def __init__(self, library_path: str = "libcuda.so.1"):
         library = ctypes.CDLL(library_path)
@@ -130,27 +121,20 @@ class _Driver:
         return handle.raw
 
 
-def _driver_allocation(address: int) -> Allocation:
-    return _Driver.get().allocation(address)
-
-
-def _driver_ipc_handle(allocation: Allocation) -> bytes:
-    return _Driver.get().ipc_handle(allocation)
-
-
 class CudaRegionCache:
     """The CUDA IPC regions a client has registered: one per GPU allocation, by (device, buffer
     id). REGISTER (handle bytes, device, offset, size) -> region id and UNREGISTER (region id) are
     the client's RPCs; LOCATE (address) -> Allocation and IPC_HANDLE (Allocation) -> bytes are the
-    driver's (replaceable in tests)."""
+    driver's (None: libcuda's, loaded at the first lookup; stand-ins in tests)."""
 
     def __init__(self, register, unregister, capacity: int = 64,
-                 locate: Callable[[int], Allocation] = _driver_allocation,
-                 ipc_handle: Callable[[Allocation], bytes] = _driver_ipc_handle):
+                 locate: Optional[Callable[[int], Allocation]] = None,
+                 ipc_handle: Optional[Callable[[Allocation], bytes]] = None):
         self._register = register
         self._unregister = unregister
-        self._locate = locate
-        self._ipc_handle = ipc_handle
+        self._given_locate = locate
+        self._given_ipc_handle = ipc_handle
+        self._driver: Optional[_Driver] = None
         self._capacity = max(1, int(capacity))
         self._lock = threading.Lock()
         # (device, buffer id) -> (Allocation, region id), least recently used first.
@@ -160,6 +144,23 @@ class CudaRegionCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._regions)
+
+    def _cuda_driver(self) -> _Driver:
+        with self._lock:
+            if self._driver is None:
+                self._driver = _Driver()
+            return self._driver
+
+    def _locate(self, address: int) -> Allocation:
+        if self._given_locate is not None:
+            return self._given_locate(address)
+        return self._cuda_driver().allocation(address)
+
+    def ipc_handle_of(self, allocation: Allocation) -> bytes:
+        """The 64 bytes of ALLOCATION's CUDA IPC handle."""
+        if self._given_ipc_handle is not None:
+            return self._given_ipc_handle(allocation)
+        return self._cuda_driver().ipc_handle(allocation)
 
     def allocation_of(self, tensor) -> Allocation:
         """The GPU allocation that holds TENSOR's first byte."""
@@ -186,7 +187,8 @@ class CudaRegionCache:
             if known is not None:
                 self._regions.move_to_end(key)
                 return known[1]
-        region = self._register(self._ipc_handle(allocation), allocation.device, 0, allocation.size)
+        region = self._register(self.ipc_handle_of(allocation), allocation.device, 0,
+                                allocation.size)
         stale = []
         with self._lock:
             for other_key, (other, other_region) in list(self._regions.items()):
