@@ -205,45 +205,44 @@ __device__ __forceinline__ void ClearAccumulator(float (&d)[kTiles][4]) {
   for (int n = 0; n < kTiles; ++n) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.f;
 }
 
-// An fp32 accumulator of 64 x (8 kTiles) (P, dS) times `scale` as the fp16 register A operand of
-// kTiles / 2 k-steps: a[k] feeds the product over columns 16k..16k+15 of the accumulator.
-template <int kTiles>
-__device__ __forceinline__ void AccumulatorToOperand(const float (&c)[kTiles][4], float scale,
-                                                     std::uint32_t (&a)[kTiles / 2][4]) {
+// The fp32 accumulator of 64 x (8 kTiles) (P, dS) as the fp16 register A operand of kTiles / 2
+// k-steps, each pair of values packed by `pack` (low, high) -> 32 bits: a[k] feeds the product
+// over columns 16k..16k+15 of the accumulator.
+template <int kTiles, class Pack>
+__device__ __forceinline__ void PackOperand(const float (&c)[kTiles][4],
+                                            std::uint32_t (&a)[kTiles / 2][4], Pack pack) {
   static_assert(kTiles % 2 == 0, "k-steps of 16 columns");
 #pragma unroll
   for (int k = 0; k < kTiles / 2; ++k) {
-    const __half2 h0 = __floats2half2_rn(c[2 * k][0] * scale, c[2 * k][1] * scale);
-    const __half2 h1 = __floats2half2_rn(c[2 * k][2] * scale, c[2 * k][3] * scale);
-    const __half2 h2 = __floats2half2_rn(c[2 * k + 1][0] * scale, c[2 * k + 1][1] * scale);
-    const __half2 h3 = __floats2half2_rn(c[2 * k + 1][2] * scale, c[2 * k + 1][3] * scale);
-    a[k][0] = *reinterpret_cast<const std::uint32_t*>(&h0);
-    a[k][1] = *reinterpret_cast<const std::uint32_t*>(&h1);
-    a[k][2] = *reinterpret_cast<const std::uint32_t*>(&h2);
-    a[k][3] = *reinterpret_cast<const std::uint32_t*>(&h3);
+    a[k][0] = pack(c[2 * k][0], c[2 * k][1]);
+    a[k][1] = pack(c[2 * k][2], c[2 * k][3]);
+    a[k][2] = pack(c[2 * k + 1][0], c[2 * k + 1][1]);
+    a[k][3] = pack(c[2 * k + 1][2], c[2 * k + 1][3]);
   }
 }
 
-// The same without a scale, each value rounded to fp16 and saturated to its finite range by the
-// conversion itself (cvt.rn.satfinite.f16x2.f32: beyond +-65504, infinities included, gives
+// The accumulator times `scale`, rounded to nearest fp16.
+template <int kTiles>
+__device__ __forceinline__ void AccumulatorToOperand(const float (&c)[kTiles][4], float scale,
+                                                     std::uint32_t (&a)[kTiles / 2][4]) {
+  PackOperand(c, a, [scale](float low, float high) {
+    const __half2 h = __floats2half2_rn(low * scale, high * scale);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  });
+}
+
+// The accumulator without a scale, each value rounded to fp16 and saturated to its finite range by
+// the conversion itself (cvt.rn.satfinite.f16x2.f32: beyond +-65504, infinities included, gives
 // +-65504; NaN stays NaN): dS as an operand with attention_common.cuh's ClampGradient folded into
 // the conversion instead of two instructions per element before it.
 template <int kTiles>
 __device__ __forceinline__ void AccumulatorToSaturatedOperand(const float (&c)[kTiles][4],
                                                               std::uint32_t (&a)[kTiles / 2][4]) {
-  static_assert(kTiles % 2 == 0, "k-steps of 16 columns");
-  const auto saturated = [](float low, float high) {
+  PackOperand(c, a, [](float low, float high) {
     std::uint32_t packed;  // `high` goes to the upper half
     asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
     return packed;
-  };
-#pragma unroll
-  for (int k = 0; k < kTiles / 2; ++k) {
-    a[k][0] = saturated(c[2 * k][0], c[2 * k][1]);
-    a[k][1] = saturated(c[2 * k][2], c[2 * k][3]);
-    a[k][2] = saturated(c[2 * k + 1][0], c[2 * k + 1][1]);
-    a[k][3] = saturated(c[2 * k + 1][2], c[2 * k + 1][3]);
-  }
+  });
 }
 
 // ---- wgmma.mma_async m64nNk16, fp16 x fp16 -> fp32
