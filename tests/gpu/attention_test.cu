@@ -512,9 +512,10 @@ std::vector<Case> Cases() {
     cases.push_back({2, 300, op, AttentionTiles::kAuto, 0, uncapped});
     cases.push_back({1, 541, op, AttentionTiles::kSmallSplit, 100, uncapped});
   }
-  // Soft-caps tight enough that scores leave PolynomialTanh's range (|s * scaling| <= cap / 2):
-  // cap 8, where a few warp tiles per head take the special-function form beside polynomial ones,
-  // and cap 2, where nearly all do; every kernel (short, tiled, Hopper).
+  // Soft-caps tight enough that scores leave the Hopper forward's PolynomialTanh range (|s *
+  // scaling| <= cap / 2): cap 8, where a few of its warp tiles per head take the special-function
+  // form beside polynomial ones, and cap 2, where nearly all do; run in every kernel (short, tiled,
+  // Hopper), whose results must not depend on the cap's size either.
   Layer cap8, cap2;
   cap8.cap = 8.0;
   cap2.cap = 2.0;
