@@ -5,6 +5,9 @@
 #   WORKLOADS   "B:S ..." (default "2:2048 4:128")
 #   KERNELS     ncu's kernel-name regex (default "Attention|KeyValue|Query|Short")
 #   COUNT       kernels profiled per workload (default 6)
+#   SOURCE      a kernel-name regex: also sample where that kernel's warps stall, per SASS
+#               instruction (SourceCounters), at the first workload; bench/ncu_source_top.py
+#               prints the top instructions into $OUT/source_top.txt
 # Per workload: $OUT/ncu_B_S.txt (sections: speed of light, compute, warp state, scheduler,
 # occupancy, launch) and the pipes' utilisation and stall reasons as metrics.
 set -u
@@ -26,3 +29,16 @@ for workload in ${WORKLOADS:-2:2048 4:128}; do
   echo "ncu $workload exit $?" | tee -a "$log"
   grep -E "^  [A-Za-z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A" "$log" | head -80
 done
+if [ -n "${SOURCE:-}" ]; then
+  first=${WORKLOADS:-2:2048}
+  first=${first%% *}
+  timeout "${NCU_LIMIT:-150}" "$NCU" -k "regex:$SOURCE" --launch-skip 0 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats -f -o /tmp/source_report \
+    python3 bench/profile_backward.py --lib "$K/libattngrad.so" --batch "${first%%:*}" \
+    --seq "${first##*:}" --calls 1 > "$OUT/source_profile.log" 2>&1
+  "$NCU" -i /tmp/source_report.ncu-rep --page source --csv --print-source sass \
+    > /tmp/source.csv 2>> "$OUT/source_profile.log"
+  python3 bench/ncu_source_top.py /tmp/source.csv --top "${SOURCE_TOP:-60}" \
+    > "$OUT/source_top.txt" 2>&1
+  head -c 4000 "$OUT/source_top.txt"
+fi
