@@ -199,18 +199,28 @@ __device__ __forceinline__ float TanhComplement(const AttentionParams& p, float 
   return FastReciprocal(1.f + FastExp2(s * (2.f * kLog2e * p.score_scale)));
 }
 
+// tanh(x) in one special-function instruction (tanh.approx.f32, relative error <= 2^-10.99).
+__device__ __forceinline__ float FastTanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Soft-capped score in log2 units: returns c * log2(e) of a raw score s and writes the cap's
 // derivative factor slope = 1 - t^2, t = tanh(s * scaling / cap) (slope = 1 without a cap).
-// kPreciseTanh (FP32 mode): tanhf. Otherwise with u = TanhComplement: c * log2(e) = cap_log2e
-// (1 - 2u) and 1 - t^2 = 4u(1 - u), free of the cancellation of 1 - t^2 near |t| = 1.
+// kPreciseTanh (FP32 mode): tanhf. FP16 mode: t = FastTanh, one special-function instruction
+// where TanhComplement takes two (its relative error ~5e-4 moves c by |c| 5e-4, the size of the
+// fp16 rounding of the P and dS operands that follow). TF32 mode, with u = TanhComplement: c *
+// log2(e) = cap_log2e (1 - 2u) and 1 - t^2 = 4u(1 - u), free of the cancellation of 1 - t^2 near
+// |t| = 1.
 template <class Op>
 __device__ __forceinline__ float CappedLog2(const AttentionParams& p, float s, float& slope) {
   if (!p.has_cap) {
     slope = 1.f;
     return s * p.score_scale;
   }
-  if constexpr (Op::kPreciseTanh) {
-    const float t = tanhf(s * p.score_scale);
+  if constexpr (Op::kPreciseTanh || Op::kIsFp16) {
+    const float t = Op::kPreciseTanh ? tanhf(s * p.score_scale) : FastTanh(s * p.score_scale);
     slope = fmaf(-t, t, 1.f);
     return t * p.cap_log2e;
   } else {
