@@ -51,10 +51,10 @@ struct HopperForwardLayout {
 // tanh(x) for |x| <= kPolynomialTanhBound as x Q(x^2), Q of degree 4 fitted to tanh(x) / x
 // (relative minimax on [0, 0.25]): absolute error <= 5e-8 in fp32 arithmetic (TanhComplement's
 // ~1e-7), six instructions on the FMA pipe instead of two on the special-function unit (ex2, rcp).
-// This kernel's soft-capped softmax keeps that unit busy with three per score (226 -> 194 us at
-// 2x2048 on the H200 with this, bench/RESULTS.md runs 46-47); the backward kernels, bound by
-// dependent chains and issue slots rather than that unit, measured slower with it (2x2048 507 ->
-// 544 us), and so did the mma.sync forwards (64x256 281 -> 298 us): they keep TanhComplement.
+// This kernel's soft-capped softmax kept that unit busy with three per score (226 -> 194 us at
+// 2x2048 on the H200 with this, bench/RESULTS.md runs 46-47). The other kernels take CappedLog2's
+// FastTanh (tanh.approx, one instruction on that unit); here it measured the same as this
+// polynomial (run 50: 2x2048 194.5 vs 193.6 us), which is the more accurate, so it stays.
 inline constexpr float kPolynomialTanhBound = 0.5f;
 __device__ __forceinline__ float PolynomialTanh(float x) {
   const float y = x * x;
@@ -354,21 +354,15 @@ attngrad_status LaunchHopperForwardFor(const AttentionParams& params, cudaStream
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
-// Where it measured faster than AttentionForwardKernel (H200, 2026-12-02 09:20 UTC, run 30 of
-// bench/RESULTS.md: both kernels forced per workload in one call, fp16, CUDA-graph timing, head_dim
-// 128, with the branch-free softmax): from S = 512 on ((8,512) 104.4 vs 119.6 us, (2,2048) 227.9 vs
-// 338.1), and at S = 256 while the grid has few blocks ((1,256) 15.9 vs 20.6; (4,256) 26.5 vs 26.9,
-// (16,256) 83.7 vs 82.5, (64,256) 297.5 vs 290.1). With one 256-thread block per SM (161 KB of
-// shared memory) a block's prologue and epilogue are not hidden by another block's work, so grids
-// of many short blocks (S = 256 with many blocks, every S <= 128: (8,128) 24.8 vs 20.4, (32,128)
-// 73.7 vs 65.6) stay on the mma.sync kernel and its 3 blocks per SM. head_dim 256 follows the same
-// rule (not timed separately).
-bool HopperForwardPays(const AttentionProblem& problem) {
-  const long long blocks =
-      static_cast<long long>((problem.seq_len + kHopperForwardRows - 1) / kHopperForwardRows) *
-      problem.num_heads * problem.batch;
-  return problem.seq_len >= 512 || (problem.seq_len >= 256 && blocks <= 96);
-}
+// Where it measured faster than AttentionForwardKernel (H200, both kernels forced per workload in
+// one call, fp16, CUDA-graph timing, head_dim 128): from S = 512 on (run 50 of bench/RESULTS.md,
+// 2026-12-03, with the mma.sync kernel's soft-cap on tanh.approx: (8,512) 96.3 vs 101.1 us,
+// (2,2048) 193.6 vs 263.9, (1,512) 21.3 vs 25.9). Below that the mma.sync kernel wins ((1,256)
+// 14.1 vs 15.3, (4,256) 23.5 vs 25.3, (64,256) 255.2 vs 277.9; run 30 had (1,256) the other way
+// round, before the soft-cap change): with one 256-thread block per SM (161 KB of shared memory) a
+// block's prologue and epilogue are not hidden by another block's work, while the mma.sync kernel
+// runs 3 blocks per SM. head_dim 256 follows the same rule (not timed separately).
+bool HopperForwardPays(const AttentionProblem& problem) { return problem.seq_len >= 512; }
 
 }  // namespace
 
