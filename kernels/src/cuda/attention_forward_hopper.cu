@@ -26,20 +26,23 @@ namespace {
 
 using hopper::SwizzledTile;
 
-constexpr int kHopperForwardThreads = 256;  // two warpgroups
-constexpr int kHopperForwardRows = 128;     // query rows per block (64 per warpgroup)
-
-// Keys per tile: 128 at head_dim 128 (64 x 128 scores per warpgroup), 64 at 256 (where the 64 x 256
-// output takes 128 registers per thread).
+// The block's shape per head_dim. D = 128: one warpgroup (64 query rows) per block and key tiles
+// of 64, 80 KB of shared memory, two blocks per SM that run unsynchronised, so that one block's
+// softmax overlaps the other's products (two warpgroups of one block, lock-stepped by the block
+// barrier of each key tile, left the tensor cores idle during both softmaxes). D = 256: two
+// warpgroups of 64 rows and key tiles of 64 (the 64 x 256 output takes 128 registers per thread).
 template <int D>
-constexpr int HopperForwardKeys() {
-  return D == 128 ? 128 : 64;
-}
+struct HopperForwardShape {
+  static constexpr int kThreads = D == 128 ? 128 : 256;
+  static constexpr int kRows = kThreads / 2;  // 64 query rows per warpgroup
+  static constexpr int kKeys = 64;
+  static constexpr int kMinBlocks = D == 128 ? 2 : 1;
+};
 
 template <int D>
 struct HopperForwardLayout {
-  static constexpr int kKeys = HopperForwardKeys<D>();
-  using QueryTile = SwizzledTile<kHopperForwardRows, D>;
+  static constexpr int kKeys = HopperForwardShape<D>::kKeys;
+  using QueryTile = SwizzledTile<HopperForwardShape<D>::kRows, D>;
   using KeyTile = SwizzledTile<kKeys, D>;
   static constexpr int kKeyOffset = QueryTile::kBytes;                   // 2 stages
   static constexpr int kValueOffset = kKeyOffset + 2 * KeyTile::kBytes;  // 2 stages
@@ -84,16 +87,16 @@ __device__ __forceinline__ bool TanhIsPolynomial(const AttentionParams& p,
 #endif  // ATTNGRAD_HOPPER_WGMMA
 
 template <int D>
-__global__ void __launch_bounds__(kHopperForwardThreads, 1)
+__global__ void __launch_bounds__(HopperForwardShape<D>::kThreads, HopperForwardShape<D>::kMinBlocks)
     HopperAttentionForwardKernel(const AttentionParams p) {
 #if defined(ATTNGRAD_HOPPER_WGMMA)
   using namespace hopper;
   using Op = Fp16Operand<D>;
   using Layout = HopperForwardLayout<D>;
-  constexpr int kBM = kHopperForwardRows, kBN = Layout::kKeys;
+  constexpr int kBM = HopperForwardShape<D>::kRows, kBN = Layout::kKeys;
   constexpr int kNT = kBN / 8;  // score tiles of 8 columns per thread row pair
   constexpr int kOutTiles = D / 8;
-  constexpr int kThreads = kHopperForwardThreads;
+  constexpr int kThreads = HopperForwardShape<D>::kThreads;
 
   extern __shared__ unsigned char shared_raw[];
   const std::uint32_t base = (SharedAddress(shared_raw) + 1023u) & ~1023u;
@@ -117,7 +120,7 @@ __global__ void __launch_bounds__(kHopperForwardThreads, 1)
   const int num_kv_tiles = (last_key + kBN - 1) / kBN - first_kv_tile;
 
   const int thread = threadIdx.x;
-  const int warpgroup = thread / 128;
+  const int warpgroup = kThreads == 128 ? 0 : thread / 128;
   const int warp = (thread / 32) % 4, lane = thread & 31;
   const int t = lane & 3;
   const int wg_row0 = q0 + 64 * warpgroup;  // this warpgroup's first query row
@@ -346,11 +349,12 @@ attngrad_status LaunchHopperForwardFor(const AttentionParams& params, cudaStream
                            cudaFuncAttributeMaxDynamicSharedMemorySize, kShared) != cudaSuccess) {
     return ATTNGRAD_CUDA_ERROR;
   }
-  const long long num_q_tiles = (params.seq_len + kHopperForwardRows - 1) / kHopperForwardRows;
+  constexpr int kRows = HopperForwardShape<D>::kRows;
+  const long long num_q_tiles = (params.seq_len + kRows - 1) / kRows;
   const long long blocks = num_q_tiles * params.num_heads * params.batch;
   if (blocks > 0x7fffffffLL) return ATTNGRAD_UNSUPPORTED;
   HopperAttentionForwardKernel<D>
-      <<<static_cast<unsigned>(blocks), kHopperForwardThreads, kShared, stream>>>(params);
+      <<<static_cast<unsigned>(blocks), HopperForwardShape<D>::kThreads, kShared, stream>>>(params);
   return cudaGetLastError() == cudaSuccess ? ATTNGRAD_OK : ATTNGRAD_CUDA_ERROR;
 }
 
