@@ -1,8 +1,9 @@
 // SPEC section 2 step 4 on Hopper (sm_90a, fp16 operands): the attention forward of
 // attention_forward.cu (same contract, same arithmetic for the soft-cap, the mask and the online
-// softmax) with the two products on warpgroup MMA (wgmma, hopper_wgmma.cuh). One block of two
-// warpgroups per (128-query tile, query head, batch), heaviest tiles first; each warpgroup owns 64
-// query rows. Key/value tiles (128 keys at head_dim 128, 64 at 256) stream through
+// softmax) with the two products on warpgroup MMA (wgmma, hopper_wgmma.cuh). One block per
+// (query tile, query head, batch), heaviest tiles first, of one warpgroup (64 query rows) at
+// head_dim 128 and two (128 rows) at 256 (HopperForwardShape); each warpgroup owns 64 query rows.
+// Key/value tiles of 64 keys stream through
 // 128-byte-swizzled shared memory with cp.async, two stages each; the next tile's copies are issued
 // right after the one barrier of an iteration, so they have a whole iteration to land. Within a
 // warpgroup the score product of tile j (S_j = Q K_j^T, A and B from shared memory) and the value
@@ -87,7 +88,8 @@ __device__ __forceinline__ bool TanhIsPolynomial(const AttentionParams& p,
 #endif  // ATTNGRAD_HOPPER_WGMMA
 
 template <int D>
-__global__ void __launch_bounds__(HopperForwardShape<D>::kThreads, HopperForwardShape<D>::kMinBlocks)
+__global__ void __launch_bounds__(HopperForwardShape<D>::kThreads,
+                                  HopperForwardShape<D>::kMinBlocks)
     HopperAttentionForwardKernel(const AttentionParams p) {
 #if defined(ATTNGRAD_HOPPER_WGMMA)
   using namespace hopper;
@@ -359,14 +361,13 @@ attngrad_status LaunchHopperForwardFor(const AttentionParams& params, cudaStream
 }
 
 // Where it measured faster than AttentionForwardKernel (H200, both kernels forced per workload in
-// one call, fp16, CUDA-graph timing, head_dim 128): from S = 512 on (run 50 of bench/RESULTS.md,
-// 2026-12-03, with the mma.sync kernel's soft-cap on tanh.approx: (8,512) 96.3 vs 101.1 us,
-// (2,2048) 193.6 vs 263.9, (1,512) 21.3 vs 25.9). Below that the mma.sync kernel wins ((1,256)
-// 14.1 vs 15.3, (4,256) 23.5 vs 25.3, (64,256) 255.2 vs 277.9; run 30 had (1,256) the other way
-// round, before the soft-cap change): with one 256-thread block per SM (161 KB of shared memory) a
-// block's prologue and epilogue are not hidden by another block's work, while the mma.sync kernel
-// runs 3 blocks per SM. head_dim 256 follows the same rule (not timed separately).
-bool HopperForwardPays(const AttentionProblem& problem) { return problem.seq_len >= 512; }
+// one call, fp16, CUDA-graph timing, head_dim 128; run 52 of bench/RESULTS.md, 2026-12-03, one
+// warpgroup per block): from S = 128 on ((64,256) 224.3 vs 255.4 us, (16,256) 66.0 vs 71.8,
+// (32,128) 55.5 vs 60.5, (4,128) 13.0 vs 13.6, (8,128) 18.9 vs 18.9, (2,2048) 197.6 vs 264.2);
+// (1,128) takes the short-sequence forward before this (8.8 us, 10.1 here). Shorter sequences were
+// not timed and keep the mma.sync kernel. head_dim 256 follows the same rule (not timed
+// separately).
+bool HopperForwardPays(const AttentionProblem& problem) { return problem.seq_len >= 128; }
 
 }  // namespace
 
