@@ -4,8 +4,9 @@
 # bundle.tar.xz: libattngrad.so, attngrad_gpu_tests, attngrad_attention_tests,
 # attngrad_hopper_wgmma_tests, attngrad_bench and attngrad_attention_bench of this build,
 # base/attngrad_bench (the build it is compared with), optionally more builds' attngrad_bench in
-# folders named by VARIANTS, and lib/ (libopenblas.so.0, libgfortran.so.5, libquadmath.so.0); the
-# checkers are the tree's bench/check_torch.py and bench/check_gemma3.py. In order, each phase's
+# folders named by VARIANTS, and lib/ (libopenblas.so.0, libgfortran.so.5, libquadmath.so.0):
+# scripts/device/stage-kernels-bundle.sh makes it. The checkers are the tree's bench/check_torch.py
+# and bench/check_gemma3.py. In order, each phase's
 # summary printed when it ends (a call cut short still reports the phases it finished):
 #   1. checks, all at once: the GPU tests (in SHARDS shards), the attention tests (in
 #      ATTENTION_SHARDS shards) and the wgmma tests,
