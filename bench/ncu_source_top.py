@@ -2,10 +2,11 @@
 """The SASS instructions of one profiled kernel where its warps stalled most.
 
 Reads Nsight Compute's source page as CSV (`ncu -i REPORT --page source --csv --print-source sass`,
-collected with `--section SourceCounters`) and prints the columns it found, then the `--top`
-instructions by warp-stall samples, each with its share of all samples, the instruction and the
-stall reasons that make up its samples (the columns named "stall_*" or "... Stall ..." when the
-report has them). bench/h200_ncu_run.sh runs it with SOURCE=1.
+collected with `--section SourceCounters`) and prints the columns it found, the kernel's samples
+by stall reason (the columns named "stall_*" or "... Stall ..." when the report has them), then
+the `--top` instructions by warp-stall samples, each with its share of all samples, the
+instruction and the stall reasons that make up its samples. bench/h200_ncu_run.sh runs it with
+SOURCE=regex.
   python3 bench/ncu_source_top.py source.csv --top 40
 """
 import argparse
@@ -45,6 +46,11 @@ def main():
                       if name.startswith("stall_") or ("Stall" in name and "Sampling" not in name)]
     total = sum(number(row[samples_column]) for row in body) or 1.0
     print(f"{header[samples_column]}: {total:.0f} samples over {len(body)} instructions")
+    # The whole kernel's samples by stall reason (the "Not Issued" columns are a subset).
+    by_reason = sorted(((sum(number(row[i]) for row in body), header[i]) for i in reason_columns
+                        if "Not Issued" not in header[i]), reverse=True)
+    print("by reason: " + ", ".join(f"{name} {100 * value / total:.1f}%"
+                                    for value, name in by_reason[:10] if value > 0))
     ranked = sorted(body, key=lambda row: number(row[samples_column]), reverse=True)
     for row in ranked[:args.top]:
         samples = number(row[samples_column])
