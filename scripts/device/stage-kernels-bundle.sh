@@ -3,16 +3,16 @@
 # attention and wgmma tests, attngrad_bench and attngrad_attention_bench of BUILD; base/ with the
 # two benches of BASE (the build to compare with); one folder per VARIANT=BUILD with that build's
 # attngrad_bench (the script's VARIANTS; add the attention bench with ATTENTION_VARIANTS=1); lib/
-# with the OpenBLAS libraries the benches load. Packed as DIR/bundle.tar.xz with xz -9, whose
-# dictionary holds a whole binary, so builds that share most of their code cost little more than
-# one (a 64 MiB carry limit holds five builds).
+# with the libraries the benches load that a device lacks (OpenBLAS; shared/tools/bundle-libs.sh).
+# Packed as DIR/bundle.tar.xz with xz -9, whose dictionary holds a whole binary, so builds that
+# share most of their code cost little more than one (a 64 MiB carry limit holds five builds).
 #   scripts/device/stage-kernels-bundle.sh BUILD BASE DIR [NAME=BUILD ...]
 #   e.g. scripts/device/stage-kernels-bundle.sh build-h200s ../main/build-h200s build-x tanh=build-t
 # Then: K=DIR VARIANTS="NAME ..." bash bench/h200_kernels_run.sh (carry DIR; DIR inside the
 # checkout, ignored by git: build-*).
 set -euo pipefail
 if [ $# -lt 3 ]; then
-  sed -n '2,13p' "$0"
+  sed -n '2,14p' "$0"
   exit 2
 fi
 build=$1 base=$2 dir=$3
@@ -41,10 +41,9 @@ for variant in "$@"; do
     cp "$(find_binary "${variant#*=}" attngrad_attention_bench)" "$stage/$name/"
   fi
 done
-for library in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do
-  path=$(ldd "$stage/attngrad_bench" | awk -v name="$library" '$1 == name { print $3 }')
-  [ -n "$path" ] && cp -L "$path" "$stage/lib/"
-done
+shared=/work/shared/tools/bundle-libs.sh
+[ -x "$shared" ] || shared="$(dirname "$PWD")/shared/tools/bundle-libs.sh"
+"$shared" "$stage/attngrad_bench" "$stage/lib" > /dev/null
 mkdir -p "$dir"
 tar -cf - -C "$stage" . | xz -T2 -9 > "$dir/bundle.tar.xz"
 echo "staged $(du -h "$dir/bundle.tar.xz" | cut -f1) into $dir/bundle.tar.xz"

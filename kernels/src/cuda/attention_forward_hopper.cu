@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(HopperForwardShape<D>::kThreads,
   const int num_kv_tiles = (last_key + kBN - 1) / kBN - first_kv_tile;
 
   const int thread = threadIdx.x;
-  const int warpgroup = kThreads == 128 ? 0 : thread / 128;
+  const int warpgroup = kThreads == 128 ? 0 : thread / 128;  // (0 written out: warp-uniform)
   const int warp = (thread / 32) % 4, lane = thread & 31;
   const int t = lane & 3;
   const int wg_row0 = q0 + 64 * warpgroup;  // this warpgroup's first query row
