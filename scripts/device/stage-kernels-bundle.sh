@@ -12,7 +12,7 @@
 # checkout, ignored by git: build-*).
 set -euo pipefail
 if [ $# -lt 3 ]; then
-  sed -n '2,14p' "$0"
+  sed -n '2,/^set -euo/{/^#/p}' "$0"
   exit 2
 fi
 build=$1 base=$2 dir=$3
