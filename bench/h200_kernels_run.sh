@@ -17,7 +17,9 @@
 #   3. the attention kernels alone (--time-only --fp16-only: both forward kernels per workload);
 #   4. check_torch.py's timing of PyTorch (TORCH variants; TORCH=none skips it) and attngrad in
 #      the same call; torch.compile's compilations are started beside phase 1 to fill its caches.
-# STAGE_WORKLOADS= (empty) skips the per-stage view.
+# STAGE_WORKLOADS= (empty) skips the per-stage view. CHECKS=0 skips phase 1 (about two of a call's
+# minutes; the benches of phase 2 take seconds): for A/B timing of builds already checked, never
+# for a recorded run.
 # Logs go to $OUT: info.txt, checks_full.log, bench.log, attention_bench.log, torch_time.log (a
 # call returns at most 8 files).
 set -u
@@ -33,48 +35,53 @@ if [ "${TORCH:-}" != none ]; then
      > "$OUT/torch_prewarm.log" 2>&1) &
 fi
 
-run_test() {  # $1 binary, $2 log, then the environment's shard variables
-  (timeout "$LIMIT" env "${@:3}" "$K/$1" > "$OUT/$2" 2>&1; echo "exit $?" >> "$OUT/$2") &
-}
-SHARDS=${SHARDS:-4}
-for shard in $(seq 0 $((SHARDS - 1))); do
-  run_test attngrad_gpu_tests "gpu_tests_$shard.log" GTEST_TOTAL_SHARDS="$SHARDS" \
-    GTEST_SHARD_INDEX="$shard"
-done
-ATTENTION_SHARDS=${ATTENTION_SHARDS:-1}
-for shard in $(seq 0 $((ATTENTION_SHARDS - 1))); do
-  run_test attngrad_attention_tests "attention_tests_$shard.log" \
-    GTEST_TOTAL_SHARDS="$ATTENTION_SHARDS" GTEST_SHARD_INDEX="$shard"
-done
-run_test attngrad_hopper_wgmma_tests wgmma_tests.log
-check() {  # $1 log, then check_torch.py's arguments
-  local log=$1
-  shift
-  (timeout "$LIMIT" python3 bench/check_torch.py --lib "$K/libattngrad.so" --no-time "$@" \
-     > "$OUT/$log" 2>&1; echo "check $* exit $?" >> "$OUT/$log") &
-}
-check check_auto.log --rounds "${CHECK_ROUNDS:-3}" --modes AUTO
-check check_modes.log --rounds 1 --modes FP16,TF32,FP32 --mode-rounds "${MODE_ROUNDS:-FP32=1}"
-check check_scale_small.log --rounds 1 --modes AUTO --grad-output-scale 1e-7
-check check_scale_large.log --rounds 1 --modes AUTO --grad-output-scale 3e4
-(timeout "$LIMIT" python3 bench/check_gemma3.py --lib "$K/libattngrad.so" \
-   --shapes "${SHAPES:-1:1000,2:7}" > "$OUT/gemma3.log" 2>&1; echo "gemma3 exit $?" >> "$OUT/gemma3.log") &
-wait
-date -u +"checks done %T UTC" | tee -a "$INFO"
-echo "==== checks"
-for f in "$OUT"/gpu_tests_*.log "$OUT"/attention_tests_*.log "$OUT"/wgmma_tests.log; do
-  echo "-- $(basename "$f"): $(grep -E "^\[  PASSED|^exit" "$f" | tr '\n' ' ')"
-  grep -E "^\[  FAILED  \]" "$f" | head -10
-done
-for f in "$OUT"/check_*.log "$OUT"/gemma3.log; do
-  echo "-- $(basename "$f"): $(grep -E "^correctness|exit" "$f" | tr '\n' ' ')"
-  grep -E "FAIL" "$f" | head -8
-done
-echo "gemma3 PASS lines: $(grep -c PASS "$OUT/gemma3.log")"
-tests=("$OUT"/gpu_tests_*.log "$OUT"/attention_tests_*.log "$OUT"/wgmma_tests.log "$OUT"/check_*.log
-       "$OUT"/gemma3.log)
-cat "${tests[@]}" > "$OUT/checks_full.log"
-rm -f "${tests[@]}"
+if [ "${CHECKS:-1}" != 0 ]; then
+  run_test() {  # $1 binary, $2 log, then the environment's shard variables
+    (timeout "$LIMIT" env "${@:3}" "$K/$1" > "$OUT/$2" 2>&1; echo "exit $?" >> "$OUT/$2") &
+  }
+  SHARDS=${SHARDS:-4}
+  for shard in $(seq 0 $((SHARDS - 1))); do
+    run_test attngrad_gpu_tests "gpu_tests_$shard.log" GTEST_TOTAL_SHARDS="$SHARDS" \
+      GTEST_SHARD_INDEX="$shard"
+  done
+  ATTENTION_SHARDS=${ATTENTION_SHARDS:-1}
+  for shard in $(seq 0 $((ATTENTION_SHARDS - 1))); do
+    run_test attngrad_attention_tests "attention_tests_$shard.log" \
+      GTEST_TOTAL_SHARDS="$ATTENTION_SHARDS" GTEST_SHARD_INDEX="$shard"
+  done
+  run_test attngrad_hopper_wgmma_tests wgmma_tests.log
+  check() {  # $1 log, then check_torch.py's arguments
+    local log=$1
+    shift
+    (timeout "$LIMIT" python3 bench/check_torch.py --lib "$K/libattngrad.so" --no-time "$@" \
+       > "$OUT/$log" 2>&1; echo "check $* exit $?" >> "$OUT/$log") &
+  }
+  check check_auto.log --rounds "${CHECK_ROUNDS:-3}" --modes AUTO
+  check check_modes.log --rounds 1 --modes FP16,TF32,FP32 --mode-rounds "${MODE_ROUNDS:-FP32=1}"
+  check check_scale_small.log --rounds 1 --modes AUTO --grad-output-scale 1e-7
+  check check_scale_large.log --rounds 1 --modes AUTO --grad-output-scale 3e4
+  (timeout "$LIMIT" python3 bench/check_gemma3.py --lib "$K/libattngrad.so" \
+     --shapes "${SHAPES:-1:1000,2:7}" > "$OUT/gemma3.log" 2>&1; echo "gemma3 exit $?" >> "$OUT/gemma3.log") &
+  wait
+  date -u +"checks done %T UTC" | tee -a "$INFO"
+  echo "==== checks"
+  for f in "$OUT"/gpu_tests_*.log "$OUT"/attention_tests_*.log "$OUT"/wgmma_tests.log; do
+    echo "-- $(basename "$f"): $(grep -E "^\[  PASSED|^exit" "$f" | tr '\n' ' ')"
+    grep -E "^\[  FAILED  \]" "$f" | head -10
+  done
+  for f in "$OUT"/check_*.log "$OUT"/gemma3.log; do
+    echo "-- $(basename "$f"): $(grep -E "^correctness|exit" "$f" | tr '\n' ' ')"
+    grep -E "FAIL" "$f" | head -8
+  done
+  echo "gemma3 PASS lines: $(grep -c PASS "$OUT/gemma3.log")"
+  tests=("$OUT"/gpu_tests_*.log "$OUT"/attention_tests_*.log "$OUT"/wgmma_tests.log "$OUT"/check_*.log
+         "$OUT"/gemma3.log)
+  cat "${tests[@]}" > "$OUT/checks_full.log"
+  rm -f "${tests[@]}"
+else
+  wait  # the torch.compile warm-up, if any
+  echo "==== checks skipped (CHECKS=0)"
+fi
 
 builds="$K ${VARIANTS:+$(for v in $VARIANTS; do printf '%s ' "$K/$v"; done)}$K/base"
 for round in $(seq 1 "${ROUNDS:-2}"); do
