@@ -41,9 +41,9 @@ for variant in "$@"; do
     cp "$(find_binary "${variant#*=}" attngrad_attention_bench)" "$stage/$name/"
   fi
 done
-shared=/work/shared/tools/bundle-libs.sh
-[ -x "$shared" ] || shared="$(dirname "$PWD")/shared/tools/bundle-libs.sh"
-"$shared" "$stage/attngrad_bench" "$stage/lib" > /dev/null
+# shared/ lies beside the checkout (the script is scripts/device/ of it).
+"$(cd "$(dirname "$0")/../.." && pwd)/../shared/tools/bundle-libs.sh" "$stage/attngrad_bench" \
+  "$stage/lib" > /dev/null
 mkdir -p "$dir"
 tar -cf - -C "$stage" . | xz -T2 -9 > "$dir/bundle.tar.xz"
 echo "staged $(du -h "$dir/bundle.tar.xz" | cut -f1) into $dir/bundle.tar.xz"
