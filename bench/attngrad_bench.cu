@@ -2,7 +2,9 @@
 // flushed (a buffer of twice the L2 size written) before every iteration, 10 warm-up and 50 timed
 // iterations, CUDA events around the call, median — and prints per workload the median µs, T_SOL,
 // the ratio to SOL and the achieved TFLOP/s, then the geometric means. With --stages it also times
-// each pipeline stage (events recorded between stages) to say where the time goes. With
+// each pipeline stage (events recorded between stages, everything on one stream) to say where the
+// time goes. With --timeline it also replays the real two-stream schedule as a graph with an event
+// after each stage on its stream and prints when each stage ended (the critical path). With
 // --host-ahead it also reports how long the host takes to enqueue one call and the call's time when
 // the GPU is held busy (a spin kernel after the flush) until the whole call is enqueued: the
 // difference to the median is time the GPU waited for the host. With --prepared the weights are
@@ -10,7 +12,8 @@
 // reads their fp16 copies instead of converting the weights (what a server with resident weights
 // does); the rest of the timing is unchanged.
 //
-// Usage: attngrad_bench [--precision=auto|fp16|tf32|fp32] [--prepared] [--stages] [--host-ahead]
+// Usage: attngrad_bench [--precision=auto|fp16|tf32|fp32] [--prepared] [--stages] [--timeline]
+//                       [--host-ahead]
 //                       [--warmup=10] [--iters=50] [--workloads=B:S,B:S,...]
 #include <cuda_runtime.h>
 
@@ -32,6 +35,7 @@
 #include "attngrad/prepared_weights.h"
 #include "bench_check.h"
 #include "cuda/pipeline.h"
+#include "cuda/projection_gemm.h"  // SideStream
 
 namespace {
 
@@ -134,10 +138,32 @@ class EventObserver : public attngrad::cuda::StageObserver {
   std::size_t next_ = 0;
 };
 
+// Records, on the stream each stage ran on, an event after every stage of one call enqueued with
+// the real two-stream schedule while the caller's stream is being captured (the events become
+// record nodes of the graph); the graph's replays then say when each stage ended.
+class TimelineObserver : public attngrad::cuda::StageObserver {
+ public:
+  TimelineObserver(std::vector<cudaEvent_t>* events, const attngrad::cuda::SideStream* side)
+      : events_(events), side_(side) {}
+  bool overlapped() const override { return true; }
+  void StageDone(const char* stage, cudaStream_t stream) override {
+    if (next_ >= events_->size()) return;
+    CHECK_CUDA(cudaEventRecordWithFlags((*events_)[next_++], stream, cudaEventRecordExternal));
+    names.push_back(std::string(stage) + (stream == side_->stream() ? "(side)" : "(lane)"));
+  }
+  std::vector<std::string> names;
+
+ private:
+  std::vector<cudaEvent_t>* events_;
+  const attngrad::cuda::SideStream* side_;
+  std::size_t next_ = 0;
+};
+
 struct Options {
   int precision = ATTNGRAD_PRECISION_AUTO;
   bool prepared = false;
   bool stages = false;
+  bool timeline = false;
   bool host_ahead = false;
   int warmup = 10;
   int iters = 50;
@@ -164,6 +190,8 @@ Options Parse(int argc, char** argv) {
       options.prepared = true;
     } else if (arg == "--stages") {
       options.stages = true;
+    } else if (arg == "--timeline") {
+      options.timeline = true;
     } else if (arg == "--host-ahead") {
       options.host_ahead = true;
     } else if (const char* v = value("--warmup=")) {
@@ -217,6 +245,7 @@ int main(int argc, char** argv) {
   std::map<std::string, std::vector<double>> stage_log;  // stage -> per-workload median share
   std::vector<std::string> stage_order;
   std::vector<std::string> stage_rows;
+  std::vector<std::string> timeline_rows;
   for (const std::pair<int, int>& workload : options.workloads) {
     const int batch = workload.first, seq_len = workload.second;  // captured by the lambdas below
     const std::size_t tokens = static_cast<std::size_t>(batch) * seq_len;
@@ -377,6 +406,68 @@ int main(int argc, char** argv) {
       }
       stage_rows.push_back(row);
     }
+
+    if (options.timeline) {
+      // The pipeline with its real streams captured once into a graph (as repeated calls replay
+      // it), an event after each stage; per replay every stage's end, from the call's start.
+      attngrad::cuda::SideStream side;
+      if (side.Init() != ATTNGRAD_OK) {
+        std::fprintf(stderr, "timeline: side streams could not be created\n");
+        return 1;
+      }
+      std::vector<Event> owned_events(24);
+      std::vector<cudaEvent_t> events;
+      for (Event& event : owned_events) {
+        CHECK_CUDA(Event::Create(&event));
+        events.push_back(event.get());
+      }
+      TimelineObserver observer(&events, &side);
+      CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      CHECK_CUDA(cudaEventRecordWithFlags(start.get(), stream, cudaEventRecordExternal));
+      const attngrad::Status status = attngrad::cuda::RunBackwardPipeline(
+          config, batch, seq_len, attngrad::Scalars{}, precision, /*accumulate=*/false, in, out,
+          workspace.get(), workspace_bytes, stream, &observer, &side, prepared_weights);
+      CHECK_CUDA(cudaEventRecordWithFlags(stop.get(), stream, cudaEventRecordExternal));
+      cudaGraph_t graph = nullptr;
+      CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+      if (!status.ok()) {
+        std::fprintf(stderr, "timeline: %s\n", status.message);
+        return 1;
+      }
+      cudaGraphExec_t exec = nullptr;
+      CHECK_CUDA(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
+      std::vector<std::vector<double>> ends(observer.names.size());
+      std::vector<double> totals;
+      for (int i = 0; i < options.warmup + options.iters; ++i) {
+        CHECK_CUDA(cudaMemsetAsync(flush.get(), i & 0xff, flush_bytes, stream));
+        CHECK_CUDA(cudaGraphLaunch(exec, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        if (i < options.warmup) continue;
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+        totals.push_back(ms * 1e3);
+        for (std::size_t s = 0; s < observer.names.size(); ++s) {
+          CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), events[s]));
+          ends[s].push_back(ms * 1e3);
+        }
+      }
+      CHECK_CUDA(cudaGraphExecDestroy(exec));
+      CHECK_CUDA(cudaGraphDestroy(graph));
+      std::vector<std::pair<double, std::string>> rows;
+      for (std::size_t s = 0; s < observer.names.size(); ++s) {
+        rows.emplace_back(Median(ends[s]), observer.names[s]);
+      }
+      std::sort(rows.begin(), rows.end());
+      std::string row = std::to_string(batch) + "x" + std::to_string(seq_len) +
+                        " (stage ends, us from the start; total " +
+                        std::to_string(static_cast<int>(Median(totals) + 0.5)) + "):";
+      for (const auto& [end, name] : rows) {
+        char cell[96];
+        std::snprintf(cell, sizeof cell, " %s=%.1f", name.c_str(), end);
+        row += cell;
+      }
+      timeline_rows.push_back(row);
+    }
   }
   const double n = static_cast<double>(options.workloads.size());
   std::printf("geomean: %.1f us, SOL %.1f us, x_sol %.2f\n", std::exp(log_time / n),
@@ -384,6 +475,10 @@ int main(int argc, char** argv) {
   if (options.stages) {
     std::printf("per-stage medians (us):\n");
     for (const auto& row : stage_rows) std::printf("  %s\n", row.c_str());
+  }
+  if (options.timeline) {
+    std::printf("timeline (the real schedule replayed as a graph; medians):\n");
+    for (const auto& row : timeline_rows) std::printf("  %s\n", row.c_str());
   }
   return 0;
 }

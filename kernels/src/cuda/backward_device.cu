@@ -25,7 +25,8 @@
 //                    dWv | (wait side)
 //   side stream:     dY's scale, convert dY, Wo | grad_attn GEMM | (wait A) attention_backward
 //                    dQ half, grad_o GEMM | (wait dqkv) norm-weight gradients' final sum, dWq, dWk
-// With a StageObserver (per-stage timing) everything runs on the caller's stream, in that order.
+// With a StageObserver (per-stage timing) everything runs on the caller's stream, in that order,
+// unless the observer asks for the overlapped streams (a timeline of the real schedule).
 //
 // How it is written: a PipelinePlan (widths, attention problem, workspace layout) is computed once
 // per call from the configuration, shape and mode; PipelineBuffers are the plan's tensors in the
@@ -289,7 +290,7 @@ Status StepStatus(attngrad_status code, const char* what) {
 
 // One call being enqueued: its plan, buffers and arguments, the streams it runs on and the
 // events that order them. `lane` carries the critical path and `side` the work beside it; with a
-// StageObserver both are the caller's stream and the events are not used.
+// serialising StageObserver both are the caller's stream and the events are not used.
 struct PipelineCall {
   const PipelinePlan& plan;
   const PipelineBuffers& buffers;
@@ -321,8 +322,10 @@ struct PipelineCall {
     ATTNGRAD_RETURN_IF_ERROR(Signal(event, signaller));
     return Wait(event, waiter);
   }
-  void StageDone(const char* stage) const {
-    if (observer != nullptr) observer->StageDone(stage, lane);
+  // Tells the observer that `stage` is enqueued; `on` is the stream its last kernel ran on (the
+  // caller's stream for a serialising observer).
+  void StageDone(const char* stage, cudaStream_t on) const {
+    if (observer != nullptr) observer->StageDone(stage, on);
   }
   // A GEMM on the lane or on the side stream, each with its own cuBLASLt workspace.
   Status LaneGemm(const GemmSpec& spec, const char* what) const {
@@ -363,6 +366,7 @@ Status ConvertOperands(const PipelineCall& call) {
                  "conversion of grad_output and o_proj to fp16 failed"));
   ATTNGRAD_RETURN_IF_ERROR(StepStatus(RescaleToHalf(side_segments[0], call.side),
                                       "rescale of grad_output to fp16 failed"));
+  call.StageDone("convert_side", call.side);
   ConvertSegment lane_segments[4] = {{call.in.hidden_states, buffers.x_half, activations, 1.f}};
   for (int i = 0; i < 3 && convert_weights; ++i) {
     lane_segments[1 + i] = {
@@ -373,7 +377,7 @@ Status ConvertOperands(const PipelineCall& call) {
   ATTNGRAD_RETURN_IF_ERROR(
       StepStatus(ConvertToHalf(lane_segments, convert_weights ? 4 : 1, call.lane),
                  "conversion of hidden_states and q/k/v_proj to fp16 failed"));
-  call.StageDone("convert");
+  call.StageDone("convert", call.lane);
   return {};
 }
 
@@ -398,7 +402,7 @@ Status ProjectQkv(const PipelineCall& call) {
     spec.d = call.buffers.qkv + plan.qkv_first_row[i];
     ATTNGRAD_RETURN_IF_ERROR(call.LaneGemm(spec, "qkv GEMM (X W^T) failed"));
   }
-  call.StageDone("qkv_gemm");
+  call.StageDone("qkv_gemm", call.lane);
   return {};
 }
 
@@ -412,7 +416,7 @@ Status NormalizeAndRotate(const PipelineCall& call) {
                                     call.plan.mode.operand, /*write_v=*/call.plan.mode.half(),
                                     buffers.attention_operands, buffers.inv_rms, call.lane),
                  "rmsnorm_rope (RMSNorm and RoPE forward) failed"));
-  call.StageDone("rmsnorm_rope");
+  call.StageDone("rmsnorm_rope", call.lane);
   return {};
 }
 
@@ -434,7 +438,7 @@ Status GradAttentionGemm(const PipelineCall& call) {
   spec.d_is_half = plan.mode.half();
   ATTNGRAD_RETURN_IF_ERROR(call.SideGemm(spec, "grad_attn GEMM (dY Wo) failed"));
   ATTNGRAD_RETURN_IF_ERROR(call.Signal(ForkJoinEvent::kGradAttentionReady, call.side));
-  call.StageDone("grad_attn_gemm");
+  call.StageDone("grad_attn_gemm", call.side);
   return {};
 }
 
@@ -455,7 +459,7 @@ Status AttentionForwardStage(const PipelineCall& call) {
                                   plan.qkv_width, buffers.attention_out, buffers.attention_out_half,
                                   buffers.lse, call.lane, &fused_delta),
                  "attention forward failed"));
-  call.StageDone("attention_forward");
+  call.StageDone("attention_forward", call.lane);
   return call.Order(ForkJoinEvent::kAttentionForwardDone, call.lane, call.side);
 }
 
@@ -477,7 +481,7 @@ Status AttentionBackwardQuery(const PipelineCall& call) {
       StepStatus(AttentionBackwardPartOn(call, AttentionBackwardPart::kQuery, call.side),
                  "attention backward (dq half) failed"));
   ATTNGRAD_RETURN_IF_ERROR(call.Signal(ForkJoinEvent::kGradQueryReady, call.side));
-  call.StageDone("attention_backward_dq");
+  call.StageDone("attention_backward_dq", call.side);
   return {};
 }
 
@@ -502,7 +506,7 @@ Status GradOutputWeightGemm(const PipelineCall& call) {
   spec.beta = call.accumulate ? 1.f : 0.f;
   call.Unscale(spec, /*weight_gradient=*/true);
   ATTNGRAD_RETURN_IF_ERROR(call.SideGemm(spec, "grad_o GEMM (dY^T A) failed"));
-  call.StageDone("grad_o_gemm");
+  call.StageDone("grad_o_gemm", call.side);
   return {};
 }
 
@@ -513,7 +517,7 @@ Status AttentionBackwardKeyValue(const PipelineCall& call) {
       StepStatus(AttentionBackwardPartOn(call, AttentionBackwardPart::kKeyValue, call.lane),
                  "attention backward (dk/dv half) failed"));
   ATTNGRAD_RETURN_IF_ERROR(call.Wait(ForkJoinEvent::kGradQueryReady, call.lane));
-  call.StageDone("attention_backward_dkdv");
+  call.StageDone("attention_backward_dkdv", call.lane);
   return {};
 }
 
@@ -529,6 +533,7 @@ Status RopeRmsNormBackwardStage(const PipelineCall& call) {
                                      call.in.weights[Weight::kKNorm], call.plan.mode.operand,
                                      buffers.grad_qkv, buffers.partials, &partial_rows, call.lane),
                  "rope_rmsnorm_backward failed"));
+  call.StageDone("rope_rmsnorm_backward", call.lane);
   ATTNGRAD_RETURN_IF_ERROR(call.Order(ForkJoinEvent::kGradQkvReady, call.lane, call.side));
   GradientScale* scale = buffers.gradient_scale;
   ATTNGRAD_RETURN_IF_ERROR(StepStatus(
@@ -537,7 +542,7 @@ Status RopeRmsNormBackwardStage(const PipelineCall& call) {
                             call.out.weight_gradients[Weight::kQNorm],
                             call.out.weight_gradients[Weight::kKNorm], call.accumulate, call.side),
       "norm-weight gradients' final sum failed"));
-  call.StageDone("rope_rmsnorm_backward");
+  call.StageDone("norm_weight_sum", call.side);
   return {};
 }
 
@@ -563,7 +568,7 @@ Status GradHiddenGemm(const PipelineCall& call) {
     spec.beta = i == 0 ? 0.f : 1.f;
     ATTNGRAD_RETURN_IF_ERROR(call.LaneGemm(spec, "grad_x GEMM (dqkv W) failed"));
   }
-  call.StageDone("grad_x_gemm");
+  call.StageDone("grad_x_gemm", call.lane);
   return {};
 }
 
@@ -591,8 +596,9 @@ Status GradQkvWeightGemms(const PipelineCall& call) {
     call.Unscale(spec, /*weight_gradient=*/true);
     constexpr const char* kWhat = "grad_w_qkv GEMMs (dqkv^T X) failed";
     ATTNGRAD_RETURN_IF_ERROR(i < 2 ? call.SideGemm(spec, kWhat) : call.LaneGemm(spec, kWhat));
+    if (i == 1) call.StageDone("grad_w_qk_gemm", call.side);
   }
-  call.StageDone("grad_w_qkv_gemm");
+  call.StageDone("grad_w_v_gemm", call.lane);
   return {};
 }
 
@@ -692,8 +698,9 @@ Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
   ATTNGRAD_RETURN_IF_ERROR(StepStatus(DeviceContextRegistry::Instance().Get(device, &context),
                                       "creating the device's cuBLASLt context failed"));
   SideStreamLease side_lease(context);
-  SideStream* streams = nullptr;  // null with an observer: everything on the caller's stream
-  if (observer == nullptr) {
+  // Null with a serialising observer: everything on the caller's stream.
+  SideStream* streams = nullptr;
+  if (observer == nullptr || observer->overlapped()) {
     if (given_side == nullptr) {
       ATTNGRAD_RETURN_IF_ERROR(
           StepStatus(side_lease.Acquire(), "creating the pipeline's side streams failed"));

@@ -14,10 +14,15 @@
 namespace attngrad::cuda {
 
 // Called on the host after each stage has been enqueued on `stream` (before the next one is).
+// A serialising observer (the default) gets every stage on the caller's stream, one after the
+// other, so that the time between two stages is the first one's alone; an overlapped one gets the
+// real schedule (lane and side stream, as backward_device.cu draws it), each stage on the stream
+// it ran on, so that stage end times show the critical path.
 class StageObserver {
  public:
   virtual ~StageObserver() = default;
   virtual void StageDone(const char* stage, cudaStream_t stream) = 0;
+  virtual bool overlapped() const { return false; }
 };
 
 // The mode a call runs in: AUTO resolves to FP16, the fastest mode, which meets SPEC section 4 on
@@ -26,8 +31,8 @@ class StageObserver {
 Precision ResolvePrecision(Precision precision, int batch, int seq_len);
 
 // Enqueues the whole pipeline on `stream`: forked onto the two streams of `side` when given, else
-// of one leased from the device's pool, and joined back (with an observer everything runs on
-// `stream`). The Status names the check or the stage that failed. With `prepared` (its config
+// of one leased from the device's pool, and joined back (with a serialising observer everything
+// runs on `stream`). The Status names the check or the stage that failed. With `prepared` (its config
 // must be `config`, in.weights its source()) the FP16 mode reads its fp16 weights instead of
 // converting them, and the workspace is DeviceWorkspaceSize(*prepared, ...).
 class SideStream;
