@@ -32,8 +32,8 @@ Precision ResolvePrecision(Precision precision, int batch, int seq_len);
 
 // Enqueues the whole pipeline on `stream`: forked onto the two streams of `side` when given, else
 // of one leased from the device's pool, and joined back (with a serialising observer everything
-// runs on `stream`). The Status names the check or the stage that failed. With `prepared` (its config
-// must be `config`, in.weights its source()) the FP16 mode reads its fp16 weights instead of
+// runs on `stream`). The Status names the check or the stage that failed. With `prepared` (its
+// config must be `config`, in.weights its source()) the FP16 mode reads its fp16 weights instead of
 // converting them, and the workspace is DeviceWorkspaceSize(*prepared, ...).
 class SideStream;
 Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
