@@ -122,32 +122,24 @@ double Sol(int batch, int seq_len, double* macs_out) {
   return std::max(macs / 494.7e12, elements * 2.0 / 4.8e12);
 }
 
-// Records an event after every stage of one call; stage names in order.
+// Records an event after every stage of one call; stage names in order. Without `side` the
+// pipeline serialises its stages on the caller's stream (--stages); with it the call runs its real
+// two-stream schedule while the caller's stream is being captured, the events (on the stream each
+// stage ran on) becoming record nodes of the graph, whose replays then say when each stage ended
+// (--timeline); the names then say the stream.
 class EventObserver : public attngrad::cuda::StageObserver {
  public:
-  explicit EventObserver(std::vector<cudaEvent_t>* events) : events_(events) {}
-  void StageDone(const char* stage, cudaStream_t stream) override {
-    if (next_ >= events_->size()) return;
-    CHECK_CUDA(cudaEventRecord((*events_)[next_++], stream));
-    names.push_back(stage);
-  }
-  std::vector<std::string> names;
-
- private:
-  std::vector<cudaEvent_t>* events_;
-  std::size_t next_ = 0;
-};
-
-// Records, on the stream each stage ran on, an event after every stage of one call enqueued with
-// the real two-stream schedule while the caller's stream is being captured (the events become
-// record nodes of the graph); the graph's replays then say when each stage ended.
-class TimelineObserver : public attngrad::cuda::StageObserver {
- public:
-  TimelineObserver(std::vector<cudaEvent_t>* events, const attngrad::cuda::SideStream* side)
+  explicit EventObserver(std::vector<cudaEvent_t>* events,
+                         const attngrad::cuda::SideStream* side = nullptr)
       : events_(events), side_(side) {}
-  bool overlapped() const override { return true; }
+  bool overlapped() const override { return side_ != nullptr; }
   void StageDone(const char* stage, cudaStream_t stream) override {
     if (next_ >= events_->size()) return;
+    if (side_ == nullptr) {
+      CHECK_CUDA(cudaEventRecord((*events_)[next_++], stream));
+      names.push_back(stage);
+      return;
+    }
     CHECK_CUDA(cudaEventRecordWithFlags((*events_)[next_++], stream, cudaEventRecordExternal));
     names.push_back(std::string(stage) + (stream == side_->stream() ? "(side)" : "(lane)"));
   }
@@ -158,6 +150,16 @@ class TimelineObserver : public attngrad::cuda::StageObserver {
   const attngrad::cuda::SideStream* side_;
   std::size_t next_ = 0;
 };
+
+// `count` timing events, owned by `owned`, and their handles.
+std::vector<cudaEvent_t> TimingEvents(int count, std::vector<Event>* owned) {
+  std::vector<cudaEvent_t> events;
+  for (int i = 0; i < count; ++i) {
+    owned->push_back(TimingEvent());
+    events.push_back(owned->back().get());
+  }
+  return events;
+}
 
 struct Options {
   int precision = ATTNGRAD_PRECISION_AUTO;
@@ -374,12 +376,8 @@ int main(int argc, char** argv) {
     }
 
     if (options.stages) {
-      std::vector<Event> owned_events(16);
-      std::vector<cudaEvent_t> events;
-      for (Event& event : owned_events) {
-        CHECK_CUDA(Event::Create(&event));
-        events.push_back(event.get());
-      }
+      std::vector<Event> owned_events;
+      std::vector<cudaEvent_t> events = TimingEvents(16, &owned_events);
       std::map<std::string, std::vector<double>> per_stage;
       std::vector<std::string> names;
       for (int i = 0; i < options.warmup / 2 + options.iters / 2; ++i) {
@@ -415,13 +413,9 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "timeline: side streams could not be created\n");
         return 1;
       }
-      std::vector<Event> owned_events(24);
-      std::vector<cudaEvent_t> events;
-      for (Event& event : owned_events) {
-        CHECK_CUDA(Event::Create(&event));
-        events.push_back(event.get());
-      }
-      TimelineObserver observer(&events, &side);
+      std::vector<Event> owned_events;
+      std::vector<cudaEvent_t> events = TimingEvents(24, &owned_events);
+      EventObserver observer(&events, &side);
       CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       CHECK_CUDA(cudaEventRecordWithFlags(start.get(), stream, cudaEventRecordExternal));
       const attngrad::Status status = attngrad::cuda::RunBackwardPipeline(
