@@ -3,9 +3,10 @@
 // --weights=random --model=gemma-3-270m): attngrad::ShardedClient over the layer map
 // "4=serverA,5=serverB" (merged info, every layer-addressed call reaching the server of its layer,
 // one ShardedStream across both, the refusals), attngrad-cli with a layer map as --target,
-// ClientOptions::channels (streams on distinct TCP connections, counted in /proc/net/tcp),
-// BackwardBatch::input_dtype (bf16 on the wire = the fp32 answer of the rounded inputs, bit for
-// bit) and `attngrad-cli bench --channels --input_dtype`.
+// ClientOptions::channels (streams on distinct TCP connections: this process's sockets counted in
+// /proc/net/tcp), BackwardBatch::input_dtype (bf16 on the wire = the fp32 answer of the rounded
+// inputs, bit for bit) and `attngrad-cli bench --channels --input_dtype`.
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <set>
@@ -13,9 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attngrad/client.h"
 #include "attngrad/sharded_client.h"
 #include "gmock/gmock.h"
@@ -34,9 +38,24 @@ using ::testing::HasSubstr;
 
 constexpr int kHidden = 640;  // gemma-3-270m
 
-// ESTABLISHED TCP connections whose remote end is port `port` on loopback: the client side of each
-// connection to a server listening there (the server's side has it as its local port).
-int EstablishedConnectionsTo(int port) {
+// Inodes of the sockets this process holds open (the links "socket:[inode]" in /proc/self/fd).
+std::set<std::string> OwnSocketInodes() {
+  std::set<std::string> inodes;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", error)) {
+    const std::string link = std::filesystem::read_symlink(entry.path(), error).string();
+    if (!error && absl::StartsWith(link, "socket:[") && absl::EndsWith(link, "]")) {
+      inodes.insert(link.substr(8, link.size() - 9));
+    }
+  }
+  return inodes;
+}
+
+// ESTABLISHED TCP connections of this process whose remote end is port `port` on loopback: the
+// client side of each connection this test's clients hold to a server listening there. Sockets of
+// other processes (the servers, other tests' clients) are not counted.
+int OwnConnectionsTo(int port) {
+  const std::set<std::string> own = OwnSocketInodes();
   int count = 0;
   for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
     std::ifstream file(table);
@@ -44,7 +63,7 @@ int EstablishedConnectionsTo(int port) {
     std::getline(file, line);  // header
     while (std::getline(file, line)) {
       std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
-      if (fields.size() < 4 || fields[3] != "01") continue;
+      if (fields.size() < 10 || fields[3] != "01" || own.count(fields[9]) == 0) continue;
       const std::string& remote = fields[2];
       int remote_port = 0;
       if (absl::SimpleHexAtoi(remote.substr(remote.rfind(':') + 1), &remote_port) &&
@@ -52,6 +71,18 @@ int EstablishedConnectionsTo(int port) {
         ++count;
       }
     }
+  }
+  return count;
+}
+
+// Polls OwnConnectionsTo(port) until it is `expected` or 10 s have passed; returns the last count.
+// A destroyed client closes its connections asynchronously, so the count settles after a moment.
+int OwnConnectionsSettleAt(int port, int expected) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  int count = OwnConnectionsTo(port);
+  while (count != expected && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    count = OwnConnectionsTo(port);
   }
   return count;
 }
@@ -247,7 +278,9 @@ TEST_F(ShardedTest, CliCheckUploadsToTheCheckedLayer) {
 
 TEST_F(ShardedTest, StreamsTakeTheirOwnConnections) {
   for (int channels : {1, 3}) {
-    const int before = EstablishedConnectionsTo(server_a_->grpc_port());
+    // The probe of TestServer::Start and the previous iteration's client close their
+    // connections asynchronously: start from none.
+    ASSERT_EQ(OwnConnectionsSettleAt(server_a_->grpc_port(), 0), 0);
     ClientOptions options;
     options.channels = channels;
     auto client = Client::Connect(server_a_->target(), options);
@@ -262,8 +295,7 @@ TEST_F(ShardedTest, StreamsTakeTheirOwnConnections) {
       ASSERT_TRUE((*stream)->Await(*id).ok());
       streams.push_back(*std::move(stream));
     }
-    EXPECT_EQ(EstablishedConnectionsTo(server_a_->grpc_port()) - before, channels)
-        << "channels=" << channels;
+    EXPECT_EQ(OwnConnectionsTo(server_a_->grpc_port()), channels) << "channels=" << channels;
   }
 }
 

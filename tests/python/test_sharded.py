@@ -6,14 +6,17 @@ input dtype (issue 13, items 2 and 3), against attngrad-server processes on the 
   instance id in the answers, its own accumulation windows), backward_many across both, and the
   refusals: servers of different models, a server lacking a mapped layer, a layer outside the map,
   malformed maps.
-- attngrad.Client(channels=N): backward_many's N streams on N distinct TCP connections (counted
-  in /proc/net/tcp), channels=1 sharing one; sequential backward() calls share one kept-open
-  stream (one connection), concurrent ones take a stream each, on up to N connections.
+- attngrad.Client(channels=N): backward_many's N streams on N distinct TCP connections (this
+  process's sockets counted in /proc/net/tcp), channels=1 sharing one; sequential backward()
+  calls share one kept-open stream (one connection), concurrent ones take a stream each, on up to
+  N connections.
 - input_dtype="bfloat16": the answer equals the float32 answer for the bf16-rounded inputs, bit
   for bit (the server computes from exactly those values)."""
 from __future__ import annotations
 
+import os
 import threading
+import time
 import unittest
 from pathlib import Path
 
@@ -39,9 +42,24 @@ def start(*flags):
     return server, client
 
 
+def own_socket_inodes() -> set[str]:
+    """Inodes of the sockets this process holds open (links "socket:[inode]" in /proc/self/fd)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link.endswith("]"):
+            inodes.add(link[len("socket:["):-1])
+    return inodes
+
+
 def established_connections(port: int) -> int:
-    """ESTABLISHED TCP connections whose remote end is 127.0.0.1:PORT (the client's side of each
-    connection to the server; the server's side has PORT as its local port instead)."""
+    """ESTABLISHED TCP connections of this process whose remote end is 127.0.0.1:PORT (the
+    client's side of each connection to the server; the server's side has PORT as its local port
+    instead). Other processes' sockets (the server's, other tests') are not counted."""
+    own = own_socket_inodes()
     count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         path = Path(table)
@@ -49,9 +67,23 @@ def established_connections(port: int) -> int:
             continue
         for line in path.read_text().splitlines()[1:]:
             fields = line.split()
-            remote, state = fields[2], fields[3]
-            if state == "01" and int(remote.rsplit(":", 1)[1], 16) == port:
+            remote, state, inode = fields[2], fields[3], fields[9]
+            if state == "01" and inode in own and int(remote.rsplit(":", 1)[1], 16) == port:
                 count += 1
+    return count
+
+
+def settled_connections(port: int) -> int:
+    """established_connections(port) once it has stayed the same for 200 ms (at most 10 s): a
+    closed client's connections go away asynchronously, and a count taken before they have would
+    be one too many."""
+    deadline = time.monotonic() + 10
+    count, since = established_connections(port), time.monotonic()
+    while time.monotonic() - since < 0.2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = established_connections(port)
+        if now != count:
+            count, since = now, time.monotonic()
     return count
 
 
@@ -230,7 +262,7 @@ class ChannelsAndInputDType(unittest.TestCase):
         return hidden, grad, np.arange(seq_len)
 
     def connections_after(self, channels: int, streams: int) -> int:
-        before = established_connections(self.server.port)
+        before = settled_connections(self.server.port)
         with attngrad.Client(self.server.target, channels=channels, timeout=60) as client:
             self.assertEqual(client.channels, channels)
             hidden, grad, positions = self.batch()
@@ -244,7 +276,7 @@ class ChannelsAndInputDType(unittest.TestCase):
         # Concurrent calls each take a stream of their own, each opened on the next connection.
         hidden, grad, positions = self.batch(seq_len=64)
         expected = self.client.backward(hidden, grad, position_ids=positions)
-        before = established_connections(self.server.port)
+        before = settled_connections(self.server.port)
         with attngrad.Client(self.server.target, channels=3, timeout=60) as client:
             start = threading.Barrier(3)
             results, failures = [], []
@@ -278,7 +310,7 @@ class ChannelsAndInputDType(unittest.TestCase):
         for seq_len in (3, 4, 5, 6, 3, 4, 5):
             hidden, grad, positions = self.batch(seq_len)
             batches.append(dict(hidden_states=hidden, grad_output=grad, position_ids=positions))
-        before = established_connections(self.server.port)
+        before = settled_connections(self.server.port)
         with attngrad.Client(self.server.target, channels=3, timeout=60) as client:
             spread = list(client.backward_many(batches, streams=3))
             connections = established_connections(self.server.port) - before
