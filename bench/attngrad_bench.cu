@@ -5,6 +5,7 @@
 // each pipeline stage (events recorded between stages, everything on one stream) to say where the
 // time goes. With --timeline it also replays the real two-stream schedule as a graph with an event
 // after each stage on its stream and prints when each stage ended (the critical path). With
+// --memory-rates it first measures the memory's write and copy rates (the byte floors' rates). With
 // --host-ahead it also reports how long the host takes to enqueue one call and the call's time when
 // the GPU is held busy (a spin kernel after the flush) until the whole call is enqueued: the
 // difference to the median is time the GPU waited for the host. With --prepared the weights are
@@ -13,7 +14,7 @@
 // does); the rest of the timing is unchanged.
 //
 // Usage: attngrad_bench [--precision=auto|fp16|tf32|fp32] [--prepared] [--stages] [--timeline]
-//                       [--host-ahead]
+//                       [--host-ahead] [--memory-rates]
 //                       [--warmup=10] [--iters=50] [--workloads=B:S,B:S,...]
 #include <cuda_runtime.h>
 
@@ -166,6 +167,7 @@ struct Options {
   bool prepared = false;
   bool stages = false;
   bool timeline = false;
+  bool memory_rates = false;
   bool host_ahead = false;
   int warmup = 10;
   int iters = 50;
@@ -194,6 +196,8 @@ Options Parse(int argc, char** argv) {
       options.stages = true;
     } else if (arg == "--timeline") {
       options.timeline = true;
+    } else if (arg == "--memory-rates") {
+      options.memory_rates = true;
     } else if (arg == "--host-ahead") {
       options.host_ahead = true;
     } else if (const char* v = value("--warmup=")) {
@@ -241,6 +245,36 @@ int main(int argc, char** argv) {
   attngrad::cuda::Stream owned_stream;
   CHECK_CUDA(attngrad::cuda::Stream::Create(&owned_stream));
   const cudaStream_t stream = owned_stream.get();
+
+  if (options.memory_rates) {
+    // The memory's own rates for the byte floors: a pure write stream (cudaMemsetAsync) and a
+    // device-to-device copy (read + write), 1 GiB each, medians of 20.
+    const std::size_t bytes = std::size_t{1} << 30;
+    const DeviceBuffer<unsigned char> from = Allocate<unsigned char>(bytes),
+                                      to = Allocate<unsigned char>(bytes);
+    const Event start = TimingEvent(), stop = TimingEvent();
+    auto rate = [&](auto operation) {
+      std::vector<double> seconds;
+      for (int i = 0; i < 25; ++i) {
+        CHECK_CUDA(cudaEventRecord(start.get(), stream));
+        operation();
+        CHECK_CUDA(cudaEventRecord(stop.get(), stream));
+        CHECK_CUDA(cudaEventSynchronize(stop.get()));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+        if (i >= 5) seconds.push_back(ms * 1e-3);
+      }
+      return Median(seconds);
+    };
+    const double write = rate([&] { CHECK_CUDA(cudaMemsetAsync(to.get(), 1, bytes, stream)); });
+    const double copy = rate([&] {
+      CHECK_CUDA(cudaMemcpyAsync(to.get(), from.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    std::printf(
+        "memory: write %.2f TB/s (cudaMemsetAsync), copy %.2f TB/s read + write "
+        "(cudaMemcpyAsync, 2 bytes moved per byte copied)\n",
+        bytes / write / 1e12, 2.0 * bytes / copy / 1e12);
+  }
 
   std::printf("%5s %5s %11s %9s %7s %8s\n", "B", "S", "median_us", "sol_us", "x_sol", "TFLOP/s");
   double log_time = 0, log_sol = 0;
