@@ -2,7 +2,8 @@
 # Stages a CUDA build's kernel binaries for bench/h200_kernels_run.sh: libattngrad.so, the GPU,
 # attention and wgmma tests, attngrad_bench and attngrad_attention_bench of BUILD; base/ with the
 # two benches of BASE (the build to compare with); one folder per VARIANT=BUILD with that build's
-# attngrad_bench (the script's VARIANTS; add the attention bench with ATTENTION_VARIANTS=1); lib/
+# attngrad_bench (the script's VARIANTS; add the attention bench with ATTENTION_VARIANTS=1) and
+# its attngrad_gpu_tests and attngrad_hopper_wgmma_tests where the build has them; lib/
 # with the libraries the benches load that a device lacks (OpenBLAS; shared/tools/bundle-libs.sh).
 # Packed as DIR/bundle.tar.xz with xz -9, whose dictionary holds a whole binary, so builds that
 # share most of their code cost little more than one (a 64 MiB carry limit holds five builds).
@@ -40,6 +41,11 @@ for variant in "$@"; do
   if [ "${ATTENTION_VARIANTS:-0}" = 1 ]; then
     cp "$(find_binary "${variant#*=}" attngrad_attention_bench)" "$stage/$name/"
   fi
+  # The variant's own GPU and wgmma tests too, where its build has them.
+  for binary in attngrad_gpu_tests attngrad_hopper_wgmma_tests; do
+    tests=$(find "${variant#*=}" -name "$binary" -type f | head -1)
+    if [ -n "$tests" ]; then cp "$tests" "$stage/$name/"; fi
+  done
 done
 # shared/ lies beside the checkout (the script is scripts/device/ of it).
 "$(cd "$(dirname "$0")/../.." && pwd)/../shared/tools/bundle-libs.sh" "$stage/attngrad_bench" \
