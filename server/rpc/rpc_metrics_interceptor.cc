@@ -35,7 +35,7 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE)) {
       const bool cancelled = context_->IsCancelled();
       const bool deadline_passed =
-          cancelled && std::chrono::system_clock::now() >= context_->deadline();
+          cancelled && CancelledAtDeadline(std::chrono::system_clock::now(), context_->deadline());
       std::lock_guard<std::mutex> lock(mutex_);
       closed_ = true;
       end_.cancelled = cancelled;
@@ -75,11 +75,22 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
 }  // namespace
 
 grpc::StatusCode FinalCode(const CallEnd& end) {
-  if (end.sent.has_value() && *end.sent != grpc::StatusCode::OK) return *end.sent;
+  // A service that answers a cancelled call with CANCELLED (the Backward reactor does) only
+  // repeats what happened: whether the deadline caused it is decided below.
+  const bool echoes_cancel = end.cancelled && end.sent == grpc::StatusCode::CANCELLED;
+  if (end.sent.has_value() && *end.sent != grpc::StatusCode::OK && !echoes_cancel) {
+    return *end.sent;
+  }
   if (end.cancelled) {
     return end.deadline_passed ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED;
   }
   return end.sent.value_or(grpc::StatusCode::UNKNOWN);
+}
+
+bool CancelledAtDeadline(std::chrono::system_clock::time_point now,
+                         std::chrono::system_clock::time_point deadline) {
+  // No deadline is time_point::max(): subtracting the skew from it cannot overflow.
+  return now >= deadline - kDeadlineSkew;
 }
 
 std::string MetricsMethodName(const char* full_method) {

@@ -6,10 +6,11 @@
 // attngrad_errors_total{method,code} (the Backward reactor adds its in-band batch errors there).
 //
 // The code recorded is what the call really ended with, as the server can know it: the status the
-// service sent when it was not OK; else CANCELLED when the call was cancelled (by the client, by
-// gRPC for a broken or over-size message, or by the server's shutdown), DEADLINE_EXCEEDED when it
-// was cancelled at or after its deadline; else the status sent (OK). A stream the client cancels
-// after the server had answered OK is therefore CANCELLED, not OK.
+// service sent when it was not OK (nor CANCELLED for a cancelled call); else CANCELLED when the
+// call was cancelled (by the client, by gRPC for a broken or over-size message, or by the server's
+// shutdown), DEADLINE_EXCEEDED when it was cancelled at or after its deadline (less kDeadlineSkew);
+// else the status sent (OK). A stream the client cancels after the server had answered OK is
+// therefore CANCELLED, not OK.
 #ifndef ATTNGRAD_SERVER_RPC_METRICS_INTERCEPTOR_H_
 #define ATTNGRAD_SERVER_RPC_METRICS_INTERCEPTOR_H_
 
@@ -30,6 +31,15 @@ struct CallEnd {
   bool deadline_passed = false;          // the close came at or after the call's deadline
 };
 grpc::StatusCode FinalCode(const CallEnd& end);
+
+// The server's deadline starts when the call's headers arrive, so it passes a little after the
+// client's: a client whose deadline passed cancels the call (RST_STREAM) up to one header's
+// latency before the server's deadline. A cancel that close to the deadline is the deadline's.
+inline constexpr std::chrono::milliseconds kDeadlineSkew{100};
+
+// Whether a call cancelled at `now` was cancelled by its deadline.
+bool CancelledAtDeadline(std::chrono::system_clock::time_point now,
+                         std::chrono::system_clock::time_point deadline);
 
 // "Backward" for "/attngrad.v1.AttentionGradient/Backward"; empty for other services' methods
 // (health, reflection), which are not recorded.

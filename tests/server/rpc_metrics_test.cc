@@ -164,10 +164,19 @@ TEST(RpcMetricsInterceptorTest, FinalCode) {
   EXPECT_EQ(FinalCode({StatusCode::OK, true, false}), StatusCode::CANCELLED);
   EXPECT_EQ(FinalCode({StatusCode::OK, true, true}), StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(FinalCode({std::nullopt, true, false}), StatusCode::CANCELLED);
+  // The Backward reactor answers a broken stream with CANCELLED: the deadline still shows.
+  EXPECT_EQ(FinalCode({StatusCode::CANCELLED, true, true}), StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(FinalCode({StatusCode::CANCELLED, true, false}), StatusCode::CANCELLED);
   // gRPC reports a call the server ended with an error as cancelled: the sent code wins.
   EXPECT_EQ(FinalCode({StatusCode::PERMISSION_DENIED, true, false}), StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(FinalCode({StatusCode::RESOURCE_EXHAUSTED, false, false}),
             StatusCode::RESOURCE_EXHAUSTED);
+  // The client's deadline passes first: its cancel may arrive just before the server's deadline.
+  const auto deadline = std::chrono::system_clock::now();
+  EXPECT_TRUE(CancelledAtDeadline(deadline, deadline));
+  EXPECT_TRUE(CancelledAtDeadline(deadline - kDeadlineSkew / 2, deadline));
+  EXPECT_FALSE(CancelledAtDeadline(deadline - 2 * kDeadlineSkew, deadline));
+  EXPECT_FALSE(CancelledAtDeadline(deadline, std::chrono::system_clock::time_point::max()));
   EXPECT_EQ(MetricsMethodName("/attngrad.v1.AttentionGradient/Backward"), "Backward");
   EXPECT_EQ(MetricsMethodName("/grpc.health.v1.Health/Check"), "");
   EXPECT_EQ(MetricsMethodName(nullptr), "");
