@@ -113,6 +113,26 @@ double Median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+// The median time in ms of `operation` between two events on `stream` over `iters` runs after
+// `warmup` more; `before(i)` runs ahead of run i, outside the events (the L2 flush).
+template <class Before, class Operation>
+double MedianEventMs(cudaStream_t stream, int warmup, int iters, Before before,
+                     Operation operation) {
+  const Event start = TimingEvent(), stop = TimingEvent();
+  std::vector<double> times;
+  for (int i = 0; i < warmup + iters; ++i) {
+    before(i);
+    CHECK_CUDA(cudaEventRecord(start.get(), stream));
+    operation();
+    CHECK_CUDA(cudaEventRecord(stop.get(), stream));
+    CHECK_CUDA(cudaEventSynchronize(stop.get()));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    if (i >= warmup) times.push_back(ms);
+  }
+  return Median(times);
+}
+
 double Sol(int batch, int seq_len, double* macs_out) {
   const double tokens = static_cast<double>(batch) * seq_len;
   const double macs =
@@ -252,19 +272,9 @@ int main(int argc, char** argv) {
     const std::size_t bytes = std::size_t{1} << 30;
     const DeviceBuffer<unsigned char> from = Allocate<unsigned char>(bytes),
                                       to = Allocate<unsigned char>(bytes);
-    const Event start = TimingEvent(), stop = TimingEvent();
-    auto rate = [&](auto operation) {
-      std::vector<double> seconds;
-      for (int i = 0; i < 25; ++i) {
-        CHECK_CUDA(cudaEventRecord(start.get(), stream));
-        operation();
-        CHECK_CUDA(cudaEventRecord(stop.get(), stream));
-        CHECK_CUDA(cudaEventSynchronize(stop.get()));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), stop.get()));
-        if (i >= 5) seconds.push_back(ms * 1e-3);
-      }
-      return Median(seconds);
+    const auto nothing_before = [](int) {};
+    auto rate = [&](auto operation) {  // seconds
+      return 1e-3 * MedianEventMs(stream, 5, 20, nothing_before, operation);
     };
     const double write = rate([&] { CHECK_CUDA(cudaMemsetAsync(to.get(), 1, bytes, stream)); });
     const double copy = rate([&] {
@@ -363,19 +373,12 @@ int main(int argc, char** argv) {
         std::exit(1);
       }
     };
-    const Event start = TimingEvent(), stop = TimingEvent();
-    std::vector<double> times;
-    for (int i = 0; i < options.warmup + options.iters; ++i) {
-      CHECK_CUDA(cudaMemsetAsync(flush.get(), i & 0xff, flush_bytes, stream));
-      CHECK_CUDA(cudaEventRecord(start.get(), stream));
-      call(nullptr);
-      CHECK_CUDA(cudaEventRecord(stop.get(), stream));
-      CHECK_CUDA(cudaEventSynchronize(stop.get()));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, start.get(), stop.get()));
-      if (i >= options.warmup) times.push_back(ms * 1e3);
-    }
-    const double median = Median(times);
+    const double median =  // µs
+        MedianEventMs(
+            stream, options.warmup, options.iters,
+            [&](int i) { CHECK_CUDA(cudaMemsetAsync(flush.get(), i & 0xff, flush_bytes, stream)); },
+            [&] { call(nullptr); }) *
+        1e3;
     double macs = 0;
     const double sol = Sol(batch, seq_len, &macs) * 1e6;
     std::printf("%5d %5d %11.1f %9.1f %7.2f %8.1f\n", batch, seq_len, median, sol, median / sol,
@@ -383,6 +386,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     log_time += std::log(median);
     log_sol += std::log(sol);
+    const Event start = TimingEvent(), stop = TimingEvent();  // the host-ahead and stage timings
 
     if (options.host_ahead) {
       std::vector<double> enqueue_us, gpu_only_us;
