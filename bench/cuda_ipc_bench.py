@@ -1,11 +1,11 @@
-"""The service over CUDA IPC (issue 13 item 4): a trainer process with PyTorch on the server's GPU
+"""The service over CUDA IPC (same-host zero copy): a trainer process with PyTorch on the server's GPU
 registers its CUDA tensors (attngrad.Client's zero_copy path, cuda_regions.py) and streams batches
 that name them, so that no activation byte crosses the connection.
 
   throughput: B x S ACCUMULATE batches over STREAMS Backward streams with IN_FLIGHT batches
               outstanding on each (--configs), for DURATION seconds after a warm-up: tokens/s. The inputs are
               drawn once; each in-flight slot has its own answer tensor.
-  shm:        the same over host shared memory (issue 13 item 4's other path): each stream's inputs
+  shm:        the same over host shared memory (the other same-host path): each stream's inputs
               and answer slots in one POSIX shared-memory region registered with the server
               (RegisterRegion by name), batches naming them; no torch tensors involved.
   latency:    one B x S batch at a time (RETURN: the weight gradients come back on the wire;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (H200) for the Python autograd bridge (issue 13): one 1x1024 ACCUMULATE
+# One device call (H200) for the Python autograd bridge: one 1x1024 ACCUMULATE
 # loss.backward() of attngrad.torch.RemoteGemma3Attention in a loop, zero_copy=True (CUDA IPC) and
 # over TCP, with two Python client trees against ONE server on GPU 0, alternated (TREES, default
 # "py-main py-new py-main py-new"), so that both see the same server and machine.

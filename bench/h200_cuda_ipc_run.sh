@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (H200) for CUDA IPC regions (issue 13 item 4). The carried folder $B (default
+# One device call (H200) for CUDA IPC regions (same-host zero copy). The carried folder $B (default
 # build-ipcr) holds ipcr.tar.xz: attngrad-server and attngrad_server_wire_test (stripped, built
 # sm_90a), lib/ (their shared libraries: shared/tools/bundle-libs.sh) and py/ (client/python with
 # its generated stubs, tests/python, bench/cuda_ipc_bench.py of the branch). In order:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (H200) for the head_dim 256 work (issue 15). The carried folder $K
+# One device call (H200) for the head_dim 256 kernels. The carried folder $K
 # (default build-k256) holds bundle.tar.xz: libattngrad.so, attngrad_gpu_tests,
 # attngrad_attention_tests and attngrad_bench of this build, attngrad_bench_prev (the previous
 # build, for the same-call A/B of the 16 SPEC workloads), lib/ (libopenblas.so.0, libgfortran.so.5,

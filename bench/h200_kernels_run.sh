@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (H200) that checks and times the kernels of a build against SPEC sections 4 and
-# 5 and the Gemma-3 oracle (issue 17). The carried folder $K (default build-kern) holds
+# 5 and the Gemma-3 oracle. The carried folder $K (default build-kern) holds
 # bundle.tar.xz: libattngrad.so, attngrad_gpu_tests, attngrad_attention_tests,
 # attngrad_hopper_wgmma_tests, attngrad_bench and attngrad_attention_bench of this build,
 # base/attngrad_bench (the build it is compared with), optionally more builds' attngrad_bench in

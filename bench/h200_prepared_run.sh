@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (H200) for issue 17 item 4, resident (prepared) weights. The carried folder $K
+# One device call (H200) for resident (prepared) weights. The carried folder $K
 # (default build-prep) holds bundle.tar.xz: attngrad_gpu_tests, attngrad_server_gpu_test,
 # attngrad_bench, attngrad-server and attngrad-cli of this build, attngrad-server-prev (the commit
 # before, for the same-call A/B of the server) and lib/ (shared/tools/bundle-libs.sh). It runs:

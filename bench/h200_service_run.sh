@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Device calls (H200) for the service issues (13, 14, 16). The carried folder $B (default
+# Device calls (H200) for the service (throughput, checks, offload). The carried folder $B (default
 # build-svc) holds svc.tar.xz: attngrad-server, attngrad-cli, attngrad_wire_ceiling,
 # attngrad_server_test, attngrad_server_wire_test, attngrad_soak_test, attngrad_gpu_tests (stripped, built sm_90a here) and
 # lib/ (their shared libraries: shared/tools/bundle-libs.sh). PHASE selects what runs:
 #   check:   in parallel: the server tests on the GPU workers (ATTNGRAD_TEST_DEVICES=0), the GPU
-#            tests of the finite check, the offload end-to-end check of issue 16
+#            tests of the finite check, the offload end-to-end check
 #            (client/python/examples/h200_check_offload.sh), a GPU soak (scripts/soak.sh) of
 #            SOAK_SECONDS, then the SPEC section 4 check of each wire dtype choice (attngrad-cli
 #            backward --check).

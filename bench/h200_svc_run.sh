@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One device call (H200) for issue 13: a branch's service binaries against main's in the same call,
-# each attngrad number beside the bare gRPC stream of the same bytes (attngrad_wire_ceiling,
-# ByteBuffer transport, same flags), plus the shared-memory path and the autograd bridge
-# (bench/cuda_ipc_bench.py), and a perf profile of the server when perf is carried. Prints one
-# compact line per run (the call's output keeps only its last 12,000 characters).
+# One device call (H200) for the service's throughput: a branch's service binaries against main's in
+# the same call, each attngrad number beside the bare gRPC stream of the same bytes
+# (attngrad_wire_ceiling, ByteBuffer transport, same flags), plus the shared-memory path and the
+# autograd bridge (bench/cuda_ipc_bench.py), and a perf profile of the server when perf is carried.
+# Prints one compact line per run (the call's output keeps only its last 12,000 characters).
 #
 # The carried folder $B (default build-svc2) holds svc.tar.xz (attngrad-server, attngrad-cli,
 # attngrad_wire_ceiling and the server test programs with lib/), main-attngrad-server.xz and

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (H200) for issue 13's TCP targets: checks a service build's batch path on the
-# GPU worker, then times attngrad beside the bare gRPC stream of the same bytes
+# One device call (H200) for the service's TCP throughput: checks a service build's batch path on
+# the GPU worker, then times attngrad beside the bare gRPC stream of the same bytes
 # (attngrad_wire_ceiling, ByteBuffer transport), with an A/B of the server binaries in the same
 # call. Prints one compact line per run (the call's output keeps only its last 12,000 characters)
 # and leaves at most 4 files in $OUT.

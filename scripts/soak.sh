@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long soak and chaos run (issue 14): tests/server/soak_test.cc (attngrad_soak_test) for a
+# The long soak and chaos run: tests/server/soak_test.cc (attngrad_soak_test) for a
 # chosen duration and devices, writing the server's RSS over time as CSV, then a summary.
 #   scripts/soak.sh [--duration SECONDS] [--devices cpu|0|0,1] [--trainers N] [--victims N]
 #                   [--batches N] [--seq-len S] [--pause-ms MS] [--cpu-threads N] [--model NAME]

@@ -1,6 +1,6 @@
-// Probe for issue 13 item 4 (same-host zero-copy): does CUDA inter-process memory sharing work
-// between two processes on this machine? Two mechanisms are tried, each in a fresh child process
-// pair (fork before any CUDA call, so that neither inherits a CUDA context):
+// Probe for same-host zero-copy: does CUDA inter-process memory sharing work between two processes
+// on this machine? Two mechanisms are tried, each in a fresh child process pair (fork before any
+// CUDA call, so that neither inherits a CUDA context):
 //   legacy: cudaIpcGetMemHandle in the exporter, cudaIpcOpenMemHandle in the importer;
 //   vmm:    cuMemCreate with a POSIX file-descriptor handle, the descriptor passed over a Unix
 //           socket (SCM_RIGHTS), cuMemImportFromShareableHandle + cuMemMap in the importer.

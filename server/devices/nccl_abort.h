@@ -1,11 +1,11 @@
-// Waiting for a running NCCL collective without hanging when one GPU fails inside it (issue 14,
-// found #9). Each rank waits for its own part by polling (its CUDA stream, NCCL's asynchronous
-// error) instead of blocking in cudaStreamSynchronize; the ranks of one communicator set share a
-// CollectiveAbort. A rank whose part fails (a CUDA error on its device, an NCCL async error) or
-// does not finish within the timeout requests the abort, naming its device, and aborts its
-// communicator (ncclCommAbort: NCCL's kernels on that GPU stop); every other rank still waiting
-// sees the request at its next poll and aborts its own, so no GPU is left spinning for a peer that
-// will never come. After an abort the communicators are gone: the server sums on the host.
+// Waiting for a running NCCL collective without hanging when one GPU fails inside it. Each rank
+// waits for its own part by polling (its CUDA stream, NCCL's asynchronous error) instead of
+// blocking in cudaStreamSynchronize; the ranks of one communicator set share a CollectiveAbort. A
+// rank whose part fails (a CUDA error on its device, an NCCL async error) or does not finish within
+// the timeout requests the abort, naming its device, and aborts its communicator (ncclCommAbort:
+// NCCL's kernels on that GPU stop); every other rank still waiting sees the request at its next
+// poll and aborts its own, so no GPU is left spinning for a peer that will never come. After an
+// abort the communicators are gone: the server sums on the host.
 // The waiting logic knows nothing of CUDA or NCCL (RunningCollective), so it is tested without a
 // GPU (tests/server/nccl_abort_test.cc); NcclReductionOnStream is the real one.
 #ifndef ATTNGRAD_SERVER_NCCL_ABORT_H_

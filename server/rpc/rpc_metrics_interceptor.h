@@ -1,7 +1,7 @@
 // The RPC metrics of every call of attngrad.v1.AttentionGradient, recorded in one place: a gRPC
 // server interceptor (gRPC's experimental interceptor API) that sees each call end, including the
-// calls gRPC itself ends (issue 14, found #7): a client that cancels, a deadline that passes, a
-// message over --max_message_bytes or one that does not parse. Each ended call is observed once in
+// calls gRPC itself ends: a client that cancels, a deadline that passes, a message over
+// --max_message_bytes or one that does not parse. Each ended call is observed once in
 // attngrad_rpc_duration_seconds{method,code} and, unless its code is OK, counted once in
 // attngrad_errors_total{method,code} (the Backward reactor adds its in-band batch errors there).
 //

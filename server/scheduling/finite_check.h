@@ -1,7 +1,8 @@
-// The finite check of a batch's gradients before they count (issue 14, found #4): the host-side
-// count (the CPU worker's; the GPU worker counts on the device, attngrad/finite_check.h) and the
-// in-band error both workers answer when any gradient holds NaN or Inf. Such a batch is not added
-// to its window's sums, so finite inputs that overflow in the backward pass cannot poison them.
+// The finite check of a batch's gradients before they count (one non-finite batch would turn a sum
+// into Inf/NaN for good): the host-side count (the CPU worker's; the GPU worker counts on the
+// device, attngrad/finite_check.h) and the in-band error both workers answer when any gradient
+// holds NaN or Inf. Such a batch is not added to its window's sums, so finite inputs that overflow
+// in the backward pass cannot poison them.
 #ifndef ATTNGRAD_SERVER_FINITE_CHECK_H_
 #define ATTNGRAD_SERVER_FINITE_CHECK_H_
 

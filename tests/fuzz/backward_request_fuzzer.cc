@@ -43,7 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       job.cos.size() != tokens * 128 || job.sin.size() != tokens * 128) {
     __builtin_trap();
   }
-  // Found in issue 14: finite inputs that built NaN rotary tables were accepted.
+  // Finite inputs that built NaN rotary tables were once accepted: the tables must be finite.
   if (!AllFinite(job.cos) || !AllFinite(job.sin)) {
     __builtin_trap();
   }

@@ -278,7 +278,7 @@ TEST_P(AttentionKernelTest, MatchesFloat64AndIsDeterministic) {
   EXPECT_LT(RelativeError(Read(lse), ref.lse), bound) << "lse";
   // dq and dk get an absolute floor: at S = 1 they are exactly 0 and what the kernels return is the
   // cancellation noise of dP - Delta (fp32: RMS ~1e-8; with a 1e-3 floor, i.e. 2e-8, the fp32
-  // B=1 S=1 case failed once in session 3's ~7 runs on fresh random inputs).
+  // B=1 S=1 case failed once in ~7 runs on fresh random inputs).
   EXPECT_LT(RelativeError(dq_first, ref.dq, 1e-2), bound) << "dq";
   EXPECT_LT(RelativeError(dk_first, ref.dk, 1e-2), bound) << "dk";
   EXPECT_LT(RelativeError(dv_first, ref.dv), bound) << "dv";

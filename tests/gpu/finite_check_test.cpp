@@ -1,7 +1,7 @@
-// The GPU finite check (attngrad/finite_check.h, kernels/src/cuda/finite_check.cu; issue 14, found
-// #4): CountNonFiniteDevice counts NaN and Inf per gradient (every position of a tensor larger than
-// one launch covers, through the grid-stride loop), AccumulateIfFiniteDevice adds the gradients
-// when every count is 0 and leaves the accumulators bit-identical otherwise. Skipped without a GPU.
+// The GPU finite check (attngrad/finite_check.h, kernels/src/cuda/finite_check.cu):
+// CountNonFiniteDevice counts NaN and Inf per gradient (every position of a tensor larger than one
+// launch covers, through the grid-stride loop), AccumulateIfFiniteDevice adds the gradients when
+// every count is 0 and leaves the accumulators bit-identical otherwise. Skipped without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

@@ -67,7 +67,7 @@ struct ClientOptions {
   // ones cost nothing. The default, 8, gives each of up to 8 concurrent streams a connection of its
   // own: one HTTP/2 connection carries one TCP window and is served by one thread on each side, and
   // on one H200 host a bare gRPC stream of attngrad's bytes moved 62.7k tokens/s over 1 connection
-  // and 255k over 8 (issue 13). 1 = everything on one connection.
+  // and 255k over 8. 1 = everything on one connection.
   int channels = 8;
   // Null: insecure (plaintext) channel. TlsCredentialsFromFiles (below) makes TLS / mutual-TLS
   // credentials from a CA bundle and a client certificate and key.
@@ -153,7 +153,7 @@ struct BackwardBatch {
   // valid, and be left alone, until the batch's result has been returned (by Next, Await or
   // Backward) or the stream is destroyed. For a caller that reuses its buffers (or decodes into
   // its own tensor): a fresh vector per batch costs its page faults and zeroing, more than the
-  // decode itself (issue 13).
+  // decode itself.
   absl::Span<float> grad_hidden_states_out;
   // RETURN mode: where the six weight gradients go, the same way: all empty = the result's
   // WeightSet (fresh vectors); else each holds WeightElements(weight) floats of the caller's, into

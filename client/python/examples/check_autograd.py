@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The H200 check of the PyTorch autograd bridge (issue 5): for each workload, the gradients that
+"""The H200 check of the PyTorch autograd bridge: for each workload, the gradients that
 attngrad.torch.RemoteGemma3Attention gets from the service (all 7 outputs of SPEC section 1) against
 float64 PyTorch autograd of the same layer (attngrad.torch.gemma3_attention), judged by SPEC section 4;
 ACCUMULATE + fetch against the sum of two batches; what each keeps for the backward (saved-tensor

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The end-to-end check of issue 16: a whole Gemma-3 model whose attention backward runs on
+"""The end-to-end offload check: a whole Gemma-3 model whose attention backward runs on
 attngrad servers through attngrad.torch.offload, against local autograd of the same model.
 
 1. Builds a random-init Gemma-3 text model (transformers' Gemma3ForCausalLM, fp32, the 270M or 1B

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's end-to-end check on a GPU machine (one `run` call): check_offload.py for gemma-3-270m
+# The end-to-end offload check on a GPU machine (one `run` call): check_offload.py for gemma-3-270m
 # (RETURN mode) and gemma-3-1b (ACCUMULATE mode), each on one server and split over two, 20 steps.
 # Logs in $OUT (offload_<config>_<mode>.log); a summary last; exit 1 when a check failed.
 #   SERVER    the attngrad-server binary (default build-h200/server/attngrad-server)

@@ -1,10 +1,10 @@
-// The finite check of one backward call's gradients, before they are added to a sum (issue 14,
-// found #4): finite inputs can still give non-finite gradients (grad_output near FLT_MAX overflows
-// the GEMMs), and one such batch added to an accumulator turns it into Inf/NaN for good. The check
-// counts the NaN and infinite values of grad_hidden_states and of each weight gradient; the add
-// happens only when every count is 0. GPU entry points: device pointers, asynchronous on a stream;
-// the counts stay on the device between the two calls, so nothing waits for the host in between.
-// The CPU backend's caller counts on the host (server/scheduling/finite_check.h).
+// The finite check of one backward call's gradients, before they are added to a sum: finite inputs
+// can still give non-finite gradients (grad_output near FLT_MAX overflows the GEMMs), and one such
+// batch added to an accumulator turns it into Inf/NaN for good. The check counts the NaN and
+// infinite values of grad_hidden_states and of each weight gradient; the add happens only when
+// every count is 0. GPU entry points: device pointers, asynchronous on a stream; the counts stay on
+// the device between the two calls, so nothing waits for the host in between. The CPU backend's
+// caller counts on the host (server/scheduling/finite_check.h).
 #ifndef ATTNGRAD_FINITE_CHECK_H_
 #define ATTNGRAD_FINITE_CHECK_H_
 

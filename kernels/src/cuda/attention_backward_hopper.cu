@@ -578,8 +578,8 @@ __global__ void __launch_bounds__(kGroups * 128)
 #endif
 }
 
-// Warpgroups per block (measured on the H200: bench/ATTENTION_NOTES.md): one, so that two
-// independent blocks share an SM and one's element-wise work overlaps the other's products.
+// Warpgroups per block (measured on the H200: bench/history/ATTENTION_NOTES-log.md): one, so that
+// two independent blocks share an SM and one's element-wise work overlaps the other's products.
 constexpr int kKeyValueGroups = 1;
 constexpr int kQueryGroups = 1;
 // HopperQueryFromScoresKernel: two warpgroups share each key tile they load.

@@ -937,19 +937,19 @@ bool ShortForwardApplies(const AttentionProblem& problem);
 attngrad_status LaunchShortForward(const AttentionParams& params, cudaStream_t stream);
 
 // Where the short-sequence kernels of 32-row blocks (the forward of attention_forward_short.cu and
-// the backward's grid form) measured faster in the whole pipeline (H200, run 35 of
-// bench/RESULTS.md): at most 96 such blocks (B * num_heads * ceil(S / 32)), i.e. one sequence of
-// S <= 128 for Gemma-3 4B's 24 heads: (1,128) 145.0 / 146.3 against 148.5 / 148.8 us (backward
-// alone 19.3 against 26.4 us, forward 9.5 against 12.6). At (1,256) the backward alone won (31.4
-// against 39.3 us) but the pipeline lost (190.8 against 185.1; why was not examined); at (4,128),
-// (4,256), (8,128) and larger grids both lost.
+// the backward's grid form) measured faster in the whole pipeline (H200, 2026-12-02): at most 96
+// such blocks (B * num_heads * ceil(S / 32)), i.e. one sequence of S <= 128 for Gemma-3 4B's 24
+// heads: (1,128) 145.0 / 146.3 against 148.5 / 148.8 us (backward alone 19.3 against 26.4 us,
+// forward 9.5 against 12.6). At (1,256) the backward alone won (31.4 against 39.3 us) but the
+// pipeline lost (190.8 against 185.1; why was not examined); at (4,128), (4,256), (8,128) and
+// larger grids both lost.
 inline bool ShortGridPays(const AttentionProblem& problem) {
   return static_cast<long long>(problem.batch) * problem.num_heads *
              ((problem.seq_len + 31) / 32) <=
          96;
 }
 
-// dK/dV tile choice (measured on the H200, bench/ATTENTION_NOTES.md).
+// dK/dV tile choice (measured on the H200, bench/history/ATTENTION_NOTES-log.md).
 // kGrid / kGridSplit: the grid form of the short-sequence kernel, writing dK/dV itself (one query
 // head per key-value head) or per query head into the partials.
 enum class KeyValueTiling { kSmall, kSmallSplit, kShort, kShortSplit, kGrid, kGridSplit };
@@ -982,7 +982,7 @@ inline KeyValueTiling ChooseKeyValueTiling(const AttentionProblem& problem) {
   }
   // The short-sequence kernel (split over the query heads) measured faster than the tiled ones
   // only for S <= 128 with few key-value blocks (H200: (1,128) 28 vs 32 us, (4,128) 35 vs 41 us,
-  // (8,128) even; slower at (32,128) and at every S = 256 shape; bench/ATTENTION_NOTES.md v4).
+  // (8,128) even; slower at (32,128) and at every S = 256 shape; measured 2026-11-29).
   if (short_applies && problem.seq_len <= 128 && problem.num_heads != problem.num_kv_heads &&
       static_cast<long long>(problem.batch) * problem.num_kv_heads < 128) {
     return KeyValueTiling::kShortSplit;

@@ -56,9 +56,9 @@ struct HopperForwardLayout {
 // (relative minimax on [0, 0.25]): absolute error <= 5e-8 in fp32 arithmetic (TanhComplement's
 // ~1e-7), six instructions on the FMA pipe instead of two on the special-function unit (ex2, rcp).
 // This kernel's soft-capped softmax kept that unit busy with three per score (226 -> 194 us at
-// 2x2048 on the H200 with this, bench/RESULTS.md runs 46-47). The other kernels take CappedLog2's
-// FastTanh (tanh.approx, one instruction on that unit); here it measured the same as this
-// polynomial (run 50: 2x2048 194.5 vs 193.6 us), which is the more accurate, so it stays.
+// 2x2048 on the H200 with this, 2026-12-03). The other kernels take CappedLog2's FastTanh
+// (tanh.approx, one instruction on that unit); here it measured the same as this polynomial (2x2048
+// 194.5 vs 193.6 us), which is the more accurate, so it stays.
 inline constexpr float kPolynomialTanhBound = 0.5f;
 __device__ __forceinline__ float PolynomialTanh(float x) {
   const float y = x * x;
@@ -361,13 +361,13 @@ attngrad_status LaunchHopperForwardFor(const AttentionParams& params, cudaStream
 }
 
 // Where it measured faster than AttentionForwardKernel (H200, both kernels forced per workload in
-// one call, fp16, CUDA-graph timing, head_dim 128; run 52 of bench/RESULTS.md, 2026-12-03, one
-// warpgroup per block): from S = 128 on ((64,256) 224.3 vs 255.4 us, (16,256) 66.0 vs 71.8,
-// (32,128) 55.5 vs 60.5, (4,128) 13.0 vs 13.6, (8,128) 18.9 vs 18.9, (2,2048) 197.6 vs 264.2);
-// (1,128) takes the short-sequence forward before this (8.8 us, 10.1 here). AUTO still takes it
-// from S = 512 only: routed from S = 128 in the whole pipeline it measured nothing (run 55: 64x256
-// 4492 vs 4485 us; there the forward overlaps the side stream's work). Shorter sequences were not
-// timed. head_dim 256 follows the same rule (not timed separately).
+// one call, fp16, CUDA-graph timing, head_dim 128, one warpgroup per block; 2026-12-03): from S =
+// 128 on ((64,256) 224.3 vs 255.4 us, (16,256) 66.0 vs 71.8, (32,128) 55.5 vs 60.5, (4,128) 13.0 vs
+// 13.6, (8,128) 18.9 vs 18.9, (2,2048) 197.6 vs 264.2); (1,128) takes the short-sequence forward
+// before this (8.8 us, 10.1 here). AUTO still takes it from S = 512 only: routed from S = 128 in
+// the whole pipeline it measured nothing (64x256 4492 vs 4485 us; there the forward overlaps the
+// side stream's work). Shorter sequences were not timed. head_dim 256 follows the same rule (not
+// timed separately).
 bool HopperForwardPays(const AttentionProblem& problem) { return problem.seq_len >= 512; }
 
 }  // namespace

@@ -1,9 +1,10 @@
 // Serves the end of SPEC section 2's backward (after step 9, the gradient GEMMs), before a server
-// adds a batch's weight gradients to its accumulators: the finite check of issue 14 (found #4). One
-// launch counts the NaN/Inf values of grad_hidden_states and of the six weight gradients (a warp
-// reduction, one atomic per warp that saw any), a second adds the gradients to the accumulators
-// only when every count is 0. Both read the counts on the device: no host round trip between
-// compute and accumulation. See attngrad/finite_check.h.
+// adds a batch's weight gradients to its accumulators: the finite check, so that one batch whose
+// gradients overflowed never turns a sum into Inf/NaN. One launch counts the NaN/Inf values of
+// grad_hidden_states and of the six weight gradients (a warp reduction, one atomic per warp that
+// saw any), a second adds the gradients to the accumulators only when every count is 0. Both read
+// the counts on the device: no host round trip between compute and accumulation. See
+// attngrad/finite_check.h.
 #include <cuda_runtime.h>
 
 #include "attngrad/finite_check.h"

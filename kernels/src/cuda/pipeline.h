@@ -26,8 +26,8 @@ class StageObserver {
 };
 
 // The mode a call runs in: AUTO resolves to FP16, the fastest mode, which meets SPEC section 4 on
-// all 16 workloads (bench/RESULTS.md; TF32 was measured slower at every size, even at B*S = 128
-// where the FP16 mode's weight conversion costs most).
+// all 16 workloads (bench/RESULTS.md, bench/history/RESULTS-log.md; TF32 was measured slower at
+// every size, even at B*S = 128 where the FP16 mode's weight conversion costs most).
 Precision ResolvePrecision(Precision precision, int batch, int seq_len);
 
 // Enqueues the whole pipeline on `stream`: forked onto the two streams of `side` when given, else

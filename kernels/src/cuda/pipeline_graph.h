@@ -3,12 +3,12 @@
 // A training loop or a server worker calls attngrad_backward again and again with the same buffers.
 // Enqueued kernel by kernel, each of the pipeline's ~16 dependent launches costs the GPU ~2 µs of
 // launch gap; replayed from an instantiated CUDA graph, ~1 µs (measured on the H200,
-// bench/RESULTS.md). So the first time a call's arguments (every pointer, shape, mode and scalar)
-// are seen the pipeline is enqueued directly; the second time it is captured once on a private
-// stream, instantiated, and launched as a graph on the caller's stream; later calls with the same
-// arguments launch that graph. Inputs are read at replay time, so new contents in the same buffers
-// are used as they should be. A call whose stream is itself being captured never comes here (the
-// caller's graph already has the kernels). Capture or instantiation failures fall back to the
+// bench/history/RESULTS-log.md). So the first time a call's arguments (every pointer, shape, mode
+// and scalar) are seen the pipeline is enqueued directly; the second time it is captured once on a
+// private stream, instantiated, and launched as a graph on the caller's stream; later calls with
+// the same arguments launch that graph. Inputs are read at replay time, so new contents in the same
+// buffers are used as they should be. A call whose stream is itself being captured never comes here
+// (the caller's graph already has the kernels). Capture or instantiation failures fall back to the
 // direct path for that key, for good.
 #ifndef ATTNGRAD_KERNELS_CUDA_PIPELINE_GRAPH_H_
 #define ATTNGRAD_KERNELS_CUDA_PIPELINE_GRAPH_H_
