@@ -1,4 +1,4 @@
-"""The service over CUDA IPC (same-host zero copy): a trainer process with PyTorch on the server's GPU
+"""The service over CUDA IPC: a trainer process with PyTorch on the server's GPU
 registers its CUDA tensors (attngrad.Client's zero_copy path, cuda_regions.py) and streams batches
 that name them, so that no activation byte crosses the connection.
 

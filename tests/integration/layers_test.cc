@@ -1,7 +1,7 @@
 // The C++ client and attngrad-cli against the real server holding two layers of a model
-// (--weights=random --model=gemma-3-270m --layers=4-5; issue 16, item 1): GetModelInfo's layers,
-// layer-addressed batches, per-layer accumulation, FetchLayers and a per-layer Zero, an unknown
-// layer refused naming the range, and the CLI's --layer / fetch --layers.
+// (--weights=random --model=gemma-3-270m --layers=4-5): GetModelInfo's layers, layer-addressed
+// batches, per-layer accumulation, FetchLayers and a per-layer Zero, an unknown layer refused
+// naming the range, and the CLI's --layer / fetch --layers.
 #include <memory>
 #include <vector>
 

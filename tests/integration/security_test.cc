@@ -1,5 +1,5 @@
-// The clients against a real attngrad-server with TLS, mutual TLS and tokens (issue 14, found #5):
-// attngrad::Client through TlsCredentialsFromFiles and ClientOptions::token, attngrad-cli through
+// The clients against a real attngrad-server with TLS, mutual TLS and tokens: attngrad::Client
+// through TlsCredentialsFromFiles and ClientOptions::token, attngrad-cli through
 // --tls_ca/--tls_cert/--tls_key/--token_file, the roles as each client sees them, and the server's
 // start-up log saying whether it is open and where it listens.
 #include <fstream>

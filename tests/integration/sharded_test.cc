@@ -1,11 +1,11 @@
-// A model's layers spread over two servers (issue 16, item 2) and the client's connections and
-// input dtype (issue 13, items 2 and 3), against real attngrad-server processes (CPU backend,
-// --weights=random --model=gemma-3-270m): attngrad::ShardedClient over the layer map
-// "4=serverA,5=serverB" (merged info, every layer-addressed call reaching the server of its layer,
-// one ShardedStream across both, the refusals), attngrad-cli with a layer map as --target,
-// ClientOptions::channels (streams on distinct TCP connections: this process's sockets counted in
-// /proc/net/tcp), BackwardBatch::input_dtype (bf16 on the wire = the fp32 answer of the rounded
-// inputs, bit for bit) and `attngrad-cli bench --channels --input_dtype`.
+// A model's layers spread over two servers and the client's connections and input dtype, against
+// real attngrad-server processes (CPU backend, --weights=random --model=gemma-3-270m):
+// attngrad::ShardedClient over the layer map "4=serverA,5=serverB" (merged info, every
+// layer-addressed call reaching the server of its layer, one ShardedStream across both, the
+// refusals), attngrad-cli with a layer map as --target, ClientOptions::channels (streams on
+// distinct TCP connections: this process's sockets counted in /proc/net/tcp),
+// BackwardBatch::input_dtype (bf16 on the wire = the fp32 answer of the rounded inputs, bit for
+// bit) and `attngrad-cli bench --channels --input_dtype`.
 #include <filesystem>
 #include <fstream>
 #include <memory>

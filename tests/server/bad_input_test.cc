@@ -69,7 +69,8 @@ TEST_F(ServerBadInputTest, EachClassGetsItsCodeAndTheStreamContinues) {
        "scaling"},
       {"infinite eps", [inf](auto& r) { r.set_eps(inf); }, grpc::StatusCode::INVALID_ARGUMENT,
        "eps"},
-      // softcap <= 0 means "no soft-capping" (issue 15); a non-finite one is refused.
+      // softcap <= 0 means "no soft-capping" (Gemma-3 layers without a cap); a non-finite one is
+      // refused.
       {"infinite softcap", [inf](auto& r) { r.set_softcap(-inf); },
        grpc::StatusCode::INVALID_ARGUMENT, "softcap"},
       {"negative sliding window", [](auto& r) { r.set_sliding_window(-2); },

@@ -1,9 +1,9 @@
-// The copy-free batch path (issue 13 item 1) on the CPU backend: the request is read on the
-// received slices (rpc/raw_request.h) and the answer sent as slices of the worker's answer buffer.
-// Its results must be the bits of the decoded path it replaced: the request decoded by protobuf
-// into fp32 arrays, BackwardHost with the server's thread count, the outputs encoded in the
-// response dtype (wire::EncodeFromFloat). On GPUs (ATTNGRAD_TEST_DEVICES) the same comparison is
-// made on values, within the kernels' tolerance: it checks the device-side fp16/bf16 conversions.
+// The copy-free batch path on the CPU backend: the request is read on the received slices
+// (rpc/raw_request.h) and the answer sent as slices of the worker's answer buffer. Its results must
+// be the bits of the decoded path it replaced: the request decoded by protobuf into fp32 arrays,
+// BackwardHost with the server's thread count, the outputs encoded in the response dtype
+// (wire::EncodeFromFloat). On GPUs (ATTNGRAD_TEST_DEVICES) the same comparison is made on values,
+// within the kernels' tolerance: it checks the device-side fp16/bf16 conversions.
 #include <cstring>
 #include <string>
 #include <vector>

@@ -1,9 +1,9 @@
-// Sums that never go NaN (issue 14, found #4), through the server: a batch whose inputs are finite
-// but whose gradients are not (grad_output = 3e38 overflows fp32 in the backward GEMMs) is answered
-// in-band with INVALID_ARGUMENT naming the non-finite gradients and is not added to the window
-// (its batch id stays free for a retry); RETURN and duplicate batches are checked too; rope_theta
-// = 5e-324 and a position id of INT64_MIN are refused before any compute. The same body runs on the
-// CPU backend (attngrad_server_test, or the GPU workers with ATTNGRAD_TEST_DEVICES) and, built with
+// Sums that never go NaN, through the server: a batch whose inputs are finite but whose gradients
+// are not (grad_output = 3e38 overflows fp32 in the backward GEMMs) is answered in-band with
+// INVALID_ARGUMENT naming the non-finite gradients and is not added to the window (its batch id
+// stays free for a retry); RETURN and duplicate batches are checked too; rope_theta = 5e-324 and a
+// position id of INT64_MIN are refused before any compute. The same body runs on the CPU backend
+// (attngrad_server_test, or the GPU workers with ATTNGRAD_TEST_DEVICES) and, built with
 // ATTNGRAD_FINITE_SUMS_ON_GPU, on GPU 0 (attngrad_server_gpu_test, label gpu: skips without a GPU).
 #include <cmath>
 #include <cstdint>

@@ -1,6 +1,6 @@
-// The in-flight memory budget (issue 14 found #2, --max_inflight_bytes): nothing large is
-// allocated before the data that needs it arrives, and clients that do not read their answers
-// are refused with RESOURCE_EXHAUSTED instead of growing the server.
+// The in-flight memory budget (--max_inflight_bytes): nothing large is allocated before the data
+// that needs it arrives, and clients that do not read their answers are refused with
+// RESOURCE_EXHAUSTED instead of growing the server.
 #include <unistd.h>
 
 #include <chrono>

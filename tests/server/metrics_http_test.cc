@@ -1,5 +1,5 @@
-// The /metrics HTTP server against slow and hostile clients (issue 14, found #7: one client sending
-// a byte every 4 s made every scrape time out), and its request-head parser.
+// The /metrics HTTP server against slow and hostile clients (one client sending a byte every 4 s
+// once made every scrape time out), and its request-head parser.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>

@@ -1,11 +1,10 @@
-// A whole checkpoint in one server (issue 16, item 1), on the CPU backend: a tiny Gemma-3-like
-// model directory written here (config.json with a text_config, four layers alternating sliding and
-// full attention, head_dim 32 (256 on a GPU run), a multimodal tensor prefix, bf16 weights in two
-// shards with an index) served with --weights=DIR; layer-addressed batches against BackwardHost
-// with each layer's config.json settings (window, RoPE base and linear scaling, scaling, no
-// soft-cap); per-layer accumulation, windows and a fetch of several layers; GetModelInfo's layer
-// list; unknown layers; per-layer weight versions; and --weights=random --model=gemma-3-270m
-// --layers=0-1.
+// A whole checkpoint in one server, on the CPU backend: a tiny Gemma-3-like model directory written
+// here (config.json with a text_config, four layers alternating sliding and full attention,
+// head_dim 32 (256 on a GPU run), a multimodal tensor prefix, bf16 weights in two shards with an
+// index) served with --weights=DIR; layer-addressed batches against BackwardHost with each layer's
+// config.json settings (window, RoPE base and linear scaling, scaling, no soft-cap); per-layer
+// accumulation, windows and a fetch of several layers; GetModelInfo's layer list; unknown layers;
+// per-layer weight versions; and --weights=random --model=gemma-3-270m --layers=0-1.
 #include <unistd.h>
 
 #include <cmath>

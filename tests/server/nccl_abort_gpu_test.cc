@@ -1,8 +1,7 @@
-// The NCCL abort path on real GPUs (issue 14, found #9; label gpu): an ncclReduce whose peer never
-// joins (a GPU lost mid-way) is aborted by WaitForCollective after its timeout instead of spinning
-// for ever, naming the device; the other rank, entering a reduction with the aborted one
-// afterwards, is not left waiting either. Skips without two GPUs, without libnccl.so.2, or without
-// nccl.h.
+// The NCCL abort path on real GPUs (label gpu): an ncclReduce whose peer never joins (a GPU lost
+// mid-way) is aborted by WaitForCollective after its timeout instead of spinning for ever, naming
+// the device; the other rank, entering a reduction with the aborted one afterwards, is not left
+// waiting either. Skips without two GPUs, without libnccl.so.2, or without nccl.h.
 #include <chrono>
 #include <cstdlib>
 

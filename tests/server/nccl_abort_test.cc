@@ -1,9 +1,9 @@
-// WaitForCollective (server/devices/nccl_abort.h; issue 14, found #9) without a GPU: scripted
-// collectives stand for the ranks of an NCCL reduction. A rank whose part completes returns OK and
-// aborts nothing; one whose part fails names its device, requests the abort and aborts; one that
-// never finishes is aborted after the timeout; and a rank still waiting for a peer that failed is
-// aborted within a few polls instead of waiting for ever (before, the ranks blocked in
-// cudaStreamSynchronize with nothing to end the wait).
+// WaitForCollective (server/devices/nccl_abort.h) without a GPU: scripted collectives stand for the
+// ranks of an NCCL reduction. A rank whose part completes returns OK and aborts nothing; one whose
+// part fails names its device, requests the abort and aborts; one that never finishes is aborted
+// after the timeout; and a rank still waiting for a peer that failed is aborted within a few polls
+// instead of waiting for ever (before, the ranks blocked in cudaStreamSynchronize with nothing to
+// end the wait).
 #include <atomic>
 #include <chrono>
 #include <thread>

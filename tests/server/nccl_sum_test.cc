@@ -1,7 +1,7 @@
-// The cross-GPU gradient sum with NCCL (issue 4): the server in-process on GPUs 0 and 1 with
-// --nccl=on, ACCUMULATE batches spread over both devices, FetchGradients against the sum of the
-// same batches' RETURN gradients, the fetch deterministic, fetch-and-zero, and the NCCL path
-// reported. Label gpu: skips without two GPUs or without a loadable libnccl.so.2 (run it with
+// The cross-GPU gradient sum with NCCL: the server in-process on GPUs 0 and 1 with --nccl=on,
+// ACCUMULATE batches spread over both devices, FetchGradients against the sum of the same batches'
+// RETURN gradients, the fetch deterministic, fetch-and-zero, and the NCCL path reported. Label gpu:
+// skips without two GPUs or without a loadable libnccl.so.2 (run it with
 // scripts/device/nccl-check.sh on a 2-GPU machine).
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-// Shared-memory regions (issue 13 item 4, host memory) on the CPU backend: a client registers a
+// Shared-memory regions (host memory, same-host zero copy) on the CPU backend: a client registers a
 // POSIX shared-memory object, batches read hidden_states / grad_output from it and write
 // grad_hidden_states into it, with the bits of the bytes path; every bad reference (unknown region,
 // another client's, out of bounds, misaligned, wrong size) is INVALID_ARGUMENT naming the field and

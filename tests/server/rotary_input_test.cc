@@ -1,5 +1,5 @@
-// Rotary inputs that must be refused (issue 14, found #4): a position id of INT64_MIN passed the
-// range check (std::llabs(INT64_MIN) overflows to a negative number), and rope_theta = 5e-324
+// Rotary inputs that must be refused (both were once accepted): a position id of INT64_MIN passed
+// the range check (std::llabs(INT64_MIN) overflows to a negative number), and rope_theta = 5e-324
 // (finite, > 0) built NaN cos/sin tables that poisoned an accumulation window. Checked through
 // ParseBackwardRequest (what the service calls) and CheckRotaryInputs itself.
 #include <cmath>

@@ -1,10 +1,10 @@
 // The RPC metrics record the code every call really ended with, including calls gRPC itself ends
-// (issue 14, found #7; server/rpc/rpc_metrics_interceptor.h): a Backward stream the client
-// cancels is CANCELLED (before: OK, its failed read looked like a half-close), one whose deadline
-// passes is DEADLINE_EXCEEDED (before: CANCELLED), a message over --max_message_bytes and a unary
-// request that does not parse are counted with a non-OK code (before: OK, or not at all), and a
-// call the service refuses is counted once. Checked in /metrics, which is polled: a call is
-// recorded when gRPC closes it, which may come just after the client saw its status.
+// (server/rpc/rpc_metrics_interceptor.h): a Backward stream the client cancels is CANCELLED
+// (before: OK, its failed read looked like a half-close), one whose deadline passes is
+// DEADLINE_EXCEEDED (before: CANCELLED), a message over --max_message_bytes and a unary request
+// that does not parse are counted with a non-OK code (before: OK, or not at all), and a call the
+// service refuses is counted once. Checked in /metrics, which is polled: a call is recorded when
+// gRPC closes it, which may come just after the client saw its status.
 #include <chrono>
 #include <map>
 #include <regex>

@@ -1,4 +1,4 @@
-// The trust part of issue 14 (found #5 and #3), in-process on loopback with the CPU backend: TLS
+// Who may call and how clients are kept apart, in-process on loopback with the CPU backend: TLS
 // and mutual TLS with certificates made here by the openssl CLI, bearer tokens with roles
 // (UNAUTHENTICATED / PERMISSION_DENIED), accumulation windows and batch-id deduplication per
 // client, stream limits per client and idle streams ending.
@@ -304,7 +304,7 @@ TEST_F(SecurityTest, TlsFlagsAreChecked) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tokens and roles (found #5: any client could replace the weights, zero or take the sums).
+// Tokens and roles (without them any client could replace the weights, zero or take the sums).
 
 class TokenTest : public SecurityTest {
  protected:
@@ -436,7 +436,7 @@ TEST_F(SecurityTest, TokensOverMutualTlsEndToEnd) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-client windows (found #5: batch ids were deduplicated server-wide, one window for all).
+// Per-client windows (batch ids were once deduplicated server-wide, one window for all).
 
 class IsolationTest : public SecurityTest {
  protected:
@@ -511,7 +511,7 @@ TEST_F(SumsLimitTest, ClientsHoldingSumsAreBoundedAndFreedByFetchAndZero) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Streams (found #3: 64 idle streams of one client locked every other client out).
+// Streams (64 idle streams of one client once locked every other client out).
 
 class StreamShareTest : public SecurityTest {
  protected:

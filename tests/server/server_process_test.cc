@@ -1,7 +1,7 @@
-// The attngrad-server binary as a process (issue 14): --help lists the server's flags (found #8),
-// and its shutdown timing (found #6): one grace period from the first signal (a repeated SIGTERM
-// neither restarts nor shortens it), a SIGINT during the shutdown exits at once, and under load the
-// exit comes within the grace period plus one second, every run.
+// The attngrad-server binary as a process: --help lists the server's flags, and its shutdown
+// timing: one grace period from the first signal (a repeated SIGTERM neither restarts nor shortens
+// it), a SIGINT during the shutdown exits at once, and under load the exit comes within the grace
+// period plus one second, every run.
 //
 // ATTNGRAD_TEST_SERVER_BINARY (environment) runs another binary (e.g. an older build, to see these
 // tests fail); ATTNGRAD_SHUTDOWN_RUNS sets the number of runs under load (3 by default; 50 for the
@@ -133,7 +133,8 @@ TEST_F(ServerProcessTest, HelpListsTheServerFlags) {
   EXPECT_NE(short_help.log().find("--listen"), std::string::npos) << short_help.log();
 }
 
-// Found #6: signals at 0, 3 and 6 s with a 5 s grace exited at 14 s (each one restarted the grace).
+// Before the fix, signals at 0, 3 and 6 s with a 5 s grace exited at 14 s (each one restarted the
+// grace).
 TEST_F(ServerProcessTest, RepeatedSigtermKeepsOneGracePeriod) {
   ServerProcess server(CpuServerArguments(5));
   const int port = server.WaitServing(120);

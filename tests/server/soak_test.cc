@@ -1,4 +1,4 @@
-// Soak and chaos (issue 14): attngrad-server as a child process (CPU backend by default) while
+// Soak and chaos: attngrad-server as a child process (CPU backend by default) while
 // - trainers (each its own client id, so its own accumulation window) stream rounds of ACCUMULATE
 //   batches and a RETURN batch; a quarter of their streams are cancelled abruptly mid-stream, and
 //   the batches not yet answered are retried on a new stream (a batch the server had already taken

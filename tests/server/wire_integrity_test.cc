@@ -1,7 +1,7 @@
-// Bytes that are not a message (issue 14, found #1): a Backward stream that receives bytes which do
-// not parse as a BackwardRequest ends with INVALID_ARGUMENT and computes nothing after them; a
-// LoadWeights upload followed by such bytes is not committed. The client is a raw-bytes one
-// (grpc::GenericStub), so that it can send what a generated stub never would.
+// Bytes that are not a message: a Backward stream that receives bytes which do not parse as a
+// BackwardRequest ends with INVALID_ARGUMENT and computes nothing after them; a LoadWeights upload
+// followed by such bytes is not committed. The client is a raw-bytes one (grpc::GenericStub), so
+// that it can send what a generated stub never would.
 #include <grpcpp/generic/generic_stub.h>
 
 #include <string>
