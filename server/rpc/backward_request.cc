@@ -136,7 +136,7 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
       if (!std::isfinite(theta) || !(theta > 0)) {
         return absl::InvalidArgumentError(
             absl::StrCat("positions.rope_theta: ", positions.rope_theta(),
-                         " must be finite and > 0 (0 = 10000)"));
+                         " must be finite and > 0 (0 = the layer's RoPE base)"));
       }
       // Ids within +-2^40 (std::llabs(INT64_MIN) overflowed and passed) and a theta whose tables
       // are finite (a subnormal theta overflowed theta^(-2i/head_dim) into NaN tables).

@@ -1,5 +1,9 @@
-// Checks one BackwardRequest field by field and turns it into a BatchJob (fp32 host tensors,
-// cos/sin built from positions when asked), and turns a finished BatchJob into a BackwardResponse.
+// Checks one BackwardRequest field by field against the addressed layer (its shape, and its
+// defaults for the scalars, the sliding window and the RoPE base and scaling, which the request's
+// fields override) and turns it into a BatchJob: the activations stay in their wire dtype where
+// they arrived (ReceivedBackwardRequest, e.g. pieces of gRPC's receive slices), the rotary cos/sin
+// come from the request or are built from its positions. Also the byte counts of a request's and
+// an answer's tensors. The answer itself is serialized by rpc/raw_request.h.
 #ifndef ATTNGRAD_SERVER_BACKWARD_REQUEST_H_
 #define ATTNGRAD_SERVER_BACKWARD_REQUEST_H_
 
