@@ -61,6 +61,7 @@
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/v1/tensor.pb.h"
 #include "devices/cuda_ipc_memory.h"
+#include "devices/cuda_status.h"
 #include "devices/nccl_abort.h"
 #include "devices/nccl_library.h"
 #include "devices/pinned_pool.h"
@@ -71,18 +72,6 @@
 
 namespace attngrad::server {
 namespace {
-
-absl::Status CudaStatus(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(error), " (", cudaGetErrorString(error), ")"));
-}
-
-#define ATTNGRAD_CUDA_RETURN(call)                         \
-  do {                                                     \
-    absl::Status cuda_status_ = CudaStatus((call), #call); \
-    if (!cuda_status_.ok()) return cuda_status_;           \
-  } while (false)
 
 #ifdef ATTNGRAD_HAVE_NCCL_HEADER
 // What the GPU workers share when NCCL sums their accumulators: the communicators (rank i is
@@ -312,13 +301,23 @@ class GpuWorker final : public DeviceWorker {
 
   absl::Status CopyAndPrepareWeights(ResidentLayer& layer) {
     const LayerWeights& weights = *layer.weights;
-    for (Weight weight : kAllWeights) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpy(
-          layer.device_weights.get() + layer.layout.offsets[weight], weights.values[weight].data(),
-          weights.values[weight].size() * sizeof(float), cudaMemcpyHostToDevice));
+    if (weights.on_device()) {
+      // The server's own GPU copy (weights by reference), on this or another device.
+      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
+          layer.device_weights.get(), weights.device_values->data(),
+          layer.layout.total_elements * sizeof(float), cudaMemcpyDefault, compute_stream_.get()));
+      ATTNGRAD_CUDA_RETURN(cudaStreamSynchronize(compute_stream_.get()));
+    } else {
+      for (Weight weight : kAllWeights) {
+        ATTNGRAD_CUDA_RETURN(cudaMemcpy(layer.device_weights.get() + layer.layout.offsets[weight],
+                                        weights.values[weight].data(),
+                                        weights.values[weight].size() * sizeof(float),
+                                        cudaMemcpyHostToDevice));
+      }
+      // A pageable host-to-device cudaMemcpy may return before its DMA lands, on the legacy
+      // stream.
+      ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
     }
-    // A pageable host-to-device cudaMemcpy may return before its DMA lands, on the legacy stream.
-    ATTNGRAD_CUDA_RETURN(cudaDeviceSynchronize());
     const Status prepared = layer.prepared.Prepare(
         layer.config, layer.layout.Pointers<const float>(layer.device_weights.get()),
         compute_stream_.get());

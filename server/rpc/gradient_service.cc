@@ -12,6 +12,7 @@
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
+#include "devices/device_weights.h"
 #include "rpc/raw_request.h"
 #include "scheduling/staging.h"
 
@@ -412,8 +413,8 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
 class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   LoadWeightsReactor(GradientService* service, grpc::CallbackServerContext* context,
-                     grpc::ByteBuffer* response)
-      : service_(service), context_(context), response_(response) {
+                     grpc::ByteBuffer* response, std::string client_id)
+      : service_(service), context_(context), response_(response), client_id_(std::move(client_id)) {
     received_.items.fill(0);
     dtypes_.items.fill(v1::DTYPE_UNSPECIFIED);
     StartRead(&received_bytes_);
@@ -503,6 +504,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
     }
     const std::size_t element_size = wire::DTypeSize(dtypes_[index]);
     const std::size_t total = WeightElements(config_, index);
+    if (request_.has_region()) return TakeWeightFromRegion(index, element_size * total);
     if (request_.offset() != static_cast<std::int64_t>(received_[index])) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".offset: got ", request_.offset(), ", expected ", received_[index],
@@ -519,6 +521,13 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
           field, ".data: ", count, " elements at offset ", received_[index], " overflow the ",
           total, " elements of ", wire::ShapeString(expected_shape)));
     }
+    return Stage(index, request_.data(), field + ".data");
+  }
+
+  // Decodes `bytes` (whole elements of the weight's dtype) into the host staging after what was
+  // received so far, reserved from the in-flight memory budget.
+  absl::Status Stage(Weight index, absl::string_view bytes, const std::string& field) {
+    const std::size_t count = bytes.size() / wire::DTypeSize(dtypes_[index]);
     ATTNGRAD_ASSIGN_OR_RETURN(
         MemoryBudget::Reservation reservation,
         service_->memory().Reserve(static_cast<std::int64_t>(count * sizeof(float)),
@@ -527,11 +536,54 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
     staging_[index].resize(received_[index] + count);
     const absl::Span<float> values =
         absl::MakeSpan(staging_[index].data() + received_[index], count);
-    ATTNGRAD_RETURN_IF_ERROR(
-        wire::DecodeToFloat(request_.data(), dtypes_[index], field + ".data", values));
-    ATTNGRAD_RETURN_IF_ERROR(wire::CheckFinite(values, field + ".data"));
+    ATTNGRAD_RETURN_IF_ERROR(wire::DecodeToFloat(bytes, dtypes_[index], field, values));
+    ATTNGRAD_RETURN_IF_ERROR(wire::CheckFinite(values, field));
     received_[index] += count;
     return absl::OkStatus();
+  }
+
+  // A chunk naming the whole weight in a region of the caller: host memory is staged like data,
+  // GPU memory is kept for the copy on the device at Commit (all six weights must come so).
+  absl::Status TakeWeightFromRegion(Weight index, std::size_t weight_bytes) {
+    const std::string field = absl::StrCat(WeightModuleName(index), ".region");
+    if (request_.offset() != 0 || received_[index] != 0 || !request_.data().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": a chunk naming a region carries the whole weight (offset 0, no data, no "
+                 "other chunk of this weight)"));
+    }
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        RegionBytes bytes,
+        service_->regions().Resolve(client_id_, request_.region(),
+                                    wire::DTypeSize(dtypes_[index]), weight_bytes, field));
+    if (bytes.cuda_device() < 0) {
+      return Stage(index, absl::string_view(bytes.data, bytes.size), field);
+    }
+    device_sources_[index] = DeviceWeightSource{std::move(bytes),
+                                                static_cast<v1::DType>(dtypes_[index])};
+    received_[index] = WeightElements(config_, index);
+    ++device_weights_;
+    return absl::OkStatus();
+  }
+
+  // The weights of this upload: host staging, or a copy on the GPU of weights by reference.
+  absl::StatusOr<LayerWeights> CollectWeights() {
+    LayerWeights weights;
+    weights.config = config_;
+    if (device_weights_ == 0) {
+      weights.values = std::move(staging_);
+      weights.source = "upload";
+      return weights;
+    }
+    if (device_weights_ != kNumWeights) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "region: ", device_weights_, " of the six weights are in GPU memory; weights by "
+          "reference in GPU memory must name all six; nothing was changed"));
+    }
+    ATTNGRAD_ASSIGN_OR_RETURN(weights.device_values,
+                              CopyWeightsFromDevice(config_, device_sources_));
+    device_sources_ = {};  // the client's memory is no longer needed
+    weights.source = "cuda_ipc";
+    return weights;
   }
 
   absl::Status Commit() {
@@ -547,10 +599,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
                          " elements; every weight must be sent in full; nothing was changed"));
       }
     }
-    LayerWeights weights;
-    weights.config = config_;
-    weights.values = std::move(staging_);
-    weights.source = "upload";
+    ATTNGRAD_ASSIGN_OR_RETURN(LayerWeights weights, CollectWeights());
     ATTNGRAD_ASSIGN_OR_RETURN(
         const std::uint64_t version,
         service_->core().ReplaceWeights(slot_, std::move(weights), expected_version_));
@@ -566,7 +615,8 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
   GradientService* const service_;
   grpc::CallbackServerContext* const context_;
   grpc::ByteBuffer* const response_;
-  int slot_ = -1;  // the layer, once the first chunk named it
+  const std::string client_id_;  // whose regions the chunks may name
+  int slot_ = -1;                // the layer, once the first chunk named it
   LayerConfig config_;
   LayerTensors staging_;                                 // each weight's values received so far
   std::vector<MemoryBudget::Reservation> reservations_;  // of staging_
@@ -574,6 +624,8 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
   PerWeight<std::size_t> received_;
   PerWeight<int> dtypes_;
   std::uint64_t expected_version_ = 0;
+  PerWeight<DeviceWeightSource> device_sources_;  // weights by reference in GPU memory
+  int device_weights_ = 0;                        // how many
   v1::LoadWeightsRequest request_;
 };
 
@@ -844,7 +896,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* GradientService::LoadWeights(
   if (!caller.ok()) {
     return new RefusedReactor<grpc::ServerReadReactor<grpc::ByteBuffer>>(caller.status());
   }
-  return new LoadWeightsReactor(this, context, response);
+  return new LoadWeightsReactor(this, context, response, caller->client_id);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* GradientService::Backward(

@@ -303,9 +303,15 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
 absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(int slot, LayerWeights weights,
                                                            std::uint64_t expected_version) {
   const LayerConfig& config = configs_[static_cast<std::size_t>(slot)];
-  ATTNGRAD_RETURN_IF_ERROR(CheckShapes(weights.values, config));
-  for (Weight weight : kAllWeights) {
-    ATTNGRAD_RETURN_IF_ERROR(wire::CheckFinite(weights.values[weight], WeightModuleName(weight)));
+  if (weights.on_device()) {
+    // Checked for shape and finiteness when they were copied (devices/device_weights.h).
+    ATTNGRAD_RETURN_IF_ERROR(CheckEveryWorkerOnGpu());
+  } else {
+    ATTNGRAD_RETURN_IF_ERROR(CheckShapes(weights.values, config));
+    for (Weight weight : kAllWeights) {
+      ATTNGRAD_RETURN_IF_ERROR(
+          wire::CheckFinite(weights.values[weight], WeightModuleName(weight)));
+    }
   }
   weights.config = config;
   auto shared = std::make_shared<const LayerWeights>(std::move(weights));
@@ -327,6 +333,17 @@ absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(int slot, LayerWeight
   }
   UpdateVersionGaugeLocked();
   return layer.weights_version;
+}
+
+absl::Status GradientCore::CheckEveryWorkerOnGpu() const {
+  for (const auto& worker : workers_) {
+    if (worker->Describe().backend != "cuda") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "region: weights in GPU memory can only be served by GPU workers, and this server also "
+          "computes on ", worker->device(), "; upload the weights' bytes instead"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 void GradientCore::Collect(int slot, int accumulator_set, bool read, bool zero,

@@ -117,7 +117,9 @@ class GradientCore {
                                   std::uint64_t expected_window_id);
 
   // Installs new weights of a layer (checked: shapes of config(slot), every value finite) and bumps
-  // its version. FAILED_PRECONDITION when expected_version is not 0 and differs from the layer's.
+  // its version. FAILED_PRECONDITION when expected_version is not 0 and differs from the layer's,
+  // or for weights in GPU memory (LayerWeights::device_values, checked when they were copied)
+  // while a worker computes on the CPU.
   absl::StatusOr<std::uint64_t> ReplaceWeights(int slot, LayerWeights weights,
                                                std::uint64_t expected_version);
 
@@ -132,6 +134,8 @@ class GradientCore {
             std::function<void(absl::StatusOr<ZeroResult>)> done);
 
  private:
+  // FAILED_PRECONDITION unless every worker computes on a GPU.
+  absl::Status CheckEveryWorkerOnGpu() const;
   struct Window {
     int slot = 0;  // the layer
     std::uint64_t id = 0;

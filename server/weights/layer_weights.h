@@ -5,6 +5,7 @@
 #define ATTNGRAD_SERVER_WEIGHTS_LAYER_WEIGHTS_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,10 +23,24 @@ using LayerTensors = PerWeight<std::vector<float>>;
 // OK when every array has the size `config` implies; else INVALID_ARGUMENT naming the weight.
 absl::Status CheckShapes(const LayerTensors& tensors, const LayerConfig& config);
 
+// A layer's fp32 weights in GPU memory the server owns (loaded by reference from a client's GPU
+// memory: devices/device_weights.h), packed in PackedWeightLayout order on one CUDA device; the
+// memory is freed when the last holder lets go.
+class DeviceLayerWeights {
+ public:
+  virtual ~DeviceLayerWeights() = default;
+  virtual int cuda_device() const = 0;
+  virtual const float* data() const = 0;
+};
+
 struct LayerWeights {
   LayerConfig config;
+  // The host master copy; six empty arrays when the weights are on a device (device_values).
   LayerTensors values;
-  std::string source;  // "random:seed=N", "safetensors:PATH#layer=I" or "upload"
+  std::shared_ptr<const DeviceLayerWeights> device_values;
+  std::string source;  // "random:seed=N", "safetensors:PATH#layer=I", "upload" or "cuda_ipc"
+
+  bool on_device() const { return device_values != nullptr; }
 };
 
 // Random weights as in SPEC section 3, drawn by attngrad::FillRandomLayerWeights

@@ -130,8 +130,9 @@ TEST_P(SmallConfigTest, MatchesFloat64Loops) {
       MakeProblem(c.config, c.batch, c.seq_len, c.scalars, SeedOf(c.name), c.options);
   const Inputs64 wide = problem.Widened();
   const double max_abs_score = ReferenceMaxAbsScore(wide);
-  if (c.min_max_abs_score > 0)
+  if (c.min_max_abs_score > 0) {
     ASSERT_GT(max_abs_score, c.min_max_abs_score) << "this draw does not test what the case is for";
+  }
   Gradients<float> got = MakeOutputBuffers(c.config, c.batch, c.seq_len, kNaN);
   ASSERT_EQ(RunHost(problem, /*accumulate=*/false, got), ATTNGRAD_OK);
   const Gradients<double> ref = ReferenceBackward(wide);
