@@ -379,7 +379,11 @@ class BackwardStream(t.ServerTestCase):
                 restarted = t.ServerProcess(server.binary, f"--listen={server.target}")
                 with attngrad.Client(server.target, timeout=60) as probe:
                     restarted.wait_ready(probe)
+                # The first call went through a shared-memory region (transport auto), which
+                # the new server does not know: the client registers one anew.
+                self.assertEqual(first.transport, "shm")
                 second = client.backward(hidden, grad, cos, sin, mode="accumulate")
+                self.assertEqual(second.transport, "shm")
                 self.assertNotEqual(second.server_instance_id, first.server_instance_id)
                 self.assertFalse(second.duplicate)
                 self.assertIsNot(client._streams._idle[0], stream)  # a new one
@@ -416,8 +420,11 @@ class BackwardStream(t.ServerTestCase):
         with attngrad.Client(self.server.target, client_id="phases", timeout=60,
                              phase_timings=True) as client:
             start = time.perf_counter()
-            result = client.backward(*self.batch(), mode="accumulate")
+            result = client.backward(*self.batch(), mode="accumulate", transport="bytes")
             elapsed = time.perf_counter() - start
+            shared = client.backward(*self.batch(), mode="accumulate", transport="shm")
+        self.assertEqual(set(shared.client_phases),
+                         {"prepare", "register", "encode", "send", "wait", "decode"})
         phases = result.client_phases
         self.assertEqual(set(phases), {"prepare", "encode", "send", "wait", "decode"})
         self.assertTrue(all(seconds >= 0 for seconds in phases.values()), phases)

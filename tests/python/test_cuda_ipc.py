@@ -1,4 +1,4 @@
-"""Same-host zero-copy over CUDA IPC (issue 13 item 4, GPU memory): this process (a trainer with
+"""Same-host zero-copy over CUDA IPC (GPU memory): this process (a trainer with
 PyTorch) registers its CUDA tensors with attngrad-server on GPU 0 (a second process) and the server
 computes straight from them and writes grad_hidden_states into them. The results equal the bytes
 path's bit for bit (RETURN, whose weight gradients go into this process's GPU memory too, and
@@ -8,7 +8,11 @@ INVALID_ARGUMENT naming the field and the stream goes on; one registration per G
 reused by the next calls (also with new tensors each call, as in a training loop, whose memory is
 freed when a call returns) and closed by close(); an allocation freed and made again
 (torch.cuda.empty_cache()) is registered anew and the answers stay right; a server on the CPU
-refuses the regions and the client falls back to the bytes path with a warning.
+refuses the regions and the client falls back to the bytes path with a warning. Weights by
+reference (load_weights(transport="cuda_ipc"), fp32 and bf16 parameters) compute exactly as the
+same values sent as bytes, are copied by the server before it answers and are refused when not
+finite; RemoteGemma3Attention's default transport is CUDA IPC, and attach(optimizer) fetches
+ACCUMULATE sums before AdamW, Adam and SGD steps.
 
 Needs PyTorch with CUDA and a GPU build of attngrad-server (ATTNGRAD_SERVER); skips otherwise
 (label gpu: tests/python/CMakeLists.txt). ATTNGRAD_TEST_GPU: the GPU (default 0)."""
@@ -88,7 +92,9 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         self.assertTrue(torch.equal(host, hidden.cpu()))
         expected = self.client.backward(hidden.cpu(), grad.cpu(), position_ids=positions,
                                         mode="return")
-        got = self.client.backward(hidden, grad, position_ids=positions, mode="return")
+        got = self.client.backward(hidden, grad, position_ids=positions, mode="return",
+                                   transport="bytes")
+        self.assertEqual(got.transport, "bytes")
         self.assertTrue(got.grad_hidden_states.is_cuda)
         self.assert_same_bits(got.grad_hidden_states.cpu(), expected.grad_hidden_states,
                               "grad_hidden_states")
@@ -247,6 +253,66 @@ class CudaIpcAgainstServer(t.ServerTestCase):
             client.close()
         finally:
             server.stop()
+
+    def weights_on_gpu(self, seed, dtype=torch.float32 if torch is not None else None):
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        weights = {}
+        for name, shape in zip(attngrad.WEIGHT_NAMES, client_module._weight_shapes(self.info)):
+            scale = 0.02 if len(shape) == 1 else (2.0 / self.hidden) ** 0.5
+            weights[name] = (torch.randn(shape, generator=generator, device=self.device)
+                             * scale).to(dtype)
+        return weights
+
+    def test_weights_by_reference_compute_as_the_same_weights_sent_as_bytes(self):
+        hidden, grad, positions = self.inputs(1, 64, 11)
+        for dtype in (torch.float32, torch.bfloat16):
+            with self.subTest(dtype=str(dtype)):
+                weights = self.weights_on_gpu(12, dtype)
+                self.client.load_weights({n: w.cpu() for n, w in weights.items()},
+                                         transport="bytes")
+                expected = self.client.backward(hidden, grad, position_ids=positions,
+                                                precision="fp32")
+                version = self.client.load_weights(weights, transport="cuda_ipc")
+                got = self.client.backward(hidden, grad, position_ids=positions, precision="fp32",
+                                           expected_weights_version=version)
+                self.assertEqual(got.transport, "cuda_ipc")
+                self.assert_same_bits(got.grad_hidden_states, expected.grad_hidden_states,
+                                      "grad_hidden_states")
+                for tensor in weights.values():  # the server holds its own copy
+                    tensor.mul_(3.0)
+                again = self.client.backward(hidden, grad, position_ids=positions,
+                                             precision="fp32", expected_weights_version=version)
+                self.assert_same_bits(again.grad_hidden_states, expected.grad_hidden_states,
+                                      "after the trainer changed its tensors")
+
+    def test_weights_by_reference_refuse_non_finite_values(self):
+        before = self.client.info().layers[0].weights_version
+        weights = self.weights_on_gpu(13)
+        weights["o_proj"][7, 9] = float("nan")
+        with self.assertRaises(attngrad.InvalidArgumentError) as caught:
+            self.client.load_weights(weights, transport="cuda_ipc")
+        self.assertIn("o_proj", caught.exception.message)
+        self.assertEqual(self.client.info().layers[0].weights_version, before)
+
+    def test_the_bridge_defaults_to_cuda_ipc_and_attach_fetches_before_each_optimizer(self):
+        import attngrad.torch as attngrad_torch
+
+        hidden, _, positions = self.inputs(1, 32, 14)
+        cos, sin = attngrad_torch.rotary_tables(positions.to(self.device))
+        for optimizer_class in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+            with self.subTest(optimizer=optimizer_class.__name__):
+                client = attngrad.Client(self.server.target, client_id="bridge")
+                layer = attngrad_torch.RemoteGemma3Attention(client, mode="accumulate")
+                layer = layer.to(self.device)
+                optimizer = optimizer_class(layer.parameters(), lr=1e-3)
+                layer.attach(optimizer)
+                before = layer.q_proj.weight.detach().clone()
+                layer(hidden, cos, sin).square().mean().backward()
+                self.assertEqual(layer.last_result.transport, "cuda_ipc")
+                optimizer.step()  # the pre-hook fetched the sums into .grad first
+                self.assertIsNotNone(layer.q_proj.weight.grad)
+                self.assertFalse(torch.equal(layer.q_proj.weight.detach(), before))
+                client.close()
 
     def test_one_registration_per_allocation_reused_by_later_calls_and_closed(self):
         client = attngrad.Client(self.server.target, client_id="cache")

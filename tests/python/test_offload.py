@@ -97,7 +97,7 @@ class OffloadBase(unittest.TestCase):
                 states = handle.fetch_gradients()
                 self.assertEqual({i: s.tokens for i, s in states.items()},
                                  {0: BATCH * SEQ_LEN, 1: BATCH * SEQ_LEN})
-            for layer in handle.last_results.values():
+            for layer in handle.last_results().values():
                 self.assertIsNotNone(layer)  # every layer's backward ran on a server
         remote_parameters = dict(remote.named_parameters())
         checked = 0

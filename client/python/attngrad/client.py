@@ -51,6 +51,18 @@ _PRECISION_ENUM = {"auto": pb.PRECISION_AUTO, "fp32": pb.PRECISION_FP32, "tf32":
                    "fp16": pb.PRECISION_FP16}
 _PRECISION_BY_ENUM = {v: k for k, v in _PRECISION_ENUM.items()}
 _MODE_ENUM = {"return": pb.GRADIENT_MODE_RETURN, "accumulate": pb.GRADIENT_MODE_ACCUMULATE}
+# Field paths of a BackwardRequest's tensors and Tensor.raw_data, whose bytes _WireRequest appends
+# to the serialised head itself.
+_HIDDEN_STATES_PATH = (pb.BackwardRequest.HIDDEN_STATES_FIELD_NUMBER,)
+_GRAD_OUTPUT_PATH = (pb.BackwardRequest.GRAD_OUTPUT_FIELD_NUMBER,)
+_COS_PATH = (pb.BackwardRequest.ROTARY_TABLES_FIELD_NUMBER, pb.RotaryTables.COS_FIELD_NUMBER)
+_SIN_PATH = (pb.BackwardRequest.ROTARY_TABLES_FIELD_NUMBER, pb.RotaryTables.SIN_FIELD_NUMBER)
+_RAW_DATA_FIELD = tensor_pb2.Tensor.RAW_DATA_FIELD_NUMBER
+TRANSPORTS = ("auto", "cuda_ipc", "shm", "bytes")
+# RegisterRegion's answers that mean "not this server" (another host, another user, a server on
+# the CPU, regions turned off), after which transport="auto" sends bytes.
+_REGION_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -215,9 +227,11 @@ class BackwardResult:
     duplicate: ACCUMULATE mode: every part had already been accumulated in this window (a retry).
     batch_ids / devices / timings: one entry per request the batch was split into.
     client_phases: Client(phase_timings=True): the seconds this client spent in each phase of the
-      call: "prepare" (checks, host copies of the inputs), "register" (zero_copy: regions),
+      call: "prepare" (checks, host copies of the inputs), "register" (regions),
       "encode" (requests serialised), "send" (queued for gRPC's sender), "wait" (until the answers
-      arrived), "decode" (the result assembled); None otherwise."""
+      arrived), "decode" (the result assembled); None otherwise.
+    transport: what carried the activations: "cuda_ipc" (the server computed straight from this
+      process's GPU memory), "shm" (a shared-memory region) or "bytes" (the connection)."""
     batch_id: int
     grad_hidden_states: Any
     weight_gradients: Optional[Dict[str, Any]]
@@ -229,6 +243,7 @@ class BackwardResult:
     devices: Tuple[str, ...]
     timings: Tuple[StageTimings, ...]
     client_phases: Optional[Dict[str, float]] = None
+    transport: str = "bytes"
 
 
 @dataclasses.dataclass
@@ -304,11 +319,13 @@ class _Batch:
             if weights_slice is not None:
                 message.weight_gradients_region.CopyFrom(weights_slice)
         else:
-            wire.add(message.hidden_states, (5,), self.hidden_states[b0:b1], self.input_dtype)
-            wire.add(message.grad_output, (6,), self.grad_output[b0:b1], self.input_dtype)
+            wire.add(message.hidden_states, _HIDDEN_STATES_PATH, self.hidden_states[b0:b1],
+                     self.input_dtype)
+            wire.add(message.grad_output, _GRAD_OUTPUT_PATH, self.grad_output[b0:b1],
+                     self.input_dtype)
         if self.cos is not None:
-            wire.add(message.rotary_tables.cos, (7, 1), self.cos[b0:b1], self.wire_dtype)
-            wire.add(message.rotary_tables.sin, (7, 2), self.sin[b0:b1], self.wire_dtype)
+            wire.add(message.rotary_tables.cos, _COS_PATH, self.cos[b0:b1], self.wire_dtype)
+            wire.add(message.rotary_tables.sin, _SIN_PATH, self.sin[b0:b1], self.wire_dtype)
         else:
             ids = self.position_ids if self.position_ids.ndim == 1 else self.position_ids[b0:b1]
             message.positions.position_ids.extend(int(i) for i in ids.reshape(-1))
@@ -427,7 +444,7 @@ class _WireRequest:
             raw = memoryview(array).cast("B")
             headers = []
             length = len(raw)
-            inner = _length_delimited_header(3, length)  # Tensor.raw_data
+            inner = _length_delimited_header(_RAW_DATA_FIELD, length)
             headers.append(inner)
             length += len(inner)
             for field_number in reversed(path):
@@ -577,15 +594,17 @@ class _RegionLayout:
 
 class _WireChunk:
     """A LoadWeightsRequest whose `data` (field 5) is appended from a view of the weight's bytes
-    (one copy when serialised)."""
+    (one copy when serialised); DATA None: the head alone (a weight named by its region)."""
 
-    _DATA_FIELD = 5
+    _DATA_FIELD = pb.LoadWeightsRequest.DATA_FIELD_NUMBER
 
-    def __init__(self, head, data: memoryview):
+    def __init__(self, head, data: Optional[memoryview]):
         self.head = head
         self.data = data
 
     def serialize(self) -> bytes:
+        if self.data is None:
+            return self.head.SerializeToString()
         return b"".join([self.head.SerializeToString(),
                          _length_delimited_header(self._DATA_FIELD, len(self.data)), self.data])
 
@@ -606,11 +625,12 @@ def _decode(message, field: str, raw=None) -> np.ndarray:
                           field=field)
 
 
-# Field numbers of the response's tensors (attngrad.proto): BackwardResponse.grad_hidden_states = 4,
-# BackwardResponse.weight_gradients = 5 with q_proj..k_norm = 1..6, Tensor.raw_data = 3.
-_RESPONSE_TENSOR_FIELD = 4
-_RESPONSE_WEIGHTS_FIELD = 5
-_TENSOR_RAW_FIELD = 3
+# Field numbers of the response's tensors, whose raw_data _parse_backward_response keeps as views.
+_RESPONSE_TENSOR_FIELD = pb.BackwardResponse.GRAD_HIDDEN_STATES_FIELD_NUMBER
+_RESPONSE_WEIGHTS_FIELD = pb.BackwardResponse.WEIGHT_GRADIENTS_FIELD_NUMBER
+_WEIGHT_BY_FIELD = {getattr(pb.WeightGradients, f"{name.upper()}_FIELD_NUMBER"): name
+                    for name in WEIGHT_NAMES}
+_TENSOR_RAW_FIELD = _RAW_DATA_FIELD
 
 
 def _fields(view: memoryview):
@@ -675,7 +695,7 @@ def _parse_backward_response(data: bytes) -> _ParsedResponse:
         elif number == _RESPONSE_WEIGHTS_FIELD and wire_type == 2:
             weights = []
             for inner, inner_type, inner_start, inner_value, inner_end in _fields(view[value_start:end]):
-                name = WEIGHT_NAMES[inner - 1] if 1 <= inner <= len(WEIGHT_NAMES) else None
+                name = _WEIGHT_BY_FIELD.get(inner)
                 if name is None or inner_type != 2:
                     weights.append(view[value_start:end][inner_start:inner_end])
                     continue
@@ -1152,6 +1172,22 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
 # The client
 
 
+def _names_an_unknown_region(error: errors.AttngradError) -> bool:
+    """Whether the server refused a request because a region it names is not the client's: the
+    client's registrations are gone (the server restarted)."""
+    return "is not a region of this client" in error.message
+
+
+def _weight_chunk_head(name: str, expected_weights_version: int, layer: Optional[int],
+                       offset: int):
+    """A LoadWeightsRequest for weight NAME at element OFFSET, without dtype, shape or bytes."""
+    message = pb.LoadWeightsRequest(name=_WEIGHT_ENUM[name], offset=offset,
+                                    expected_weights_version=expected_weights_version)
+    if layer is not None:
+        message.layer = int(layer)
+    return message
+
+
 class Client:
     """A connection to an attngrad server.
 
@@ -1228,6 +1264,8 @@ class Client:
         self._cuda_regions: Optional[cuda_regions.CudaRegionCache] = None  # zero_copy, CUDA
         # Why the server cannot open CUDA IPC regions (it is elsewhere or on the CPU), once seen.
         self._cuda_ipc_refused: Optional[str] = None
+        # Why the server cannot map this host's shared memory (it is elsewhere), once seen.
+        self._shm_refused: Optional[str] = None
         self._batch_ids = itertools.count(random.SystemRandom().getrandbits(62) + 1)
         self.phase_timings = bool(phase_timings)
         # backward()'s streams, kept open across calls, and the watchdog of their deadlines.
@@ -1368,46 +1406,147 @@ class Client:
             otherwise; response_dtype: the answer's. "float32" (default), "float16" or "bfloat16".
           timeout: the deadline of the call in seconds (kept by the client's watchdog thread; the
             stream of a call past it is cancelled and DeadlineExceededError raised).
-          zero_copy: same host only: the inputs are written into a POSIX shared-memory region this
-            client registers with the server (register_region; kept for later calls, removed by
-            close()), the request names them there and the server writes grad_hidden_states back
-            into it, so no activation bytes cross the connection. NumPy arrays and CPU torch
-            tensors; the results equal the bytes path's bit for bit. CUDA torch tensors (a server
-            on their GPU): their own memory is registered over CUDA IPC (register_cuda_region,
-            one region per GPU allocation, remembered across calls: cuda_regions.py;
-            unregistered by close()) and the server computes straight
-            from it and writes grad_hidden_states into a new CUDA tensor, with no copy at all
+          transport: how the activations travel to a server on this host. "auto" (default): CUDA
+            tensors over CUDA IPC when the server can open this process's GPU memory, other inputs
+            through a shared-memory region when it can map one, else as bytes on the connection;
+            it probes once per client, remembers the answer and warns once when it falls back.
+            "cuda_ipc": CUDA tensors' own memory is registered (register_cuda_region, one region
+            per GPU allocation, remembered across calls: cuda_regions.py; unregistered by close())
+            and the server computes straight from it and writes grad_hidden_states (and, RETURN,
+            the weight gradients) into new CUDA tensors of this process, with no copy at all
             (inputs in float32, float16 or bfloat16: their dtype unless input_dtype says
-            otherwise, then converted on the GPU). The client synchronises the tensors' current
+            otherwise, then converted on the GPU); the client synchronises the tensors' current
             stream before sending; do not change the inputs until backward() has returned.
+            "shm": the inputs are written into a POSIX shared-memory region this client registers
+            (kept for later calls, removed by close()) and the server writes grad_hidden_states
+            back into it; the results equal the bytes path's bit for bit. "bytes": everything on
+            the connection (a server on another host). A forced transport the server refuses
+            raises; BackwardResult.transport says which one carried the batch.
+          zero_copy: the former switch: True = "auto", False = "bytes".
         """
         timeout = kwargs.pop("timeout", None)
-        zero_copy = bool(kwargs.pop("zero_copy", False))
+        transport = self._requested_transport(kwargs.pop("transport", "auto"),
+                                              kwargs.pop("zero_copy", None))
         phases = _Phases() if self.phase_timings else _NO_PHASES
-        if zero_copy and cuda_regions.is_cuda_tensor(hidden_states):
-            if self._cuda_ipc_refused is None:
-                try:
-                    return self._backward_on_gpu(hidden_states, grad_output, cos, sin, timeout,
-                                                 dict(kwargs), phases)
-                except _CudaIpcRefused as refused:
-                    self._cuda_ipc_refused = str(refused)
-                    warnings.warn(f"zero_copy: the server cannot open this process's GPU memory "
-                                  f"({refused}); CUDA tensors go as bytes from now on",
-                                  RuntimeWarning, stacklevel=2)
-            zero_copy = False  # the bytes path (a server elsewhere, or on the CPU)
+        on_gpu = cuda_regions.is_cuda_tensor(hidden_states)
+        if transport == "cuda_ipc" and not on_gpu:
+            raise ValueError("transport='cuda_ipc' needs CUDA tensors; hidden_states is not one")
+        if on_gpu and transport in ("auto", "cuda_ipc"):
+            result = self._try_cuda_ipc(transport, lambda: self._backward_on_gpu(
+                hidden_states, grad_output, cos, sin, timeout, dict(kwargs), phases))
+            if result is not None:
+                result.transport = "cuda_ipc"
+                return result
+            transport = "bytes"
         batch = self._prepare(hidden_states, grad_output, cos, sin, **kwargs)
         phases.mark("prepare")
-        if not zero_copy:
-            return self._exchange(batch, timeout, phases)
+        if transport in ("auto", "shm"):
+            result = self._backward_in_shared_memory(batch, transport, timeout, phases)
+            if result is not None:
+                return result
+        return self._exchange(batch, timeout, phases)
+
+    def _requested_transport(self, transport: str, zero_copy: Optional[bool]) -> str:
+        if zero_copy is not None:
+            transport = "auto" if zero_copy else "bytes"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        return transport
+
+    def _fall_back(self, what: str, reason: str) -> None:
+        """Warns once per client and transport that `auto` no longer tries WHAT."""
+        warnings.warn(f"transport='auto': the server cannot use {what} ({reason}); batches go as "
+                      "bytes on the connection from now on", RuntimeWarning, stacklevel=4)
+
+    def _try_cuda_ipc(self, transport: str, run):
+        """RUN's result over CUDA IPC, or None when the server refused it and TRANSPORT is auto
+        (remembered: later calls do not ask again). A server that no longer knows the client's
+        registrations (it restarted) gets them anew, once."""
+        if self._cuda_ipc_refused is None:
+            try:
+                try:
+                    return run()
+                except errors.InvalidArgumentError as error:
+                    if not _names_an_unknown_region(error):
+                        raise
+                    with self._regions_lock:
+                        self._cuda_regions = None  # its registrations died with the old server
+                    return run()
+            except _CudaIpcRefused as refused:
+                self._cuda_ipc_refused = str(refused)
+                if transport == "auto":
+                    self._fall_back("this process's GPU memory (transport cuda_ipc)",
+                                    str(refused))
+        if transport == "cuda_ipc":
+            raise errors.FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"transport='cuda_ipc': the server cannot open this process's GPU memory "
+                f"({self._cuda_ipc_refused})", method="RegisterRegion")
+        return None
+
+    def _take_region_for(self, size: int, transport: str) -> Optional[_SharedRegion]:
+        """A shared-memory region of at least SIZE bytes registered with the server, or None when
+        the server cannot map this host's shared memory and TRANSPORT is auto (remembered: later
+        calls do not ask again; a forced "shm" raises)."""
+        if self._shm_refused is None:
+            try:
+                return self._take_region(size)
+            except (errors.AttngradError, OSError) as error:
+                if isinstance(error, errors.AttngradError) and (
+                        error.method != "RegisterRegion" or error.code not in _REGION_REFUSALS):
+                    raise
+                self._shm_refused = str(error)
+                if transport == "auto":
+                    self._fall_back("shared memory of this host", self._shm_refused)
+        if transport == "shm":
+            raise errors.FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"transport='shm': the server cannot map this host's shared memory "
+                f"({self._shm_refused})", method="RegisterRegion")
+        return None
+
+    def _in_shared_memory(self, size: int, transport: str, use):
+        """USE(region)'s result, with a registered shared-memory region of at least SIZE bytes;
+        None when the server cannot map one and TRANSPORT is auto (see _take_region_for). A
+        server that no longer knows the client's regions (it restarted) gets a new one, once."""
+        for attempt in range(2):
+            shared = self._take_region_for(size, transport)
+            if shared is None:
+                return None
+            try:
+                return use(shared)
+            except errors.InvalidArgumentError as error:
+                if attempt or not _names_an_unknown_region(error):
+                    raise
+                shared.destroy(None)  # the server does not know it: nothing to unregister
+                shared = None
+                self._forget_regions()
+            finally:
+                if shared is not None:
+                    self._give_back_region(shared)
+        return None  # not reached: the second attempt returns or raises
+
+    def _backward_in_shared_memory(self, batch: _Batch, transport: str, timeout, phases):
+        """BATCH through a shared-memory region, or None (see _in_shared_memory)."""
         layout = _RegionLayout(batch)
-        shared = self._take_region(layout.size)
-        try:
+
+        def exchange(shared):
             layout.write_inputs(shared, batch)
             batch.region = layout
             phases.mark("register")
-            return self._exchange(batch, timeout, phases)
-        finally:
-            self._give_back_region(shared)
+            result = self._exchange(batch, timeout, phases)
+            result.transport = "shm"
+            return result
+
+        return self._in_shared_memory(layout.size, transport, exchange)
+
+    def _forget_regions(self) -> None:
+        """Drops the shared-memory regions kept for later calls without unregistering them (a
+        restarted server no longer has them)."""
+        with self._regions_lock:
+            regions, self._free_regions = self._free_regions, []
+        for shared in regions:
+            shared.destroy(None)
 
     def _exchange(self, batch: _Batch, timeout, phases) -> BackwardResult:
         """Sends BATCH's parts over a stream of the pool (max_in_flight outstanding) and returns its
@@ -1821,10 +1960,18 @@ class Client:
 
     def load_weights(self, weights: Mapping[str, Any], *, expected_weights_version: int = 0,
                      dtype: str = "float32", chunk_bytes: int = 4 << 20,
-                     layer: Optional[int] = None, timeout: Optional[float] = None) -> int:
+                     layer: Optional[int] = None, timeout: Optional[float] = None,
+                     transport: str = "bytes") -> int:
         """Replaces a layer's weights (all six: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
-        Hugging Face names accepted; layer=None: the server's first layer), streamed in chunks.
-        Returns the layer's new weights version."""
+        Hugging Face names accepted; layer=None: the server's first layer). Returns the layer's new
+        weights version.
+
+        transport: "bytes" (default): streamed in chunks of DTYPE on the connection. By reference,
+        for a server on this host: "cuda_ipc" names CUDA tensors' own memory (their dtype:
+        float32, float16 or bfloat16), which the server copies on the GPU; "shm" writes them into
+        a shared-memory region the server reads; "auto" takes the first of these the server
+        accepts (as backward() does). The server has its own copy once this returns: the
+        tensors may change right after."""
         named = {}
         for key, value in weights.items():
             name = canonical_weight_name(key)
@@ -1834,6 +1981,25 @@ class Client:
         missing = [n for n in WEIGHT_NAMES if n not in named]
         if missing:
             raise ValueError(f"load_weights needs all six weights; missing {missing}")
+        transport = self._requested_transport(transport, None)
+        arguments = (expected_weights_version, layer, timeout)
+        on_gpu = all(cuda_regions.is_cuda_tensor(named[n]) for n in WEIGHT_NAMES)
+        if transport == "cuda_ipc" and not on_gpu:
+            raise ValueError("transport='cuda_ipc' needs the six weights as CUDA tensors")
+        if on_gpu and transport in ("auto", "cuda_ipc"):
+            version = self._try_cuda_ipc(
+                transport, lambda: self._load_weights_on_gpu(named, *arguments))
+            if version is not None:
+                return version
+            transport = "bytes"
+        if transport in ("auto", "shm"):
+            version = self._load_weights_in_shared_memory(named, dtype, transport, *arguments)
+            if version is not None:
+                return version
+        return self._load_weights_as_bytes(named, dtype, chunk_bytes, *arguments)
+
+    def _load_weights_as_bytes(self, named, dtype, chunk_bytes, expected_weights_version, layer,
+                               timeout) -> int:
         wire = tensors.wire_dtype_name(dtype)
         size = tensors.itemsize(wire)
         limits = self._limits or self.info()
@@ -1847,15 +2013,70 @@ class Client:
                 view = memoryview(tensors.contiguous(array, wire)).cast("B")
                 count = len(view) // size
                 for offset in range(0, max(count, 1), chunk_elements):
-                    message = pb.LoadWeightsRequest(
-                        name=_WEIGHT_ENUM[name], offset=offset,
-                        expected_weights_version=expected_weights_version)
-                    if layer is not None:
-                        message.layer = int(layer)
+                    message = _weight_chunk_head(name, expected_weights_version, layer, offset)
                     if offset == 0:
                         message.dtype = _DTYPE_ENUM[wire]
                         message.shape.extend(int(d) for d in array.shape)
-                    yield _WireChunk(message, view[offset * size:min(count, offset + chunk_elements) * size])
+                    end = min(count, offset + chunk_elements)
+                    yield _WireChunk(message, view[offset * size:end * size])
 
         response = self._unary("LoadWeights", self._load_weights, requests(), timeout)
         return response.weights_version
+
+    def _load_weights_by_reference(self, heads, timeout) -> int:
+        """LoadWeights of chunks that each name a whole weight in a region (HEADS: the messages)."""
+        response = self._unary("LoadWeights", self._load_weights,
+                               (_WireChunk(head, None) for head in heads), timeout)
+        return response.weights_version
+
+    def _load_weights_on_gpu(self, named, expected_weights_version, layer, timeout) -> int:
+        """load_weights(transport="cuda_ipc"): the weights' own GPU memory, registered like
+        backward()'s tensors (one region per allocation, remembered)."""
+        import torch
+
+        cache = self._cuda_region_cache()
+        kept, heads = [], []
+        for name in WEIGHT_NAMES:
+            tensor = named[name].detach()
+            if cuda_regions.torch_wire_dtype(tensor) is None:
+                tensor = tensor.float()
+            if not tensor.is_contiguous() or tensor.data_ptr() % cuda_regions.ALIGNMENT:
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            kept.append(tensor)  # alive until the server has copied it
+            try:
+                region, offset, size = cache.slice_of(tensor)
+            except (errors.FailedPreconditionError, errors.InvalidArgumentError) as error:
+                if error.method != "RegisterRegion":
+                    raise
+                raise _CudaIpcRefused(str(error)) from None
+            head = _weight_chunk_head(name, expected_weights_version, layer, 0)
+            head.dtype = _DTYPE_ENUM[cuda_regions.torch_wire_dtype(tensor)]
+            head.shape.extend(int(d) for d in tensor.shape)
+            head.region.CopyFrom(pb.RegionSlice(region_id=region, offset=offset, byte_size=size))
+            heads.append(head)
+        # The server reads the weights when the upload arrives: the writes to them must be done.
+        for device in {tensor.device for tensor in kept}:
+            torch.cuda.current_stream(device).synchronize()
+        return self._load_weights_by_reference(heads, timeout)
+
+    def _load_weights_in_shared_memory(self, named, dtype, transport, expected_weights_version,
+                                       layer, timeout) -> Optional[int]:
+        """load_weights(transport="shm"): the six weights (in DTYPE) written one after the other
+        into a region; None when the server cannot map one and TRANSPORT is auto."""
+        wire = tensors.wire_dtype_name(dtype)
+        arrays = [tensors.contiguous(tensors.to_numpy(named[n]), wire) for n in WEIGHT_NAMES]
+        offsets = np.cumsum([0] + [-(-a.nbytes // 64) * 64 for a in arrays])
+
+        def upload(shared):
+            heads = []
+            for name, array, offset in zip(WEIGHT_NAMES, arrays, offsets):
+                shared.memory.buf[offset:offset + array.nbytes] = memoryview(array).cast("B")
+                head = _weight_chunk_head(name, expected_weights_version, layer, 0)
+                head.dtype = _DTYPE_ENUM[wire]
+                head.shape.extend(int(d) for d in array.shape)
+                head.region.CopyFrom(pb.RegionSlice(region_id=shared.region_id,
+                                                    offset=int(offset), byte_size=array.nbytes))
+                heads.append(head)
+            return self._load_weights_by_reference(heads, timeout)
+
+        return self._in_shared_memory(max(int(offsets[-1]), 64), transport, upload)

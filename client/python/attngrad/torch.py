@@ -123,9 +123,12 @@ class _Binding:
     def __init__(self, client, *, config, mode: str, precision: str, scaling: float, softcap: float,
                  eps: float, wire_dtype: str, layer: Optional[int] = None,
                  sliding_window: Optional[int] = None, input_dtype: Optional[str] = None,
-                 zero_copy: bool = False):
+                 transport: str = "auto"):
+        if transport not in client_module.TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(client_module.TRANSPORTS)}, "
+                             f"got {transport!r}")
         self.client = client
-        self.zero_copy = zero_copy  # same host: CUDA IPC / shared memory (Client.backward)
+        self.transport = transport  # Client.backward's and Client.load_weights' transport
         self.config = config
         self.mode = mode
         self.precision = precision
@@ -157,12 +160,11 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
         extra["sliding_window"] = binding.sliding_window
     if binding.input_dtype is not None:
         extra["input_dtype"] = binding.input_dtype
-    if binding.zero_copy:
-        extra["zero_copy"] = True
     result = binding.client.backward(
         hidden_states, grad_output, cos, sin, mode=binding.mode, precision=binding.precision,
         scaling=binding.scaling, softcap=binding.softcap, eps=binding.eps,
-        expected_weights_version=weights_version, wire_dtype=binding.wire_dtype, **extra)
+        expected_weights_version=weights_version, wire_dtype=binding.wire_dtype,
+        transport=binding.transport, **extra)
     binding.last_result = result
     if binding.server_instance_id is None:
         binding.server_instance_id = result.server_instance_id
@@ -183,6 +185,18 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
                 dtype, device = weight_meta[i]
                 weight_grads[i] = result.weight_gradients[name].to(device=device, dtype=dtype)
     return grad_hidden, weight_grads
+
+
+def _upload_weights(binding: _Binding, weights: Dict[str, torch.Tensor], **kwargs) -> int:
+    """Client.load_weights of a layer's six parameters with the binding's transport: by reference
+    (CUDA IPC or shared memory, in the parameters' own dtype) on the same host, else as float32
+    bytes. Returns the server's new weights version."""
+    with torch.no_grad():
+        if binding.transport == "bytes":
+            weights = {name: w.detach().float().cpu() for name, w in weights.items()}
+        else:
+            weights = {name: w.detach() for name, w in weights.items()}
+        return binding.client.load_weights(weights, transport=binding.transport, **kwargs)
 
 
 class RemoteAttentionBackward(torch.autograd.Function):
@@ -239,15 +253,20 @@ class RemoteGemma3Attention(nn.Module):
         the traffic when the server lists it).
       init: "random" draws the weights as in SPEC section 3 (projections randn·sqrt(2/hidden),
         norms randn·0.02); "server" leaves them zero for load_state_dict.
-      zero_copy: a server on this host: CUDA activations go over CUDA IPC (the server computes
-        straight from the trainer's GPU memory), CPU ones through shared memory (Client.backward).
+      transport: "auto" (default), "cuda_ipc", "shm" or "bytes": how activations, weights and
+        (RETURN) weight gradients travel (Client.backward, Client.load_weights). "auto" on a
+        server of this host: CUDA tensors over CUDA IPC (the server computes straight from the
+        trainer's GPU memory and copies the weights on the GPU), CPU ones through shared memory;
+        else bytes. last_result.transport says which carried the latest backward.
+      zero_copy: the former switch: True = transport "auto", False = "bytes".
     forward(hidden_states [B,S,hidden], cos [B,S,D] or [S,D], sin) -> [B,S,hidden].
     """
 
     def __init__(self, client, *, mode: str = "return", precision: str = "auto",
                  scaling: Optional[float] = None, softcap: Optional[float] = None,
                  eps: Optional[float] = None, wire_dtype: str = "float32", init: str = "random",
-                 device=None, dtype=torch.float32, zero_copy: bool = False):
+                 device=None, dtype=torch.float32, transport: str = "auto",
+                 zero_copy: Optional[bool] = None):
         super().__init__()
         if mode not in ("return", "accumulate"):
             raise ValueError(f"mode must be 'return' or 'accumulate', got {mode!r}")
@@ -271,7 +290,7 @@ class RemoteGemma3Attention(nn.Module):
             scaling=info.default_scaling if scaling is None else scaling,
             softcap=info.default_softcap if softcap is None else softcap,
             eps=info.default_eps if eps is None else eps, wire_dtype=wire_dtype,
-            zero_copy=zero_copy)
+            transport=transport if zero_copy is None else ("auto" if zero_copy else "bytes"))
         self._uploaded: Optional[Tuple] = None
         self.weights_version: Optional[int] = None
         if mode == "accumulate":
@@ -310,11 +329,10 @@ class RemoteGemma3Attention(nn.Module):
         """Uploads the weights when they changed since the last upload; returns the server's version."""
         fingerprint = self._fingerprint()
         if force or fingerprint != self._uploaded or self.weights_version is None:
-            with torch.no_grad():
-                host = {name: w.detach().float().cpu() for name, w in self.weights().items()}
             expected = 0 if force or self.weights_version is None else self.weights_version
             try:
-                self.weights_version = self.client.load_weights(host, expected_weights_version=expected)
+                self.weights_version = _upload_weights(self._binding, self.weights(),
+                                                       expected_weights_version=expected)
             except FailedPreconditionError as error:
                 raise FailedPreconditionError(
                     error.code, f"{error.message} (someone else changed this server's weights since "
@@ -377,7 +395,17 @@ class RemoteGemma3Attention(nn.Module):
         if not hasattr(optimizer, "register_step_pre_hook"):
             raise RuntimeError("optimizer step hooks need PyTorch >= 2.0: call "
                                "module.fetch_gradients() before optimizer.step() instead")
-        return optimizer.register_step_pre_hook(lambda *_: self.fetch_gradients())
+        return optimizer.register_step_pre_hook(_step_pre_hook(self.fetch_gradients))
+
+
+def _step_pre_hook(fetch):
+    """An optimizer step pre-hook that runs FETCH. It returns None: PyTorch takes a pre-hook's
+    non-None result as replacement (args, kwargs) of step(), and refuses anything else."""
+
+    def hook(optimizer, args, kwargs) -> None:
+        fetch()
+
+    return hook
 
 
 def fetch_all_gradients(model: nn.Module):
@@ -468,9 +496,7 @@ class _OffloadedLayer:
         fingerprint = tuple((w.data_ptr(), w._version, w.dtype, tuple(w.shape))
                             for w in weights.values())
         if force or fingerprint != self._uploaded or self.weights_version is None:
-            with torch.no_grad():
-                host = {name: w.detach().float().cpu() for name, w in weights.items()}
-            self.weights_version = self.binding.client.load_weights(host, layer=self.index)
+            self.weights_version = _upload_weights(self.binding, weights, layer=self.index)
             self._uploaded = fingerprint
         return self.weights_version
 
@@ -561,9 +587,9 @@ class OffloadHandle:
         self._owns_client = owns_client
         self._removed = False
 
-    @property
     def last_results(self) -> Dict[int, Optional[client_module.BackwardResult]]:
-        """{layer: its latest BackwardResult} (server timings, device, weights version)."""
+        """{layer: its latest BackwardResult} (server timings, device, weights version, and the
+        transport that carried it)."""
         return {index: layer.binding.last_result for index, layer in self.layers.items()}
 
     def sync_weights(self, force: bool = False) -> Dict[int, int]:
@@ -616,7 +642,7 @@ class OffloadHandle:
         if not hasattr(optimizer, "register_step_pre_hook"):
             raise RuntimeError("optimizer step hooks need PyTorch >= 2.0: call "
                                "handle.fetch_gradients() before optimizer.step() instead")
-        return optimizer.register_step_pre_hook(lambda *_: self.fetch_gradients())
+        return optimizer.register_step_pre_hook(_step_pre_hook(self.fetch_gradients))
 
     def remove(self) -> None:
         """Gives every module its own forward (and local backward) back; closes a client that
@@ -642,7 +668,8 @@ class OffloadHandle:
 
 def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision: str = "auto",
             wire_dtype: str = "float32", input_dtype: Optional[str] = None,
-            upload_weights: bool = True, layers=None, **client_kwargs) -> OffloadHandle:
+            upload_weights: bool = True, layers=None, transport: str = "auto",
+            **client_kwargs) -> OffloadHandle:
     """Moves the attention backward of every layer of a transformers Gemma-3 model
     (Gemma3ForCausalLM, Gemma3TextModel, or anything whose attention modules carry q_proj ... k_norm
     and layer_idx) to the attngrad server(s), in one call.
@@ -669,6 +696,10 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
         already hold exactly these weights (e.g. started with --weights=DIR of this checkpoint)
         and nothing changes them (no training of the attention weights).
       layers: the layer indices to offload (default: all).
+      transport: "auto" (default), "cuda_ipc", "shm" or "bytes": how activations, weights and
+        (RETURN) weight gradients reach a server of this host (see RemoteGemma3Attention); "auto"
+        probes once and falls back to bytes, with one warning, for a server elsewhere.
+        handle.last_results()[layer].transport says which carried each layer's latest backward.
       **client_kwargs: attngrad.Client's arguments when client_or_map is an address or map.
     Returns an OffloadHandle (remove() undoes it)."""
     if mode not in ("return", "accumulate"):
@@ -704,7 +735,8 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
             scaling, softcap, eps, window = _layer_scalars(module, index)
             binding = _Binding(client, config=layer_info, mode=mode, precision=precision,
                                scaling=scaling, softcap=softcap, eps=eps, wire_dtype=wire_dtype,
-                               layer=index, sliding_window=window, input_dtype=input_dtype)
+                               layer=index, sliding_window=window, input_dtype=input_dtype,
+                               transport=transport)
             offloaded[index] = _OffloadedLayer(module, index, binding, upload_weights)
         if mode == "accumulate":
             for index in offloaded:
