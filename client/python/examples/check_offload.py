@@ -59,6 +59,17 @@ PRESETS = {
                num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                query_pre_attn_scalar=256, sliding_window=512, rope_theta=1_000_000.0,
                rope_local_base_freq=10_000.0, max_position_embeddings=32768),
+    # Reduced models with the attention shapes of 4B (2560 / 8 / 4 / 256) and 27B (5376 / 32 / 16 /
+    # 128): few layers, a small vocabulary and MLP, so that the attention dominates a step.
+    "4b-attn": dict(vocab_size=4096, hidden_size=2560, intermediate_size=1024, num_hidden_layers=3,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                    query_pre_attn_scalar=256, sliding_window=1024, rope_theta=1_000_000.0,
+                    rope_local_base_freq=10_000.0, max_position_embeddings=32768),
+    "27b-attn": dict(vocab_size=4096, hidden_size=5376, intermediate_size=1024,
+                     num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=16,
+                     head_dim=128, query_pre_attn_scalar=168, sliding_window=1024,
+                     rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                     max_position_embeddings=32768),
     "tiny": dict(vocab_size=512, hidden_size=640, intermediate_size=256, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                  query_pre_attn_scalar=256, sliding_window=16, rope_theta=1_000_000.0,

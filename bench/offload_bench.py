@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""Whole training steps of Gemma-3 models with the attention backward offloaded to attngrad
+(attngrad.torch.offload) against the same model trained locally, on the same GPU and batches.
+
+For each model (random-init transformers Gemma3ForCausalLM, fp32, saved sharded with
+save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N optimizer steps
+(AdamW) of every variant, on the same input ids:
+  local eager fp32     transformers' default attention (sdpa), fp32 matmuls
+  local sdpa tf32      the same with torch.set_float32_matmul_precision("high")
+  local compile tf32   torch.compile of the model, TF32
+  local bf16 autocast  for honesty (no target)
+  offload auto         offload(model) with transport="auto" (CUDA IPC on the same GPU), RETURN,
+                       server precision AUTO, the rest of the model in TF32
+  offload bytes        the same with transport="bytes" (everything through grpcio)
+It reports the median step time, the trainer process's peak GPU memory (the server is another
+process) and the loss curves (each offloaded curve against local eager fp32: max relative
+difference). --remote adds the remote path: transport="bytes", ACCUMULATE over --micro-batches
+micro-batches per optimizer step with one fetch, against the local TF32 step over the same
+micro-batches. --spec-layer adds the SPEC layer through RemoteGemma3Attention (1 x 1024, forward +
+backward) against local eager fp32 autograd of the same layer, with the client's phase timings.
+
+    python3 bench/offload_bench.py --server build/server/attngrad-server \\
+        --configs 4b-attn,27b-attn --shapes 1x2048,4x2048 --steps 10 --remote --spec-layer
+
+Prints markdown tables for bench/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "client" / "python"))
+sys.path.insert(0, str(HERE.parent / "client" / "python" / "examples"))
+
+import torch  # noqa: E402
+
+import attngrad  # noqa: E402
+import attngrad.torch as attngrad_torch  # noqa: E402
+from check_offload import Server, build_model, loss_of, write_checkpoint  # noqa: E402
+
+LOCAL_VARIANTS = ("local eager fp32", "local sdpa tf32", "local compile tf32",
+                  "local bf16 autocast")
+OFFLOAD_VARIANTS = ("offload auto", "offload bytes")
+
+
+def set_tf32(enabled: bool) -> None:
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+class Measured:
+    """Step times, losses, peak memory and (offloaded) the transports and phases seen."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.seconds, self.losses = [], []
+        self.peak_bytes = 0
+        self.transports = set()
+        self.phases = {}
+
+    @property
+    def median_ms(self) -> float:
+        return 1e3 * statistics.median(self.seconds) if self.seconds else float("nan")
+
+
+def train(model, batches, steps: int, warmup: int, step_fn, measured: Measured):
+    """STEPS timed optimizer steps after WARMUP untimed ones; step_fn(ids) does one step's work."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for index in range(warmup + steps):
+        ids = batches[index % len(batches)]
+        started = time.perf_counter()
+        loss = step_fn(ids)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        if index >= warmup:
+            measured.seconds.append(elapsed)
+            measured.losses.append(float(loss))
+    measured.peak_bytes = torch.cuda.max_memory_allocated()
+    return measured
+
+
+def optimizer_step(model, optimizer, micro_batches, after_backward=None):
+    """One optimizer step over MICRO_BATCHES (a list of input id tensors); returns the mean loss."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for ids in micro_batches:
+        loss = loss_of(model, ids) / len(micro_batches)
+        loss.backward()
+        total += loss.detach()
+    if after_backward is not None:
+        after_backward()
+    optimizer.step()
+    return total
+
+
+def run_local(name, base_model, batches, args):
+    model = copy.deepcopy(base_model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    set_tf32(name != "local eager fp32")
+    measured = Measured(name)
+    forward_model = model
+    if name == "local compile tf32":
+        forward_model = torch.compile(model)
+
+    def step(ids):
+        if name == "local bf16 autocast":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return optimizer_step(forward_model, optimizer, [ids])
+        return optimizer_step(forward_model, optimizer, [ids])
+
+    try:
+        return train(model, batches, args.steps, args.warmup + (2 if forward_model is not model
+                                                                   else 0), step, measured)
+    finally:
+        del model, optimizer, forward_model
+        torch.cuda.empty_cache()
+
+
+def run_offloaded(name, base_model, batches, target, args, *, mode="return", micro_batches=1,
+                  transport=None):
+    model = copy.deepcopy(base_model)
+    transport = transport or ("auto" if name == "offload auto" else "bytes")
+    handle = attngrad_torch.offload(model, target, mode=mode, precision=args.precision,
+                                    transport=transport, timeout=args.timeout,
+                                    phase_timings=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    set_tf32(True)
+    measured = Measured(name)
+    fetch = handle.fetch_gradients if mode == "accumulate" else None
+
+    def step(ids):
+        group = [ids] if micro_batches == 1 else list(torch.chunk(ids, micro_batches, dim=0))
+        loss = optimizer_step(model, optimizer, group, fetch)
+        for index, result in handle.last_results().items():
+            if result is None:
+                continue
+            measured.transports.add(result.transport)
+            for phase, seconds in (result.client_phases or {}).items():
+                measured.phases.setdefault(phase, []).append(seconds)
+            measured.phases.setdefault("server compute", []).append(
+                sum(t.compute_seconds for t in result.timings))
+            measured.phases.setdefault("server total", []).append(
+                sum(t.total_seconds for t in result.timings))
+        return loss
+
+    try:
+        return train(model, batches, args.steps, args.warmup, step, measured)
+    finally:
+        handle.remove()
+        del model, optimizer
+        torch.cuda.empty_cache()
+
+
+def curve_difference(measured: Measured, reference: Measured) -> float:
+    pairs = zip(measured.losses, reference.losses)
+    return max((abs(a - b) / max(abs(b), 1e-30) for a, b in pairs), default=float("nan"))
+
+
+def print_table(title, rows, reference_names):
+    print(f"\n### {title}\n")
+    print("| variant | median step ms | × local sdpa tf32 | × local compile tf32 | peak MB | "
+          "loss rel. diff vs eager fp32 | transport |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    by_name = {m.name: m for m in rows}
+    sdpa, compiled = (by_name.get(n) for n in reference_names)
+    eager = by_name.get("local eager fp32")
+    for m in rows:
+        ratio_sdpa = m.median_ms / sdpa.median_ms if sdpa else float("nan")
+        ratio_compile = m.median_ms / compiled.median_ms if compiled else float("nan")
+        difference = curve_difference(m, eager) if eager and m is not eager else 0.0
+        print(f"| {m.name} | {m.median_ms:.1f} | {ratio_sdpa:.2f} | {ratio_compile:.2f} | "
+              f"{m.peak_bytes / 2**20:,.0f} | {difference:.1e} | "
+              f"{', '.join(sorted(m.transports)) or '-'} |")
+    for m in rows:
+        if m.phases:
+            parts = ", ".join(f"{phase} {1e3 * statistics.median(values):.2f}"
+                              for phase, values in m.phases.items())
+            print(f"\n{m.name}: per layer backward, median ms: {parts}")
+
+
+def bench_model(config, args, device):
+    model_args = argparse.Namespace(config=config, vocab=0, num_layers=0, attention="sdpa",
+                                    seed=args.seed)
+    base = build_model(model_args, device)
+    parameters = sum(p.numel() for p in base.parameters())
+    print(f"\n## Gemma-3 {config}: {base.config.num_hidden_layers} layers, hidden "
+          f"{base.config.hidden_size}, heads {base.config.num_attention_heads}/"
+          f"{base.config.num_key_value_heads}, head_dim {base.config.head_dim}, "
+          f"{parameters / 1e6:.0f} M parameters, fp32", flush=True)
+    with tempfile.TemporaryDirectory(prefix="attngrad-offload-bench-") as work:
+        directory = Path(work) / "checkpoint"
+        write_checkpoint(base.cpu(), directory, f"{max(1, parameters // 1_000_000)}MB")
+        base.to(device)
+        server = Server(args.server, directory, args.devices)
+        try:
+            server.wait()
+            for shape in args.shapes.split(","):
+                batch, seq_len = (int(v) for v in shape.lower().split("x"))
+                generator = torch.Generator().manual_seed(args.seed + batch * 7 + seq_len)
+                batches = [torch.randint(0, base.config.vocab_size, (batch, seq_len),
+                                         generator=generator).to(device) for _ in range(4)]
+                rows = []
+                for name in LOCAL_VARIANTS:
+                    if name == "local compile tf32" and not args.compile:
+                        continue
+                    rows.append(run_local(name, base, batches, args))
+                    print(f"  {config} {shape} {name}: {rows[-1].median_ms:.1f} ms", flush=True)
+                for name in OFFLOAD_VARIANTS:
+                    rows.append(run_offloaded(name, base, batches, server.target, args))
+                    print(f"  {config} {shape} {name}: {rows[-1].median_ms:.1f} ms", flush=True)
+                print_table(f"{config}, B×S = {shape}, RETURN, {args.steps} steps", rows,
+                            ("local sdpa tf32", "local compile tf32"))
+                if args.remote and batch == 1:
+                    bench_remote(config, base, seq_len, server.target, args, device)
+        finally:
+            server.stop()
+    del base
+    torch.cuda.empty_cache()
+
+
+def bench_remote(config, base, seq_len, target, args, device):
+    """ACCUMULATE over --micro-batches sequences per optimizer step, one fetch, bytes on the wire
+    (what a trainer on another host does), against the local TF32 step over the same sequences."""
+    count = args.micro_batches
+    generator = torch.Generator().manual_seed(args.seed + 99)
+    batches = [torch.randint(0, base.config.vocab_size, (count, seq_len), generator=generator)
+               .to(device) for _ in range(2)]
+    local = Measured("local sdpa tf32")
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    set_tf32(True)
+    train(model, batches, max(3, args.steps // 2), 1,
+          lambda ids: optimizer_step(model, optimizer, list(torch.chunk(ids, count, dim=0))),
+          local)
+    del model, optimizer
+    remote = run_offloaded("offload bytes accumulate", base, batches, target,
+                           argparse.Namespace(**{**vars(args), "steps": max(3, args.steps // 2),
+                                                 "warmup": 1}),
+                           mode="accumulate", micro_batches=count, transport="bytes")
+    print(f"\n### remote path, {config}, {count} micro-batches of 1×{seq_len} per optimizer step "
+          f"(ACCUMULATE, one fetch, transport bytes)\n")
+    print("| local sdpa tf32 | offloaded over TCP | ratio | loss rel. diff |")
+    print("| ---: | ---: | ---: | ---: |")
+    print(f"| {local.median_ms:.1f} ms | {remote.median_ms:.1f} ms | "
+          f"{remote.median_ms / local.median_ms:.2f} | {curve_difference(remote, local):.1e} |")
+
+
+def bench_spec_layer(args, device):
+    """The SPEC layer through RemoteGemma3Attention, forward + backward, against local eager."""
+    server = SpecServer(args.server, args.devices)
+    try:
+        server.wait()
+        batch, seq_len = 1, 1024
+        hidden = torch.randn(batch, seq_len, 3072, device=device) / 3072 ** 0.5
+        cos, sin = attngrad_torch.rotary_tables(torch.arange(seq_len, device=device))
+        set_tf32(False)
+        rows = []
+        for transport in ("auto", "bytes"):
+            client = attngrad.Client(server.target, timeout=args.timeout, phase_timings=True)
+            layer = attngrad_torch.RemoteGemma3Attention(client, transport=transport).to(device)
+            rows.append((f"RemoteGemma3Attention {transport}",
+                         time_layer(lambda: layer(hidden.requires_grad_(), cos, sin), layer,
+                                    args.steps)))
+            weights = layer.weights()
+            client.close()
+        local_weights = {name: w.detach().clone().requires_grad_() for name, w in weights.items()}
+
+        def local_forward():
+            return attngrad_torch.gemma3_attention(
+                hidden.requires_grad_(), cos, sin, local_weights["q_proj"],
+                local_weights["k_proj"], local_weights["v_proj"], local_weights["o_proj"],
+                local_weights["q_norm"], local_weights["k_norm"])
+
+        rows.append(("local eager fp32 autograd", time_layer(local_forward, None, args.steps)))
+        print("\n### SPEC layer, 1×1024, forward + backward\n")
+        print("| what | median ms | × local eager fp32 | transport | client phases (median ms) |")
+        print("| --- | ---: | ---: | --- | --- |")
+        local_ms = rows[-1][1][0]
+        for name, (ms, transports, phases) in rows:
+            parts = ", ".join(f"{p} {1e3 * statistics.median(v):.2f}" for p, v in phases.items())
+            print(f"| {name} | {ms:.2f} | {ms / local_ms:.2f} | {', '.join(transports) or '-'} | "
+                  f"{parts or '-'} |")
+    finally:
+        server.stop()
+
+
+def time_layer(forward, layer, steps):
+    """(median ms of forward + backward, transports, client phases) over STEPS after 3 warmups."""
+    seconds, transports, phases = [], set(), {}
+    for index in range(steps + 3):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        forward().square().mean().backward()
+        torch.cuda.synchronize()
+        if index >= 3:
+            seconds.append(time.perf_counter() - started)
+            if layer is not None and layer.last_result is not None:
+                result = layer.last_result
+                transports.add(result.transport)
+                for phase, value in (result.client_phases or {}).items():
+                    phases.setdefault(phase, []).append(value)
+                phases.setdefault("server compute", []).append(
+                    sum(t.compute_seconds for t in result.timings))
+    return 1e3 * statistics.median(seconds), sorted(transports), phases
+
+
+class SpecServer(Server):
+    """attngrad-server of the SPEC layer (no --weights: the module uploads its own)."""
+
+    def __init__(self, binary: str, devices: str):
+        import subprocess  # noqa: PLC0415
+
+        from check_offload import free_port  # noqa: PLC0415
+
+        self.target = f"127.0.0.1:{free_port()}"
+        self.log = tempfile.NamedTemporaryFile(prefix="attngrad-server-", suffix=".log",
+                                               delete=False)
+        flags = [f"--listen={self.target}", "--metrics_listen=", f"--devices={devices}"]
+        self.process = subprocess.Popen([binary] + flags, stdout=self.log,
+                                        stderr=subprocess.STDOUT)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", required=True, help="the attngrad-server binary")
+    parser.add_argument("--devices", default="0")
+    parser.add_argument("--configs", default="4b-attn,27b-attn",
+                        help="check_offload.py presets: 4b-attn, 27b-attn, 270m, 1b, tiny")
+    parser.add_argument("--shapes", default="1x2048,4x2048", help="B x S list")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--precision", default="auto", help="the server's precision")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument("--remote", action="store_true",
+                        help="the remote path (ACCUMULATE, bytes) for each B = 1 shape")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--spec-layer", action="store_true")
+    parser.add_argument("--seed", type=int, default=30)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, attngrad client "
+          f"{Path(attngrad.__file__).parent}", flush=True)
+    if args.spec_layer:
+        bench_spec_layer(args, device)
+    for config in args.configs.split(","):
+        if config:
+            bench_model(config.strip(), args, device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
