@@ -378,6 +378,8 @@ def command_manifests(arguments):
     check(re.search(rf"^EXPOSE {GRPC_PORT} {METRICS_PORT}$", dockerfile, re.M), "Dockerfile EXPOSE ports")
     check("HEALTHCHECK" in dockerfile and "attngrad-healthcheck" in dockerfile, "Dockerfile HEALTHCHECK")
     check(re.search(r"--target attngrad-server attngrad-cli", dockerfile), "Dockerfile builds the two binaries")
+    check(re.search(r"cmake --install /build .*--component binaries", dockerfile),
+          "Dockerfile does not put the binaries in place with cmake --install (component binaries)")
     check(re.search(r'\bhealth --target="?127\.0\.0\.1:', HEALTHCHECK.read_text()), "healthcheck.sh does not call `attngrad-cli health`")
     for variable in re.findall(r"\b(ATTNGRAD_[A-Z0-9_]+)=", dockerfile):
         check_flag_variables("Dockerfile ENV", [variable], table, flags)
