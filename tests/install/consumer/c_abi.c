@@ -54,15 +54,31 @@ int main(void) {
   fill(o_weight, kHidden * kQOut, 6);
   for (int i = 0; i < kHeadDim; ++i) q_norm_weight[i] = k_norm_weight[i] = 0.1f * (float)i;
 
-  const attngrad_layer layer = {kHidden, kHeads, kKvHeads, kHeadDim,
-                                0.5f /* scaling */, 50.0f /* softcap */, 1e-6f /* eps */,
-                                0 /* sliding_window */};
-  const attngrad_inputs inputs = {grad_output, hidden_states, cos_table, sin_table, q_weight,
-                                  k_weight,    v_weight,      o_weight,  q_norm_weight,
-                                  k_norm_weight};
-  const attngrad_outputs outputs = {grad_hidden_states, grad_q_weight,   grad_k_weight,
-                                    grad_v_weight,      grad_o_weight,   grad_q_norm_weight,
-                                    grad_k_norm_weight};
+  const attngrad_layer layer = {.hidden_size = kHidden,
+                                .num_heads = kHeads,
+                                .num_kv_heads = kKvHeads,
+                                .head_dim = kHeadDim,
+                                .scaling = 0.5f,
+                                .softcap = 50.0f,
+                                .eps = 1e-6f,
+                                .sliding_window = 0};
+  const attngrad_inputs inputs = {.grad_output = grad_output,
+                                  .hidden_states = hidden_states,
+                                  .cos = cos_table,
+                                  .sin = sin_table,
+                                  .q_weight = q_weight,
+                                  .k_weight = k_weight,
+                                  .v_weight = v_weight,
+                                  .o_weight = o_weight,
+                                  .q_norm_weight = q_norm_weight,
+                                  .k_norm_weight = k_norm_weight};
+  const attngrad_outputs outputs = {.grad_hidden_states = grad_hidden_states,
+                                    .grad_q_weight = grad_q_weight,
+                                    .grad_k_weight = grad_k_weight,
+                                    .grad_v_weight = grad_v_weight,
+                                    .grad_o_weight = grad_o_weight,
+                                    .grad_q_norm_weight = grad_q_norm_weight,
+                                    .grad_k_norm_weight = grad_k_norm_weight};
 
   const int status = attngrad_backward_host_ex(&layer, kBatch, kSeq, 0, &inputs, &outputs);
   if (status != ATTNGRAD_OK) {
