@@ -85,12 +85,28 @@ step "run the C++ API consumer"
 "$consumer_build/attngrad_consumer_cxx"
 
 if [[ "$has_client" == "ON" ]]; then
-  # A free loopback port: bound once by the kernel's choice, then released for the server.
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  step "start the installed attngrad-server on 127.0.0.1:$port (CPU)"
-  "$prefix/bin/attngrad-server" --devices=cpu --listen="127.0.0.1:$port" --metrics_listen= \
-    --shutdown_grace_seconds=5 > "$work/server.log" 2>&1 &
-  server_pid=$!
+  # A free loopback port: bound once by the kernel's choice, then released for the server. Another
+  # process may take it in between: the server then exits at once, and the next attempt takes
+  # another port.
+  for attempt in 1 2 3; do
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    step "start the installed attngrad-server on 127.0.0.1:$port (CPU), attempt $attempt"
+    "$prefix/bin/attngrad-server" --devices=cpu --listen="127.0.0.1:$port" --metrics_listen= \
+      --shutdown_grace_seconds=5 > "$work/server.log" 2>&1 &
+    server_pid=$!
+    # Until the port accepts connections, or the server has exited (120 s at most).
+    for _ in $(seq 1200); do
+      if ! kill -0 "$server_pid" 2>/dev/null; then break; fi
+      if (exec 3<> "/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
+      sleep 0.1
+    done
+    if kill -0 "$server_pid" 2>/dev/null; then break; fi
+    wait "$server_pid" || true
+    server_pid=""
+    echo "attngrad-server exited before serving:" >&2
+    cat "$work/server.log" >&2
+  done
+  [[ -n "$server_pid" ]] || fail "attngrad-server did not start"
 
   step "client round trip"
   if ! "$consumer_build/attngrad_consumer_client" "127.0.0.1:$port"; then
@@ -118,7 +134,8 @@ step "pkg-config --cflags --libs attngrad"
 if ! command -v pkg-config > /dev/null; then
   fail "pkg-config is not installed (Debian: pkg-config or pkgconf)"
 fi
-export PKG_CONFIG_PATH="$(dirname "$pc_file")${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+pc_dir=$(dirname "$pc_file")
+export PKG_CONFIG_PATH="$pc_dir${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 flags=$(pkg-config --cflags --libs attngrad)
 libdir=$(pkg-config --variable=libdir attngrad)
 echo "pkg-config: $flags (version $(pkg-config --modversion attngrad))"
