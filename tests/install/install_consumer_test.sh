@@ -30,6 +30,7 @@ cleanup() {
 trap cleanup EXIT
 
 prefix=$work/prefix
+unset DESTDIR # the install goes to $prefix itself, whatever the caller's environment says
 step() { echo "--- $*"; }
 fail() {
   echo "FAIL: $*" >&2
