@@ -19,10 +19,10 @@ inline absl::Status CudaStatus(cudaError_t error, const char* what) {
 }  // namespace attngrad::server
 
 // Returns the CudaStatus of `call` from the enclosing function when it failed.
-#define ATTNGRAD_CUDA_RETURN(call)                                                \
-  do {                                                                            \
-    absl::Status cuda_status_ = ::attngrad::server::CudaStatus((call), #call);    \
-    if (!cuda_status_.ok()) return cuda_status_;                                  \
+#define ATTNGRAD_CUDA_RETURN(call)                                             \
+  do {                                                                         \
+    absl::Status cuda_status_ = ::attngrad::server::CudaStatus((call), #call); \
+    if (!cuda_status_.ok()) return cuda_status_;                               \
   } while (false)
 
 #endif  // ATTNGRAD_SERVER_DEVICES_CUDA_STATUS_H_

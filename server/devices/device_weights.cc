@@ -39,9 +39,11 @@ absl::StatusOr<int> DeviceOfSources(const PerWeight<DeviceWeightSource>& sources
   const int device = sources[Weight::kQProj].bytes.cuda_device();
   for (Weight weight : kAllWeights) {
     if (sources[weight].bytes.cuda_device() < 0 || sources[weight].bytes.cuda_device() != device) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          WeightModuleName(weight), ".region: the weights by reference must all lie in GPU memory "
-          "of one device (q_proj's is on cuda device ", device, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(WeightModuleName(weight),
+                       ".region: the weights by reference must all lie in GPU memory "
+                       "of one device (q_proj's is on cuda device ",
+                       device, ")"));
     }
   }
   return device;
@@ -68,12 +70,12 @@ absl::Status CheckFiniteOnDevice(const LayerConfig& config, const PackedWeightLa
   ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<unsigned long long>::Create(kCheckedGradients, &counts));
   ATTNGRAD_CUDA_RETURN(
       cudaMemsetAsync(counts.get(), 0, kCheckedGradients * sizeof(unsigned long long), stream));
-  const Status counted = CountNonFiniteDevice(config, nullptr, 0, layout.Pointers(weights),
-                                              counts.get(), stream);
+  const Status counted =
+      CountNonFiniteDevice(config, nullptr, 0, layout.Pointers(weights), counts.get(), stream);
   if (!counted.ok()) return absl::InternalError(absl::StrCat("finite check: ", counted.message));
   NonFiniteCounts host{};
-  ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(host.data(), counts.get(), sizeof(host),
-                                       cudaMemcpyDeviceToHost, stream));
+  ATTNGRAD_CUDA_RETURN(
+      cudaMemcpyAsync(host.data(), counts.get(), sizeof(host), cudaMemcpyDeviceToHost, stream));
   ATTNGRAD_CUDA_RETURN(cudaStreamSynchronize(stream));
   for (Weight weight : kAllWeights) {
     if (host[CountIndexOf(weight)] != 0) {
@@ -102,8 +104,7 @@ absl::StatusOr<std::shared_ptr<const DeviceLayerWeights>> CopyWeightsFromDevice(
   ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(&stream));
   for (Weight weight : kAllWeights) {
     ATTNGRAD_RETURN_IF_ERROR(QueueWidenedCopy(sources[weight], WeightElements(config, weight),
-                                              buffer.get() + layout.offsets[weight],
-                                              stream.get()));
+                                              buffer.get() + layout.offsets[weight], stream.get()));
   }
   ATTNGRAD_RETURN_IF_ERROR(CheckFiniteOnDevice(config, layout, buffer.get(), stream.get()));
   return std::shared_ptr<const DeviceLayerWeights>(

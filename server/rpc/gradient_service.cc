@@ -414,7 +414,10 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
  public:
   LoadWeightsReactor(GradientService* service, grpc::CallbackServerContext* context,
                      grpc::ByteBuffer* response, std::string client_id)
-      : service_(service), context_(context), response_(response), client_id_(std::move(client_id)) {
+      : service_(service),
+        context_(context),
+        response_(response),
+        client_id_(std::move(client_id)) {
     received_.items.fill(0);
     dtypes_.items.fill(v1::DTYPE_UNSPECIFIED);
     StartRead(&received_bytes_);
@@ -547,19 +550,20 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
   absl::Status TakeWeightFromRegion(Weight index, std::size_t weight_bytes) {
     const std::string field = absl::StrCat(WeightModuleName(index), ".region");
     if (request_.offset() != 0 || received_[index] != 0 || !request_.data().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": a chunk naming a region carries the whole weight (offset 0, no data, no "
-                 "other chunk of this weight)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field,
+                       ": a chunk naming a region carries the whole weight (offset 0, no data, no "
+                       "other chunk of this weight)"));
     }
     ATTNGRAD_ASSIGN_OR_RETURN(
         RegionBytes bytes,
-        service_->regions().Resolve(client_id_, request_.region(),
-                                    wire::DTypeSize(dtypes_[index]), weight_bytes, field));
+        service_->regions().Resolve(client_id_, request_.region(), wire::DTypeSize(dtypes_[index]),
+                                    weight_bytes, field));
     if (bytes.cuda_device() < 0) {
       return Stage(index, absl::string_view(bytes.data, bytes.size), field);
     }
-    device_sources_[index] = DeviceWeightSource{std::move(bytes),
-                                                static_cast<v1::DType>(dtypes_[index])};
+    device_sources_[index] =
+        DeviceWeightSource{std::move(bytes), static_cast<v1::DType>(dtypes_[index])};
     received_[index] = WeightElements(config_, index);
     ++device_weights_;
     return absl::OkStatus();
@@ -575,9 +579,10 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
       return weights;
     }
     if (device_weights_ != kNumWeights) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "region: ", device_weights_, " of the six weights are in GPU memory; weights by "
-          "reference in GPU memory must name all six; nothing was changed"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("region: ", device_weights_,
+                       " of the six weights are in GPU memory; weights by "
+                       "reference in GPU memory must name all six; nothing was changed"));
     }
     ATTNGRAD_ASSIGN_OR_RETURN(weights.device_values,
                               CopyWeightsFromDevice(config_, device_sources_));

@@ -309,8 +309,7 @@ absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(int slot, LayerWeight
   } else {
     ATTNGRAD_RETURN_IF_ERROR(CheckShapes(weights.values, config));
     for (Weight weight : kAllWeights) {
-      ATTNGRAD_RETURN_IF_ERROR(
-          wire::CheckFinite(weights.values[weight], WeightModuleName(weight)));
+      ATTNGRAD_RETURN_IF_ERROR(wire::CheckFinite(weights.values[weight], WeightModuleName(weight)));
     }
   }
   weights.config = config;
@@ -340,7 +339,8 @@ absl::Status GradientCore::CheckEveryWorkerOnGpu() const {
     if (worker->Describe().backend != "cuda") {
       return absl::FailedPreconditionError(absl::StrCat(
           "region: weights in GPU memory can only be served by GPU workers, and this server also "
-          "computes on ", worker->device(), "; upload the weights' bytes instead"));
+          "computes on ",
+          worker->device(), "; upload the weights' bytes instead"));
     }
   }
   return absl::OkStatus();
