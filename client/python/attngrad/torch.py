@@ -40,7 +40,6 @@ import inspect
 import math
 from typing import Dict, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -160,6 +159,9 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
         extra["sliding_window"] = binding.sliding_window
     if binding.input_dtype is not None:
         extra["input_dtype"] = binding.input_dtype
+    elif hidden_states.dtype in (torch.bfloat16, torch.float16):
+        # The activations travel in the model's own dtype (half the bytes of float32).
+        extra["input_dtype"] = str(hidden_states.dtype).replace("torch.", "")
     result = binding.client.backward(
         hidden_states, grad_output, cos, sin, mode=binding.mode, precision=binding.precision,
         scaling=binding.scaling, softcap=binding.softcap, eps=binding.eps,
@@ -380,13 +382,7 @@ class RemoteGemma3Attention(nn.Module):
                     + "; ".join(problems) + ". Redo the step (the window was zeroed).",
                     method="FetchGradients")
         with torch.no_grad():
-            for name, parameter in self.weights().items():
-                value = torch.from_numpy(gradients[name]).to(device=parameter.device,
-                                                             dtype=parameter.dtype)
-                if parameter.grad is None:
-                    parameter.grad = value
-                else:
-                    parameter.grad.add_(value)
+            _add_into_grads(self.weights(), gradients)
         return state
 
     def attach(self, optimizer: torch.optim.Optimizer):
@@ -396,6 +392,19 @@ class RemoteGemma3Attention(nn.Module):
             raise RuntimeError("optimizer step hooks need PyTorch >= 2.0: call "
                                "module.fetch_gradients() before optimizer.step() instead")
         return optimizer.register_step_pre_hook(_step_pre_hook(self.fetch_gradients))
+
+
+def _add_into_grads(parameters: Dict[str, torch.Tensor], gradients) -> None:
+    """Adds fetched sums (GRADIENTS[name]: fp32 NumPy arrays the client decoded the stream into)
+    into the parameters' .grad, as autograd would: one copy to the parameter's device and dtype,
+    no intermediate host copy."""
+    for name, parameter in parameters.items():
+        value = torch.from_numpy(gradients[name]).to(device=parameter.device,
+                                                     dtype=parameter.dtype, non_blocking=True)
+        if parameter.grad is None:
+            parameter.grad = value
+        else:
+            parameter.grad.add_(value)
 
 
 def _step_pre_hook(fetch):
@@ -627,13 +636,7 @@ class OffloadHandle:
                 method="FetchGradients")
         with torch.no_grad():
             for index, layer in self.layers.items():
-                for name, parameter in layer.weights().items():
-                    value = torch.from_numpy(np.array(fetched[index][name])).to(
-                        device=parameter.device, dtype=parameter.dtype)
-                    if parameter.grad is None:
-                        parameter.grad = value
-                    else:
-                        parameter.grad.add_(value)
+                _add_into_grads(layer.weights(), fetched[index])
         return {index: fetched[index].state for index in self.layers}
 
     def attach(self, optimizer: torch.optim.Optimizer):
