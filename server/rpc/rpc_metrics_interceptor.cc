@@ -2,7 +2,14 @@
 #include "rpc/rpc_metrics_interceptor.h"
 
 #include <cstring>
+#include <functional>
 #include <mutex>
+#include <set>
+
+#include <google/protobuf/descriptor.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
 
 #include "rpc/gradient_service.h"
 
@@ -13,6 +20,28 @@ using grpc::experimental::InterceptionHookPoints;
 using Clock = std::chrono::steady_clock;
 
 constexpr char kServicePrefix[] = "/attngrad.v1.AttentionGradient/";
+// Services the server also runs whose calls are not recorded (probes and tools).
+constexpr const char* kUnrecordedServicePrefixes[] = {
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+};
+
+// The methods of attngrad.v1.AttentionGradient, from the generated descriptor (so a method added
+// to the proto is recorded under its name without a change here).
+const std::set<std::string, std::less<>>& ServiceMethodNames() {
+  static const std::set<std::string, std::less<>>* const names = [] {
+    auto* result = new std::set<std::string, std::less<>>();
+    const google::protobuf::ServiceDescriptor* service =
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+            v1::AttentionGradient::service_full_name());
+    for (int i = 0; service != nullptr && i < service->method_count(); ++i) {
+      result->insert(service->method(i)->name());
+    }
+    return result;
+  }();
+  return *names;
+}
 
 // One call: notes the status sent (PRE_SEND_STATUS) and the close (POST_RECV_CLOSE), which come
 // in either order (a cancelled call closes before its reactor finishes), and records the call when
@@ -94,10 +123,15 @@ bool CancelledAtDeadline(std::chrono::system_clock::time_point now,
 }
 
 std::string MetricsMethodName(const char* full_method) {
-  if (full_method == nullptr) return "";
-  const std::size_t prefix = std::strlen(kServicePrefix);
-  if (std::strncmp(full_method, kServicePrefix, prefix) != 0) return "";
-  return std::string(full_method + prefix);
+  if (full_method == nullptr) return kUnknownMethod;
+  const absl::string_view path(full_method);
+  for (const char* unrecorded : kUnrecordedServicePrefixes) {
+    if (absl::StartsWith(path, unrecorded)) return "";
+  }
+  if (!absl::StartsWith(path, kServicePrefix)) return kUnknownMethod;
+  const absl::string_view method = path.substr(std::strlen(kServicePrefix));
+  const std::set<std::string, std::less<>>& known = ServiceMethodNames();
+  return known.find(method) != known.end() ? std::string(method) : kUnknownMethod;
 }
 
 grpc::experimental::Interceptor* RpcMetricsInterceptorFactory::CreateServerInterceptor(

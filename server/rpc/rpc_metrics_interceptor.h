@@ -41,8 +41,11 @@ inline constexpr std::chrono::milliseconds kDeadlineSkew{100};
 bool CancelledAtDeadline(std::chrono::system_clock::time_point now,
                          std::chrono::system_clock::time_point deadline);
 
-// "Backward" for "/attngrad.v1.AttentionGradient/Backward"; empty for other services' methods
-// (health, reflection), which are not recorded.
+// The `method` label of a call: "Backward" for "/attngrad.v1.AttentionGradient/Backward" (the
+// methods the service defines); empty for grpc.health.v1 and reflection, which are not recorded;
+// kUnknownMethod for every other path. A client may send any path, and a label once made stays in
+// /metrics for good: recording the name it sent would let it grow /metrics without bound.
+inline constexpr char kUnknownMethod[] = "unknown";
 std::string MetricsMethodName(const char* full_method);
 
 class RpcMetricsInterceptorFactory final

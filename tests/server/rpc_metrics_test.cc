@@ -12,6 +12,8 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "rpc/gradient_service.h"
 #include "rpc/rpc_metrics_interceptor.h"
 #include "server_test_util.h"
@@ -179,7 +181,55 @@ TEST(RpcMetricsInterceptorTest, FinalCode) {
   EXPECT_FALSE(CancelledAtDeadline(deadline, std::chrono::system_clock::time_point::max()));
   EXPECT_EQ(MetricsMethodName("/attngrad.v1.AttentionGradient/Backward"), "Backward");
   EXPECT_EQ(MetricsMethodName("/grpc.health.v1.Health/Check"), "");
-  EXPECT_EQ(MetricsMethodName(nullptr), "");
+  EXPECT_EQ(MetricsMethodName("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),
+            "");
+}
+
+TEST(RpcMetricsInterceptorTest, UnknownMethodNamesShareOneLabel) {
+  for (const char* method : {"Backward", "GetModelInfo", "LoadWeights", "FetchGradients",
+                             "ZeroGradients", "RegisterRegion"}) {
+    EXPECT_EQ(MetricsMethodName(absl::StrCat("/attngrad.v1.AttentionGradient/", method).c_str()),
+              method);
+  }
+  for (const char* path :
+       {"/attngrad.v1.AttentionGradient/NoSuchMethod", "/attngrad.v1.AttentionGradient/",
+        "/attngrad.v1.AttentionGradient/Backward/x", "/other.Service/Backward",
+        "/grpc.health.v1.HealthX/Check", "", "x"}) {
+    EXPECT_EQ(MetricsMethodName(path), kUnknownMethod) << path;
+  }
+  EXPECT_EQ(MetricsMethodName(nullptr), kUnknownMethod);
+}
+
+// Calls to methods the service does not define, each under a new name, add no label to /metrics:
+// they are all counted under method="unknown".
+TEST_F(ServerRpcMetricsTest, UnknownMethodsDoNotGrowTheMetrics) {
+  constexpr int kCalls = 40;
+  grpc::GenericStub generic(channel());
+  for (int i = 0; i < kCalls; ++i) {
+    const std::string method =
+        absl::StrCat(i % 2 == 0 ? "/attngrad.v1.AttentionGradient/Made" : "/made.Up/Method", i);
+    grpc::Slice slice(std::string("x"));
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::CompletionQueue queue;
+    grpc::ClientContext context;
+    auto call = generic.PrepareUnaryCall(&context, method, request, &queue);
+    call->StartCall();
+    grpc::ByteBuffer reply;
+    grpc::Status status;
+    call->Finish(&reply, &status, reinterpret_cast<void*>(1));
+    void* tag;
+    bool ok;
+    ASSERT_TRUE(queue.Next(&tag, &ok));
+    queue.Shutdown();
+    while (queue.Next(&tag, &ok)) {
+    }
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << method;
+  }
+  EXPECT_EQ(RecordedCalls(kUnknownMethod, kCalls),
+            (std::map<std::string, double>{{"UNIMPLEMENTED", kCalls}}));
+  const std::string text = HttpGet(server().metrics_port(), "/metrics");
+  EXPECT_EQ(text.find("Made"), std::string::npos) << "a made-up method name became a label";
+  EXPECT_EQ(text.find("made.Up"), std::string::npos) << "a made-up method name became a label";
 }
 
 }  // namespace
