@@ -23,7 +23,19 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "absl/strings/strip.h"
+#include "rpc/tls.h"
 #include "server.h"
+
+#ifndef ATTNGRAD_VERSION
+#define ATTNGRAD_VERSION "unknown"
+#endif
+#ifndef ATTNGRAD_BUILD_TYPE
+#define ATTNGRAD_BUILD_TYPE "unknown"
+#endif
+#ifndef ATTNGRAD_SOURCE_DIR
+#define ATTNGRAD_SOURCE_DIR ""
+#endif
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address (host:port)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
@@ -142,11 +154,35 @@ int ReadStopPipe(long long timeout_ms) {
   }
 }
 
+// --help names each flag's source file: relative to the source tree (absl's default shows the
+// build machine's absolute path), and other libraries' files from their own top directory.
+std::string SourcePathForHelp(absl::string_view path) {
+  const absl::string_view source_directory = ATTNGRAD_SOURCE_DIR "/";
+  if (absl::ConsumePrefix(&path, source_directory)) return std::string(path);
+  const std::size_t library = path.rfind("/absl/");
+  if (library != absl::string_view::npos) return std::string(path.substr(library + 1));
+  const std::size_t slash = path.rfind('/');
+  return std::string(slash == absl::string_view::npos ? path : path.substr(slash + 1));
+}
+
+// --version: the version and how this binary was built (absl's default says "Debug build"
+// whenever absl itself was built without NDEBUG, whatever this build is).
+std::string VersionText() {
+#ifdef NDEBUG
+  constexpr char kAssertions[] = "assertions off (NDEBUG)";
+#else
+  constexpr char kAssertions[] = "assertions on (no NDEBUG)";
+#endif
+  return absl::StrCat("attngrad-server ", ATTNGRAD_VERSION, "\n", ATTNGRAD_BUILD_TYPE, " build, ",
+                      kAssertions, "\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // absl prints "<program>: " before this message: it starts with what the program does.
   absl::SetProgramUsageMessage(
-      "attngrad-server: gradients of a Gemma-3 attention layer over gRPC.\n"
+      "gradients of a Gemma-3 attention layer over gRPC.\n"
       "  attngrad-server --listen=0.0.0.0:50051 --metrics_listen=127.0.0.1:9464 --devices=cpu \\\n"
       "      --tls_cert=server.pem --tls_key=server.key [--tls_client_ca=clients-ca.pem] \\\n"
       "      --tokens_file=tokens.txt");
@@ -157,6 +193,8 @@ int main(int argc, char** argv) {
     return absl::EndsWith(path, "server/main.cc");
   };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  usage_config.normalize_filename = SourcePathForHelp;
+  usage_config.version_string = VersionText;
   absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
 
@@ -217,6 +255,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  std::cerr << "attngrad-server: " << attngrad::server::RaiseOpenFileLimit() << std::endl;
   absl::StatusOr<std::unique_ptr<attngrad::server::GradientServer>> server =
       attngrad::server::GradientServer::Start(options);
   if (!server.ok()) {
@@ -264,10 +303,12 @@ int main(int argc, char** argv) {
           << " ms after the grace period (gRPC's shutdown or a batch that is still computing); "
              "exiting now"
           << std::endl;
+      attngrad::server::RemoveTlsStagingDirectories();  // no destructor runs after _exit
       _exit(0);
     }
     if (next == SIGINT) {
       std::cerr << "attngrad-server: SIGINT during the shutdown: exiting now" << std::endl;
+      attngrad::server::RemoveTlsStagingDirectories();
       _exit(128 + SIGINT);
     }
     std::cerr << "attngrad-server: signal " << next << " again: still shutting down (the grace "

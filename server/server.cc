@@ -2,10 +2,15 @@
 // endpoint.
 #include "server.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <climits>
+#include <cstring>
 #include <exception>
 #include <filesystem>
+#include <iostream>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -40,7 +45,46 @@ absl::Status WithFlag(const char* flag, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat(flag, ": ", status.message()));
 }
 
+TlsFiles TlsFilesOf(const ServerOptions& options) {
+  TlsFiles files;
+  files.certificate = options.tls_cert;
+  files.private_key = options.tls_key;
+  files.client_ca = options.tls_client_ca;
+  files.reload_interval_seconds = options.tls_reload_interval_seconds;
+  return files;
+}
+
+// A TLS reload is logged and counted (attngrad_tls_reloads_total{result}).
+TlsReloadObserver LogAndCountTlsReloads(ServerMetrics* metrics) {
+  return [metrics](bool applied, const std::string& message) {
+    metrics->CountTlsReload(applied);
+    std::cerr << "attngrad-server: " << (applied ? "" : "ERROR: ") << message << std::endl;
+  };
+}
+
 }  // namespace
+
+std::string RaiseOpenFileLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    return absl::StrCat("open files: cannot read the limit (", std::strerror(errno), ")");
+  }
+  auto text = [](rlim_t value) {
+    return value == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(value);
+  };
+  if (limit.rlim_cur == limit.rlim_max) {
+    return absl::StrCat("open files: limit ", text(limit.rlim_cur), " (soft = hard)");
+  }
+  const rlim_t before = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    return absl::StrCat("WARNING: open files: cannot raise the soft limit ", text(before),
+                        " to the hard limit ", text(limit.rlim_max), " (", std::strerror(errno),
+                        "): connections beyond it are refused");
+  }
+  return absl::StrCat("open files: soft limit raised from ", text(before), " to the hard limit ",
+                      text(limit.rlim_max));
+}
 
 absl::StatusOr<ServedModel> LoadServedModel(const ServerOptions& options) {
   std::error_code error;
@@ -150,14 +194,12 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   if (options.max_clients_with_sums < 1) {
     return absl::InvalidArgumentError("--max_clients_with_sums must be >= 1");
   }
-  TlsFiles tls_files;
-  tls_files.certificate = options.tls_cert;
-  tls_files.private_key = options.tls_key;
-  tls_files.client_ca = options.tls_client_ca;
-  tls_files.reload_interval_seconds = options.tls_reload_interval_seconds;
-  std::string transport;
-  ATTNGRAD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                            MakeServerCredentials(tls_files, &transport));
+  std::unique_ptr<GradientServer> server(new GradientServer());
+  server->metrics_ = std::make_unique<ServerMetrics>(ATTNGRAD_VERSION);
+  ATTNGRAD_ASSIGN_OR_RETURN(
+      ServerTransport transport,
+      MakeServerTransport(TlsFilesOf(options), LogAndCountTlsReloads(server->metrics_.get())));
+  server->tls_reloader_ = std::move(transport.reloader);
   Authenticator authenticator = Authenticator::Open();
   if (!options.tokens_file.empty()) {
     ATTNGRAD_ASSIGN_OR_RETURN(authenticator, Authenticator::FromFile(options.tokens_file));
@@ -183,8 +225,6 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   ATTNGRAD_ASSIGN_OR_RETURN(const ServedModel model, LoadServedModel(options));
   const LayerSlots layer_slots = GradientCore::LayerSlotsOf(model);
 
-  std::unique_ptr<GradientServer> server(new GradientServer());
-  server->metrics_ = std::make_unique<ServerMetrics>(ATTNGRAD_VERSION);
   server->model_summary_ = ModelSummary(model);
 
   // Workers.
@@ -220,7 +260,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   limits.streams.idle_timeout = std::chrono::seconds(options.stream_idle_timeout_seconds);
   limits.stream_window = options.queue_depth;
   limits.max_inflight_bytes = options.max_inflight_bytes;
-  server->security_summary_.push_back(transport);
+  server->security_summary_.push_back(transport.description);
   if (authenticator.enabled()) {
     server->security_summary_.push_back(absl::StrCat(
         "authentication: bearer tokens from ", options.tokens_file, " (",
@@ -256,7 +296,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, credentials, &server->port_);
+  builder.AddListeningPort(options.listen, transport.credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
@@ -299,6 +339,7 @@ void GradientServer::Shutdown(absl::Duration grace) {
 GradientServer::~GradientServer() {
   Shutdown(absl::ZeroDuration());
   server_.reset();
+  tls_reloader_.reset();  // gRPC reads its staged files until the server is gone
   service_.reset();
   metrics_http_.reset();
 }

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "rpc/tls.h"
 #include "server_options.h"
 #include "weights/model.h"
 
@@ -37,6 +38,11 @@ absl::StatusOr<DeviceSelection> ParseDevices(const std::string& devices, int gpu
 absl::StatusOr<ServedModel> LoadServedModel(const ServerOptions& options);
 // One line for the start-up log: which layers, how much fp32 memory, from where.
 std::string ModelSummary(const ServedModel& model);
+
+// Raises the soft limit of open descriptors (RLIMIT_NOFILE) to the hard limit: each connection
+// takes one, and at the soft default (often 1024) a burst of idle connections stopped the listener
+// ("Too many open files"). One line for the start-up log says what was done.
+std::string RaiseOpenFileLimit();
 
 class GradientServer {
  public:
@@ -69,6 +75,7 @@ class GradientServer {
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<GradientCore> core_;
   std::unique_ptr<GradientService> service_;
+  std::unique_ptr<TlsReloader> tls_reloader_;  // TLS only; destroyed after server_
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   int metrics_port_ = 0;

@@ -89,6 +89,14 @@ ServerMetrics::ServerMetrics(const std::string& version)
                                  .Help("Id of the current accumulation window")
                                  .Register(*registry_)
                                  .Add({});
+  auto& tls_reloads = BuildCounter()
+                          .Name("attngrad_tls_reloads_total")
+                          .Help(
+                              "Changed TLS files: applied, or rejected by the checks (the last "
+                              "good credentials kept)")
+                          .Register(*registry_);
+  tls_reloads_applied_ = &tls_reloads.Add({{"result", "applied"}});
+  tls_reloads_rejected_ = &tls_reloads.Add({{"result", "rejected"}});
   BuildGauge()
       .Name("attngrad_build_info")
       .Help("Build information (value 1)")
@@ -106,6 +114,10 @@ void ServerMetrics::SetGradientSumPath(const std::string& path, const std::strin
       .Register(*registry_)
       .Add({{"path", path}, {"nccl_version", nccl_version}})
       .Set(1);
+}
+
+void ServerMetrics::CountTlsReload(bool applied) {
+  (applied ? tls_reloads_applied_ : tls_reloads_rejected_)->Increment();
 }
 
 void ServerMetrics::ObserveBatch(const std::string& mode, const std::string& device,

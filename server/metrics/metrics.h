@@ -1,6 +1,6 @@
 // The server's Prometheus metrics (names and labels as in the team conventions; bounded labels
-// only: method, code, mode, stage, device, version, path, nccl_version). One ServerMetrics per
-// server; thread-safe.
+// only: method, code, mode, stage, device, version, path, nccl_version, result). One ServerMetrics
+// per server; thread-safe.
 #ifndef ATTNGRAD_SERVER_METRICS_H_
 #define ATTNGRAD_SERVER_METRICS_H_
 
@@ -28,7 +28,8 @@ class ServerMetrics {
   // One finished batch on `device` ("cpu", "cuda:0", ...); mode "return" or "accumulate".
   void ObserveBatch(const std::string& mode, const std::string& device, long long tokens,
                     const StageSeconds& stages);
-  // One finished RPC (method "Backward", "GetModelInfo", ...; code a gRPC code name); recorded by
+  // One finished RPC (method "Backward", "GetModelInfo", ..., or "unknown" for a path the service
+  // does not define; code a gRPC code name); recorded by
   // rpc/rpc_metrics_interceptor.h for every call, with CountError for those not OK.
   void ObserveRpc(const std::string& method, const std::string& code, double seconds);
   void CountError(const std::string& method, const std::string& code);
@@ -45,6 +46,10 @@ class ServerMetrics {
   // attngrad_gradient_sum_info{path="nccl"|"host",nccl_version} = 1: how fetches sum the devices'
   // accumulators (set once at start-up).
   void SetGradientSumPath(const std::string& path, const std::string& nccl_version);
+
+  // attngrad_tls_reloads_total{result="applied"|"rejected"}: changed TLS files put in use, or
+  // refused (the last good credentials kept).
+  void CountTlsReload(bool applied);
 
   prometheus::Gauge& weights_version() { return *weights_version_; }
   prometheus::Gauge& accumulated_batches() { return *accumulated_batches_; }
@@ -66,6 +71,8 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>* queue_capacity_;
   prometheus::Family<prometheus::Gauge>* memory_used_;
   prometheus::Family<prometheus::Gauge>* memory_total_;
+  prometheus::Counter* tls_reloads_applied_;
+  prometheus::Counter* tls_reloads_rejected_;
   prometheus::Gauge* weights_version_;
   prometheus::Gauge* accumulated_batches_;
   prometheus::Gauge* accumulated_tokens_;

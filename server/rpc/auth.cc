@@ -36,6 +36,30 @@ absl::StatusOr<std::string> SingleValue(
   return value;
 }
 
+// Where a client id of the tokens file comes from: its line, and whether the line names it.
+struct ClientIdSource {
+  int line_number = 0;
+  bool explicit_id = false;
+};
+
+// A default id ("<role>-line<N>") that another line names explicitly would make two tokens that
+// were meant to be two clients share one window, stream limit and batch ids: refused. Lines that
+// both name the same id explicitly share it on purpose (two tokens of one client).
+absl::Status CheckClientIdCollision(std::map<std::string, ClientIdSource>& sources,
+                                    const std::string& client_id, ClientIdSource source,
+                                    absl::string_view origin) {
+  const auto [it, inserted] = sources.emplace(client_id, source);
+  if (inserted || (it->second.explicit_id && source.explicit_id)) return absl::OkStatus();
+  const ClientIdSource& named = source.explicit_id ? source : it->second;
+  const ClientIdSource& defaulted = source.explicit_id ? it->second : source;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--tokens_file ", origin, " line ", named.line_number, ": the client id '", client_id,
+      "' is also the default client id of line ", defaulted.line_number,
+      " (a line without a client id is named <role>-line<N>): the two tokens would share one "
+      "window; give line ",
+      defaulted.line_number, " a client id or rename this one"));
+}
+
 }  // namespace
 
 const char* RoleName(Role role) { return role == Role::kAdmin ? "admin" : "trainer"; }
@@ -82,6 +106,7 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
   Authenticator authenticator;
   authenticator.enabled_ = true;
   std::set<std::string> tokens;
+  std::map<std::string, ClientIdSource> client_id_sources;
   int line_number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_number;
@@ -114,10 +139,12 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
     if (!role.ok())
       return absl::InvalidArgumentError(absl::StrCat(where, ": ", role.status().message()));
     entry.caller.role = *role;
-    entry.caller.client_id = fields.size() == 3
-                                 ? std::string(fields[2])
-                                 : absl::StrCat(RoleName(*role), "-line", line_number);
+    const bool explicit_id = fields.size() == 3;
+    entry.caller.client_id =
+        explicit_id ? std::string(fields[2]) : absl::StrCat(RoleName(*role), "-line", line_number);
     ATTNGRAD_RETURN_IF_ERROR(CheckClientId(entry.caller.client_id, where));
+    ATTNGRAD_RETURN_IF_ERROR(CheckClientIdCollision(client_id_sources, entry.caller.client_id,
+                                                    {line_number, explicit_id}, origin));
     authenticator.entries_.push_back(std::move(entry));
   }
   if (authenticator.entries_.empty()) {

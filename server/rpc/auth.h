@@ -52,7 +52,8 @@ class Authenticator {
   static Authenticator Open();
   // Reads a tokens file: one "token role [client_id]" per line (blank lines and lines starting
   // with '#' are skipped). Tokens must be at least 16 characters and unique; role is trainer or
-  // admin; client_id defaults to "<role>-line<N>" (N = the line number). Errors name the line,
+  // admin; client_id defaults to "<role>-line<N>" (N = the line number), and a line may not name
+  // another line's default id (the two tokens would share one window). Errors name the line,
   // never the token.
   static absl::StatusOr<Authenticator> FromFile(const std::string& path);
   static absl::StatusOr<Authenticator> FromText(absl::string_view text, absl::string_view origin);

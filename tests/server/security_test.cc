@@ -151,7 +151,7 @@ class SecurityTest : public ::testing::Test {
  protected:
   void StartServer(ServerOptions options) {
     options.listen = "127.0.0.1:0";
-    options.metrics_listen = "";
+    options.metrics_listen = with_metrics_ ? "127.0.0.1:0" : "";
     options.devices = "cpu";
     options.weights = "random";
     options.weights_seed = 11;
@@ -183,6 +183,15 @@ class SecurityTest : public ::testing::Test {
     return MakeRequest(config_, *batch, batch_id, v1::GRADIENT_MODE_ACCUMULATE);
   }
 
+  // attngrad_tls_reloads_total{result="<result>"} from /metrics (with_metrics_ set).
+  double TlsReloads(const std::string& result) {
+    const std::string text = HttpGet(server_->metrics_port(), "/metrics");
+    const std::string sample = "attngrad_tls_reloads_total{result=\"" + result + "\"} ";
+    const std::size_t at = text.find(sample);
+    return at == std::string::npos ? -1 : std::stod(text.substr(at + sample.size()));
+  }
+
+  bool with_metrics_ = false;  // StartServer serves /metrics on a free loopback port
   LayerConfig config_ = LayerConfig::Gemma3_4B();
   std::unique_ptr<LayerWeights> weights_;
   std::unique_ptr<GradientServer> server_;
@@ -301,6 +310,108 @@ TEST_F(SecurityTest, TlsFlagsAreChecked) {
   options.tls_key = "";
   options.tls_client_ca = certificates.Path("ca.pem");
   EXPECT_EQ(GradientServer::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A certificate block whose contents are not a certificate: it has the PEM markers the old check
+// looked for, and gRPC refused every handshake with it.
+constexpr char kGarbageCertificate[] =
+    "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n";
+
+// Files that cannot serve a handshake stop the start, the error naming the flag: a key of another
+// certificate, a garbage certificate, a garbage client CA (before, the server said "serving" and
+// then every handshake failed).
+TEST_F(SecurityTest, TlsFilesThatCannotServeAreRefusedAtStart) {
+  Certificates certificates;
+  ASSERT_TRUE(certificates.Make()) << certificates.Log();
+  WriteFile(certificates.Path("garbage.pem"), kGarbageCertificate);
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.metrics_listen = "";
+  options.devices = "cpu";
+  options.tls_cert = certificates.Path("server.pem");
+  options.tls_key = certificates.Path("renewed.key");  // the key of another certificate
+  absl::Status refused = GradientServer::Start(options).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("--tls_key"), std::string::npos) << refused;
+
+  options.tls_key = certificates.Path("server.key");
+  options.tls_cert = certificates.Path("garbage.pem");
+  refused = GradientServer::Start(options).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("--tls_cert"), std::string::npos) << refused;
+
+  options.tls_cert = certificates.Path("server.pem");
+  options.tls_client_ca = certificates.Path("garbage.pem");
+  refused = GradientServer::Start(options).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("--tls_client_ca"), std::string::npos) << refused;
+
+  // A client CA bundle with a good certificate followed by a garbage one is refused too.
+  WriteFile(certificates.Path("mixed-ca.pem"),
+            ReadFile(certificates.Path("ca.pem")) + kGarbageCertificate);
+  options.tls_client_ca = certificates.Path("mixed-ca.pem");
+  refused = GradientServer::Start(options).status();
+  EXPECT_NE(refused.message().find("--tls_client_ca"), std::string::npos) << refused;
+
+  options.tls_client_ca = certificates.Path("ca.pem");
+  EXPECT_TRUE(GradientServer::Start(options).ok());
+}
+
+// Changed files that fail the checks are refused: the last good credentials keep serving, the
+// refusal is counted; a good set after them is applied.
+TEST_F(SecurityTest, BadTlsFilesAtReloadKeepTheLastGoodCredentials) {
+  Certificates certificates;
+  ASSERT_TRUE(certificates.Make()) << certificates.Log();
+  const std::string certificate = certificates.Path("live.pem");
+  const std::string key = certificates.Path("live.key");
+  WriteFile(certificate, ReadFile(certificates.Path("server.pem")));
+  WriteFile(key, ReadFile(certificates.Path("server.key")));
+  ServerOptions options;
+  options.tls_cert = certificate;
+  options.tls_key = key;
+  options.tls_reload_interval_seconds = 1;
+  with_metrics_ = true;
+  StartServer(options);
+  ASSERT_NE(server_, nullptr);
+  auto trusting = [&](const std::string& ca) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = ReadFile(certificates.Path(ca));
+    return Stub(grpc::SslCredentials(tls));
+  };
+  auto replace = [](const std::string& path, const std::string& contents) {
+    WriteFile(path + ".new", contents);
+    ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
+  };
+  auto wait_for_rejections = [&](double count) {
+    for (int attempt = 0; attempt < 40 && TlsReloads("rejected") < count; ++attempt) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+    EXPECT_EQ(TlsReloads("rejected"), count);
+  };
+  ASSERT_TRUE(GetInfo(*trusting("ca.pem"), {}).ok());
+
+  replace(certificate, kGarbageCertificate);
+  wait_for_rejections(1);
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // more than gRPC's re-read of its files
+  const grpc::Status after_garbage = GetInfo(*trusting("ca.pem"), {});
+  EXPECT_TRUE(after_garbage.ok()) << after_garbage.error_message();
+  EXPECT_EQ(TlsReloads("rejected"), 1) << "the same bad file was counted more than once";
+
+  replace(certificate, ReadFile(certificates.Path("renewed.pem")));  // the key is still server.key
+  wait_for_rejections(2);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const grpc::Status after_mismatch = GetInfo(*trusting("ca.pem"), {});
+  EXPECT_TRUE(after_mismatch.ok()) << after_mismatch.error_message();
+  EXPECT_EQ(TlsReloads("applied"), 0);
+
+  replace(key, ReadFile(certificates.Path("renewed.key")));
+  bool renewed = false;
+  for (int attempt = 0; attempt < 40 && !renewed; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    renewed = GetInfo(*trusting("other-ca.pem"), {}).ok();
+  }
+  EXPECT_TRUE(renewed) << "the good renewed pair was not served within 10 s";
+  EXPECT_EQ(TlsReloads("applied"), 1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -624,6 +735,32 @@ TEST(AuthenticatorTest, ReadsTokensRolesAndClientIds) {
   EXPECT_TRUE(ConstantTimeEquals("same-bytes", "same-bytes"));
   EXPECT_FALSE(ConstantTimeEquals("same-bytes", "same-bytez"));
   EXPECT_FALSE(ConstantTimeEquals("same", "same-bytes"));
+}
+
+// A line whose client id is another line's default id ("<role>-line<N>") would make the two tokens
+// share one window: the file is refused, naming both lines, whichever line comes first.
+TEST(AuthenticatorTest, AnExplicitClientIdEqualToAnotherLinesDefaultIsRefused) {
+  const std::string token_a = "token-aaaaaaaaaaaaaaaa";
+  const std::string token_b = "token-bbbbbbbbbbbbbbbb";
+  const std::string later_named =
+      absl::StrCat(token_a, " trainer\n", token_b, " trainer trainer-line1\n");
+  const std::string earlier_named =
+      absl::StrCat(token_a, " admin trainer-line2\n", token_b, " trainer\n");
+  for (const std::string& text : {later_named, earlier_named}) {
+    absl::StatusOr<Authenticator> refused = Authenticator::FromText(text, "tokens.txt");
+    ASSERT_FALSE(refused.ok()) << text;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    const std::string message(refused.status().message());
+    EXPECT_NE(message.find("line 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("line 2"), std::string::npos) << message;
+    EXPECT_NE(message.find("tokens.txt"), std::string::npos) << message;
+    EXPECT_EQ(message.find(token_a), std::string::npos) << message;
+    EXPECT_EQ(message.find(token_b), std::string::npos) << message;
+  }
+  // Two lines that name the same client id share it on purpose (two tokens of one client).
+  EXPECT_TRUE(Authenticator::FromText(
+                  absl::StrCat(token_a, " trainer ops\n", token_b, " admin ops\n"), "tokens.txt")
+                  .ok());
 }
 
 TEST(AuthenticatorTest, OpenServersTakeTheClientIdFromMetadata) {

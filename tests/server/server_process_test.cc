@@ -7,6 +7,7 @@
 // tests fail); ATTNGRAD_SHUTDOWN_RUNS sets the number of runs under load (3 by default; 50 for the
 // measurement in server/README.md), each printed as "shutdown run i: exit after x s".
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,9 +15,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -131,6 +136,72 @@ TEST_F(ServerProcessTest, HelpListsTheServerFlags) {
   ServerProcess short_help({"--helpshort"});
   short_help.Wait();
   EXPECT_NE(short_help.log().find("--listen"), std::string::npos) << short_help.log();
+}
+
+// --help starts with one "attngrad-server: " (not two) and names the flags' files relative to the
+// source tree, not by the build machine's absolute path.
+TEST_F(ServerProcessTest, HelpShowsNoDoubledPrefixNorBuildPaths) {
+  ServerProcess server({"--help"});
+  server.Wait();
+  const std::string log = server.log();
+  EXPECT_EQ(log.rfind("attngrad-server: gradients", 0), 0u) << log;
+  EXPECT_EQ(log.find("attngrad-server: attngrad-server"), std::string::npos) << log;
+  EXPECT_NE(log.find("Flags from server/main.cc"), std::string::npos) << log;
+  EXPECT_EQ(log.find(ATTNGRAD_SOURCE_DIR), std::string::npos)
+      << "--help shows the build machine's source path:\n"
+      << log;
+}
+
+// --version names the version and the build type this binary was built with (absl's default said
+// "Debug build" for a Release build whenever absl itself was built without NDEBUG).
+TEST_F(ServerProcessTest, VersionReportsTheRealBuildType) {
+  ServerProcess server({"--version"});
+  EXPECT_EQ(server.Wait(), 0);
+  const std::string log = server.log();
+  EXPECT_NE(log.find("attngrad-server " ATTNGRAD_VERSION), std::string::npos) << log;
+  EXPECT_NE(log.find(ATTNGRAD_BUILD_TYPE " build"), std::string::npos) << log;
+#ifdef NDEBUG
+  EXPECT_EQ(log.find("Debug build"), std::string::npos) << log;
+  EXPECT_NE(log.find("assertions off"), std::string::npos) << log;
+#endif
+}
+
+// The soft limit of open descriptors of the process `pid` (/proc/<pid>/limits); -1 if unread.
+long long SoftOpenFileLimit(pid_t pid) {
+  std::ifstream limits("/proc/" + std::to_string(pid) + "/limits");
+  std::string line;
+  while (std::getline(limits, line)) {
+    if (line.rfind("Max open files", 0) != 0) continue;
+    std::istringstream fields(line.substr(std::strlen("Max open files")));
+    std::string soft;
+    fields >> soft;
+    return soft == "unlimited" ? std::numeric_limits<long long>::max() : std::stoll(soft);
+  }
+  return -1;
+}
+
+// Started with a soft descriptor limit below the hard one, the server raises it to the hard limit
+// and says so (at the soft default of 1024, 1,100 idle connections stopped the listener).
+TEST_F(ServerProcessTest, RaisesTheOpenFileLimitToTheHardLimit) {
+  rlimit original{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &original), 0);
+  if (original.rlim_max != RLIM_INFINITY && original.rlim_max <= 256) {
+    GTEST_SKIP() << "hard limit " << original.rlim_max << ": nothing to raise";
+  }
+  rlimit lowered = original;
+  lowered.rlim_cur = 256;  // inherited by the child at fork
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  ServerProcess server(CpuServerArguments(1));
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &original), 0);
+  ASSERT_GT(server.WaitServing(120), 0) << server.log();
+  const long long hard = original.rlim_max == RLIM_INFINITY
+                             ? std::numeric_limits<long long>::max()
+                             : static_cast<long long>(original.rlim_max);
+  EXPECT_EQ(SoftOpenFileLimit(server.pid()), hard);
+  EXPECT_NE(server.log().find("open files: soft limit raised from 256"), std::string::npos)
+      << server.log();
+  server.Signal(SIGTERM);
+  EXPECT_EQ(server.WaitExit(30), 0);
 }
 
 // Before the fix, signals at 0, 3 and 6 s with a 5 s grace exited at 14 s (each one restarted the
