@@ -69,6 +69,9 @@ ABSL_FLAG(int, max_streams_per_client, 16,
 ABSL_FLAG(int, stream_idle_timeout_seconds, 300,
           "A Backward stream that reads no request and writes no answer for this long, with no "
           "batch computing, is ended (DEADLINE_EXCEEDED); 0 = never");
+ABSL_FLAG(int, connection_idle_timeout_seconds, 120,
+          "A connection with no call for this long is closed (GOAWAY; gRPC clients reconnect when "
+          "they next call), so idle connections that never call cannot pile up; 0 = never");
 ABSL_FLAG(int, max_clients_with_sums, 4,
           "Clients whose accumulation windows may hold ACCUMULATE sums at once (each holds one "
           "set of fp32 weight-gradient accumulators per device, allocated when first used)");
@@ -242,6 +245,7 @@ int main(int argc, char** argv) {
   options.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   options.stream_idle_timeout_seconds = absl::GetFlag(FLAGS_stream_idle_timeout_seconds);
   options.max_clients_with_sums = absl::GetFlag(FLAGS_max_clients_with_sums);
+  options.connection_idle_timeout_seconds = absl::GetFlag(FLAGS_connection_idle_timeout_seconds);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);

@@ -64,6 +64,22 @@ TlsReloadObserver LogAndCountTlsReloads(ServerMetrics* metrics) {
 
 }  // namespace
 
+namespace {
+
+// Connections cost a descriptor each, with or without a call: one that stays without a call is
+// closed, and one that does not finish its TLS handshake is dropped sooner than gRPC's 120 s.
+void AddConnectionLimits(const ServerOptions& options, grpc::ServerBuilder& builder) {
+  constexpr int kHandshakeTimeoutMs = 20'000;
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
+  if (options.connection_idle_timeout_seconds > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                               static_cast<int>(std::min<long long>(
+                                   INT_MAX, options.connection_idle_timeout_seconds * 1000LL)));
+  }
+}
+
+}  // namespace
+
 std::string RaiseOpenFileLimit() {
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0) {
@@ -191,6 +207,9 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   if (options.stream_idle_timeout_seconds < 0) {
     return absl::InvalidArgumentError("--stream_idle_timeout_seconds must be >= 0 (0 = never)");
   }
+  if (options.connection_idle_timeout_seconds < 0) {
+    return absl::InvalidArgumentError("--connection_idle_timeout_seconds must be >= 0 (0 = never)");
+  }
   if (options.max_clients_with_sums < 1) {
     return absl::InvalidArgumentError("--max_clients_with_sums must be >= 1");
   }
@@ -301,6 +320,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  AddConnectionLimits(options, builder);
   // The RPC metrics of every call, including the ones gRPC itself ends (rpc_metrics_interceptor.h).
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<RpcMetricsInterceptorFactory>(server->metrics_.get()));

@@ -24,7 +24,10 @@ struct ServerOptions {
   int max_concurrent_streams = 64;
   int max_streams_per_client = 16;        // Backward streams of one client id at once
   int stream_idle_timeout_seconds = 300;  // a Backward stream without progress ends; 0 = never
-  int max_clients_with_sums = 4;          // client windows holding ACCUMULATE sums at once
+  // A connection with no call for this long is closed (GOAWAY; clients reconnect when they next
+  // call); 0 = never.
+  int connection_idle_timeout_seconds = 120;
+  int max_clients_with_sums = 4;  // client windows holding ACCUMULATE sums at once
   // Security (server/README.md, "Security model").
   std::string tls_cert;       // PEM certificate chain of the gRPC port; empty = plaintext
   std::string tls_key;        // its PEM private key
