@@ -37,6 +37,7 @@ declare -A flag_of=(
   [ATTNGRAD_NCCL]=nccl
   [ATTNGRAD_MAX_STREAMS_PER_CLIENT]=max_streams_per_client
   [ATTNGRAD_STREAM_IDLE_TIMEOUT_SECONDS]=stream_idle_timeout_seconds
+  [ATTNGRAD_CONNECTION_IDLE_TIMEOUT_SECONDS]=connection_idle_timeout_seconds
   [ATTNGRAD_MAX_CLIENTS_WITH_SUMS]=max_clients_with_sums
   [ATTNGRAD_TLS_CERT]=tls_cert
   [ATTNGRAD_TLS_KEY]=tls_key
