@@ -451,7 +451,11 @@ class GpuWorker final : public DeviceWorker {
     const auto start = std::chrono::steady_clock::now();
     job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
     const std::size_t activations = job.activations();
-    const std::size_t rotary = job.cos.size();
+    // The rotary tables: staged with the activations, or read where they are in the client's GPU
+    // memory (fp32, CUDA IPC), which the job keeps open until it is finished.
+    const bool rotary_on_device = job.device_cos.cuda_device() >= 0;
+    const std::size_t rotary =
+        rotary_on_device ? job.device_cos.size_bytes() / sizeof(float) : job.cos.size();
     const std::size_t input_elements = StagingElements(job);
     const std::size_t output_elements =
         activations + (job.return_weight_gradients ? layer.layout.total_elements : 0);
@@ -546,9 +550,11 @@ class GpuWorker final : public DeviceWorker {
         ActivationsOnDevice(slot.device_grad_output, grad_dtype, host_in + activations, activations,
                             slot.device_in.get() + activations,
                             device_raw == nullptr ? nullptr : device_raw + activations, copy_in));
-    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.device_in.get() + 2 * activations,
-                                         host_in + 2 * activations, 2 * rotary * sizeof(float),
-                                         cudaMemcpyHostToDevice, copy_in));
+    if (!rotary_on_device) {
+      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.device_in.get() + 2 * activations,
+                                           host_in + 2 * activations, 2 * rotary * sizeof(float),
+                                           cudaMemcpyHostToDevice, copy_in));
+    }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_done.get(), copy_in));
 
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(compute, slot.copy_in_done.get(), 0));
@@ -557,8 +563,10 @@ class GpuWorker final : public DeviceWorker {
     BackwardInputs in;
     in.hidden_states = hidden_states;
     in.grad_output = grad_output;
-    in.cos = device_in + 2 * activations;
-    in.sin = device_in + 2 * activations + rotary;
+    in.cos = rotary_on_device ? reinterpret_cast<const float*>(job.device_cos.device_data())
+                              : device_in + 2 * activations;
+    in.sin = rotary_on_device ? reinterpret_cast<const float*>(job.device_sin.device_data())
+                              : device_in + 2 * activations + rotary;
     in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
     // Every batch computes its weight gradients into the slot (or, RETURN as fp32 into a client's

@@ -14,6 +14,16 @@
 namespace attngrad::server {
 namespace {
 
+// A rotary table read from a region (ReadActivationsFromRegions): its dtype and shape as the
+// message names them, and its bytes found there.
+absl::Status CheckRotaryTableInRegion(const v1::Tensor& tensor, const WireTensor& bytes,
+                                      const char* name,
+                                      absl::Span<const std::int64_t> expected_shape) {
+  return wire::CheckTensor(tensor.dtype(), tensor.shape(), bytes.size_bytes(),
+                           absl::StrCat("rotary_tables.", name), expected_shape)
+      .status();
+}
+
 absl::Status CheckScalar(bool present, float value, const char* field, bool positive) {
   if (!present) return absl::OkStatus();
   if (!std::isfinite(value)) {
@@ -119,6 +129,13 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
             absl::StrCat("rotary_tables: both cos and sin are required, each ",
                          wire::ShapeString(rotary_shape)));
       }
+      if (request.has_cos_region()) {  // in GPU memory (rpc/regions.h read them)
+        ATTNGRAD_RETURN_IF_ERROR(CheckRotaryTableInRegion(request.rotary_tables().cos(),
+                                                          received.cos, "cos", rotary_shape));
+        ATTNGRAD_RETURN_IF_ERROR(CheckRotaryTableInRegion(request.rotary_tables().sin(),
+                                                          received.sin, "sin", rotary_shape));
+        break;
+      }
       ATTNGRAD_RETURN_IF_ERROR(
           wire::CheckTensor(request.rotary_tables().cos(), "rotary_tables.cos", rotary_shape));
       ATTNGRAD_RETURN_IF_ERROR(
@@ -199,12 +216,18 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
   job->accumulate = parsed.accumulate;
   job->return_weight_gradients = !parsed.accumulate;
   const std::size_t rotary = static_cast<std::size_t>(tokens * head_dim);
-  job->cos.resize(rotary);
-  job->sin.resize(rotary);
   received.hidden_states.set_dtype(request.hidden_states().dtype());
   received.grad_output.set_dtype(request.grad_output().dtype());
   job->hidden_states = std::move(received.hidden_states);
   job->grad_output = std::move(received.grad_output);
+  if (received.cos.cuda_device() >= 0) {  // the kernels read them in the client's GPU memory
+    job->device_cos = std::move(received.cos);
+    job->device_sin = std::move(received.sin);
+    parsed.job = std::move(job);
+    return parsed;
+  }
+  job->cos.resize(rotary);
+  job->sin.resize(rotary);
   if (request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
     ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().cos(),
                                           "rotary_tables.cos.raw_data", absl::MakeSpan(job->cos)));

@@ -30,6 +30,9 @@ struct ReceivedBackwardRequest {
   v1::BackwardRequest message;
   WireTensor hidden_states;
   WireTensor grad_output;
+  // The rotary tables when they are in a client's GPU memory (cos_region / sin_region); empty
+  // otherwise (they are in the message).
+  WireTensor cos, sin;
 };
 
 // The same request from a parsed message (its raw data moved into owned WireTensors).

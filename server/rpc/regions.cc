@@ -244,6 +244,46 @@ absl::Status ReadFromRegion(const RegionRegistry& regions, const std::string& cl
   return absl::OkStatus();
 }
 
+// cos_region / sin_region: both or neither, with rotary_tables naming the tables, in GPU memory.
+absl::Status ReadRotaryTablesFromRegions(const RegionRegistry& regions,
+                                         const std::string& client_id,
+                                         ReceivedBackwardRequest* request) {
+  const v1::BackwardRequest& message = request->message;
+  if (!message.has_cos_region() && !message.has_sin_region()) return absl::OkStatus();
+  if (!message.has_cos_region() || !message.has_sin_region() || !message.has_rotary_tables()) {
+    return absl::InvalidArgumentError(
+        "cos_region / sin_region: give both, together with rotary_tables naming the tables' "
+        "dtype and shape (their raw_data empty)");
+  }
+  struct Table {
+    const v1::Tensor& tensor;
+    const v1::RegionSlice& slice;
+    const char* name;
+    WireTensor* into;
+  };
+  const Table tables[] = {
+      {message.rotary_tables().cos(), message.cos_region(), "cos", &request->cos},
+      {message.rotary_tables().sin(), message.sin_region(), "sin", &request->sin}};
+  for (const Table& table : tables) {
+    if (!table.tensor.raw_data().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rotary_tables.", table.name, ".raw_data: ", table.tensor.raw_data().size(),
+                       " bytes given together with ", table.name, "_region; expected one of them"));
+    }
+    ATTNGRAD_RETURN_IF_ERROR(
+        ReadFromRegion(regions, client_id, table.tensor, table.slice, table.name, table.into));
+    // A bad dtype or shape leaves the table empty, for ParseBackwardRequest to name.
+    if (table.into->size_bytes() == 0) continue;
+    if (table.into->cuda_device() < 0 || table.into->dtype() != v1::DTYPE_FLOAT32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(table.name,
+                       "_region: rotary tables are read from regions only as float32 in GPU "
+                       "memory (CUDA IPC); send them in rotary_tables otherwise"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ReadActivationsFromRegions(const RegionRegistry& regions, const std::string& client_id,
@@ -259,13 +299,25 @@ absl::Status ReadActivationsFromRegions(const RegionRegistry& regions, const std
                                             message.grad_output_region(), "grad_output",
                                             &request->grad_output));
   }
-  const int hidden_device = request->hidden_states.cuda_device();
-  const int grad_device = request->grad_output.cuda_device();
-  if (hidden_device >= 0 && grad_device >= 0 && hidden_device != grad_device) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("grad_output_region: GPU memory of cuda:", grad_device,
-                     " but hidden_states_region is on cuda:", hidden_device,
-                     "; a batch's CUDA IPC regions must be on one GPU"));
+  ATTNGRAD_RETURN_IF_ERROR(ReadRotaryTablesFromRegions(regions, client_id, request));
+  // Every slice in GPU memory must be on one GPU: the first one's.
+  const std::pair<const WireTensor*, const char*> inputs[] = {
+      {&request->hidden_states, "hidden_states_region"},
+      {&request->grad_output, "grad_output_region"},
+      {&request->cos, "cos_region"},
+      {&request->sin, "sin_region"}};
+  int device = -1;
+  const char* first = nullptr;
+  for (const auto& [tensor, field] : inputs) {
+    if (tensor->cuda_device() < 0) continue;
+    if (device < 0) {
+      device = tensor->cuda_device();
+      first = field;
+    } else if (tensor->cuda_device() != device) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": GPU memory of cuda:", tensor->cuda_device(), " but ", first,
+                       " is on cuda:", device, "; a batch's CUDA IPC regions must be on one GPU"));
+    }
   }
   return absl::OkStatus();
 }

@@ -17,6 +17,7 @@ std::size_t BatchJob::AnswerBytes() const {
 int BatchJob::cuda_device() const {
   if (hidden_states.cuda_device() >= 0) return hidden_states.cuda_device();
   if (grad_output.cuda_device() >= 0) return grad_output.cuda_device();
+  if (device_cos.cuda_device() >= 0) return device_cos.cuda_device();
   if (grad_hidden_states_destination.cuda_device >= 0) {
     return grad_hidden_states_destination.cuda_device;
   }

@@ -67,8 +67,9 @@ struct BatchJob {
   // [B,S,hidden] in a wire dtype each. Their values are checked to be finite where the worker
   // copies them (a batch with an Inf or NaN fails with INVALID_ARGUMENT naming the element).
   WireTensor hidden_states, grad_output;
-  std::vector<float> cos, sin;  // [B,S,head_dim]
-  int response_dtype = 1;       // attngrad.v1.DType of the answer (FLOAT32 = 1)
+  std::vector<float> cos, sin;        // [B,S,head_dim]; empty when they are in GPU memory:
+  WireTensor device_cos, device_sin;  // fp32 [B,S,head_dim] in a client's GPU memory (CUDA IPC)
+  int response_dtype = 1;             // attngrad.v1.DType of the answer (FLOAT32 = 1)
   // Same-host zero-copy over CUDA IPC (rpc/regions.h): hidden_states / grad_output may be GPU
   // memory (WireTensor::OnDevice), read there by the GPU worker of their device; and
   // grad_hidden_states may go to GPU memory instead of the answer buffer (response_dtype,

@@ -254,6 +254,20 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         finally:
             server.stop()
 
+    def test_rotary_tables_in_gpu_memory_equal_the_bytes_path(self):
+        import attngrad.torch as attngrad_torch
+
+        hidden, grad, positions = self.inputs(3, 64, 15)
+        cos, sin = attngrad_torch.rotary_tables(positions.to(self.device) * 3 + 1)  # [S, D]
+        expected = self.client.backward(hidden.cpu(), grad.cpu(), cos.cpu(), sin.cpu(),
+                                        transport="bytes")
+        got = self.client.backward(hidden, grad, cos, sin, transport="cuda_ipc")  # split in 2
+        self.assertEqual(len(got.batch_ids), 1 + (3 * 64 - 1) // MAX_BATCH_TOKENS)
+        self.assert_same_bits(got.grad_hidden_states.cpu(), expected.grad_hidden_states,
+                              "grad_hidden_states")
+        for name, value in expected.weight_gradients.items():
+            self.assert_same_bits(got.weight_gradients[name].cpu(), value.cpu(), name)
+
     def weights_on_gpu(self, seed, dtype=torch.float32 if torch is not None else None):
         generator = torch.Generator(device=self.device).manual_seed(seed)
         weights = {}

@@ -323,7 +323,14 @@ class _Batch:
                      self.input_dtype)
             wire.add(message.grad_output, _GRAD_OUTPUT_PATH, self.grad_output[b0:b1],
                      self.input_dtype)
-        if self.cos is not None:
+        rotary = self.region.rotary_slices(part_index) if self.region is not None else None
+        if rotary is not None:
+            # CUDA IPC: the tables are in the caller's GPU memory too (float32).
+            wire.describe(message.rotary_tables.cos, self.cos[b0:b1], "float32")
+            wire.describe(message.rotary_tables.sin, self.sin[b0:b1], "float32")
+            message.cos_region.CopyFrom(rotary[0])
+            message.sin_region.CopyFrom(rotary[1])
+        elif self.cos is not None:
             wire.add(message.rotary_tables.cos, _COS_PATH, self.cos[b0:b1], self.wire_dtype)
             wire.add(message.rotary_tables.sin, _SIN_PATH, self.sin[b0:b1], self.wire_dtype)
         else:
@@ -496,7 +503,7 @@ class _CudaLayout:
 
     on_device = True
 
-    def __init__(self, parts, cache, hidden, grad, answer, weights=None, shapes=None):
+    def __init__(self, parts, cache, hidden, grad, answer, weights=None, shapes=None, rotary=None):
         # The parts' bounds, not the batch: the batch holds this layout (batch.region), and a
         # reference back would make a cycle that keeps every call's tensors alive until the
         # garbage collector runs (torch's allocator could not reuse their memory meanwhile).
@@ -504,6 +511,10 @@ class _CudaLayout:
         self.grad_hidden_states = answer
         self._tensors = [(cache.slice_of(tensor), tensor[0].numel() * tensor.element_size())
                          for tensor in (hidden, grad, answer)]
+        # ROTARY: (cos, sin), contiguous float32 [B,S,head_dim] CUDA tensors, or None (bytes).
+        self._rotary = None if rotary is None else [
+            (cache.slice_of(tensor), tensor[0].numel() * tensor.element_size())
+            for tensor in rotary]
         # RETURN: each part's six weight gradients, packed in WEIGHT_NAMES order (a row of
         # `weights` per part; SHAPES: the six shapes).
         self._weights, self._shapes = weights, shapes
@@ -514,6 +525,15 @@ class _CudaLayout:
         return tuple(pb.RegionSlice(region_id=region, offset=offset + b0 * per_sequence,
                                     byte_size=(b1 - b0) * per_sequence)
                      for (region, offset, _), per_sequence in self._tensors)
+
+    def rotary_slices(self, part_index: int):
+        """(cos slice, sin slice) of a part, or None when the tables go as bytes."""
+        if self._rotary is None:
+            return None
+        _, (b0, b1) = self._parts[part_index]
+        return tuple(pb.RegionSlice(region_id=region, offset=offset + b0 * per_sequence,
+                                    byte_size=(b1 - b0) * per_sequence)
+                     for (region, offset, _), per_sequence in self._rotary)
 
     def weights_slice(self, part_index: int):
         if self._weights_slice is None:
@@ -573,6 +593,9 @@ class _RegionLayout:
 
     def _slice(self, offset: int, size: int):
         return pb.RegionSlice(region_id=self.shared.region_id, offset=offset, byte_size=size)
+
+    def rotary_slices(self, part_index: int):
+        return None  # the tables go as bytes
 
     def write_inputs(self, shared: _SharedRegion, batch: "_Batch") -> None:
         self.shared = shared
@@ -1626,9 +1649,15 @@ class Client:
             shapes = _weight_shapes(self._limits or self.info())
             weights = torch.empty((len(batch.parts), sum(int(np.prod(s)) for s in shapes)),
                                   dtype=cuda_regions.torch_dtype(answer_dtype), device=hidden.device)
+        rotary = None
+        if cuda_regions.is_cuda_tensor(batch.cos) and batch.cos.device == hidden.device:
+            rotary = (batch.cos.float().contiguous(), batch.sin.float().contiguous())
+            batch.cos, batch.sin = rotary  # kept alive by the batch until the call returns
+        elif cuda_regions.is_cuda_tensor(batch.cos):  # on another GPU: as bytes
+            batch.cos, batch.sin = tensors.to_numpy(batch.cos), tensors.to_numpy(batch.sin)
         try:
             batch.region = _CudaLayout(batch.parts, self._cuda_region_cache(), hidden, grad,
-                                       answer, weights, shapes)
+                                       answer, weights, shapes, rotary)
         except (errors.FailedPreconditionError, errors.InvalidArgumentError) as error:
             if error.method != "RegisterRegion":
                 raise
@@ -1743,16 +1772,22 @@ class Client:
         if cos is not None:
             if position_ids is not None:
                 raise ValueError("pass either cos/sin or position_ids, not both")
-            cos_array, sin_array = tensors.to_numpy(cos), tensors.to_numpy(sin)
+            if keep_on_device and cuda_regions.is_cuda_tensor(cos):
+                cos_array, sin_array = cos, sin  # registered where they are (_CudaLayout)
+            else:
+                cos_array, sin_array = tensors.to_numpy(cos), tensors.to_numpy(sin)
             if cos_array.ndim == 2:
                 cos_array, sin_array = cos_array[None], sin_array[None]
             for name, table in (("cos", cos_array), ("sin", sin_array)):
                 if table.ndim != 3 or table.shape[1] != seq_len or table.shape[0] not in (1, batch):
                     raise ValueError(f"{name} must be [B,S,head_dim] = [{batch},{seq_len},head_dim] "
                                      f"(or [S,head_dim]), got {list(table.shape)}")
-            if cos_array.shape[0] != batch:
+            if cos_array.shape[0] != batch and isinstance(cos_array, np.ndarray):
                 cos_array = np.broadcast_to(cos_array, (batch,) + cos_array.shape[1:])
                 sin_array = np.broadcast_to(sin_array, (batch,) + sin_array.shape[1:])
+            elif cos_array.shape[0] != batch:
+                cos_array = cos_array.expand(batch, -1, -1)
+                sin_array = sin_array.expand(batch, -1, -1)
             per_sequence_bytes += 2 * seq_len * cos_array.shape[2] * tensors.itemsize(wire)
             ids = None
         else:
