@@ -15,6 +15,7 @@ build_packages=(
   python3 python3-grpcio python3-numpy python3-yaml  # Python client and its tests
   clang libclang-rt-dev  # libFuzzer targets (tests/fuzz); = libclang-rt-14-dev on Debian 12
   clang-format           # scripts/check-format.sh (ctest format.check)
+  flake8                 # scripts/check-python.sh (ctest python.lint)
   openssl                # the TLS tests make their certificates with the openssl CLI
 )
 sudo=""
