@@ -128,11 +128,13 @@ class Case:
         cos, sin = rope_tables(positions, d, theta, factor)
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
         self.scaling = model["query_pre_attn_scalar"] ** -0.5
-        self.layer = Layer(h, nq, nkv, d, self.scaling, float(model["attn_logit_softcapping"] or 0.0),
+        self.layer = Layer(h, nq, nkv, d, self.scaling,
+                           float(model["attn_logit_softcapping"] or 0.0),
                            float(model["rms_norm_eps"]), self.window)
 
     def reference(self, dtype=torch.float64):
-        """transformers' gradients [grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_qn, grad_kn]."""
+        """transformers' gradients [grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_qn,
+        grad_kn]."""
         attention = hf_attention(self.model, self.layer_type, self.window, dtype)
         params = load_weights(attention, self.weights)
         x = self.hidden_states.to(dtype).requires_grad_(True)
@@ -289,7 +291,7 @@ def time_layers(lib, name, model, batch, seq_len, generator, args):
             x = case.hidden_states.clone().requires_grad_(True)
 
             def step(layer, case=case, mask=mask, x=x):
-                attention.zero_grad(set_to_none=True)
+                attention.zero_grad(set_to_none=True)  # noqa: F821 (pyflakes: the del below)
                 x.grad = None
                 out = layer(hidden_states=x, position_embeddings=(case.cos, case.sin),
                             attention_mask=mask)
@@ -304,7 +306,7 @@ def time_layers(lib, name, model, batch, seq_len, generator, args):
                     torch.cuda.empty_cache()
             torch.cuda.synchronize()
             print("compiled %s B=%d S=%d in %.0f s" % (name, batch, seq_len,
-                                                        time.time() - started), flush=True)
+                                                       time.time() - started), flush=True)
     flush = torch.empty(2 * 60 * 1024 * 1024 // 4 * 2, dtype=torch.float32, device="cuda")
     row = [name, batch, seq_len]
     wait_for_all(args.ready_dir, args.ready_count)
@@ -395,8 +397,8 @@ def main():
                         status = case.run(lib, MODES[mode], outputs, workspace)
                         torch.cuda.synchronize()
                         if status != 0:
-                            print("%-44s %-4s FAILED: %s" % (label, mode,
-                                                           lib.attngrad_status_string(status)))
+                            print("%-44s %-4s FAILED: %s"
+                                  % (label, mode, lib.attngrad_status_string(status)))
                             all_passed = False
                             continue
                         passed, fractions = check_outputs(outputs, reference)
@@ -414,8 +416,8 @@ def main():
                 for row in [time_layers(lib, name, model, batch, seq_len, generator, args)]
                 if row is not None]
         print("\n| model | B | S | attngrad local µs | attngrad global µs | local / global |"
-              " local TFLOP/s | global TFLOP/s | eager TF32 local µs | eager TF32 global µs |"
-              " compile TF32 local µs | compile TF32 global µs |")
+              " local TFLOP/s | global TFLOP/s | eager TF32 local µs | eager TF32 global µs | "
+              "compile TF32 local µs | compile TF32 global µs |")
         print("| --- | ---: | ---: |" + " ---: |" * 9)
         for (name, batch, seq_len, local_us, global_us, local_torch, global_torch, local_compiled,
              global_compiled) in rows:

@@ -69,7 +69,8 @@ def draw_inputs(batch, seq, generator, device="cuda"):
         return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32)
     w = math.sqrt(2.0 / 3072.0)
     cos, sin = rotary(batch, seq, device)
-    return dict(grad_output=randn(batch, seq, H), hidden_states=randn(batch, seq, H) / math.sqrt(3072.0),
+    return dict(grad_output=randn(batch, seq, H),
+                hidden_states=randn(batch, seq, H) / math.sqrt(3072.0),
                 cos=cos, sin=sin, q_weight=randn(NQ * D, H) * w, k_weight=randn(NKV * D, H) * w,
                 v_weight=randn(NKV * D, H) * w, o_weight=randn(H, NQ * D) * w,
                 q_norm_weight=randn(D) * 0.02, k_norm_weight=randn(D) * 0.02)
@@ -110,7 +111,8 @@ def reference_float64(inputs):
     y = layer_forward(leaves["hidden_states"], inputs["cos"].double(), inputs["sin"].double(),
                       leaves["q_weight"], leaves["k_weight"], leaves["v_weight"],
                       leaves["o_weight"], leaves["q_norm_weight"], leaves["k_norm_weight"])
-    grads = torch.autograd.grad(y, [leaves[n] for n in names], grad_outputs=inputs["grad_output"].double())
+    grads = torch.autograd.grad(y, [leaves[n] for n in names],
+                                grad_outputs=inputs["grad_output"].double())
     return grads  # same order as OUTPUTS
 
 
@@ -177,12 +179,14 @@ def geomean(values):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lib", default=os.path.join(os.path.dirname(__file__), "..", "build-gpu",
                                                       "kernels", "libattngrad.so"))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--modes", default="AUTO,FP16,TF32,FP32")
-    parser.add_argument("--mode-rounds", default="", help="e.g. FP32=3,TF32=3: fewer rounds for a mode")
+    parser.add_argument("--mode-rounds", default="",
+                        help="e.g. FP32=3,TF32=3: fewer rounds for a mode")
     parser.add_argument("--workloads", default="")
     parser.add_argument("--grad-output-scale", type=float, default=1.0)
     parser.add_argument("--no-check", action="store_true")
@@ -234,14 +238,16 @@ def main():
                                  outputs, MODES[m], workspace)
                     if factor != 1.0:
                         outputs = [o / factor for o in outputs]
-                    ok, misses, fraction = check_outputs(outputs, reference, ATOL.get((b, s), .0067))
+                    ok, misses, fraction = check_outputs(outputs, reference,
+                                                         ATOL.get((b, s), .0067))
                     row = rows[m]
                     row[0] = row[0] and ok
                     row[1] = min(row[1], fraction)
                     row[2] = max(row[2], misses[5], misses[6])
                     row[3] += 1
                     if not ok:
-                        print(f"  FAIL {m} B={b} S={s} round {r}: misses per output {misses}", flush=True)
+                        print(f"  FAIL {m} B={b} S={s} round {r}: misses per output {misses}",
+                              flush=True)
                 del reference, inputs
             for m in modes:
                 summary[(b, s, m)] = rows[m]
@@ -251,14 +257,16 @@ def main():
             print(f"  B={b:3d} S={s:5d}  {cells}", flush=True)
             del workspace
             torch.cuda.empty_cache()
-        print(f"correctness: {'ALL PASS' if all_ok else 'SOME FAIL'} ({time.time() - t0:.0f} s)", flush=True)
+        print(f"correctness: {'ALL PASS' if all_ok else 'SOME FAIL'} ({time.time() - t0:.0f} s)",
+              flush=True)
 
     if not args.no_time:
         flush = torch.empty(2 * props.L2_cache_size, dtype=torch.uint8, device="cuda")
         variants = [v for v in args.torch.split(",") if v]
-        compiled = torch.compile(layer_forward, dynamic=True) if "compile_tf32" in variants else None
-        print(f"\n== timing (SPEC section 5): median us; attngrad {args.time_mode} 10+50 iterations; "
-              f"PyTorch {args.torch_warmup}+{args.torch_iters} ==", flush=True)
+        compiled = (torch.compile(layer_forward, dynamic=True) if "compile_tf32" in variants
+                    else None)
+        print(f"\n== timing (SPEC section 5): median us; attngrad {args.time_mode} 10+50 "
+              f"iterations; PyTorch {args.torch_warmup}+{args.torch_iters} ==", flush=True)
         header = f"{'B':>3} {'S':>5} {'sol':>8} {'attngrad':>9} {'x_sol':>6}" + "".join(
             f" {v:>13}" for v in variants)
         print(header, flush=True)
@@ -301,12 +309,14 @@ def main():
             torch.cuda.empty_cache()
         print("geomean      " + f"{geomean(table['sol']):8.1f} {geomean(table['attngrad']):9.1f} "
               f"{geomean(table['attngrad']) / geomean(table['sol']):6.2f}" + "".join(
-                  f" {geomean([t for t in table[v] if t == t]) if any(t == t for t in table[v]) else float('nan'):13.1f}"
+                  " " + format(geomean([t for t in table[v] if t == t])
+                               if any(t == t for t in table[v]) else float("nan"), "13.1f")
                   for v in variants), flush=True)
         for v in variants:
             good = [t for t in table[v] if t == t]
             if good:
-                print(f"speed-up of attngrad over {v}: {geomean(good) / geomean(table['attngrad']):.2f}x")
+                print(f"speed-up of attngrad over {v}: "
+                      f"{geomean(good) / geomean(table['attngrad']):.2f}x")
     return 0 if all_ok else 1
 
 

@@ -3,8 +3,8 @@ registers its CUDA tensors (attngrad.Client's zero_copy path, cuda_regions.py) a
 that name them, so that no activation byte crosses the connection.
 
   throughput: B x S ACCUMULATE batches over STREAMS Backward streams with IN_FLIGHT batches
-              outstanding on each (--configs), for DURATION seconds after a warm-up: tokens/s. The inputs are
-              drawn once; each in-flight slot has its own answer tensor.
+              outstanding on each (--configs), for DURATION seconds after a warm-up: tokens/s. The
+              inputs are drawn once; each in-flight slot has its own answer tensor.
   shm:        the same over host shared memory (the other same-host path): each stream's inputs
               and answer slots in one POSIX shared-memory region registered with the server
               (RegisterRegion by name), batches naming them; no torch tensors involved.

@@ -30,7 +30,8 @@ def main():
         lines = [line for line in handle if line.strip()]
     # ncu may print a line per kernel before the table: the table starts at the first line with
     # a quoted "Address" or "Source" header.
-    start = next((i for i, line in enumerate(lines) if '"Source"' in line or '"Address"' in line), 0)
+    start = next((i for i, line in enumerate(lines) if '"Source"' in line or '"Address"' in line),
+                 0)
     rows = list(csv.reader(lines[start:]))
     header, body = rows[0], [row for row in rows[1:] if len(row) == len(rows[0])]
     print("columns:", " | ".join(header))

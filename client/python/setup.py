@@ -1,7 +1,8 @@
 """Builds the attngrad package; the gRPC stubs are generated from proto/attngrad/v1/*.proto into the
 built package (attngrad/v1/) by attngrad/_proto.py (grpcio-tools, else Debian's protoc +
 grpc_python_plugin). Metadata is in pyproject.toml. From the repository root:
-    pip install --no-build-isolation client/python          (ATTNGRAD_PROTO_DIR overrides ../../proto)
+    pip install --no-build-isolation client/python          (ATTNGRAD_PROTO_DIR overrides
+    ../../proto)
 """
 import importlib.util
 import os
@@ -14,7 +15,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def _load_proto_module():
-    spec = importlib.util.spec_from_file_location("attngrad_proto_build", HERE / "attngrad" / "_proto.py")
+    spec = importlib.util.spec_from_file_location("attngrad_proto_build",
+                                                  HERE / "attngrad" / "_proto.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

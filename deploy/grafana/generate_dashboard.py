@@ -73,7 +73,8 @@ def timeseries(layout, title, description, targets, unit, width=12, height=8, st
     return {
         "type": "timeseries", "title": title, "description": description, "id": layout.identifier(),
         "datasource": DATASOURCE, "gridPos": layout.place(width, height),
-        "targets": [target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(targets)],
+        "targets": [target(expr, legend, chr(ord("A") + i))
+                    for i, (expr, legend) in enumerate(targets)],
         "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
                                "calcs": ["lastNotNull", "max"]},
@@ -81,7 +82,8 @@ def timeseries(layout, title, description, targets, unit, width=12, height=8, st
     }
 
 
-def stat(layout, title, description, expression, unit, legend="", width=4, height=4, thresholds=None,
+def stat(layout, title, description, expression, unit, legend="", width=4, height=4,
+         thresholds=None,
          decimals=None):
     defaults = {"unit": unit, "color": {"mode": "thresholds"},
                 "thresholds": {"mode": "absolute",
@@ -94,7 +96,8 @@ def stat(layout, title, description, expression, unit, legend="", width=4, heigh
         "targets": [target(expression, legend, "A", instant=True)],
         "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "value", "graphMode": "area", "textMode": "auto", "justifyMode": "auto",
+                    "colorMode": "value", "graphMode": "area", "textMode": "auto",
+                    "justifyMode": "auto",
                     "orientation": "auto"},
     }
 
@@ -109,23 +112,30 @@ def panels():
     result = []
 
     result.append(row(layout, "Overview"))
-    result.append(stat(layout, "Servers up", "Scrape targets of the selected job that answer /metrics.",
+    result.append(stat(layout, "Servers up",
+                       "Scrape targets of the selected job that answer /metrics.",
                        f'sum(up{{{SERVER}}})', "none",
-                       thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 1}]))
-    result.append(stat(layout, "Tokens/s", "Tokens of all batches (B·S) computed per second, all devices.",
+                       thresholds=[{"color": "red", "value": None},
+                                   {"color": "green", "value": 1}]))
+    result.append(stat(layout, "Tokens/s",
+                       "Tokens of all batches (B·S) computed per second, all devices.",
                        f"sum(rate(attngrad_tokens_total{{{DEVICE}}}[{RATE}]))", "short"))
     result.append(stat(layout, "Batches/s", "Batches computed per second, RETURN and ACCUMULATE.",
                        f"sum(rate(attngrad_batches_total{{{DEVICE}}}[{RATE}]))", "short"))
     result.append(stat(layout, "Error ratio",
-                       "Failures (RPCs and batches in Backward streams) over successful batches plus failures.",
+                       "Failures (RPCs and batches in Backward streams) over successful batches "
+                       "plus failures.",
                        f"sum(rate(attngrad_errors_total{{{SERVER}}}[{RATE}])) / "
                        f"(sum(rate(attngrad_errors_total{{{SERVER}}}[{RATE}])) + "
                        f"(sum(rate(attngrad_batches_total{{{SERVER}}}[{RATE}])) "
-                       f"or sum(rate(attngrad_errors_total{{{SERVER}}}[{RATE}])) * 0))", "percentunit",
-                       thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 0.01},
+                       f"or sum(rate(attngrad_errors_total{{{SERVER}}}[{RATE}])) * 0))",
+                       "percentunit",
+                       thresholds=[{"color": "green", "value": None},
+                                   {"color": "orange", "value": 0.01},
                                    {"color": "red", "value": 0.05}], decimals=2))
-    result.append(stat(layout, "Weights version", "Version of the resident weights, per instance; "
-                       "bumped by every LoadWeights. Instances that differ serve different weights.",
+    result.append(stat(layout, "Weights version",
+                       "Version of the resident weights, per instance; bumped by every "
+                       "LoadWeights. Instances that differ serve different weights.",
                        f"attngrad_weights_version{{{SERVER}}}", "none", legend="{{instance}}"))
     result.append(stat(layout, "Build", "attngrad_build_info: the version label of each instance.",
                        f"count by (version) (attngrad_build_info{{{SERVER}}})", "none",
@@ -134,57 +144,69 @@ def panels():
     result.append(row(layout, "Throughput"))
     result.append(timeseries(layout, "Tokens/s per instance and device",
                              "rate(attngrad_tokens_total): tokens of computed batches per second.",
-                             [(f"sum by (instance, device, mode) (rate(attngrad_tokens_total{{{DEVICE}}}[{RATE}]))",
+                             [(f"sum by (instance, device, mode) "
+                               f"(rate(attngrad_tokens_total{{{DEVICE}}}[{RATE}]))",
                                "{{instance}} {{device}} {{mode}}")], "short", width=8))
     result.append(timeseries(layout, "Batches/s per instance and device",
                              "rate(attngrad_batches_total), by mode (RETURN / ACCUMULATE).",
-                             [(f"sum by (instance, device, mode) (rate(attngrad_batches_total{{{DEVICE}}}[{RATE}]))",
+                             [(f"sum by (instance, device, mode) "
+                               f"(rate(attngrad_batches_total{{{DEVICE}}}[{RATE}]))",
                                "{{instance}} {{device}} {{mode}}")], "short", width=8))
     result.append(timeseries(layout, "Bytes/s received and sent",
                              "Message bytes received from and sent to clients, by RPC method.",
-                             [(f"sum by (instance, method) (rate(attngrad_received_bytes_total{{{SERVER}}}[{RATE}]))",
+                             [(f"sum by (instance, method) "
+                               f"(rate(attngrad_received_bytes_total{{{SERVER}}}[{RATE}]))",
                                "in {{instance}} {{method}}"),
-                              (f"sum by (instance, method) (rate(attngrad_sent_bytes_total{{{SERVER}}}[{RATE}]))",
+                              (f"sum by (instance, method) "
+                               f"(rate(attngrad_sent_bytes_total{{{SERVER}}}[{RATE}]))",
                                "out {{instance}} {{method}}")], "Bps", width=8))
 
     result.append(row(layout, "Latency"))
     result.append(timeseries(layout, "Batch latency p50 / p90 / p99 (end to end)",
-                             "attngrad_batch_duration_seconds: from a batch's arrival to its response, "
-                             "per instance, device and mode.",
-                             [(quantile(q, "attngrad_batch_duration_seconds", "instance, device, mode", DEVICE),
+                             "attngrad_batch_duration_seconds: from a batch's arrival to its "
+                             "response, per instance, device and mode.",
+                             [(quantile(q, "attngrad_batch_duration_seconds",
+                                        "instance, device, mode", DEVICE),
                                f"p{int(q * 100)} {{{{instance}}}} {{{{device}}}} {{{{mode}}}}")
                               for q in (0.5, 0.9, 0.99)], "s"))
     result.append(timeseries(layout, "RPC latency p99 by method",
-                             "attngrad_rpc_duration_seconds: whole RPCs (a Backward stream lasts as long "
-                             "as the client keeps it open).",
-                             [(quantile(0.99, "attngrad_rpc_duration_seconds", "instance, method", SERVER),
+                             "attngrad_rpc_duration_seconds: whole RPCs (a Backward stream lasts "
+                             "as long as the client keeps it open).",
+                             [(quantile(0.99, "attngrad_rpc_duration_seconds", "instance, method",
+                                        SERVER),
                                "p99 {{instance}} {{method}}")], "s"))
     result.append(timeseries(layout, "Stage latency p50 (queue, copy-in, compute, copy-out)",
-                             "attngrad_stage_duration_seconds per stage: where a batch's time goes. A "
-                             "growing queue stage means the device is saturated.",
-                             [(quantile(0.5, "attngrad_stage_duration_seconds", "instance, device, stage", DEVICE),
+                             "attngrad_stage_duration_seconds per stage: where a batch's time "
+                             "goes. A growing queue stage means the device is saturated.",
+                             [(quantile(0.5, "attngrad_stage_duration_seconds",
+                                        "instance, device, stage", DEVICE),
                                "p50 {{stage}} {{instance}} {{device}}")], "s"))
     result.append(timeseries(layout, "Stage latency p99 (queue, copy-in, compute, copy-out)",
                              "attngrad_stage_duration_seconds per stage, 99th percentile.",
-                             [(quantile(0.99, "attngrad_stage_duration_seconds", "instance, device, stage", DEVICE),
+                             [(quantile(0.99, "attngrad_stage_duration_seconds",
+                                        "instance, device, stage", DEVICE),
                                "p99 {{stage}} {{instance}} {{device}}")], "s"))
 
     result.append(row(layout, "Errors"))
     result.append(timeseries(layout, "Errors by code",
-                             "attngrad_errors_total by gRPC status code and method. INVALID_ARGUMENT and "
-                             "FAILED_PRECONDITION are the caller's; INTERNAL is the server's.",
-                             [(f"sum by (instance, method, code) (rate(attngrad_errors_total{{{SERVER}}}[{RATE}]))",
-                               "{{code}} {{method}} {{instance}}")], "reqps", width=24, stack=True, draw="bars"))
+                             "attngrad_errors_total by gRPC status code and method. "
+                             "INVALID_ARGUMENT and FAILED_PRECONDITION are the caller's; INTERNAL "
+                             "is the server's.",
+                             [(f"sum by (instance, method, code) "
+                               f"(rate(attngrad_errors_total{{{SERVER}}}[{RATE}]))",
+                               "{{code}} {{method}} {{instance}}")],
+                             "reqps", width=24, stack=True, draw="bars"))
 
     result.append(row(layout, "Load"))
     result.append(timeseries(layout, "In-flight batches",
-                             "attngrad_inflight_batches: batches accepted and not yet answered, per device.",
+                             "attngrad_inflight_batches: batches accepted and not yet answered, "
+                             "per device.",
                              [(f"sum by (instance, device) (attngrad_inflight_batches{{{DEVICE}}})",
                                "{{instance}} {{device}}")], "short"))
     result.append(timeseries(layout, "Queue depth and capacity",
-                             "Batches waiting for each device (attngrad_queue_depth) against the batches "
-                             "it computes at once (attngrad_queue_capacity); a backlog that stays at or "
-                             "above capacity is the AttngradQueueSaturated alert.",
+                             "Batches waiting for each device (attngrad_queue_depth) against the "
+                             "batches it computes at once (attngrad_queue_capacity); a backlog "
+                             "that stays at or above capacity is the AttngradQueueSaturated alert.",
                              [(f"sum by (instance, device) (attngrad_queue_depth{{{DEVICE}}})",
                                "depth {{instance}} {{device}}"),
                               (f"sum by (instance, device) (attngrad_queue_capacity{{{DEVICE}}})",
@@ -193,13 +215,17 @@ def panels():
     result.append(row(layout, "Device memory"))
     result.append(timeseries(layout, "Device memory used and total",
                              "attngrad_device_memory_used_bytes and _total_bytes per GPU.",
-                             [(f"attngrad_device_memory_used_bytes{{{DEVICE}}}", "used {{instance}} {{device}}"),
-                              (f"attngrad_device_memory_total_bytes{{{DEVICE}}}", "total {{instance}} {{device}}")],
+                             [(f"attngrad_device_memory_used_bytes{{{DEVICE}}}",
+                               "used {{instance}} {{device}}"),
+                              (f"attngrad_device_memory_total_bytes{{{DEVICE}}}",
+                               "total {{instance}} {{device}}")],
                              "bytes"))
     result.append(timeseries(layout, "Device memory used (fraction)",
-                             "used / total per GPU; the AttngradDeviceMemoryNearFull alert fires above 95%.",
+                             "used / total per GPU; the AttngradDeviceMemoryNearFull alert fires "
+                             "above 95%.",
                              [(f"attngrad_device_memory_used_bytes{{{DEVICE}}} / "
-                               f"(attngrad_device_memory_total_bytes{{{DEVICE}}} > 0)", "{{instance}} {{device}}")],
+                               f"(attngrad_device_memory_total_bytes{{{DEVICE}}} > 0)",
+                               "{{instance}} {{device}}")],
                              "percentunit"))
 
     result.append(row(layout, "Weights and accumulation"))
@@ -208,17 +234,22 @@ def panels():
                              [(f"attngrad_weights_version{{{SERVER}}}", "{{instance}}")], "none",
                              width=6, stepped=True))
     result.append(timeseries(layout, "Accumulation window id",
-                             "attngrad_accumulation_window_id: changes when gradients are zeroed or "
-                             "fetched-and-zeroed.",
-                             [(f"attngrad_accumulation_window_id{{{SERVER}}}", "{{instance}}")], "none",
+                             "attngrad_accumulation_window_id: changes when gradients are zeroed "
+                             "or fetched-and-zeroed.",
+                             [(f"attngrad_accumulation_window_id{{{SERVER}}}", "{{instance}}")],
+                             "none",
                              width=6, stepped=True))
     result.append(timeseries(layout, "Accumulated batches",
-                             "attngrad_accumulated_batches: ACCUMULATE batches in the current window.",
-                             [(f"attngrad_accumulated_batches{{{SERVER}}}", "{{instance}}")], "short",
+                             "attngrad_accumulated_batches: ACCUMULATE batches in the current "
+                             "window.",
+                             [(f"attngrad_accumulated_batches{{{SERVER}}}", "{{instance}}")],
+                             "short",
                              width=6, stepped=True))
     result.append(timeseries(layout, "Accumulated tokens",
-                             "attngrad_accumulated_tokens: tokens covered by the resident gradient sums.",
-                             [(f"attngrad_accumulated_tokens{{{SERVER}}}", "{{instance}}")], "short",
+                             "attngrad_accumulated_tokens: tokens covered by the resident gradient "
+                             "sums.",
+                             [(f"attngrad_accumulated_tokens{{{SERVER}}}", "{{instance}}")],
+                             "short",
                              width=6, stepped=True))
     return result
 
@@ -228,7 +259,8 @@ def variable(name, label, query, include_all=True, multi=True):
             "query": {"query": query, "refId": f"{name}-variable"}, "definition": query,
             "refresh": 2, "sort": 1, "includeAll": include_all, "multi": multi,
             "allValue": ".*" if include_all else None,
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]} if include_all else {},
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]} if include_all
+            else {},
             "options": [], "hide": 0}
 
 
@@ -236,8 +268,8 @@ def dashboard():
     return {
         "uid": "attngrad",
         "title": "attngrad",
-        "description": "attngrad-server: throughput, latency per stage, errors, load, device memory, "
-                       "weights and accumulation, per instance and device.",
+        "description": "attngrad-server: throughput, latency per stage, errors, load, device "
+                       "memory, weights and accumulation, per instance and device.",
         "tags": ["attngrad", "grpc", "gpu"],
         "timezone": "utc",
         "editable": True,
@@ -251,21 +283,27 @@ def dashboard():
         "liveNow": False,
         "links": [],
         "annotations": {"list": [
-            {"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
+            {"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+             "enable": True,
              "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
              "type": "dashboard"},
-            {"datasource": DATASOURCE, "enable": True, "iconColor": "purple", "name": "Weights loaded",
+            {"datasource": DATASOURCE, "enable": True, "iconColor": "purple",
+             "name": "Weights loaded",
              "expr": f"changes(attngrad_weights_version{{{SERVER}}}[1m]) > 0",
              "titleFormat": "weights version changed", "textFormat": "{{instance}}", "step": "60s"},
         ]},
         "templating": {"list": [
-            {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
-             "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1,
+            {"type": "datasource", "name": "datasource", "label": "Data source",
+             "query": "prometheus",
+             "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [],
+             "refresh": 1,
              "regex": ""},
             variable("job", "Job", "label_values(attngrad_build_info, job)"),
-            variable("instance", "Instance", 'label_values(attngrad_build_info{job=~"$job"}, instance)'),
+            variable("instance", "Instance",
+                     'label_values(attngrad_build_info{job=~"$job"}, instance)'),
             variable("device", "Device",
-                     'label_values(attngrad_queue_capacity{job=~"$job", instance=~"$instance"}, device)'),
+                     'label_values(attngrad_queue_capacity{job=~"$job", instance=~"$instance"}, '
+                     'device)'),
         ]},
         "panels": panels(),
     }

@@ -1,6 +1,6 @@
-"""Helpers of the Python client's tests: SPEC section 3 inputs, the CPU reference backend through the
-C ABI (libattngrad.so via ctypes), SPEC section 4's comparison, and an attngrad-server process on a
-loopback port.
+"""Helpers of the Python client's tests: SPEC section 3 inputs, the CPU reference backend through
+the C ABI (libattngrad.so via ctypes), SPEC section 4's comparison, and an attngrad-server process
+on a loopback port.
 
 Paths come from the environment (ctest sets them from the build):
   ATTNGRAD_SERVER   the attngrad-server binary
@@ -51,7 +51,8 @@ def random_weights(rng: np.random.Generator):
 
 def random_batch(rng: np.random.Generator, batch: int, seq_len: int):
     """hidden_states, grad_output [B,S,3072] and cos, sin [B,S,128] as in SPEC section 3."""
-    hidden = rng.standard_normal((batch, seq_len, HIDDEN), dtype=np.float32) / np.float32(np.sqrt(HIDDEN))
+    hidden = (rng.standard_normal((batch, seq_len, HIDDEN), dtype=np.float32)
+              / np.float32(np.sqrt(HIDDEN)))
     grad = rng.standard_normal((batch, seq_len, HIDDEN), dtype=np.float32)
     cos, sin = rotary(batch, seq_len)
     return hidden, grad, cos, sin
@@ -65,7 +66,8 @@ class Reference:
         float_p = ctypes.POINTER(ctypes.c_float)
         self.library.attngrad_backward_host.restype = ctypes.c_int
         self.library.attngrad_backward_host.argtypes = (
-            [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+            [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float,
+             ctypes.c_int]
             + [float_p] * 17)
         self.library.attngrad_status_string.restype = ctypes.c_char_p
         self.library.attngrad_status_string.argtypes = [ctypes.c_int]
@@ -88,7 +90,8 @@ class Reference:
         return grad_hidden, grads
 
 
-def within_spec(output, reference, atol: float = 0.0067, rtol: float = 1e-3, fraction: float = 0.99):
+def within_spec(output, reference, atol: float = 0.0067, rtol: float = 1e-3,
+                fraction: float = 0.99):
     """(passes, matched fraction) under SPEC section 4: >= FRACTION of elements with
     |out - ref| <= atol + rtol*|ref| and nothing non-finite."""
     output = np.asarray(output, dtype=np.float64)
@@ -113,7 +116,8 @@ class ServerProcess:
         self.binary = binary
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="attngrad-server-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="attngrad-server-", suffix=".log",
+                                               delete=False)
         flags = [f"--listen={self.target}", "--metrics_listen=", "--devices=cpu",
                  "--weights=random", "--weights_seed=7", "--cpu_threads=2"] + list(extra_flags)
         self.process = subprocess.Popen([binary] + flags, stdout=self.log, stderr=subprocess.STDOUT)
@@ -186,6 +190,7 @@ class ServerTestCase(unittest.TestCase):
 def required_env(name: str) -> str:
     value = os.environ.get(name)
     if not value or not Path(value).exists():
-        raise RuntimeError(f"set {name} to the built file (ctest does: tests/python/CMakeLists.txt); "
+        raise RuntimeError(f"set {name} to the built file (ctest does: "
+                           f"tests/python/CMakeLists.txt); "
                            f"got {value!r}")
     return value

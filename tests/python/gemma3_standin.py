@@ -110,15 +110,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = nn.Sequential(nn.Linear(config.hidden_size, config.intermediate_size, bias=False),
+        self.mlp = nn.Sequential(nn.Linear(config.hidden_size, config.intermediate_size,
+                                           bias=False),
                                  nn.GELU(approximate="tanh"),
-                                 nn.Linear(config.intermediate_size, config.hidden_size, bias=False))
+                                 nn.Linear(config.intermediate_size, config.hidden_size,
+                                           bias=False))
 
     def forward(self, hidden_states, position_embeddings_global, position_embeddings_local):
         sliding = self.attention_type == "sliding_attention"
         attention, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings_local if sliding else position_embeddings_global,
+            position_embeddings=position_embeddings_local if sliding
+            else position_embeddings_global,
             attention_mask=None, past_key_values=None)
         hidden_states = hidden_states + self.post_attention_layernorm(attention)
         return hidden_states + self.mlp(hidden_states)
@@ -136,7 +139,8 @@ class TextModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids):

@@ -1,6 +1,6 @@
 """The Python client (client/python, package attngrad) against attngrad-server on loopback with the
-CPU backend: backward round trips (split along B, position ids, non-default scalars, pipelined) match
-the CPU reference through the C ABI; ACCUMULATE + fetch with dedup of retried batches; weights
+CPU backend: backward round trips (split along B, position ids, non-default scalars, pipelined)
+match the CPU reference through the C ABI; ACCUMULATE + fetch with dedup of retried batches; weights
 version and accumulation window mismatches; bad input raises with the server's message and the
 stream and accumulators stay usable; backward()'s kept-open stream (BackwardStream).
 
@@ -233,8 +233,10 @@ class ClientAgainstServer(t.ServerTestCase):
         hidden, grad, cos, sin = t.random_batch(self.rng, 1, 4)
         cases = [
             ("hidden_states", dict(hidden_states=np.zeros((1, 4, 100), np.float32),
-                                   grad_output=np.zeros((1, 4, 100), np.float32), cos=cos, sin=sin)),
-            ("cos", dict(hidden_states=hidden, grad_output=grad, cos=cos[..., :64], sin=sin[..., :64])),
+                                   grad_output=np.zeros((1, 4, 100), np.float32), cos=cos,
+                                   sin=sin)),
+            ("cos", dict(hidden_states=hidden, grad_output=grad, cos=cos[..., :64],
+                         sin=sin[..., :64])),
             ("scaling", dict(hidden_states=hidden, grad_output=grad, cos=cos, sin=sin,
                              scaling=float("nan"))),
         ]
@@ -394,11 +396,11 @@ class BackwardStream(t.ServerTestCase):
                 restarted.stop()
 
     def assert_sigterm_ends_the_stream_and_exits(self, server, stream):
-        """SIGTERM to SERVER: its idle open STREAM ends with UNAVAILABLE naming the shutdown, and the
-        server exits 0 well within its grace period of 30 s. What the exit still waits for is the
-        client's connection: gRPC's server shutdown waits until its connections close, and an idle
-        grpc-python channel reads the server's GOAWAY at its backup poll, every 5 s (measured: exit
-        after 4.0-4.8 s; 0.04 s with GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS=200)."""
+        """SIGTERM to SERVER: its idle open STREAM ends with UNAVAILABLE naming the shutdown, and
+        the server exits 0 well within its grace period of 30 s. What the exit still waits for is
+        the client's connection: gRPC's server shutdown waits until its connections close, and an
+        idle grpc-python channel reads the server's GOAWAY at its backup poll, every 5 s (measured:
+        exit after 4.0-4.8 s; 0.04 s with GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS=200)."""
         start = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         self.assertEqual(stream._responses.code(), grpc.StatusCode.UNAVAILABLE)
@@ -470,7 +472,8 @@ class IdleExpiredStream(t.ServerTestCase):
 
 
 class WireEncoding(unittest.TestCase):
-    """The client's one-copy BackwardRequest serialisation parses to the same message as protobuf's."""
+    """The client's one-copy BackwardRequest serialisation parses to the same message as
+    protobuf's."""
 
     def test_one_copy_request_equals_the_protobuf_message(self):
         from attngrad import client as c
@@ -499,7 +502,6 @@ class WireEncoding(unittest.TestCase):
                 decoded = c._decode(parsed.grad_output, "grad_output").astype(np.float32)
                 tolerance = {"float32": 0, "float16": 1e-2, "bfloat16": 1e-1}[wire_dtype]
                 np.testing.assert_allclose(decoded, grad[2:3], rtol=tolerance, atol=tolerance)
-
 
     def test_one_copy_weight_chunk(self):
         from attngrad import client as c

@@ -2,16 +2,16 @@
 PyTorch) registers its CUDA tensors with attngrad-server on GPU 0 (a second process) and the server
 computes straight from them and writes grad_hidden_states into them. The results equal the bytes
 path's bit for bit (RETURN, whose weight gradients go into this process's GPU memory too, and
-ACCUMULATE; fp32 and bf16 inputs, fp32 and fp16 answers; a batch split in parts along B); every bad reference into a CUDA IPC region (unknown region, another
-client's, out of bounds, misaligned, too small, a slice on another GPU's memory) is
-INVALID_ARGUMENT naming the field and the stream goes on; one registration per GPU allocation,
-reused by the next calls (also with new tensors each call, as in a training loop, whose memory is
-freed when a call returns) and closed by close(); an allocation freed and made again
-(torch.cuda.empty_cache()) is registered anew and the answers stay right; a server on the CPU
-refuses the regions and the client falls back to the bytes path with a warning. Weights by
-reference (load_weights(transport="cuda_ipc"), fp32 and bf16 parameters) compute exactly as the
-same values sent as bytes, are copied by the server before it answers and are refused when not
-finite; RemoteGemma3Attention's default transport is CUDA IPC, and attach(optimizer) fetches
+ACCUMULATE; fp32 and bf16 inputs, fp32 and fp16 answers; a batch split in parts along B); every bad
+reference into a CUDA IPC region (unknown region, another client's, out of bounds, misaligned, too
+small, a slice on another GPU's memory) is INVALID_ARGUMENT naming the field and the stream goes on;
+one registration per GPU allocation, reused by the next calls (also with new tensors each call, as
+in a training loop, whose memory is freed when a call returns) and closed by close(); an allocation
+freed and made again (torch.cuda.empty_cache()) is registered anew and the answers stay right; a
+server on the CPU refuses the regions and the client falls back to the bytes path with a warning.
+Weights by reference (load_weights(transport="cuda_ipc"), fp32 and bf16 parameters) compute exactly
+as the same values sent as bytes, are copied by the server before it answers and are refused when
+not finite; RemoteGemma3Attention's default transport is CUDA IPC, and attach(optimizer) fetches
 ACCUMULATE sums before AdamW, Adam and SGD steps.
 
 Needs PyTorch with CUDA and a GPU build of attngrad-server (ATTNGRAD_SERVER); skips otherwise
@@ -175,7 +175,8 @@ class CudaIpcAgainstServer(t.ServerTestCase):
                 "hidden_states_region.byte_size":
                     ((regions[0], good[0][1], bytes_ - 16),) + good[1:],
                 "hidden_states_region ": ((small_region, 0, bytes_),) + good[1:],  # too small
-                "weight_gradients_region.byte_size": good + ((weights_region, 0, weight_bytes - 4),),
+                "weight_gradients_region.byte_size": good + ((weights_region, 0,
+                                                              weight_bytes - 4),),
             }
             messages = [request(i + 1, *slices) for i, slices in enumerate(cases.values())]
             messages.append(request(len(messages) + 1, *good))

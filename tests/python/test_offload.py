@@ -1,6 +1,6 @@
-"""attngrad.torch.offload (issue 16, item 3): the attention backward of every layer of a Gemma-3 model
-moved to attngrad servers in one call, against attngrad-server processes on the CPU backend serving
-gemma-3-270m layers (hidden 640, 4 heads, 1 kv head, head_dim 256).
+"""attngrad.torch.offload (issue 16, item 3): the attention backward of every layer of a Gemma-3
+model moved to attngrad servers in one call, against attngrad-server processes on the CPU backend
+serving gemma-3-270m layers (hidden 640, 4 heads, 1 kv head, head_dim 256).
 
 The model is transformers' Gemma3ForCausalLM with a tiny config when transformers is importable,
 and always the stand-in of gemma3_standin.py (the same module tree and arithmetic). For each: the

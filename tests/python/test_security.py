@@ -26,10 +26,12 @@ key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1"
 key ca.key; openssl req -x509 -new -key ca.key -out ca.pem -days 2 -subj /CN=attngrad-test-ca
 printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext
 key server.key; openssl req -new -key server.key -out server.csr -subj /CN=localhost
-openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile server.ext
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 \\
+  -extfile server.ext
 printf 'extendedKeyUsage=clientAuth\\n' > client.ext
 key client.key; openssl req -new -key client.key -out client.csr -subj /CN=trainer
-openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2 -extfile client.ext
+openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2 \\
+  -extfile client.ext
 """
 
 
@@ -44,7 +46,8 @@ class SecureServer(unittest.TestCase):
         (cls.directory / "trainer.token").write_text(TRAINER_TOKEN + "\n")
         d = cls.directory
         cls.server = t.ServerProcess(t.required_env("ATTNGRAD_SERVER"),
-                                     f"--tls_cert={d / 'server.pem'}", f"--tls_key={d / 'server.key'}",
+                                     f"--tls_cert={d / 'server.pem'}",
+                                     f"--tls_key={d / 'server.key'}",
                                      f"--tls_client_ca={d / 'ca.pem'}",
                                      f"--tokens_file={d / 'tokens.txt'}")
         try:

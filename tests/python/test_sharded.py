@@ -1,8 +1,8 @@
 """A model's layers spread over several servers (issue 16, item 2) and the client's connections and
 input dtype (issue 13, items 2 and 3), against attngrad-server processes on the CPU backend:
 
-- attngrad.ShardedClient over two servers of gemma-3-270m (--layers=4-4 and --layers=5-5): the merged
-  model info, every layer-addressed call reaching the server of its layer (each server's own
+- attngrad.ShardedClient over two servers of gemma-3-270m (--layers=4-4 and --layers=5-5): the
+  merged model info, every layer-addressed call reaching the server of its layer (each server's own
   instance id in the answers, its own accumulation windows), backward_many across both, and the
   refusals: servers of different models, a server lacking a mapped layer, a layer outside the map,
   malformed maps.
@@ -148,7 +148,8 @@ class ShardedAgainstTwoServers(unittest.TestCase):
             server.stop()
 
     def batch(self, seq_len=5, batch=1):
-        hidden = self.rng.standard_normal((batch, seq_len, HIDDEN), dtype=np.float32) / np.float32(25)
+        hidden = (self.rng.standard_normal((batch, seq_len, HIDDEN), dtype=np.float32)
+                  / np.float32(25))
         grad = self.rng.standard_normal((batch, seq_len, HIDDEN), dtype=np.float32)
         return hidden, grad, np.arange(seq_len)
 
@@ -163,7 +164,8 @@ class ShardedAgainstTwoServers(unittest.TestCase):
         self.assertEqual(self.sharded.health(), "SERVING")
 
     def test_each_layer_goes_to_its_server(self):
-        ids = {4: self.client_a.info().server_instance_id, 5: self.client_b.info().server_instance_id}
+        ids = {4: self.client_a.info().server_instance_id,
+               5: self.client_b.info().server_instance_id}
         for layer in (4, 5):
             hidden, grad, positions = self.batch()
             result = self.sharded.backward(hidden, grad, position_ids=positions, layer=layer)
@@ -319,7 +321,8 @@ class ChannelsAndInputDType(unittest.TestCase):
         self.assertEqual([r.grad_hidden_states.shape[1] for r in spread], [3, 4, 5, 6, 3, 4, 5])
         for a, b in zip(spread, one):
             np.testing.assert_array_equal(a.grad_hidden_states, b.grad_hidden_states)
-            np.testing.assert_array_equal(a.weight_gradients["o_proj"], b.weight_gradients["o_proj"])
+            np.testing.assert_array_equal(a.weight_gradients["o_proj"],
+                                          b.weight_gradients["o_proj"])
         with self.assertRaises(ValueError):
             list(self.client.backward_many(batches, streams=0))
 

@@ -2,7 +2,8 @@
 autograd bridge's gradients equal float64 PyTorch autograd of the same layer under SPEC section 4
 (RETURN and ACCUMULATE), the weights are re-uploaded after an optimizer step, and the bridge saves
 only hidden_states, cos and sin for the backward. Without PyTorch the suite reports itself skipped
-(CI's Debian interpreter has no PyTorch; the H200 check is client/python/examples/check_autograd.py)."""
+(CI's Debian interpreter has no PyTorch; the H200 check is
+client/python/examples/check_autograd.py)."""
 from __future__ import annotations
 
 import unittest
@@ -15,8 +16,6 @@ try:
     import torch
 except ImportError:  # pragma: no cover - depends on the machine
     torch = None
-
-import attngrad  # noqa: E402
 
 
 @unittest.skipIf(torch is None, "PyTorch is not installed for this interpreter")
@@ -64,7 +63,8 @@ class TorchBridgeAgainstServer(t.ServerTestCase):
     def test_accumulate_mode_fetch_and_weight_upload_after_step(self):
         module = self.bridge.RemoteGemma3Attention(self.client, mode="accumulate", precision="fp32")
         optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-        expected = {n: torch.zeros_like(w, dtype=torch.float64) for n, w in module.weights().items()}
+        expected = {n: torch.zeros_like(w, dtype=torch.float64)
+                    for n, w in module.weights().items()}
         for batch in (1, 3):  # [3,8] is split in two requests along B
             hidden, grad, cos, sin = self.inputs(batch, 8)
             module(hidden, cos, sin).backward(grad)
@@ -83,7 +83,8 @@ class TorchBridgeAgainstServer(t.ServerTestCase):
         optimizer.zero_grad()
         hidden, grad, cos, sin = self.inputs(1, 8)
         module(hidden, cos, sin).backward(grad)
-        self.assertGreater(module.weights_version, version, "the step's new weights were not uploaded")
+        self.assertGreater(module.weights_version, version,
+                           "the step's new weights were not uploaded")
         self.assertEqual(module.last_result.weights_version, module.weights_version)
         state = module.fetch_gradients()
         self.assertEqual((state.tokens, state.weights_version), (8, module.weights_version))

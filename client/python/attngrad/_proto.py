@@ -1,10 +1,11 @@
 """The generated Python stubs of proto/attngrad/v1/*.proto, and how they are made.
 
 Nothing generated is committed. The stubs live in the subpackage ``attngrad.v1`` (the proto package
-``attngrad.v1`` maps onto it, so the generated ``from attngrad.v1 import tensor_pb2`` resolves here):
+``attngrad.v1`` maps onto it, so the generated ``from attngrad.v1 import tensor_pb2`` resolves
+here):
 
-* ``pip install client/python`` (setup.py) or ``client/python/generate_stubs.sh`` write them into the
-  package's own ``attngrad/v1/`` directory, with a stamp of the .proto files they came from;
+* ``pip install client/python`` (setup.py) or ``client/python/generate_stubs.sh`` write them into
+  the package's own ``attngrad/v1/`` directory, with a stamp of the .proto files they came from;
 * otherwise (running from the source tree, or the stamp is stale because proto/ changed) they are
   generated on first import into a cache directory (``$ATTNGRAD_STUB_CACHE`` or
   ``~/.cache/attngrad/stubs/<hash>``), which is appended to the package's ``__path__``.
@@ -71,8 +72,8 @@ def _generator() -> Tuple[str, list]:
     plugin = shutil.which("grpc_python_plugin")
     if not protoc or not plugin:
         raise StubGenerationError(
-            "cannot generate the attngrad gRPC stubs: neither grpcio-tools (pip install grpcio-tools) "
-            "nor Debian's protoc + grpc_python_plugin (apt install protobuf-compiler "
+            "cannot generate the attngrad gRPC stubs: neither grpcio-tools (pip install "
+            "grpcio-tools) nor Debian's protoc + grpc_python_plugin (apt install protobuf-compiler "
             "protobuf-compiler-grpc) is available")
     return "protoc", [protoc, f"--plugin=protoc-gen-grpc_python={plugin}"]
 
@@ -108,8 +109,8 @@ def generate(out_dir, proto_root: Optional[Path] = None) -> Path:
     proto_root = Path(proto_root) if proto_root else find_proto_root()
     if proto_root is None:
         raise StubGenerationError(
-            "cannot find proto/attngrad/v1/*.proto: set ATTNGRAD_PROTO_DIR to the repository's proto/ "
-            "directory")
+            "cannot find proto/attngrad/v1/*.proto: set ATTNGRAD_PROTO_DIR to the repository's "
+            "proto/ directory")
     out_dir = Path(out_dir)
     target = out_dir / "attngrad" / "v1"
     target.mkdir(parents=True, exist_ok=True)
@@ -125,11 +126,13 @@ def generate(out_dir, proto_root: Optional[Path] = None) -> Path:
             capture_output=True, text=True)
         if result.returncode != 0:
             raise StubGenerationError(
-                f"generating the attngrad stubs failed ({' '.join(command)}): {result.stderr.strip()}")
+                f"generating the attngrad stubs failed ({' '.join(command)}): "
+                f"{result.stderr.strip()}")
         for module in GENERATED_MODULES:
             if not (generated / f"{module}.py").is_file():
                 raise StubGenerationError(f"the stub generator did not write {module}.py")
-        (generated / "__init__.py").write_text('"""Generated from proto/attngrad/v1 (not committed)."""\n')
+        (generated / "__init__.py").write_text(
+            '"""Generated from proto/attngrad/v1 (not committed)."""\n')
         (generated / STAMP_NAME).write_text(source_hash(proto_root) + "\n")
         # Modules first, the stamp last: a stamp means a complete set.
         for path in sorted(generated.iterdir(), key=lambda p: p.name == STAMP_NAME):
@@ -139,7 +142,8 @@ def generate(out_dir, proto_root: Optional[Path] = None) -> Path:
 
 def _stamp_matches(directory: Path, proto_root: Optional[Path]) -> bool:
     stamp = directory / STAMP_NAME
-    if not all((directory / f"{m}.py").is_file() for m in GENERATED_MODULES) or not stamp.is_file() \
+    if not all((directory / f"{m}.py").is_file() for m in GENERATED_MODULES) \
+            or not stamp.is_file() \
             or not (directory / DESCRIPTOR_SET_NAME).is_file():
         return False
     if proto_root is None:  # an installed package without the sources: trust what was built
@@ -162,8 +166,9 @@ def load() -> Tuple[ModuleType, ModuleType, ModuleType]:
     if not _stamp_matches(in_package, proto_root):
         if proto_root is None:
             raise StubGenerationError(
-                "the attngrad gRPC stubs were not generated and the .proto files are not found: run "
-                "client/python/generate_stubs.sh, pip install client/python, or set ATTNGRAD_PROTO_DIR")
+                "the attngrad gRPC stubs were not generated and the .proto files are not found: "
+                "run client/python/generate_stubs.sh, pip install client/python, or set "
+                "ATTNGRAD_PROTO_DIR")
         cache_dir = _cache_root() / cache_key(proto_root)
         if not _stamp_matches(cache_dir / "attngrad" / "v1", proto_root):
             cache_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +189,8 @@ def load() -> Tuple[ModuleType, ModuleType, ModuleType]:
     except Exception as error:  # noqa: BLE001 - gencode of another protobuf generation
         import warnings
         warnings.warn(f"the generated attngrad stubs do not import under protobuf "
-                      f"{_protobuf_version()} ({error!r}); building them from {DESCRIPTOR_SET_NAME}")
+                      f"{_protobuf_version()} ({error!r}); building them from "
+                      f"{DESCRIPTOR_SET_NAME}")
         return _from_descriptor_set(Path(v1.__path__[0]) / DESCRIPTOR_SET_NAME)
     return tensor_pb2, attngrad_pb2, attngrad_pb2_grpc
 
@@ -249,8 +255,10 @@ def _kind_from_proto(files, method_name: str, channel):
         for service in file_proto.service:
             for method in service.method:
                 if method.name == method_name:
-                    return {(False, False): channel.unary_unary, (True, False): channel.stream_unary,
-                            (False, True): channel.unary_stream, (True, True): channel.stream_stream}[
+                    return {(False, False): channel.unary_unary,
+                            (True, False): channel.stream_unary,
+                            (False, True): channel.unary_stream,
+                            (True, True): channel.stream_stream}[
                         (method.client_streaming, method.server_streaming)]
     raise StubGenerationError(f"method {method_name} not in the descriptor set")
 

@@ -45,7 +45,8 @@ def torch_wire_dtype(tensor) -> Optional[str]:
 def torch_dtype(wire_dtype: str):
     import torch
 
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wire_dtype]
+    return {"float32": torch.float32, "float16": torch.float16,
+            "bfloat16": torch.bfloat16}[wire_dtype]
 
 
 _IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)

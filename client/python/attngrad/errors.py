@@ -1,5 +1,5 @@
-"""Exceptions of the attngrad client: every failed call raises an AttngradError that carries the gRPC
-status code and the server's message (whether the whole RPC failed or one batch of a stream was
+"""Exceptions of the attngrad client: every failed call raises an AttngradError that carries the
+gRPC status code and the server's message (whether the whole RPC failed or one batch of a stream was
 answered with BackwardResponse.error)."""
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ class InvalidArgumentError(AttngradError):
 
 
 class FailedPreconditionError(AttngradError):
-    """FAILED_PRECONDITION: the weights version or accumulation window differs from the expected one."""
+    """FAILED_PRECONDITION: the weights version or accumulation window differs from the expected
+    one."""
 
 
 class ResourceExhaustedError(AttngradError):

@@ -51,7 +51,8 @@ def _parse_span(text: str, whole: str) -> Tuple[int, int]:
         raise ValueError(f"layer map {whole!r}: {text!r} is not a layer range FIRST-LAST "
                          "(e.g. \"0-12=host-a:50051\")") from None
     if first < 0 or last < first:
-        raise ValueError(f"layer map {whole!r}: {text!r} must be FIRST-LAST with 0 <= FIRST <= LAST")
+        raise ValueError(f"layer map {whole!r}: {text!r} must be FIRST-LAST with "
+                         "0 <= FIRST <= LAST")
     return first, last
 
 
@@ -262,7 +263,8 @@ class ShardedClient:
             return servers[index].backward_many(server_batches, timeout=timeout)
 
         return client_module.ordered_fan_out(
-            (dict(kwargs) for kwargs in batches), lambda _, kwargs: self._index(kwargs.get("layer")),
+            (dict(kwargs) for kwargs in batches),
+            lambda _, kwargs: self._index(kwargs.get("layer")),
             run_server, limit=max(c.max_in_flight for c in servers) * len(servers))
 
     def fetch_gradients(self, *, layer: Optional[int] = None, **kwargs) -> client_module.Gradients:

@@ -1,12 +1,13 @@
-"""Tensors on the wire (attngrad.v1.Tensor: raw little-endian bytes, a dtype and a shape) to and from
-NumPy arrays and PyTorch tensors. PyTorch is never imported here: torch tensors are recognised by
-their type's module and converted with their own methods.
+"""Tensors on the wire (attngrad.v1.Tensor: raw little-endian bytes, a dtype and a shape) to and
+from NumPy arrays and PyTorch tensors. PyTorch is never imported here: torch tensors are recognised
+by their type's module and converted with their own methods.
 
-Copies: a CUDA tensor comes to the host once, into page-locked memory (to_host); contiguous() gives the wire bytes of an array without copying when it already is C-contiguous
-little-endian float32 (float16/bfloat16 need one conversion); the client then serialises backward
-requests and weight chunks with a single join of those buffers (client._WireRequest/_WireChunk).
-Decoding is zero-copy for float32 and float16 (np.frombuffer over the received bytes: the array is
-read-only and keeps them alive); bfloat16 needs one widening copy to float32."""
+Copies: a CUDA tensor comes to the host once, into page-locked memory (to_host); contiguous() gives
+the wire bytes of an array without copying when it already is C-contiguous little-endian float32
+(float16/bfloat16 need one conversion); the client then serialises backward requests and weight
+chunks with a single join of those buffers (client._WireRequest/_WireChunk). Decoding is zero-copy
+for float32 and float16 (np.frombuffer over the received bytes: the array is read-only and keeps
+them alive); bfloat16 needs one widening copy to float32."""
 from __future__ import annotations
 
 from typing import Any, Tuple
@@ -53,7 +54,8 @@ def wire_dtype_name(dtype_name: str) -> str:
                "f16": "float16", "half": "float16", "bf16": "bfloat16"}
     name = aliases.get(str(dtype_name).lower(), str(dtype_name).lower())
     if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown wire dtype {dtype_name!r}: expected one of {', '.join(DTYPE_NAMES)}")
+        raise ValueError(f"unknown wire dtype {dtype_name!r}: expected one of "
+                         f"{', '.join(DTYPE_NAMES)}")
     return name
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """The H200 check of the PyTorch autograd bridge: for each workload, the gradients that
 attngrad.torch.RemoteGemma3Attention gets from the service (all 7 outputs of SPEC section 1) against
-float64 PyTorch autograd of the same layer (attngrad.torch.gemma3_attention), judged by SPEC section 4;
-ACCUMULATE + fetch against the sum of two batches; what each keeps for the backward (saved-tensor
-hooks); the wall time of the bridge's backward next to eager PyTorch's (fp32 and TF32) on the same GPU;
-then examples/train_step.py. Prints a markdown summary for bench/RESULTS.md; exit status 1 on a miss.
+float64 PyTorch autograd of the same layer (attngrad.torch.gemma3_attention), judged by SPEC section
+4; ACCUMULATE + fetch against the sum of two batches; what each keeps for the backward (saved-tensor
+hooks); the wall time of the bridge's backward next to eager PyTorch's (fp32 and TF32) on the same
+GPU; then examples/train_step.py. Prints a markdown summary for bench/RESULTS.md; exit status 1 on a
+miss.
 
     # on the GPU machine (server libraries carried with shared/tools/bundle-libs.sh):
     LD_LIBRARY_PATH=libs python3 client/python/examples/check_autograd.py \
@@ -40,7 +41,8 @@ OUTPUTS = ("hidden_states", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k
 
 
 def spec_check(output: torch.Tensor, reference: torch.Tensor, atol: float, name: str):
-    """(passes, matched fraction, misses) under SPEC section 4 (norm-weight gradients: <= 1 miss)."""
+    """(passes, matched fraction, misses) under SPEC section 4 (norm-weight gradients: <= 1
+    miss)."""
     output = output.detach().double()
     reference = reference.detach().double()
     if output.shape != reference.shape or not torch.isfinite(output).all():
@@ -123,7 +125,8 @@ def main() -> int:
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--device", default="cuda",
-                        help="where the local forward and the float64 reference run (cpu: a dry run)")
+                        help="where the local forward and the float64 reference run "
+                             "(cpu: a dry run)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -146,8 +149,9 @@ def main() -> int:
                      f"{torch.__version__} on "
                      f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}.")
         lines.append("")
-        lines.append("| B×S | min matched fraction over the 7 outputs (norm-grad misses) | bridge backward "
-                     "| eager fp32 backward | eager TF32 backward | saved/token bridge | saved/token eager |")
+        lines.append("| B×S | min matched fraction over the 7 outputs (norm-grad misses) "
+                     "| bridge backward | eager fp32 backward | eager TF32 backward | saved/token "
+                     "bridge | saved/token eager |")
         lines.append("| --- | --- | --- | --- | --- | --- | --- |")
         generator = torch.Generator(device=device)
         for batch, seq_len in workloads:
@@ -175,7 +179,8 @@ def main() -> int:
             tokens = batch * seq_len
             bridge_saved = sum(saved_bytes(lambda: module(hidden, cos, sin)).values()) / tokens
             weight_ptrs = {w.data_ptr() for w in module.weights().values()}
-            eager = saved_bytes(lambda: bridge.gemma3_attention(hidden, cos, sin, *module.weights().values()))
+            eager = saved_bytes(lambda: bridge.gemma3_attention(hidden, cos, sin,
+                                                                *module.weights().values()))
             eager_saved = sum(v for (p, _), v in eager.items() if p not in weight_ptrs) / tokens
             timing = ["", "", ""]
             if not args.no_timing:
@@ -187,8 +192,9 @@ def main() -> int:
                     torch.backends.cuda.matmul.allow_tf32 = tf32
                     timing[index] = f"{timed_backward(eager_forward, grad) * 1e3:.1f} ms"
                 torch.backends.cuda.matmul.allow_tf32 = False
-            line = (f"| {batch}×{seq_len} | {worst:.6f} ({norm_misses}) | {timing[0]} | {timing[1]} | "
-                    f"{timing[2]} | {bridge_saved / 1024:.1f} KiB | {eager_saved / 1024:.1f} KiB |")
+            line = (f"| {batch}×{seq_len} | {worst:.6f} ({norm_misses}) | {timing[0]} | "
+                    f"{timing[1]} | {timing[2]} | {bridge_saved / 1024:.1f} KiB | "
+                    f"{eager_saved / 1024:.1f} KiB |")
             print(line, flush=True)
             lines.append(line)
             del module, hidden, grad, cos, sin
@@ -226,8 +232,8 @@ def main() -> int:
             trained = subprocess.run(command, capture_output=True, text=True)
             print(trained.stdout + trained.stderr)
             last = [line for line in trained.stdout.splitlines() if line.startswith("loss ")]
-            lines.append(f"examples/train_step.py (8×128, 10 steps): {last[-1] if last else 'no output'}"
-                         f" (exit {trained.returncode}).")
+            lines.append(f"examples/train_step.py (8×128, 10 steps): "
+                         f"{last[-1] if last else 'no output'} (exit {trained.returncode}).")
             if trained.returncode != 0:
                 failures.append("train_step.py: loss did not go down")
     finally:

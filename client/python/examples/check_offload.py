@@ -110,7 +110,8 @@ def write_checkpoint(model, directory: Path, shard_size: str) -> None:
     print(f"wrote {directory}: config.json, {len(shards)} shards, index "
           f"{'present' if index.exists() else 'MISSING'}", flush=True)
     if not shards or not index.exists():
-        raise SystemExit(f"save_pretrained did not shard the checkpoint (max_shard_size={shard_size})")
+        raise SystemExit(f"save_pretrained did not shard the checkpoint "
+                         f"(max_shard_size={shard_size})")
 
 
 def free_port() -> int:
@@ -292,12 +293,14 @@ def main() -> int:
                         " layout (default: --devices)")
     parser.add_argument("--config", choices=sorted(PRESETS), default="270m")
     parser.add_argument("--num-layers", type=int, default=0, help="override num_hidden_layers")
-    parser.add_argument("--vocab", type=int, default=0, help="override vocab_size (smaller = faster)")
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="override vocab_size (smaller = faster)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--mode", choices=("return", "accumulate"), default="return")
-    parser.add_argument("--precision", default="fp32", help="the servers' precision (fp32, auto, ...)")
+    parser.add_argument("--precision", default="fp32",
+                        help="the servers' precision (fp32, auto, ...)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--loss-rtol", type=float, default=1e-3)
@@ -307,7 +310,8 @@ def main() -> int:
     parser.add_argument("--shard-size", default="",
                         help="save_pretrained max_shard_size (default: a quarter of the model)")
     parser.add_argument("--layouts", default="one,two", help="one, two or one,two")
-    parser.add_argument("--workdir", default="", help="where to write the checkpoint (default: tmp)")
+    parser.add_argument("--workdir", default="",
+                        help="where to write the checkpoint (default: tmp)")
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",

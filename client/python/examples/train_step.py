@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # client/python, when run from the repo
+# client/python, when run from the repo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -37,7 +38,8 @@ import attngrad.torch as attngrad_torch  # noqa: E402
 class TinyModel(nn.Module):
     def __init__(self, client, vocab: int, mode: str, precision: str):
         super().__init__()
-        self.attention = attngrad_torch.RemoteGemma3Attention(client, mode=mode, precision=precision)
+        self.attention = attngrad_torch.RemoteGemma3Attention(client, mode=mode,
+                                                              precision=precision)
         hidden = self.attention.config.hidden_size
         self.embed = nn.Embedding(vocab, hidden)
         nn.init.normal_(self.embed.weight, std=1.0)
@@ -67,7 +69,8 @@ def main() -> int:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--target", default=os.environ.get("ATTNGRAD_TARGET", "localhost:50051"))
     where.add_argument("--server", help="start this attngrad-server binary on a free loopback port")
-    parser.add_argument("--devices", default="", help="--devices of the started server (cpu, 0,1, ...)")
+    parser.add_argument("--devices", default="",
+                        help="--devices of the started server (cpu, 0,1, ...)")
     parser.add_argument("--mode", choices=("return", "accumulate"), default="accumulate")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--steps", type=int, default=8)
@@ -110,9 +113,11 @@ def main() -> int:
             compute = sum(t.compute for t in server.timings)
             losses.append(loss.item())
             print(f"step {step}: loss {loss.item():.4f}  ({elapsed * 1e3:.0f} ms, server compute "
-                  f"{compute * 1e3:.1f} ms on {server.devices[0]}, weights v{server.weights_version})")
+                  f"{compute * 1e3:.1f} ms on {server.devices[0]}, weights "
+                  f"v{server.weights_version})")
         went_down = losses[-1] < losses[0] and math.isfinite(losses[-1])
-        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}: {'went down' if went_down else 'DID NOT go down'}")
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}: "
+              f"{'went down' if went_down else 'DID NOT go down'}")
         client.close()
         return 0 if went_down else 1
     finally:
