@@ -86,7 +86,12 @@ ABSL_FLAG(int, tls_reload_interval_seconds, 10,
           "restart)");
 ABSL_FLAG(std::string, tokens_file, "",
           "File of bearer tokens, one \"token role [client_id]\" per line (role trainer or admin); "
-          "empty = authentication OFF (any client may do anything)");
+          "empty = authentication OFF: then only clients on this host are served, unless "
+          "--allow_unauthenticated");
+ABSL_FLAG(bool, allow_unauthenticated, false,
+          "Without --tokens_file, serve clients of every host (authentication OFF: any client that "
+          "reaches the port may do anything); by default such a server serves only clients on "
+          "its own host (loopback and Unix sockets). No effect with --tokens_file");
 ABSL_FLAG(std::int64_t, max_inflight_bytes, std::int64_t{4} << 30,
           "host memory for data in flight, server-wide: received batches, answers not yet sent, "
           "LoadWeights staging, FetchGradients results; beyond it new batches and streams get "
@@ -251,6 +256,7 @@ int main(int argc, char** argv) {
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.tls_reload_interval_seconds = absl::GetFlag(FLAGS_tls_reload_interval_seconds);
   options.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  options.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   options.nccl = absl::GetFlag(FLAGS_nccl);
   const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);

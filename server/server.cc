@@ -219,7 +219,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
       ServerTransport transport,
       MakeServerTransport(TlsFilesOf(options), LogAndCountTlsReloads(server->metrics_.get())));
   server->tls_reloader_ = std::move(transport.reloader);
-  Authenticator authenticator = Authenticator::Open();
+  Authenticator authenticator = Authenticator::Open(!options.allow_unauthenticated);
   if (!options.tokens_file.empty()) {
     ATTNGRAD_ASSIGN_OR_RETURN(authenticator, Authenticator::FromFile(options.tokens_file));
   }
@@ -287,11 +287,16 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
         options.tls_cert.empty() ? "; WARNING: without --tls_cert the tokens cross the network "
                                    "in plaintext"
                                  : ""));
+  } else if (authenticator.loopback_only()) {
+    server->security_summary_.push_back(
+        "protected mode: no --tokens_file, so only clients on this host (loopback, Unix sockets) "
+        "are served and every other caller is refused (PERMISSION_DENIED); give --tokens_file, or "
+        "--allow_unauthenticated to serve everyone");
   } else {
     server->security_summary_.push_back(
-        "WARNING: authentication is OFF (no --tokens_file): any client that reaches the gRPC port "
-        "may replace the weights, zero or fetch any client's sums (clients name themselves with "
-        "the attngrad-client-id metadata)");
+        "WARNING: authentication is OFF (no --tokens_file, --allow_unauthenticated): any client "
+        "that reaches the gRPC port may replace the weights, zero or fetch any client's sums "
+        "(clients name themselves with the attngrad-client-id metadata)");
   }
   server->service_ = std::make_unique<GradientService>(
       server->core_.get(), server->metrics_.get(), limits, std::move(authenticator),

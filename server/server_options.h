@@ -34,7 +34,9 @@ struct ServerOptions {
   std::string tls_client_ca;  // PEM CA bundle: mutual TLS (client certificates required)
   int tls_reload_interval_seconds = 10;  // how often the TLS files are checked for changes
   std::string tokens_file;  // "token role [client_id]" lines; empty = authentication off
-  int queue_depth = 4;      // batches per stream in flight; GPU pipeline depth (at least 3)
+  // Without tokens_file: serve clients of other hosts too (else only this host's: protected mode).
+  bool allow_unauthenticated = false;
+  int queue_depth = 4;  // batches per stream in flight; GPU pipeline depth (at least 3)
   // GPU servers: activations staged into page-locked memory by the receiving thread.
   bool stage_on_arrival = true;
   // Host memory for data in flight, server-wide (MemoryBudget); 0 = no limit.

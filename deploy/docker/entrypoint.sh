@@ -44,6 +44,7 @@ declare -A flag_of=(
   [ATTNGRAD_TLS_CLIENT_CA]=tls_client_ca
   [ATTNGRAD_TLS_RELOAD_INTERVAL_SECONDS]=tls_reload_interval_seconds
   [ATTNGRAD_TOKENS_FILE]=tokens_file
+  [ATTNGRAD_ALLOW_UNAUTHENTICATED]=allow_unauthenticated
 )
 
 server="${ATTNGRAD_SERVER_BINARY:-/usr/local/bin/attngrad-server}"

@@ -1,6 +1,7 @@
 // Bearer tokens, roles and client ids (see auth.h).
 #include "rpc/auth.h"
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -9,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "attngrad/wire/status_macros.h"
 
 namespace attngrad::server {
@@ -89,7 +91,35 @@ absl::Status CheckClientId(absl::string_view client_id, absl::string_view what) 
   return absl::OkStatus();
 }
 
-Authenticator Authenticator::Open() { return Authenticator(); }
+Authenticator Authenticator::Open(bool loopback_only) {
+  Authenticator authenticator;
+  authenticator.loopback_only_ = loopback_only;
+  return authenticator;
+}
+
+bool IsLoopbackPeer(absl::string_view peer) {
+  if (absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:")) return true;
+  if (absl::ConsumePrefix(&peer, "ipv4:")) return absl::StartsWith(peer, "127.");
+  if (!absl::ConsumePrefix(&peer, "ipv6:")) return false;
+  // "[::1]:port", or percent-encoded brackets "%5B::1%5D:port" (newer gRPC releases).
+  if (!absl::ConsumePrefix(&peer, "[") && !absl::ConsumePrefix(&peer, "%5B") &&
+      !absl::ConsumePrefix(&peer, "%5b")) {
+    return false;
+  }
+  const std::size_t end = std::min(peer.find(']'), peer.find('%'));
+  const absl::string_view address = peer.substr(0, end);
+  return address == "::1" || absl::StartsWith(address, "::ffff:127.");
+}
+
+absl::Status Authenticator::CheckPeer(absl::string_view peer) const {
+  if (!loopback_only() || IsLoopbackPeer(peer)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "this server runs without authentication (no --tokens_file) and therefore serves only "
+      "clients on its own host; this call came from ",
+      peer,
+      ". Start the server with --tokens_file=FILE (bearer tokens), or with "
+      "--allow_unauthenticated to serve every client that reaches its port"));
+}
 
 absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
@@ -157,6 +187,7 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
 }
 
 absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase& context) const {
+  ATTNGRAD_RETURN_IF_ERROR(CheckPeer(context.peer()));
   return AuthenticateMetadata(context.client_metadata());
 }
 

@@ -43,13 +43,19 @@ inline constexpr char kAuthorizationMetadata[] = "authorization";
 inline constexpr char kClientIdMetadata[] = "attngrad-client-id";    // authentication off only
 inline constexpr char kForClientMetadata[] = "attngrad-for-client";  // admin: another's window
 
+// Whether a gRPC peer string names a caller on this host: an IPv4 address in 127.0.0.0/8, the
+// IPv6 loopback ::1 (or an IPv4-mapped loopback address), or a Unix socket.
+bool IsLoopbackPeer(absl::string_view peer);
+
 // Client ids: 1 to 128 characters of [A-Za-z0-9._:@-].
 absl::Status CheckClientId(absl::string_view client_id, absl::string_view what);
 
 class Authenticator {
  public:
   // Authentication off: every caller is an admin, named by its attngrad-client-id metadata.
-  static Authenticator Open();
+  // loopback_only (the default, "protected mode"): only callers on the server's own host
+  // (loopback or a Unix socket) are served; the others get PERMISSION_DENIED.
+  static Authenticator Open(bool loopback_only = true);
   // Reads a tokens file: one "token role [client_id]" per line (blank lines and lines starting
   // with '#' are skipped). Tokens must be at least 16 characters and unique; role is trainer or
   // admin; client_id defaults to "<role>-line<N>" (N = the line number), and a line may not name
@@ -59,11 +65,17 @@ class Authenticator {
   static absl::StatusOr<Authenticator> FromText(absl::string_view text, absl::string_view origin);
 
   bool enabled() const { return enabled_; }
+  bool loopback_only() const { return !enabled_ && loopback_only_; }
   std::size_t token_count() const { return entries_.size(); }
 
   // The caller of `context`: UNAUTHENTICATED without or with an unknown bearer token (when
-  // enabled), INVALID_ARGUMENT for a malformed attngrad-client-id.
+  // enabled), PERMISSION_DENIED for a caller from another host in protected mode,
+  // INVALID_ARGUMENT for a malformed attngrad-client-id.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& context) const;
+  // PERMISSION_DENIED naming the two ways out when the server is in protected mode and `peer`
+  // (grpc::ServerContext::peer(): "ipv4:1.2.3.4:5", "ipv6:[::1]:5", "unix:/path") is not on
+  // this host; OK otherwise.
+  absl::Status CheckPeer(absl::string_view peer) const;
   // The same from a metadata multimap's values (for tests and for Authenticate).
   absl::StatusOr<Caller> AuthenticateMetadata(
       const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const;
@@ -74,6 +86,7 @@ class Authenticator {
     Caller caller;
   };
   bool enabled_ = false;
+  bool loopback_only_ = true;
   std::vector<Entry> entries_;
 };
 

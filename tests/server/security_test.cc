@@ -774,5 +774,39 @@ TEST(AuthenticatorTest, OpenServersTakeTheClientIdFromMetadata) {
   EXPECT_EQ(open.AuthenticateMetadata(bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(AuthenticatorTest, LoopbackPeersAreThisHostsCallers) {
+  for (const char* peer :
+       {"ipv4:127.0.0.1:5000", "ipv4:127.3.2.1:1", "ipv6:[::1]:5000", "ipv6:%5B::1%5D:5000",
+        "ipv6:[::ffff:127.0.0.1]:80", "unix:/tmp/socket", "unix-abstract:attngrad"}) {
+    EXPECT_TRUE(IsLoopbackPeer(peer)) << peer;
+  }
+  for (const char* peer :
+       {"ipv4:10.0.0.7:5000", "ipv4:128.0.0.1:1", "ipv4:1.127.0.0:1", "ipv6:[2001:db8::1]:5000",
+        "ipv6:[::2]:5000", "ipv6:[::ffff:10.0.0.1]:80", "", "127.0.0.1:5000"}) {
+    EXPECT_FALSE(IsLoopbackPeer(peer)) << peer;
+  }
+}
+
+// Protected mode: a server without tokens serves only its own host unless told otherwise; with
+// tokens the bearer token decides, wherever the caller is.
+TEST(AuthenticatorTest, WithoutTokensOnlyThisHostIsServedUnlessAllowed) {
+  const Authenticator protected_mode = Authenticator::Open();
+  EXPECT_TRUE(protected_mode.loopback_only());
+  EXPECT_TRUE(protected_mode.CheckPeer("ipv4:127.0.0.1:4000").ok());
+  const absl::Status refused = protected_mode.CheckPeer("ipv4:10.1.2.3:4000");
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(refused.message().find("--tokens_file"), absl::string_view::npos) << refused;
+  EXPECT_NE(refused.message().find("--allow_unauthenticated"), absl::string_view::npos) << refused;
+  EXPECT_NE(refused.message().find("10.1.2.3"), absl::string_view::npos) << refused;
+  const Authenticator open = Authenticator::Open(/*loopback_only=*/false);
+  EXPECT_FALSE(open.loopback_only());
+  EXPECT_TRUE(open.CheckPeer("ipv4:10.1.2.3:4000").ok());
+  absl::StatusOr<Authenticator> with_tokens =
+      Authenticator::FromText("0123456789abcdef0123 trainer\n", "test");
+  ASSERT_TRUE(with_tokens.ok()) << with_tokens.status();
+  EXPECT_FALSE(with_tokens->loopback_only());
+  EXPECT_TRUE(with_tokens->CheckPeer("ipv4:10.1.2.3:4000").ok());
+}
+
 }  // namespace
 }  // namespace attngrad::server::testing
