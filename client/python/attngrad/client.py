@@ -1898,21 +1898,24 @@ class Client:
 
     def fetch_layers(self, layers: Sequence[int], *, zero_after_fetch: bool = False,
                      dtype: str = "float32", chunk_bytes: int = 0,
-                     timeout: Optional[float] = None) -> Dict[int, Gradients]:
-        """Several layers' accumulated gradients in one call: {layer: Gradients}."""
+                     timeout: Optional[float] = None, into=None) -> Dict[int, Gradients]:
+        """Several layers' accumulated gradients in one call: {layer: Gradients}. INTO: None, or
+        into(layer, name, element_count) -> a writable contiguous float32 NumPy array of that
+        many elements (or None) that the chunks of that weight are decoded straight into (e.g.
+        a view of page-locked memory the caller copies to its GPU), instead of new arrays."""
         fetched = self._fetch(zero_after_fetch, dtype, chunk_bytes, 0, [int(l) for l in layers],
-                              timeout)
+                              timeout, into)
         return {gradients.state.layer: gradients for gradients in fetched}
 
     def _fetch(self, zero_after_fetch, dtype, chunk_bytes, expected_window_id, layers,
-               timeout) -> List[Gradients]:
+               timeout, into=None) -> List[Gradients]:
         request = pb.FetchGradientsRequest(
             zero_after_fetch=zero_after_fetch, dtype=_DTYPE_ENUM[tensors.wire_dtype_name(dtype)],
             chunk_bytes=chunk_bytes, expected_window_id=expected_window_id, layers=layers)
         attempts = 0 if zero_after_fetch else 2  # a plain fetch is idempotent
         while True:
             try:
-                fetched = self._fetch_all(request, timeout)
+                fetched = self._fetch_all(request, timeout, into)
                 if len(fetched) != max(1, len(layers)):
                     raise errors.AttngradError(
                         grpc.StatusCode.INTERNAL,
@@ -1926,7 +1929,7 @@ class Client:
                     continue
                 raise errors.from_rpc_error(error, "FetchGradients") from None
 
-    def _fetch_all(self, request, timeout) -> List[Gradients]:
+    def _fetch_all(self, request, timeout, into=None) -> List[Gradients]:
         """Every layer of one FetchGradients stream (a chunk with a state starts the next)."""
         done: List[Gradients] = []
         state = None
@@ -1960,7 +1963,13 @@ class Client:
             if len(chunk.shape) > 0 and name not in buffers:
                 shapes[name] = tuple(int(d) for d in chunk.shape)
                 dtypes[name] = _DTYPE_BY_ENUM.get(chunk.dtype, "float32")
-                buffers[name] = np.empty(int(np.prod(shapes[name], dtype=np.int64)), np.float32)
+                count = int(np.prod(shapes[name], dtype=np.int64))
+                given = into(state.layer, name, count) if into is not None and \
+                    state is not None else None
+                if given is not None and (given.size != count or given.dtype != np.float32):
+                    raise ValueError(f"into({state.layer}, {name!r}, {count}) gave "
+                                     f"{given.size} {given.dtype} elements")
+                buffers[name] = given if given is not None else np.empty(count, np.float32)
             if name not in buffers:
                 raise errors.AttngradError(
                     grpc.StatusCode.INTERNAL,

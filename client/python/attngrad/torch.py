@@ -394,6 +394,36 @@ class RemoteGemma3Attention(nn.Module):
         return optimizer.register_step_pre_hook(_step_pre_hook(self.fetch_gradients))
 
 
+class _FetchStaging:
+    """Page-locked host buffers, one per (layer, weight) of parameters on a GPU, that a fetch's
+    chunks are decoded straight into (Client.fetch_layers(into=...)) and copied to the GPU from
+    without waiting; reused by the next fetch once those copies are done."""
+
+    def __init__(self, parameter_of):
+        self._parameter_of = parameter_of  # (layer, name) -> the parameter
+        self._buffers: Dict[Tuple[int, str], torch.Tensor] = {}
+        self._copied: Optional[torch.cuda.Event] = None
+
+    def into(self, layer: int, name: str, count: int):
+        parameter = self._parameter_of(layer, name)
+        if not parameter.is_cuda:
+            return None
+        if self._copied is not None:  # the previous fetch's copies still read the buffers
+            self._copied.synchronize()
+            self._copied = None
+        buffer = self._buffers.get((layer, name))
+        if buffer is None or buffer.numel() != count:
+            buffer = torch.empty(count, dtype=torch.float32, pin_memory=True)
+            self._buffers[(layer, name)] = buffer
+        return buffer.numpy()
+
+    def copies_queued(self) -> None:
+        """Marks the point on the current stream after which the buffers are free again."""
+        if self._buffers and torch.cuda.is_available():
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
 def _add_into_grads(parameters: Dict[str, torch.Tensor], gradients) -> None:
     """Adds fetched sums (GRADIENTS[name]: fp32 NumPy arrays the client decoded the stream into)
     into the parameters' .grad, as autograd would: one copy to the parameter's device and dtype,
@@ -595,6 +625,8 @@ class OffloadHandle:
         self.mode = mode
         self._owns_client = owns_client
         self._removed = False
+        self._staging = _FetchStaging(
+            lambda layer, name: self.layers[layer].weights()[name])
 
     def last_results(self) -> Dict[int, Optional[client_module.BackwardResult]]:
         """{layer: its latest BackwardResult} (server timings, device, weights version, and the
@@ -613,7 +645,8 @@ class OffloadHandle:
         if self.mode != "accumulate":
             raise RuntimeError("fetch_gradients is for mode='accumulate'; in 'return' mode the "
                                "gradients are already in .grad after backward()")
-        fetched = self.client.fetch_layers(list(self.layers), zero_after_fetch=True)
+        fetched = self.client.fetch_layers(list(self.layers), zero_after_fetch=True,
+                                           into=self._staging.into)
         problems = []
         for index, layer in self.layers.items():
             binding, state = layer.binding, fetched[index].state
@@ -637,6 +670,7 @@ class OffloadHandle:
         with torch.no_grad():
             for index, layer in self.layers.items():
                 _add_into_grads(layer.weights(), fetched[index])
+        self._staging.copies_queued()
         return {index: fetched[index].state for index in self.layers}
 
     def attach(self, optimizer: torch.optim.Optimizer):
