@@ -108,6 +108,9 @@ class GradientService final : public AttentionGradientBase {
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.
 std::string StatusCodeName(int code);
 grpc::Status ToGrpcStatus(const absl::Status& status);
+// An accumulation window's state as the protocol's AccumulationState (FetchGradients' first chunk,
+// ZeroGradients' answer).
+void FillAccumulationState(const WindowState& state, v1::AccumulationState* out);
 
 }  // namespace attngrad::server
 

@@ -1,0 +1,394 @@
+// The Backward reactor: reads batches, hands them to GradientCore and writes their answers.
+#include "rpc/backward_reactor.h"
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "attngrad/wire/dtype.h"
+#include "rpc/gradient_service.h"
+#include "rpc/raw_request.h"
+#include "scheduling/staging.h"
+
+namespace attngrad::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// See backward_reactor.h.
+class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                              public IdleStream {
+ public:
+  BackwardReactor(GradientService* service, grpc::CallbackServerContext* context,
+                  std::string client_id)
+      : service_(service),
+        context_(context),
+        client_id_(std::move(client_id)),
+        start_(Clock::now()),
+        last_progress_(start_) {
+    const absl::Status opened = service_->streams().Open(client_id_, this);
+    if (!opened.ok()) {
+      finished_ = true;
+      FinishStream(ToGrpcStatus(opened));
+      return;
+    }
+    // Reactions may start once StartRead is called: the constructor's own state is set before.
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      read_in_flight_ = true;
+    }
+    StartRead(&request_);
+  }
+
+  bool ExpireIfIdle(Clock::time_point now, Clock::duration timeout) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ || jobs_outstanding_ != 0 || now - last_progress_ < timeout) return false;
+    finished_ = true;
+    cancel_on_expiry_ = write_in_flight_;  // an answer the client does not read
+    expiry_status_ = grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("Backward: the stream made no progress for ",
+                     std::chrono::duration<double>(timeout).count(),
+                     " s (--stream_idle_timeout_seconds) and was closed; open a new stream when "
+                     "there are batches to send"));
+    return true;
+  }
+
+  bool Drain() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_) return false;
+    draining_ = true;
+    if (HasBatchesLocked()) return false;  // NextLocked ends it once they are answered
+    finished_ = true;
+    expiry_status_ = ToGrpcStatus(ShuttingDownError());
+    return true;
+  }
+
+  void FinishIdle() override {
+    if (cancel_on_expiry_) context_->TryCancel();
+    FinishStream(expiry_status_);
+  }
+
+  // The request is parsed (its slices taken out of request_) and counted as outstanding, the next
+  // read is started, and only then is the batch checked, staged and handed in: the next request's
+  // bytes arrive while this one's are copied (HTTP/2 flow control would otherwise hold them back
+  // for that time, on every connection).
+  void OnReadDone(bool ok) override {
+    std::optional<ReceivedBackwardRequest> received;
+    std::int64_t received_bytes = 0;
+    if (ok) {
+      received_bytes = static_cast<std::int64_t>(request_.Length());
+      absl::StatusOr<ReceivedBackwardRequest> parsed = ParseReceivedBackwardRequest(request_);
+      request_.Clear();  // the slices live on in `received` as long as it needs them
+      if (parsed.ok()) {
+        received = *std::move(parsed);
+      } else {
+        // Not a message: nothing after it can be trusted to be one either. End the stream once
+        // the batches already handed in are answered. (The RPC metrics interceptor counts the
+        // call's end.)
+        std::lock_guard<std::mutex> lock(mutex_);
+        reads_done_ = true;
+        if (end_status_.ok()) end_status_ = parsed.status();
+      }
+    }
+    Actions actions;
+    bool refused = false;  // arrived after the shutdown began
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      read_in_flight_ = false;
+      last_progress_ = Clock::now();
+      if (!ok) reads_done_ = true;
+      // Counted before the next read may start: the batch holds its place in the stream's window
+      // and keeps the stream open until it is answered (every path below answers it).
+      if (finished_) received.reset();  // closed while this request arrived: not computed
+      if (received.has_value()) ++jobs_outstanding_;
+      refused = draining_;
+      actions = NextLocked();
+    }
+    Do(actions);
+    if (!received.has_value()) return;
+    if (refused) {
+      QueueResponse(ErrorResponse(received->message.batch_id(), ShuttingDownError()),
+                    /*job_finished=*/true);
+      return;
+    }
+    HandleRequest(*std::move(received), received_bytes);
+  }
+
+  void OnWriteDone(bool ok) override {
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      write_in_flight_ = false;
+      last_progress_ = Clock::now();
+      if (ok) {
+        service_->metrics().AddSentBytes("Backward",
+                                         static_cast<double>(writes_.front()->payload_bytes));
+      }
+      writes_.pop_front();
+      if (!ok) {  // the client is gone: drop what is left to write
+        broken_ = true;
+        writes_.clear();
+      }
+      actions = NextLocked();
+    }
+    Do(actions);
+  }
+
+  void OnCancel() override {
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      broken_ = true;
+      // Keep the response being written (gRPC holds a pointer to it) and drop the others.
+      while (writes_.size() > (write_in_flight_ ? 1u : 0u)) writes_.pop_back();
+      actions = NextLocked();
+    }
+    Do(actions);
+  }
+
+  void OnDone() override {
+    service_->regions().ForgetExitedOwners();  // a trainer that went away: close its regions
+    delete this;
+  }
+
+ private:
+  // Gives its stream slot back before finishing, so that a client that has seen the stream end
+  // finds the slot free (OnDone may run later). The RPC metrics: rpc_metrics_interceptor.h.
+  void FinishStream(const grpc::Status& status) {
+    service_->streams().Close(this);
+    Finish(status);
+  }
+
+  // An answer, serialized (its tensors as slices of the job's answer buffer).
+  struct Write {
+    grpc::ByteBuffer bytes;
+    std::int64_t payload_bytes = 0;
+  };
+
+  struct Actions {
+    const grpc::ByteBuffer* write = nullptr;
+    bool read = false;
+    bool finish = false;
+    grpc::Status status;
+  };
+
+  // Batches computing, or answers not yet written.
+  bool HasBatchesLocked() const {
+    return jobs_outstanding_ != 0 || write_in_flight_ || !writes_.empty();
+  }
+
+  // What to start next; the caller performs it after releasing the mutex.
+  Actions NextLocked() {
+    Actions actions;
+    if (finished_) return actions;
+    if (!broken_ && !write_in_flight_ && !writes_.empty()) {
+      write_in_flight_ = true;
+      actions.write = &writes_.front()->bytes;
+    }
+    const std::size_t pending = static_cast<std::size_t>(jobs_outstanding_) + writes_.size();
+    if (!broken_ && !reads_done_ && !read_in_flight_ && !draining_ &&
+        pending < static_cast<std::size_t>(service_->limits().stream_window)) {
+      read_in_flight_ = true;
+      actions.read = true;
+    }
+    if (!read_in_flight_ && !write_in_flight_ && jobs_outstanding_ == 0 &&
+        (broken_ || (reads_done_ && writes_.empty()))) {
+      finished_ = true;
+      actions.finish = true;
+      if (broken_) {
+        actions.status = grpc::Status(grpc::StatusCode::CANCELLED, "Backward: stream cancelled");
+      } else if (!end_status_.ok()) {
+        actions.status = ToGrpcStatus(end_status_);
+      } else {
+        actions.status = grpc::Status::OK;
+      }
+    } else if (draining_ && !HasBatchesLocked()) {
+      // The shutdown began and every batch is answered: end without waiting for the client's
+      // half-close (a read still waiting for it completes with ok = false).
+      finished_ = true;
+      actions.finish = true;
+      actions.status = ToGrpcStatus(ShuttingDownError());
+    }
+    return actions;
+  }
+
+  void Do(const Actions& actions) {
+    if (actions.write != nullptr) StartWrite(actions.write);
+    if (actions.read) StartRead(&request_);
+    if (actions.finish) FinishStream(actions.status);
+  }
+
+  void QueueResponse(std::unique_ptr<Write> response, bool job_finished) {
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (job_finished) --jobs_outstanding_;
+      if (!broken_) writes_.push_back(std::move(response));
+      actions = NextLocked();
+    }
+    Do(actions);
+  }
+
+  // The error answer of a batch: `response` (with whatever fields the caller has set already),
+  // the batch id, the server instance and the error.
+  std::unique_ptr<Write> ErrorResponse(std::uint64_t batch_id, const absl::Status& status,
+                                       v1::BackwardResponse response = {}) {
+    service_->metrics().CountError("Backward", StatusCodeName(static_cast<int>(status.code())));
+    response.set_batch_id(batch_id);
+    response.mutable_error()->set_code(static_cast<int>(status.code()));
+    response.mutable_error()->set_message(std::string(status.message()));
+    response.set_server_instance_id(service_->core().instance_id());
+    auto write = std::make_unique<Write>();
+    write->bytes = SerializeMessage(response);
+    return write;
+  }
+
+  // One received request, already counted in jobs_outstanding_: answered (an error or the job's
+  // answer), which gives the count back. May run while the next request is read (and handled, on
+  // another thread).
+  void HandleRequest(std::optional<ReceivedBackwardRequest> received, std::int64_t received_bytes) {
+    service_->metrics().AddReceivedBytes("Backward", static_cast<double>(PayloadBytes(*received)));
+    const v1::BackwardRequest& request = received->message;
+    const std::uint64_t batch_id = request.batch_id();
+    const std::uint64_t expected_weights_version = request.expected_weights_version();
+    const std::uint64_t accumulation_window_id = request.accumulation_window_id();
+    const GradientCore& core = service_->core();
+    absl::StatusOr<int> slot = core.SlotOf(
+        request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt, "layer");
+    const absl::Status from_regions =
+        slot.ok() ? ReadActivationsFromRegions(service_->regions(), client_id_, &*received)
+                  : slot.status();
+    // The output slices, kept before the request moves into the job.
+    const std::optional<v1::RegionSlice> grad_hidden_states_slice =
+        request.has_grad_hidden_states_region()
+            ? std::optional<v1::RegionSlice>(request.grad_hidden_states_region())
+            : std::nullopt;
+    const std::optional<v1::RegionSlice> weight_gradients_slice =
+        request.has_weight_gradients_region()
+            ? std::optional<v1::RegionSlice>(request.weight_gradients_region())
+            : std::nullopt;
+    absl::StatusOr<ParsedBackward> parsed =
+        from_regions.ok() ? ParseBackwardRequest(*std::move(received), core.config(*slot),
+                                                 core.settings(*slot), service_->limits().batch)
+                          : absl::StatusOr<ParsedBackward>(from_regions);
+    // Where outputs go instead of the response, when asked (rpc/regions.h).
+    OutputRegions outputs;
+    if (parsed.ok()) {
+      absl::StatusOr<OutputRegions> resolved = ResolveOutputRegions(
+          service_->regions(), client_id_,
+          grad_hidden_states_slice.has_value() ? &*grad_hidden_states_slice : nullptr,
+          weight_gradients_slice.has_value() ? &*weight_gradients_slice : nullptr,
+          parsed->job.get());
+      if (resolved.ok()) {
+        outputs = *std::move(resolved);
+      } else {
+        parsed = resolved.status();
+      }
+    }
+    if (!parsed.ok()) {
+      QueueResponse(ErrorResponse(batch_id, parsed.status()), /*job_finished=*/true);
+      return;
+    }
+    // The request's bytes until the worker has copied them, and the answer's until it is sent.
+    absl::StatusOr<MemoryBudget::Reservation> memory = service_->memory().Reserve(
+        received_bytes + static_cast<std::int64_t>(parsed->job->AnswerBytes()),
+        absl::StrCat("Backward batch ", batch_id, " and its answer"));
+    if (!memory.ok()) {
+      QueueResponse(ErrorResponse(batch_id, memory.status()), /*job_finished=*/true);
+      return;
+    }
+    parsed->job->request_reservation = memory->Split(received_bytes);
+    parsed->job->answer.reservation = *std::move(memory);
+    // GPU servers: the one host copy of the inputs, here on the receiving thread.
+    if (service_->arrival_staging() != nullptr) {
+      absl::Status staged = StageOnArrival(*service_->arrival_staging(),
+                                           service_->arrival_copy_threads(), *parsed->job);
+      if (!staged.ok()) {
+        QueueResponse(ErrorResponse(batch_id, staged), /*job_finished=*/true);
+        return;
+      }
+    }
+    parsed->job->layer_slot = *slot;
+    const int layer = core.settings(*slot).index;
+    const std::string instance_id = core.instance_id();
+    parsed->job->on_done = [this, batch_id, layer, instance_id,
+                            outputs = std::move(outputs)](std::unique_ptr<BatchJob> job) {
+      v1::BackwardResponse fields;
+      fields.set_weights_version(job->weights_version);
+      fields.set_accumulation_window_id(job->window_id);
+      fields.set_duplicate(job->duplicate);
+      fields.set_layer(layer);
+      std::unique_ptr<Write> response;
+      if (absl::IsUnimplemented(job->status)) {
+        // The device's kernels do not compute this layer (e.g. the GPU kernels without sliding
+        // windows or head_dim 256): say which layer and what serves it.
+        response =
+            ErrorResponse(batch_id,
+                          absl::UnimplementedError(absl::StrCat(
+                              "layer ", layer, " (head_dim ", job->config.head_dim,
+                              ", sliding_window ", job->scalars.sliding_window,
+                              ") is not supported on ", job->device, ": ", job->status.message(),
+                              "; serve this layer from an attngrad-server with --devices=cpu")),
+                          std::move(fields));
+      } else if (!job->status.ok()) {
+        response = ErrorResponse(batch_id, job->status, std::move(fields));
+      } else {
+        fields.set_batch_id(batch_id);
+        fields.set_server_instance_id(instance_id);
+        response = std::make_unique<Write>();
+        response->payload_bytes = PayloadBytes(*job);
+        CopyOutputsToRegions(outputs, *job);
+        const std::size_t grad_bytes = job->activations() * wire::DTypeSize(job->response_dtype);
+        if (outputs.grad_hidden_states_elsewhere) {
+          response->payload_bytes -= static_cast<std::int64_t>(grad_bytes);
+        }
+        if (outputs.weight_gradients_elsewhere) {
+          response->payload_bytes -= static_cast<std::int64_t>(job->AnswerBytes() - grad_bytes);
+        }
+        response->bytes =
+            SerializeBackwardResponse(std::move(fields), *job, outputs.grad_hidden_states_elsewhere,
+                                      outputs.weight_gradients_elsewhere);
+      }
+      QueueResponse(std::move(response), /*job_finished=*/true);
+    };
+    absl::StatusOr<Admission> admission =
+        service_->core().Admit(std::move(parsed->job), client_id_, batch_id,
+                               expected_weights_version, accumulation_window_id);
+    if (!admission.ok()) {
+      QueueResponse(ErrorResponse(batch_id, admission.status()), /*job_finished=*/true);
+    }
+  }
+
+  GradientService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const std::string client_id_;
+  const Clock::time_point start_;
+  grpc::ByteBuffer request_;
+
+  std::mutex mutex_;
+  absl::Status end_status_;          // not OK: the stream ends with it (bytes that were no request)
+  Clock::time_point last_progress_;  // the last request read or answer written
+  bool cancel_on_expiry_ = false;
+  grpc::Status expiry_status_;                 // how FinishIdle ends the stream: idle or shutdown
+  bool draining_ = false;                      // the shutdown began: no new batch is computed
+  std::deque<std::unique_ptr<Write>> writes_;  // front is being written
+  int jobs_outstanding_ = 0;
+  bool read_in_flight_ = false;
+  bool write_in_flight_ = false;
+  bool reads_done_ = false;
+  bool broken_ = false;  // cancelled or a write failed
+  bool finished_ = false;
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewBackwardReactor(
+    GradientService* service, grpc::CallbackServerContext* context, std::string client_id) {
+  return new BackwardReactor(service, context, std::move(client_id));
+}
+
+}  // namespace attngrad::server

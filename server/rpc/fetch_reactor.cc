@@ -1,0 +1,179 @@
+// The FetchGradients reactor: fetches each asked layer's sums and writes them in chunks.
+#include "rpc/fetch_reactor.h"
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/tensor.h"
+#include "rpc/gradient_service.h"
+
+namespace attngrad::server {
+namespace {
+
+constexpr std::int64_t kDefaultChunkBytes = 1 << 20;
+
+// See fetch_reactor.h.
+class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
+ public:
+  FetchReactor(GradientService* service, const v1::FetchGradientsRequest& request,
+               const std::string& window_owner)
+      : service_(service),
+        window_owner_(window_owner),
+        zero_after_fetch_(request.zero_after_fetch()),
+        expected_window_id_(request.expected_window_id()) {
+    dtype_ = request.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.dtype();
+    if (!wire::IsSupportedDType(dtype_)) {
+      FinishWith(absl::InvalidArgumentError(
+          absl::StrCat("dtype: ", wire::DTypeName(dtype_),
+                       " is not supported; expected float32, float16 or bfloat16")));
+      return;
+    }
+    if (request.chunk_bytes() < 0) {
+      FinishWith(absl::InvalidArgumentError(
+          absl::StrCat("chunk_bytes: ", request.chunk_bytes(),
+                       " is negative; expected 0 (default 1 MiB) or more")));
+      return;
+    }
+    std::int64_t chunk_bytes =
+        request.chunk_bytes() == 0 ? kDefaultChunkBytes : request.chunk_bytes();
+    chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
+    chunk_bytes =
+        std::min<std::int64_t>(chunk_bytes, service_->limits().batch.max_message_bytes - 65536);
+    chunk_bytes = std::max<std::int64_t>(chunk_bytes, 1024);
+    elements_per_chunk_ = static_cast<std::size_t>(chunk_bytes) / wire::DTypeSize(dtype_);
+    // The layers, in the order asked (none: the first served layer).
+    for (int i = 0; i < std::max(1, request.layers_size()); ++i) {
+      const std::string field = absl::StrCat("layers[", i, "]");
+      absl::StatusOr<int> slot = service_->core().SlotOf(
+          request.layers_size() == 0 ? std::nullopt : std::optional<int>(request.layers(i)), field);
+      if (!slot.ok()) {
+        FinishWith(slot.status());
+        return;
+      }
+      if (std::find(slots_.begin(), slots_.end(), *slot) != slots_.end()) {
+        FinishWith(absl::InvalidArgumentError(
+            absl::StrCat(field, ": layer ", request.layers(i), " is listed twice")));
+        return;
+      }
+      slots_.push_back(*slot);
+    }
+    if (slots_.size() > 1 && expected_window_id_ != 0) {
+      FinishWith(absl::InvalidArgumentError(
+          "expected_window_id: windows are per layer; name one layer with it, or leave it 0"));
+      return;
+    }
+    StartLayer();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      FinishWith(absl::CancelledError("FetchGradients: the client went away"));
+      return;
+    }
+    service_->metrics().AddSentBytes("FetchGradients", static_cast<double>(chunk_.data().size()));
+    WriteNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // Fetches the next layer's sums (one layer at a time: a fetch of many layers holds one layer's
+  // gradients in memory at once) and starts writing them.
+  void StartLayer() {
+    // The layer's sums are held in memory while they are written: reserved first (a client that
+    // does not read holds them, within the budget).
+    fetch_memory_.Release();
+    result_ = FetchResult();
+    const LayerConfig& config = service_->core().config(slots_[layer_position_]);
+    absl::StatusOr<MemoryBudget::Reservation> memory = service_->memory().Reserve(
+        static_cast<std::int64_t>(PackedWeightLayout(config).total_elements * sizeof(float)),
+        absl::StrCat("FetchGradients of layer ",
+                     service_->core().settings(slots_[layer_position_]).index));
+    if (!memory.ok()) {
+      FinishWith(memory.status());
+      return;
+    }
+    fetch_memory_ = *std::move(memory);
+    service_->core().Fetch(window_owner_, slots_[layer_position_], zero_after_fetch_,
+                           expected_window_id_, [this](absl::StatusOr<FetchResult> result) {
+                             if (!result.ok()) {
+                               FinishWith(result.status());
+                               return;
+                             }
+                             result_ = *std::move(result);
+                             weight_index_ = 0;
+                             offset_ = 0;
+                             first_ = true;
+                             WriteNext();
+                           });
+  }
+
+  void WriteNext() {
+    if (weight_index_ == kNumWeights) {
+      if (++layer_position_ < slots_.size()) {
+        StartLayer();
+        return;
+      }
+      FinishWith(absl::OkStatus());
+      return;
+    }
+    const Weight weight = kAllWeights[static_cast<std::size_t>(weight_index_)];
+    const std::vector<float>& values = result_.gradients[weight];
+    const std::size_t count = std::min(elements_per_chunk_, values.size() - offset_);
+    chunk_.Clear();
+    if (first_) {
+      FillAccumulationState(result_.state, chunk_.mutable_state());
+      first_ = false;
+    }
+    chunk_.set_name(wire::WireWeightName(weight));
+    chunk_.set_dtype(static_cast<v1::DType>(dtype_));
+    if (offset_ == 0) {
+      const LayerConfig& config = service_->core().config(slots_[layer_position_]);
+      for (std::int64_t dim : WeightShape(config, weight)) chunk_.add_shape(dim);
+    }
+    chunk_.set_layer(result_.state.layer);
+    chunk_.set_offset(static_cast<std::int64_t>(offset_));
+    wire::EncodeFromFloat(absl::MakeConstSpan(values.data() + offset_, count), dtype_,
+                          chunk_.mutable_data());
+    offset_ += count;
+    if (offset_ == values.size()) {
+      ++weight_index_;
+      offset_ = 0;
+    }
+    StartWrite(&chunk_);
+  }
+
+  void FinishWith(const absl::Status& status) {
+    result_ = FetchResult();  // the last chunk is a copy (chunk_)
+    fetch_memory_.Release();
+    Finish(ToGrpcStatus(status));
+  }
+
+  GradientService* const service_;
+  const std::string window_owner_;
+  const bool zero_after_fetch_;
+  const std::uint64_t expected_window_id_;
+  std::vector<int> slots_;          // the layers to fetch, in order
+  std::size_t layer_position_ = 0;  // into slots_
+  int dtype_ = v1::DTYPE_FLOAT32;
+  std::size_t elements_per_chunk_ = 0;
+  FetchResult result_;
+  MemoryBudget::Reservation fetch_memory_;  // of result_
+  v1::GradientChunk chunk_;
+  int weight_index_ = 0;  // into kAllWeights
+  std::size_t offset_ = 0;
+  bool first_ = true;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<v1::GradientChunk>* NewFetchReactor(
+    GradientService* service, const v1::FetchGradientsRequest& request,
+    const std::string& window_owner) {
+  return new FetchReactor(service, request, window_owner);
+}
+
+}  // namespace attngrad::server
