@@ -115,12 +115,8 @@ def run_local(name, base_model, batches, args):
                 return optimizer_step(forward_model, optimizer, [ids])
         return optimizer_step(forward_model, optimizer, [ids])
 
-    try:
-        return train(model, batches, args.steps, args.warmup + (2 if forward_model is not model
-                                                                   else 0), step, measured)
-    finally:
-        del model, optimizer, forward_model
-        torch.cuda.empty_cache()
+    warmup = args.warmup + (2 if forward_model is not model else 0)  # compiling takes steps
+    return train(model, batches, args.steps, warmup, step, measured)
 
 
 def run_offloaded(name, base_model, batches, target, args, *, mode="return", micro_batches=1,
@@ -154,8 +150,6 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
         return train(model, batches, args.steps, args.warmup, step, measured)
     finally:
         handle.remove()
-        del model, optimizer
-        torch.cuda.empty_cache()
 
 
 def curve_difference(measured: Measured, reference: Measured) -> float:
@@ -211,9 +205,11 @@ def bench_model(config, args, device):
                     if name == "local compile tf32" and not args.compile:
                         continue
                     rows.append(run_local(name, base, batches, args))
+                    torch.cuda.empty_cache()  # the variant's model and optimizer state are gone
                     print(f"  {config} {shape} {name}: {rows[-1].median_ms:.1f} ms", flush=True)
                 for name in OFFLOAD_VARIANTS:
                     rows.append(run_offloaded(name, base, batches, server.target, args))
+                    torch.cuda.empty_cache()
                     print(f"  {config} {shape} {name}: {rows[-1].median_ms:.1f} ms", flush=True)
                 print_table(f"{config}, B×S = {shape}, RETURN, {args.steps} steps", rows,
                             ("local sdpa tf32", "local compile tf32"))
@@ -239,7 +235,8 @@ def bench_remote(config, base, seq_len, target, args, device):
     train(model, batches, max(3, args.steps // 2), 1,
           lambda ids: optimizer_step(model, optimizer, list(torch.chunk(ids, count, dim=0))),
           local)
-    del model, optimizer
+    model = optimizer = None
+    torch.cuda.empty_cache()
     remote = run_offloaded("offload bytes accumulate", base, batches, target,
                            argparse.Namespace(**{**vars(args), "steps": max(3, args.steps // 2),
                                                  "warmup": 1}),

@@ -91,8 +91,8 @@ def _enum(table: Mapping[str, int], value, what: str) -> int:
 
 
 def _derive_batch_id(batch_id: int, part: int) -> int:
-    """The id of part PART of a batch split along B: a splitmix64 mix of (batch_id, part), so a retry
-    of the same batch_id maps its parts to the same ids (the server's dedup key)."""
+    """The id of part PART of a batch split along B: a splitmix64 mix of (batch_id, part), so a
+    retry of the same batch_id maps its parts to the same ids (the server's dedup key)."""
     z = (batch_id + 0x9E3779B97F4A7C15 * (part + 1)) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -289,9 +289,10 @@ class _Batch:
         self.like = like
         batch, seq_len = hidden_states.shape[:2]
         self.shape = tuple(hidden_states.shape)
-        bounds = [(b, min(batch, b + sequences_per_part)) for b in range(0, batch, sequences_per_part)]
-        ids = [batch_id] if len(bounds) == 1 else [_derive_batch_id(batch_id, i)
-                                                    for i in range(len(bounds))]
+        bounds = [(b, min(batch, b + sequences_per_part))
+                  for b in range(0, batch, sequences_per_part)]
+        ids = [batch_id] if len(bounds) == 1 else [
+            _derive_batch_id(batch_id, i) for i in range(len(bounds))]
         self.parts = list(zip(ids, bounds))
         self.tokens = batch * seq_len
         self._responses: Dict[int, Any] = {}
@@ -371,7 +372,8 @@ class _Batch:
                 if grad.shape != expected:
                     raise errors.AttngradError(
                         grpc.StatusCode.INTERNAL,
-                        f"grad_hidden_states has shape {list(grad.shape)}, expected {list(expected)}",
+                        f"grad_hidden_states has shape {list(grad.shape)}, expected "
+                        f"{list(expected)}",
                         batch_id=part_id, method="Backward")
             grad_hidden = grads[0] if len(grads) == 1 else np.concatenate(grads, axis=0)
         weight_gradients = None
@@ -427,8 +429,8 @@ class _WireRequest:
     `head` is the message with every field but the tensors' raw_data (their dtype and shape are in
     it); each raw_data is appended as a further occurrence of its enclosing message fields, which
     protobuf parsers merge into the same sub-message (the wire format's rule for a message field
-    that appears more than once). serialize() joins the head and the arrays' buffers directly, instead
-    of tobytes() + a copy into the message + a copy when serialising."""
+    that appears more than once). serialize() joins the head and the arrays' buffers directly,
+    instead of tobytes() + a copy into the message + a copy when serialising."""
 
     def __init__(self):
         self.head = None
@@ -587,7 +589,8 @@ class _RegionLayout:
         for _, (b0, b1) in batch.parts:
             in_bytes = (b1 - b0) * per_sequence * in_size
             out_bytes = (b1 - b0) * per_sequence * out_size
-            self.parts.append((take(in_bytes), take(in_bytes), take(out_bytes), in_bytes, out_bytes))
+            self.parts.append((take(in_bytes), take(in_bytes), take(out_bytes), in_bytes,
+                               out_bytes))
         self.size = max(offset, self._ALIGN)
         self.shared: Optional[_SharedRegion] = None
 
@@ -717,7 +720,8 @@ def _parse_backward_response(data: bytes) -> _ParsedResponse:
             pieces += [_length_delimited_header(number, len(tensor)), tensor]
         elif number == _RESPONSE_WEIGHTS_FIELD and wire_type == 2:
             weights = []
-            for inner, inner_type, inner_start, inner_value, inner_end in _fields(view[value_start:end]):
+            weights_view = view[value_start:end]
+            for inner, inner_type, inner_start, inner_value, inner_end in _fields(weights_view):
                 name = _WEIGHT_BY_FIELD.get(inner)
                 if name is None or inner_type != 2:
                     weights.append(view[value_start:end][inner_start:inner_end])
@@ -745,7 +749,8 @@ def _torch_from_numpy(array: np.ndarray, device, dtype):
         if device.type == "cpu":
             array = np.array(array, copy=True)  # the response's bytes are immutable: own a copy
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only view, copied to the device next
+            # A read-only view, copied to the device next.
+            warnings.simplefilter("ignore", UserWarning)
             tensor = torch.from_numpy(array)
     else:
         tensor = torch.from_numpy(array)
@@ -756,7 +761,8 @@ def _to_torch_like(result: BackwardResult, like) -> None:
     if tensors.is_torch_tensor(result.grad_hidden_states):  # CUDA IPC: already the caller's kind
         result.grad_hidden_states = result.grad_hidden_states.to(like.dtype)
         return
-    result.grad_hidden_states = _torch_from_numpy(result.grad_hidden_states, like.device, like.dtype)
+    result.grad_hidden_states = _torch_from_numpy(result.grad_hidden_states, like.device,
+                                                  like.dtype)
     if result.weight_gradients is not None:
         result.weight_gradients = {name: _torch_from_numpy(value, like.device, None)
                                    for name, value in result.weight_gradients.items()}
@@ -1303,7 +1309,8 @@ class Client:
 
     def _open_channel(self, index: int):
         """Channel INDEX (opened now if it was not), with the token/id interceptor. Its arguments
-        differ from the others' by grpc.attngrad_channel_index, so it has a connection of its own."""
+        differ from the others' by grpc.attngrad_channel_index, so it has a connection of its
+        own."""
         raw = self._raw_channels[index]
         if raw is None:
             options = self._channel_options + [("grpc.attngrad_channel_index", index),
@@ -1394,14 +1401,16 @@ class Client:
         last: Optional[BaseException] = None
         while time.monotonic() < deadline:
             try:
-                if self.health(timeout=min(2.0, max(0.1, deadline - time.monotonic()))) == "SERVING":
+                left = deadline - time.monotonic()
+                if self.health(timeout=min(2.0, max(0.1, left))) == "SERVING":
                     return self.info()
             except errors.AttngradError as error:
                 last = error
             time.sleep(0.05)
         raise errors.DeadlineExceededError(
             grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"{self.target} was not SERVING within {timeout} s (last: {last})", method="Health.Check")
+            f"{self.target} was not SERVING within {timeout} s (last: {last})",
+            method="Health.Check")
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -1411,7 +1420,8 @@ class Client:
         Args:
           hidden_states, grad_output: [B,S,hidden] arrays or tensors.
           cos, sin: [B,S,head_dim] (or [S,head_dim] / [1,S,head_dim], broadcast over B); or leave
-            them None and pass position_ids ([S] or [B,S]) and rope_theta for the server to build them.
+            them None and pass position_ids ([S] or [B,S]) and rope_theta for the server to build
+            them.
           mode: "return" (weight gradients in the result) or "accumulate" (added on the server).
           precision: "auto", "fp32", "tf32" or "fp16".
           scaling, softcap, eps: None = the layer's defaults (the SPEC layer: 1/sqrt(head_dim), 50,
@@ -1626,7 +1636,8 @@ class Client:
         """backward(zero_copy=True) of CUDA tensors: CUDA IPC regions (cuda_regions.py)."""
         import torch
 
-        if not cuda_regions.is_cuda_tensor(grad_output) or grad_output.device != hidden_states.device:
+        if not cuda_regions.is_cuda_tensor(grad_output) or \
+                grad_output.device != hidden_states.device:
             raise ValueError("zero_copy with CUDA tensors: grad_output must be on hidden_states' "
                              f"device {hidden_states.device}, got {grad_output.device}")
         input_dtype = kwargs.pop("input_dtype", None)
@@ -1648,7 +1659,8 @@ class Client:
             # The weight gradients go into this process's GPU memory too: one row per part.
             shapes = _weight_shapes(self._limits or self.info())
             weights = torch.empty((len(batch.parts), sum(int(np.prod(s)) for s in shapes)),
-                                  dtype=cuda_regions.torch_dtype(answer_dtype), device=hidden.device)
+                                  dtype=cuda_regions.torch_dtype(answer_dtype),
+                                  device=hidden.device)
         rotary = None
         if cuda_regions.is_cuda_tensor(batch.cos) and batch.cos.device == hidden.device:
             rotary = (batch.cos.float().contiguous(), batch.sin.float().contiguous())
@@ -1723,7 +1735,8 @@ class Client:
                 self._free_regions.pop(0).destroy(self)
 
     def backward_many(self, batches: Iterable[Mapping[str, Any]], *,
-                      timeout: Optional[float] = None, streams: int = 1) -> Iterator[BackwardResult]:
+                      timeout: Optional[float] = None,
+                      streams: int = 1) -> Iterator[BackwardResult]:
         """Streams many batches over one Backward stream, pipelined (max_in_flight requests
         outstanding). Each item is a dict of backward()'s arguments; results come in input order.
         TIMEOUT bounds the whole stream (float("inf") for none). STREAMS > 1 deals the batches in
@@ -1755,10 +1768,11 @@ class Client:
             hidden = tensors.to_numpy(hidden_states)
             grad = tensors.to_numpy(grad_output)
         if hidden.ndim != 3:
-            raise ValueError(f"hidden_states must be [B,S,hidden_size], got shape {list(hidden.shape)}")
+            raise ValueError(f"hidden_states must be [B,S,hidden_size], got shape "
+                             f"{list(hidden.shape)}")
         if grad.shape != hidden.shape:
-            raise ValueError(f"grad_output must have hidden_states' shape {list(hidden.shape)}, got "
-                             f"{list(grad.shape)}")
+            raise ValueError(f"grad_output must have hidden_states' shape {list(hidden.shape)}, "
+                             f"got {list(grad.shape)}")
         batch, seq_len = hidden.shape[:2]
         if batch < 1 or seq_len < 1:
             raise ValueError(f"hidden_states must have B >= 1 and S >= 1, got {list(hidden.shape)}")
@@ -1780,8 +1794,9 @@ class Client:
                 cos_array, sin_array = cos_array[None], sin_array[None]
             for name, table in (("cos", cos_array), ("sin", sin_array)):
                 if table.ndim != 3 or table.shape[1] != seq_len or table.shape[0] not in (1, batch):
-                    raise ValueError(f"{name} must be [B,S,head_dim] = [{batch},{seq_len},head_dim] "
-                                     f"(or [S,head_dim]), got {list(table.shape)}")
+                    raise ValueError(f"{name} must be [B,S,head_dim] = "
+                                     f"[{batch},{seq_len},head_dim] (or [S,head_dim]), got "
+                                     f"{list(table.shape)}")
             if cos_array.shape[0] != batch and isinstance(cos_array, np.ndarray):
                 cos_array = np.broadcast_to(cos_array, (batch,) + cos_array.shape[1:])
                 sin_array = np.broadcast_to(sin_array, (batch,) + sin_array.shape[1:])
@@ -1817,7 +1832,8 @@ class Client:
                 response_per_sequence, response_fixed),
             like=like, layer=layer, sliding_window=sliding_window)
 
-    def _run(self, batches: Iterable[_Batch], *, timeout: Optional[float]) -> Iterator[BackwardResult]:
+    def _run(self, batches: Iterable[_Batch], *,
+             timeout: Optional[float]) -> Iterator[BackwardResult]:
         """Sends the parts of BATCHES over one stream with at most max_in_flight outstanding and
         yields each batch's result once all its parts are answered, in input order."""
         outbox: "queue.Queue" = queue.Queue()
@@ -1876,7 +1892,8 @@ class Client:
                 if batch is None:
                     raise errors.AttngradError(
                         grpc.StatusCode.INTERNAL,
-                        f"the server answered unknown batch id {response.batch_id}", method="Backward")
+                        f"the server answered unknown batch id {response.batch_id}",
+                        method="Backward")
                 _raise_in_band_error(batch, response)
                 batch.add(response)
             finished = True
@@ -1903,8 +1920,8 @@ class Client:
         into(layer, name, element_count) -> a writable contiguous float32 NumPy array of that
         many elements (or None) that the chunks of that weight are decoded straight into (e.g.
         a view of page-locked memory the caller copies to its GPU), instead of new arrays."""
-        fetched = self._fetch(zero_after_fetch, dtype, chunk_bytes, 0, [int(l) for l in layers],
-                              timeout, into)
+        fetched = self._fetch(zero_after_fetch, dtype, chunk_bytes, 0,
+                              [int(layer) for layer in layers], timeout, into)
         return {gradients.state.layer: gradients for gradients in fetched}
 
     def _fetch(self, zero_after_fetch, dtype, chunk_bytes, expected_window_id, layers,
@@ -1957,9 +1974,10 @@ class Client:
                 continue
             name = _WEIGHT_BY_ENUM.get(chunk.name)
             if name is None:
-                raise errors.AttngradError(grpc.StatusCode.INTERNAL,
-                                           f"the server sent a chunk of unknown weight {chunk.name}",
-                                           method="FetchGradients")
+                raise errors.AttngradError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the server sent a chunk of unknown weight {chunk.name}",
+                    method="FetchGradients")
             if len(chunk.shape) > 0 and name not in buffers:
                 shapes[name] = tuple(int(d) for d in chunk.shape)
                 dtypes[name] = _DTYPE_BY_ENUM.get(chunk.dtype, "float32")

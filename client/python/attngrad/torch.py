@@ -4,7 +4,8 @@ runs on the attngrad service.
     import attngrad, attngrad.torch
     client = attngrad.Client("gpu-box:50051")
     attention = attngrad.torch.RemoteGemma3Attention(client, mode="return").cuda()
-    out = attention(hidden_states, cos, sin)      # [B,S,3072]; cos/sin [B,S,128] (HF position_embeddings)
+    # [B,S,3072]; cos/sin [B,S,128] (transformers' position_embeddings)
+    out = attention(hidden_states, cos, sin)
     loss(out).backward()                         # grad of hidden_states + weights from the service
     optimizer.step()                             # the next forward uploads the new weights
 
@@ -22,8 +23,8 @@ bytes per token. Eager autograd of the same layer (gemma3_attention below) keeps
 the normalised and rotated q/k, k and v expanded to the 24 query heads, the attention output and,
 per query head, the tanh of the soft-capped scores and the softmax probabilities: measured with
 saved-tensor hooks, about 27,900 + 48·S floats per token (34.1k at S=128, 40.3k at S=256), i.e.
-~0.5 MB per token at S=2048 (1.04 GB for one 2048-token sequence in one layer) against 13.3 KB for the
-bridge. check_autograd.py measures both with saved-tensor hooks. The local forward's transient
+~0.5 MB per token at S=2048 (1.04 GB for one 2048-token sequence in one layer) against 13.3 KB for
+the bridge. check_autograd.py measures both with saved-tensor hooks. The local forward's transient
 working set is bounded by processing one key-value head group (3 query heads) at a time.
 
 The weights live in the module (nn.Parameters named like Hugging Face's Gemma3Attention:
@@ -56,7 +57,8 @@ __all__ = ["RemoteAttentionBackward", "RemoteGemma3Attention", "gemma3_attention
 
 def rotary_tables(position_ids: torch.Tensor, head_dim: int = 128, theta: float = 10000.0,
                   dtype=torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [..., head_dim] of SPEC section 3: inv_freq_i = theta^(-2i/head_dim), embedding [f, f]."""
+    """cos, sin [..., head_dim] of SPEC section 3: inv_freq_i = theta^(-2i/head_dim), embedding
+    [f, f]."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64,
                                        device=position_ids.device) / head_dim)
     freqs = position_ids.to(torch.float64)[..., None] * inv_freq
@@ -203,7 +205,8 @@ def _upload_weights(binding: _Binding, weights: Dict[str, torch.Tensor], **kwarg
 
 class RemoteAttentionBackward(torch.autograd.Function):
     """apply(hidden_states, cos, sin, q_w, k_w, v_w, o_w, q_norm_w, k_norm_w, binding, version):
-    forward = gemma3_attention computed locally without saving activations; backward = the service."""
+    forward = gemma3_attention computed locally without saving activations; backward = the
+    service."""
 
     @staticmethod
     def forward(ctx, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
@@ -328,7 +331,8 @@ class RemoteGemma3Attention(nn.Module):
         return tuple((w.data_ptr(), w._version, w.dtype, w.shape) for w in self.weights().values())
 
     def sync_weights(self, force: bool = False) -> int:
-        """Uploads the weights when they changed since the last upload; returns the server's version."""
+        """Uploads the weights when they changed since the last upload; returns the server's
+        version."""
         fingerprint = self._fingerprint()
         if force or fingerprint != self._uploaded or self.weights_version is None:
             expected = 0 if force or self.weights_version is None else self.weights_version
@@ -337,8 +341,9 @@ class RemoteGemma3Attention(nn.Module):
                                                        expected_weights_version=expected)
             except FailedPreconditionError as error:
                 raise FailedPreconditionError(
-                    error.code, f"{error.message} (someone else changed this server's weights since "
-                    "this module uploaded them; call sync_weights(force=True) to take them over)",
+                    error.code, f"{error.message} (someone else changed this server's weights "
+                    "since this module uploaded them; call sync_weights(force=True) to take them "
+                    "over)",
                     method="LoadWeights") from None
             self._uploaded = fingerprint
         return self.weights_version
@@ -372,7 +377,8 @@ class RemoteGemma3Attention(nn.Module):
                     state.weights_version != self.weights_version:
                 problems.append(f"it was computed against weights version {state.weights_version}, "
                                 f"this module uploaded {self.weights_version}")
-            if binding.server_instance_id and state.server_instance_id != binding.server_instance_id:
+            if binding.server_instance_id and \
+                    state.server_instance_id != binding.server_instance_id:
                 problems.append(f"the server restarted ({binding.server_instance_id} -> "
                                 f"{state.server_instance_id})")
             if problems:
@@ -477,7 +483,8 @@ def attention_modules(model: nn.Module) -> Dict[int, nn.Module]:
             raise ValueError(f"two attention modules claim layer_idx {index} ({name})")
         found[index] = module
     if not found:
-        raise ValueError("no Gemma-3 attention modules (q_proj ... k_norm and layer_idx) in the model")
+        raise ValueError("no Gemma-3 attention modules (q_proj ... k_norm and layer_idx) in the "
+                         "model")
     return dict(sorted(found.items()))
 
 
@@ -558,8 +565,9 @@ class _OffloadedLayer:
         if not wants_grad:
             return self.original_forward(*args, **kwargs)
         if position_embeddings is None:
-            raise ValueError(f"layer {self.index}: the offloaded attention needs position_embeddings "
-                             "(cos, sin), as transformers' Gemma-3 decoder layers pass them")
+            raise ValueError(f"layer {self.index}: the offloaded attention needs "
+                             "position_embeddings (cos, sin), as transformers' Gemma-3 decoder "
+                             "layers pass them")
         for name in ("past_key_values", "past_key_value"):
             cache = arguments.get(name, arguments.get("kwargs", {}).get(name))
             length = cache.get_seq_length(self.index) if hasattr(cache, "get_seq_length") else 0
@@ -767,8 +775,8 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
             remote = (layer_info.hidden_size, layer_info.num_heads, layer_info.num_kv_heads,
                       layer_info.head_dim)
             if local != remote:
-                raise ValueError(f"layer {index}: the model's attention is (hidden, heads, kv heads, "
-                                 f"head_dim) = {local}, the server's {remote}")
+                raise ValueError(f"layer {index}: the model's attention is (hidden, heads, kv "
+                                 f"heads, head_dim) = {local}, the server's {remote}")
             scaling, softcap, eps, window = _layer_scalars(module, index)
             binding = _Binding(client, config=layer_info, mode=mode, precision=precision,
                                scaling=scaling, softcap=softcap, eps=eps, wire_dtype=wire_dtype,
