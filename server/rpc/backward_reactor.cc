@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attngrad/wire/dtype.h"
+#include "attngrad/wire/status_macros.h"
 #include "rpc/gradient_service.h"
 #include "rpc/raw_request.h"
 #include "scheduling/staging.h"
@@ -247,21 +248,55 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     return write;
   }
 
+  // A batch checked and ready to be handed to GradientCore.
+  struct PreparedBatch {
+    std::unique_ptr<BatchJob> job;  // layer_slot set; request and answer memory reserved
+    OutputRegions outputs;          // where outputs go instead of the response, when asked
+  };
+
   // One received request, already counted in jobs_outstanding_: answered (an error or the job's
   // answer), which gives the count back. May run while the next request is read (and handled, on
   // another thread).
-  void HandleRequest(std::optional<ReceivedBackwardRequest> received, std::int64_t received_bytes) {
-    service_->metrics().AddReceivedBytes("Backward", static_cast<double>(PayloadBytes(*received)));
-    const v1::BackwardRequest& request = received->message;
-    const std::uint64_t batch_id = request.batch_id();
-    const std::uint64_t expected_weights_version = request.expected_weights_version();
-    const std::uint64_t accumulation_window_id = request.accumulation_window_id();
+  void HandleRequest(ReceivedBackwardRequest received, std::int64_t received_bytes) {
+    service_->metrics().AddReceivedBytes("Backward", static_cast<double>(PayloadBytes(received)));
+    const std::uint64_t batch_id = received.message.batch_id();
+    const std::uint64_t expected_weights_version = received.message.expected_weights_version();
+    const std::uint64_t accumulation_window_id = received.message.accumulation_window_id();
+    absl::StatusOr<PreparedBatch> batch = PrepareBatch(std::move(received), received_bytes);
+    if (!batch.ok()) {
+      QueueResponse(ErrorResponse(batch_id, batch.status()), /*job_finished=*/true);
+      return;
+    }
+    const int layer = service_->core().settings(batch->job->layer_slot).index;
+    const std::string instance_id = service_->core().instance_id();
+    batch->job->on_done = [this, batch_id, layer, instance_id,
+                           outputs = std::move(batch->outputs)](std::unique_ptr<BatchJob> job) {
+      QueueResponse(AnswerOf(batch_id, layer, instance_id, outputs, *job), /*job_finished=*/true);
+    };
+    absl::StatusOr<Admission> admission =
+        service_->core().Admit(std::move(batch->job), client_id_, batch_id,
+                               expected_weights_version, accumulation_window_id);
+    if (!admission.ok()) {
+      QueueResponse(ErrorResponse(batch_id, admission.status()), /*job_finished=*/true);
+    }
+  }
+
+  // Checks a received request against its layer and the service's limits and makes its job: the
+  // activations the request names in the client's regions are read there, the output regions
+  // resolved, the request's bytes (until the worker has copied them) and the answer's (until it is
+  // sent) reserved from the in-flight memory budget, and on GPU servers the inputs staged into
+  // page-locked memory here, on the receiving thread. An error is the batch's answer.
+  absl::StatusOr<PreparedBatch> PrepareBatch(ReceivedBackwardRequest received,
+                                             std::int64_t received_bytes) {
     const GradientCore& core = service_->core();
-    absl::StatusOr<int> slot = core.SlotOf(
-        request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt, "layer");
-    const absl::Status from_regions =
-        slot.ok() ? ReadActivationsFromRegions(service_->regions(), client_id_, &*received)
-                  : slot.status();
+    const v1::BackwardRequest& request = received.message;
+    const std::uint64_t batch_id = request.batch_id();
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        const int slot,
+        core.SlotOf(request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt,
+                    "layer"));
+    ATTNGRAD_RETURN_IF_ERROR(
+        ReadActivationsFromRegions(service_->regions(), client_id_, &received));
     // The output slices, kept before the request moves into the job.
     const std::optional<v1::RegionSlice> grad_hidden_states_slice =
         request.has_grad_hidden_states_region()
@@ -271,96 +306,71 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         request.has_weight_gradients_region()
             ? std::optional<v1::RegionSlice>(request.weight_gradients_region())
             : std::nullopt;
-    absl::StatusOr<ParsedBackward> parsed =
-        from_regions.ok() ? ParseBackwardRequest(*std::move(received), core.config(*slot),
-                                                 core.settings(*slot), service_->limits().batch)
-                          : absl::StatusOr<ParsedBackward>(from_regions);
-    // Where outputs go instead of the response, when asked (rpc/regions.h).
-    OutputRegions outputs;
-    if (parsed.ok()) {
-      absl::StatusOr<OutputRegions> resolved = ResolveOutputRegions(
-          service_->regions(), client_id_,
-          grad_hidden_states_slice.has_value() ? &*grad_hidden_states_slice : nullptr,
-          weight_gradients_slice.has_value() ? &*weight_gradients_slice : nullptr,
-          parsed->job.get());
-      if (resolved.ok()) {
-        outputs = *std::move(resolved);
-      } else {
-        parsed = resolved.status();
-      }
-    }
-    if (!parsed.ok()) {
-      QueueResponse(ErrorResponse(batch_id, parsed.status()), /*job_finished=*/true);
-      return;
-    }
-    // The request's bytes until the worker has copied them, and the answer's until it is sent.
-    absl::StatusOr<MemoryBudget::Reservation> memory = service_->memory().Reserve(
-        received_bytes + static_cast<std::int64_t>(parsed->job->AnswerBytes()),
-        absl::StrCat("Backward batch ", batch_id, " and its answer"));
-    if (!memory.ok()) {
-      QueueResponse(ErrorResponse(batch_id, memory.status()), /*job_finished=*/true);
-      return;
-    }
-    parsed->job->request_reservation = memory->Split(received_bytes);
-    parsed->job->answer.reservation = *std::move(memory);
+    ATTNGRAD_ASSIGN_OR_RETURN(ParsedBackward parsed,
+                              ParseBackwardRequest(std::move(received), core.config(slot),
+                                                   core.settings(slot), service_->limits().batch));
+    PreparedBatch batch;
+    batch.job = std::move(parsed.job);
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        batch.outputs,
+        ResolveOutputRegions(
+            service_->regions(), client_id_,
+            grad_hidden_states_slice.has_value() ? &*grad_hidden_states_slice : nullptr,
+            weight_gradients_slice.has_value() ? &*weight_gradients_slice : nullptr,
+            batch.job.get()));
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        MemoryBudget::Reservation memory,
+        service_->memory().Reserve(
+            received_bytes + static_cast<std::int64_t>(batch.job->AnswerBytes()),
+            absl::StrCat("Backward batch ", batch_id, " and its answer")));
+    batch.job->request_reservation = memory.Split(received_bytes);
+    batch.job->answer.reservation = std::move(memory);
     // GPU servers: the one host copy of the inputs, here on the receiving thread.
     if (service_->arrival_staging() != nullptr) {
-      absl::Status staged = StageOnArrival(*service_->arrival_staging(),
-                                           service_->arrival_copy_threads(), *parsed->job);
-      if (!staged.ok()) {
-        QueueResponse(ErrorResponse(batch_id, staged), /*job_finished=*/true);
-        return;
-      }
+      ATTNGRAD_RETURN_IF_ERROR(StageOnArrival(*service_->arrival_staging(),
+                                              service_->arrival_copy_threads(), *batch.job));
     }
-    parsed->job->layer_slot = *slot;
-    const int layer = core.settings(*slot).index;
-    const std::string instance_id = core.instance_id();
-    parsed->job->on_done = [this, batch_id, layer, instance_id,
-                            outputs = std::move(outputs)](std::unique_ptr<BatchJob> job) {
-      v1::BackwardResponse fields;
-      fields.set_weights_version(job->weights_version);
-      fields.set_accumulation_window_id(job->window_id);
-      fields.set_duplicate(job->duplicate);
-      fields.set_layer(layer);
-      std::unique_ptr<Write> response;
-      if (absl::IsUnimplemented(job->status)) {
-        // The device's kernels do not compute this layer (e.g. the GPU kernels without sliding
-        // windows or head_dim 256): say which layer and what serves it.
-        response =
-            ErrorResponse(batch_id,
-                          absl::UnimplementedError(absl::StrCat(
-                              "layer ", layer, " (head_dim ", job->config.head_dim,
-                              ", sliding_window ", job->scalars.sliding_window,
-                              ") is not supported on ", job->device, ": ", job->status.message(),
-                              "; serve this layer from an attngrad-server with --devices=cpu")),
-                          std::move(fields));
-      } else if (!job->status.ok()) {
-        response = ErrorResponse(batch_id, job->status, std::move(fields));
-      } else {
-        fields.set_batch_id(batch_id);
-        fields.set_server_instance_id(instance_id);
-        response = std::make_unique<Write>();
-        response->payload_bytes = PayloadBytes(*job);
-        CopyOutputsToRegions(outputs, *job);
-        const std::size_t grad_bytes = job->activations() * wire::DTypeSize(job->response_dtype);
-        if (outputs.grad_hidden_states_elsewhere) {
-          response->payload_bytes -= static_cast<std::int64_t>(grad_bytes);
-        }
-        if (outputs.weight_gradients_elsewhere) {
-          response->payload_bytes -= static_cast<std::int64_t>(job->AnswerBytes() - grad_bytes);
-        }
-        response->bytes =
-            SerializeBackwardResponse(std::move(fields), *job, outputs.grad_hidden_states_elsewhere,
-                                      outputs.weight_gradients_elsewhere);
-      }
-      QueueResponse(std::move(response), /*job_finished=*/true);
-    };
-    absl::StatusOr<Admission> admission =
-        service_->core().Admit(std::move(parsed->job), client_id_, batch_id,
-                               expected_weights_version, accumulation_window_id);
-    if (!admission.ok()) {
-      QueueResponse(ErrorResponse(batch_id, admission.status()), /*job_finished=*/true);
+    batch.job->layer_slot = slot;
+    return batch;
+  }
+
+  // The answer of a finished job of batch `batch_id` on `layer`: its error, or its outputs (those
+  // that go to host-memory regions copied there, the others serialized from its answer buffer).
+  std::unique_ptr<Write> AnswerOf(std::uint64_t batch_id, int layer, const std::string& instance_id,
+                                  const OutputRegions& outputs, BatchJob& job) {
+    v1::BackwardResponse fields;
+    fields.set_weights_version(job.weights_version);
+    fields.set_accumulation_window_id(job.window_id);
+    fields.set_duplicate(job.duplicate);
+    fields.set_layer(layer);
+    if (absl::IsUnimplemented(job.status)) {
+      // The device's kernels do not compute this layer (e.g. the GPU kernels without sliding
+      // windows or head_dim 256): say which layer and what serves it.
+      return ErrorResponse(batch_id,
+                           absl::UnimplementedError(absl::StrCat(
+                               "layer ", layer, " (head_dim ", job.config.head_dim,
+                               ", sliding_window ", job.scalars.sliding_window,
+                               ") is not supported on ", job.device, ": ", job.status.message(),
+                               "; serve this layer from an attngrad-server with --devices=cpu")),
+                           std::move(fields));
     }
+    if (!job.status.ok()) return ErrorResponse(batch_id, job.status, std::move(fields));
+    fields.set_batch_id(batch_id);
+    fields.set_server_instance_id(instance_id);
+    auto response = std::make_unique<Write>();
+    response->payload_bytes = PayloadBytes(job);
+    CopyOutputsToRegions(outputs, job);
+    const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);
+    if (outputs.grad_hidden_states_elsewhere) {
+      response->payload_bytes -= static_cast<std::int64_t>(grad_bytes);
+    }
+    if (outputs.weight_gradients_elsewhere) {
+      response->payload_bytes -= static_cast<std::int64_t>(job.AnswerBytes() - grad_bytes);
+    }
+    response->bytes =
+        SerializeBackwardResponse(std::move(fields), job, outputs.grad_hidden_states_elsewhere,
+                                  outputs.weight_gradients_elsewhere);
+    return response;
   }
 
   GradientService* const service_;
