@@ -325,6 +325,10 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  // Compressed messages are refused (UNIMPLEMENTED): gRPC would inflate one in full before any
+  // memory budget sees it, so a few kB of gzip could take gigabytes.
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
   AddConnectionLimits(options, builder);
   // The RPC metrics of every call, including the ones gRPC itself ends (rpc_metrics_interceptor.h).
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
