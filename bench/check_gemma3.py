@@ -21,7 +21,7 @@
    by both layer types, whose difference is the mask and the RoPE tables passed in) where
    --compile is given. With --timing-lock FILE, the compilation runs before the lock on FILE is
    taken and every timed section inside it, so that processes for different (model, shape) compile
-   in parallel and time one at a time (bench/h200_hd256_run.sh PHASE=compile); --ready-dir and
+   in parallel and time one at a time (bench/device/run.sh hd256:compile); --ready-dir and
    --ready-count make them wait until all have compiled before the first one times.
 
 Usage: python3 bench/check_gemma3.py --lib build-h200/kernels/libattngrad.so

@@ -5,8 +5,8 @@ Reads Nsight Compute's source page as CSV (`ncu -i REPORT --page source --csv --
 collected with `--section SourceCounters`) and prints the columns it found, the kernel's samples
 by stall reason (the columns named "stall_*" or "... Stall ..." when the report has them), then
 the `--top` instructions by warp-stall samples, each with its share of all samples, the
-instruction and the stall reasons that make up its samples. bench/h200_ncu_run.sh runs it with
-SOURCE=regex.
+instruction and the stall reasons that make up its samples. The ncu suite of bench/device/run.sh
+runs it with SOURCE=regex.
   python3 bench/ncu_source_top.py source.csv --top 40
 """
 import argparse

@@ -2,8 +2,8 @@
 """One whole backward (SPEC section 2) of attngrad at one (B, S), for a profiler to watch.
 
 Draws SPEC section 3's inputs and calls libattngrad's C ABI `--calls` times in AUTO mode (the first
-call may build the pipeline's graph); nothing is checked or timed here. bench/h200_ncu_run.sh runs
-it under Nsight Compute.
+call may build the pipeline's graph); nothing is checked or timed here. The ncu suite of
+bench/device/run.sh runs it under Nsight Compute.
   python3 bench/profile_backward.py --lib libattngrad.so --batch 2 --seq 2048
 """
 import argparse

@@ -7,7 +7,7 @@ hooks); the wall time of the bridge's backward next to eager PyTorch's (fp32 and
 GPU; then examples/train_step.py. Prints a markdown summary for bench/RESULTS.md; exit status 1 on a
 miss.
 
-    # on the GPU machine (server libraries carried with shared/tools/bundle-libs.sh):
+    # on the GPU machine (server libraries carried with bench/device/stage.sh libs):
     LD_LIBRARY_PATH=libs python3 client/python/examples/check_autograd.py \
         --server build/server/attngrad-server [--workloads 1x128,2x541,1x2048] [--precision auto]
     # or against a running server
