@@ -63,8 +63,35 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
     }
     const Weight index = *named;
     const std::string field = WeightModuleName(index);
-    // The layer: named by the first chunk (unset = the first served layer); later chunks name
-    // the same one or leave it unset.
+    ATTNGRAD_RETURN_IF_ERROR(TakeLayerAndVersion());
+    const std::vector<std::int64_t> expected_shape = WeightShape(config_, index);
+    ATTNGRAD_RETURN_IF_ERROR(CheckDTypeAndShape(index, field, expected_shape));
+    const std::size_t element_size = wire::DTypeSize(dtypes_[index]);
+    const std::size_t total = WeightElements(config_, index);
+    if (request_.has_region()) return TakeWeightFromRegion(index, element_size * total);
+    if (request_.offset() != static_cast<std::int64_t>(received_[index])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".offset: got ", request_.offset(), ", expected ", received_[index],
+                       " (the chunks of a weight must come in order, without gaps or overlaps)"));
+    }
+    if (request_.data().size() % element_size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", request_.data().size(),
+                                                     " bytes is not a whole number of ",
+                                                     wire::DTypeName(dtypes_[index]), " elements"));
+    }
+    const std::size_t count = request_.data().size() / element_size;
+    if (count > total - received_[index]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".data: ", count, " elements at offset ", received_[index], " overflow the ",
+          total, " elements of ", wire::ShapeString(expected_shape)));
+    }
+    return Stage(index, request_.data(), field + ".data");
+  }
+
+  // The upload's layer, fixed by its first chunk (unset = the first served layer), and its
+  // expected_weights_version, fixed by the first chunk that names one; later chunks name the same
+  // or leave them unset.
+  absl::Status TakeLayerAndVersion() {
     if (slot_ < 0) {
       ATTNGRAD_ASSIGN_OR_RETURN(
           slot_,
@@ -84,7 +111,14 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
       }
       expected_version_ = request_.expected_weights_version();
     }
-    const std::vector<std::int64_t> expected_shape = WeightShape(config_, index);
+    return absl::OkStatus();
+  }
+
+  // The chunk's dtype and shape: the first chunk of a weight names a supported dtype (which the
+  // weight's later chunks keep) and the weight's shape; later chunks name the same or leave them
+  // unset.
+  absl::Status CheckDTypeAndShape(Weight index, const std::string& field,
+                                  const std::vector<std::int64_t>& expected_shape) {
     const std::vector<std::int64_t> shape(request_.shape().begin(), request_.shape().end());
     if (dtypes_[index] == v1::DTYPE_UNSPECIFIED) {  // first chunk of this weight
       if (!wire::IsSupportedDType(request_.dtype())) {
@@ -111,26 +145,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
                                                        wire::ShapeString(expected_shape)));
       }
     }
-    const std::size_t element_size = wire::DTypeSize(dtypes_[index]);
-    const std::size_t total = WeightElements(config_, index);
-    if (request_.has_region()) return TakeWeightFromRegion(index, element_size * total);
-    if (request_.offset() != static_cast<std::int64_t>(received_[index])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".offset: got ", request_.offset(), ", expected ", received_[index],
-                       " (the chunks of a weight must come in order, without gaps or overlaps)"));
-    }
-    if (request_.data().size() % element_size != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", request_.data().size(),
-                                                     " bytes is not a whole number of ",
-                                                     wire::DTypeName(dtypes_[index]), " elements"));
-    }
-    const std::size_t count = request_.data().size() / element_size;
-    if (count > total - received_[index]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".data: ", count, " elements at offset ", received_[index], " overflow the ",
-          total, " elements of ", wire::ShapeString(expected_shape)));
-    }
-    return Stage(index, request_.data(), field + ".data");
+    return absl::OkStatus();
   }
 
   // Decodes `bytes` (whole elements of the weight's dtype) into the host staging after what was
