@@ -42,6 +42,11 @@ Status CountNonFiniteDevice(const LayerConfig&, const float*, std::size_t,
   return {ATTNGRAD_UNSUPPORTED, "this build of attngrad has no CUDA backend"};
 }
 
+Status CountOverflowingSumsDevice(const LayerConfig&, const PerWeight<const float*>&,
+                                  const PerWeight<const float*>&, unsigned long long*, void*) {
+  return {ATTNGRAD_UNSUPPORTED, "this build of attngrad has no CUDA backend"};
+}
+
 Status AccumulateIfFiniteDevice(const LayerConfig&, const PerWeight<const float*>&,
                                 const PerWeight<float*>&, const unsigned long long*, void*) {
   return {ATTNGRAD_UNSUPPORTED, "this build of attngrad has no CUDA backend"};

@@ -127,7 +127,9 @@ void CpuWorker::Compute(BatchJob& job) {
                                          /*accumulate=*/false, in, out, num_threads_),
                             "BackwardHost");
   if (job.status.ok()) {
-    job.status = NonFiniteGradientsStatus(CountNonFiniteHost(grad_hidden_states_, *gradients));
+    NonFiniteCounts counts = CountNonFiniteHost(grad_hidden_states_, *gradients);
+    if (add) CountOverflowingSumsHost(accumulator_set->gradients, *gradients, &counts);
+    job.status = NonFiniteGradientsStatus(counts);
   }
   if (job.status.ok() && add) {
     AddTo(accumulator_set->gradients, *gradients);

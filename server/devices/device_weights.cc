@@ -67,9 +67,9 @@ absl::Status QueueWidenedCopy(const DeviceWeightSource& source, std::size_t elem
 absl::Status CheckFiniteOnDevice(const LayerConfig& config, const PackedWeightLayout& layout,
                                  const float* weights, cudaStream_t stream) {
   cuda::DeviceBuffer<unsigned long long> counts;
-  ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<unsigned long long>::Create(kCheckedGradients, &counts));
+  ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<unsigned long long>::Create(kCheckedCounts, &counts));
   ATTNGRAD_CUDA_RETURN(
-      cudaMemsetAsync(counts.get(), 0, kCheckedGradients * sizeof(unsigned long long), stream));
+      cudaMemsetAsync(counts.get(), 0, kCheckedCounts * sizeof(unsigned long long), stream));
   const Status counted =
       CountNonFiniteDevice(config, nullptr, 0, layout.Pointers(weights), counts.get(), stream);
   if (!counted.ok()) return absl::InternalError(absl::StrCat("finite check: ", counted.message));

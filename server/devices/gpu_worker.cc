@@ -253,10 +253,10 @@ class GpuWorker final : public DeviceWorker {
     for (Slot& slot : slots_) {
       ATTNGRAD_CUDA_RETURN(
           cuda::DeviceBuffer<float>::Create(weight_elements, &slot.device_weight_gradients));
-      ATTNGRAD_CUDA_RETURN(cuda::DeviceBuffer<unsigned long long>::Create(kCheckedGradients,
-                                                                          &slot.device_non_finite));
       ATTNGRAD_CUDA_RETURN(
-          cuda::PinnedBuffer<unsigned long long>::Create(kCheckedGradients, &slot.host_non_finite));
+          cuda::DeviceBuffer<unsigned long long>::Create(kCheckedCounts, &slot.device_non_finite));
+      ATTNGRAD_CUDA_RETURN(
+          cuda::PinnedBuffer<unsigned long long>::Create(kCheckedCounts, &slot.host_non_finite));
       for (cuda::Event* event : {&slot.copy_in_start, &slot.copy_in_done, &slot.compute_start,
                                  &slot.compute_done, &slot.copy_out_start}) {
         ATTNGRAD_CUDA_RETURN(cuda::Event::Create(event));
@@ -654,7 +654,8 @@ class GpuWorker final : public DeviceWorker {
 
   // On the compute stream after the batch: counts the non-finite values of its grad_hidden_states
   // and weight gradients into the slot's counts and, for an ACCUMULATE batch (`accumulators` set),
-  // adds its gradients there only when every count is 0. Retire turns the counts into the answer.
+  // the sums the add would make non-finite, and adds its gradients there only when every count is
+  // 0. Retire turns the counts into the answer.
   absl::Status QueueFiniteCheck(Slot& slot, const ResidentLayer& layer,
                                 const float* grad_hidden_states, const float* weight_gradients,
                                 std::size_t activations, float* accumulators,
@@ -667,6 +668,11 @@ class GpuWorker final : public DeviceWorker {
                                           slot.device_non_finite.get(), compute),
                      "CountNonFiniteDevice"));
     if (accumulators == nullptr) return absl::OkStatus();
+    ATTNGRAD_RETURN_IF_ERROR(
+        KernelStatus(CountOverflowingSumsDevice(layer.config, gradients,
+                                                layer.layout.Pointers<const float>(accumulators),
+                                                slot.device_non_finite.get(), compute),
+                     "CountOverflowingSumsDevice"));
     return KernelStatus(
         AccumulateIfFiniteDevice(layer.config, gradients, layer.layout.Pointers(accumulators),
                                  slot.device_non_finite.get(), compute),

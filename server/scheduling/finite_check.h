@@ -18,8 +18,14 @@ namespace attngrad::server {
 NonFiniteCounts CountNonFiniteHost(const std::vector<float>& grad_hidden_states,
                                    const LayerTensors& weight_gradients);
 
+// Adds to counts[OverflowIndexOf(w)] the elements where sums[w] + gradients[w] is not finite: the
+// add that would turn a finite sum into Inf.
+void CountOverflowingSumsHost(const LayerTensors& sums, const LayerTensors& gradients,
+                              NonFiniteCounts* counts);
+
 // OK when every count is 0; else INVALID_ARGUMENT naming each non-finite gradient and how many of
-// its values are NaN or infinite, and saying that nothing of the batch was accumulated.
+// its values are NaN or infinite, or each window sum the batch would overflow, and saying that
+// nothing of the batch was accumulated.
 absl::Status NonFiniteGradientsStatus(const NonFiniteCounts& counts);
 
 }  // namespace attngrad::server

@@ -64,7 +64,7 @@ class FiniteCheckTest : public ::testing::Test {
       ASSERT_CUDA(cudaMemcpy(device_accumulators[weight].get(), accumulators[weight].data(),
                              accumulators[weight].size() * sizeof(float), cudaMemcpyHostToDevice));
     }
-    ASSERT_CUDA(DeviceBuffer<unsigned long long>::Create(attngrad::kCheckedGradients, &counts));
+    ASSERT_CUDA(DeviceBuffer<unsigned long long>::Create(attngrad::kCheckedCounts, &counts));
     ASSERT_CUDA(cudaMemset(counts.get(), 0, counts.bytes()));
   }
 
@@ -80,6 +80,11 @@ class FiniteCheckTest : public ::testing::Test {
     EXPECT_TRUE(attngrad::CountNonFiniteDevice(kConfig, device_grad_hidden.get(),
                                                grad_hidden.size(), gradient_pointers, counts.get(),
                                                nullptr)
+                    .ok());
+    PerWeight<const float*> sums;
+    for (Weight weight : kAllWeights) sums[weight] = accumulator_pointers[weight];
+    EXPECT_TRUE(attngrad::CountOverflowingSumsDevice(kConfig, gradient_pointers, sums, counts.get(),
+                                                     nullptr)
                     .ok());
     EXPECT_TRUE(attngrad::AccumulateIfFiniteDevice(kConfig, gradient_pointers, accumulator_pointers,
                                                    counts.get(), nullptr)
@@ -158,6 +163,23 @@ TEST_F(FiniteCheckTest, MisalignedTensorsAreCheckedElementByElement) {
   ASSERT_CUDA(cudaMemcpy(result.data(), counts.get(), counts.bytes(), cudaMemcpyDeviceToHost));
   EXPECT_EQ(result[0], 3u);
   for (Weight weight : kAllWeights) EXPECT_EQ(result[CountIndexOf(weight)], 0u);
+}
+
+// Finite gradients whose add would overflow a sum: counted per weight, and nothing is added.
+TEST_F(FiniteCheckTest, AnAddThatWouldOverflowASumIsCountedAndNotMade) {
+  Fill(2560);
+  const float big = 0.75f * std::numeric_limits<float>::max();
+  gradients[Weight::kVProj][5] = big;
+  accumulators[Weight::kVProj][5] = big;
+  gradients[Weight::kKNorm][0] = -big;
+  accumulators[Weight::kKNorm][0] = -big;
+  Upload();
+  const NonFiniteCounts counts = CheckAndAccumulate();
+  for (Weight weight : kAllWeights) EXPECT_EQ(counts[CountIndexOf(weight)], 0u);
+  EXPECT_EQ(counts[attngrad::OverflowIndexOf(Weight::kVProj)], 1u);
+  EXPECT_EQ(counts[attngrad::OverflowIndexOf(Weight::kKNorm)], 1u);
+  EXPECT_EQ(counts[attngrad::OverflowIndexOf(Weight::kQProj)], 0u);
+  for (Weight weight : kAllWeights) EXPECT_EQ(DeviceAccumulator(weight), accumulators[weight]);
 }
 
 TEST_F(FiniteCheckTest, NonFiniteGradHiddenStatesAloneBlocksTheAdd) {

@@ -22,6 +22,7 @@ using ::attngrad::testing::RunCommand;
 using ::attngrad::testing::TempDir;
 using ::attngrad::testing::TestServer;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kTrainerToken[] = "e2e-trainer-token-0123456789";
 constexpr char kAdminToken[] = "e2e-admin-token-0123456789ab";
@@ -136,12 +137,22 @@ TEST_F(SecureServerTest, CliTakesTheCaTheCertificateAndATokenFile) {
 }
 
 TEST(OpenServerTest, StartUpLogSaysAuthenticationIsOffAndWhereItListens) {
-  auto server = TestServer::Start();
+  auto server = TestServer::Start({"--allow_unauthenticated"});
   ASSERT_TRUE(server.ok()) << server.status();
   const std::string log = (*server)->LogTail();
   EXPECT_THAT(log, HasSubstr("WARNING: authentication is OFF"));
   EXPECT_THAT(log, HasSubstr("gRPC transport: plaintext"));
   EXPECT_THAT(log, HasSubstr(absl::StrCat("gRPC listens on ", (*server)->target())));
+}
+
+// Without tokens and without --allow_unauthenticated the server is in protected mode: it says so,
+// and serves its own host's clients (the tests' loopback client).
+TEST(OpenServerTest, WithoutTokensTheStartUpLogSaysProtectedModeAndLoopbackIsServed) {
+  auto server = TestServer::Start();
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string log = (*server)->LogTail();
+  EXPECT_THAT(log, HasSubstr("protected mode"));
+  EXPECT_THAT(log, Not(HasSubstr("WARNING: authentication is OFF")));
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
-// Sums that never go NaN, through the server: a batch whose inputs are finite but whose gradients
+// Sums that stay finite, through the server: a batch whose inputs are finite but whose gradients
 // are not (grad_output = 3e38 overflows fp32 in the backward GEMMs) is answered in-band with
 // INVALID_ARGUMENT naming the non-finite gradients and is not added to the window (its batch id
-// stays free for a retry); RETURN and duplicate batches are checked too; rope_theta = 5e-324 and a
-// position id of INT64_MIN are refused before any compute. The same body runs on the CPU backend
-// (attngrad_server_test, or the GPU workers with ATTNGRAD_TEST_DEVICES) and, built with
+// stays free for a retry); so is a batch whose finite gradients would overflow the window's sums,
+// which stay finite and exact; RETURN and duplicate batches are checked too; rope_theta = 5e-324
+// and a position id of INT64_MIN are refused before any compute. The same body runs on the CPU
+// backend (attngrad_server_test, or the GPU workers with ATTNGRAD_TEST_DEVICES) and, built with
 // ATTNGRAD_FINITE_SUMS_ON_GPU, on GPU 0 (attngrad_server_gpu_test, label gpu: skips without a GPU).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -118,6 +120,46 @@ TEST_F(ATTNGRAD_FINITE_SUMS_SUITE, OverflowingBatchIsRefusedAndNotAccumulated) {
   ASSERT_TRUE(fetched.status.ok());
   EXPECT_EQ(fetched.state.batches(), 2);
   EXPECT_TRUE(AllFinite(fetched.gradients));
+}
+
+// Finite batches whose sum overflows: grad_output is scaled (to about 1e38, finite) so that the
+// largest weight gradient of one batch is FLT_MAX / 20.5; twenty copies of the batch add up to
+// 0.98 FLT_MAX, the 21st would make the window's sum infinite. It and the 22nd are refused, naming
+// the sums they would overflow; the window keeps exactly twenty batches, finite; a later batch
+// that fits is still added.
+TEST_F(ATTNGRAD_FINITE_SUMS_SUITE, BatchesWhoseSumWouldOverflowAreRefusedAndTheSumsStayFinite) {
+  constexpr int kFitting = 20;
+  Batch big = MakeBatch(config(), 1, 3, 61);
+  double largest = 0;
+  for (const std::vector<float>& gradient : Reference(weights(), big).weights) {
+    for (float value : gradient) largest = std::max(largest, std::fabs(static_cast<double>(value)));
+  }
+  const double scale = std::numeric_limits<float>::max() / ((kFitting + 0.5) * largest);
+  for (float& value : big.grad_output) value = static_cast<float>(value * scale);
+  std::vector<v1::BackwardRequest> requests;
+  for (std::uint64_t id = 1; id <= kFitting + 2; ++id) {
+    requests.push_back(MakeRequest(config(), big, id, v1::GRADIENT_MODE_ACCUMULATE));
+    requests.back().set_precision(v1::PRECISION_FP32);
+  }
+  for (const v1::BackwardResponse& response : RunStream(stub(), requests)) {
+    if (response.batch_id() <= kFitting) {
+      EXPECT_FALSE(response.has_error())
+          << response.batch_id() << ": " << response.error().message();
+      continue;
+    }
+    ASSERT_TRUE(response.has_error()) << response.batch_id() << " overflowed the sums";
+    EXPECT_EQ(response.error().code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+    EXPECT_NE(response.error().message().find("overflow the window"), std::string::npos)
+        << response.error().message();
+  }
+  const Fetched fetched = FetchWindow();
+  ASSERT_TRUE(fetched.status.ok()) << fetched.status.error_message();
+  EXPECT_EQ(fetched.state.batches(), kFitting);
+  EXPECT_TRUE(AllFinite(fetched.gradients)) << "the window holds Inf or NaN";
+  const Batch small = MakeBatch(config(), 1, 3, 62);
+  EXPECT_FALSE(
+      RunOne(stub(), MakeRequest(config(), small, 100, v1::GRADIENT_MODE_ACCUMULATE)).has_error());
+  EXPECT_EQ(FetchWindow().state.batches(), kFitting + 1);
 }
 
 TEST_F(ATTNGRAD_FINITE_SUMS_SUITE, OverflowingReturnAndDuplicateBatchesAreRefused) {

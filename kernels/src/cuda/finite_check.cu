@@ -18,7 +18,7 @@ constexpr unsigned int kMaxBlocksPerTensor = 1024;
 // Up to kCheckedGradients tensors, passed by value to one launch (blockIdx.y picks one).
 struct Segments {
   const float* source[kCheckedGradients];
-  float* destination[kCheckedGradients];  // AccumulateIfFinite only
+  float* destination[kCheckedGradients];  // AccumulateIfFinite and CountOverflowingSums only
   unsigned long long elements[kCheckedGradients];
 };
 
@@ -73,9 +73,30 @@ __global__ void CountNonFiniteKernel(Segments segments, unsigned long long* coun
   if ((threadIdx.x & 31u) == 0 && count != 0) atomicAdd(&counts[tensor], count);
 }
 
+// counts[kCheckedGradients + tensor] += the elements where destination + source is not finite.
+__global__ void CountOverflowingSumsKernel(Segments segments, unsigned long long* counts) {
+  const int tensor = static_cast<int>(blockIdx.y);
+  const float* source = segments.source[tensor];
+  const float* sums = segments.destination[tensor];
+  const unsigned long long elements = segments.elements[tensor];
+  const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
+  unsigned int count = 0;
+  for (unsigned long long i =
+           static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < elements; i += stride) {
+    count += NotFinite(sums[i] + source[i]) ? 1u : 0u;
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    count += __shfl_down_sync(0xffffffffu, count, offset);
+  }
+  if ((threadIdx.x & 31u) == 0 && count != 0) {
+    atomicAdd(&counts[kCheckedGradients + tensor], count);
+  }
+}
+
 __global__ void AccumulateIfFiniteKernel(Segments segments, const unsigned long long* counts) {
   unsigned long long total = 0;
-  for (int i = 0; i < kCheckedGradients; ++i) total += counts[i];
+  for (int i = 0; i < kCheckedCounts; ++i) total += counts[i];
   if (total != 0) return;
   const int tensor = static_cast<int>(blockIdx.y);
   const float* source = segments.source[tensor];
@@ -148,6 +169,26 @@ Status CountNonFiniteDevice(const LayerConfig& config, const float* grad_hidden_
   }
   const dim3 grid(BlocksFor(segments, kCheckedGradients), kCheckedGradients);
   CountNonFiniteKernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(segments, counts);
+  return LaunchStatus();
+}
+
+Status CountOverflowingSumsDevice(const LayerConfig& config,
+                                  const PerWeight<const float*>& gradients,
+                                  const PerWeight<const float*>& accumulators,
+                                  unsigned long long* counts, void* stream) {
+  if (counts == nullptr) return {ATTNGRAD_INVALID_ARGUMENT, "finite check: counts is null"};
+  Segments segments{};
+  for (Weight weight : kAllWeights) {
+    if (gradients[weight] == nullptr || accumulators[weight] == nullptr) {
+      return {ATTNGRAD_INVALID_ARGUMENT, "finite check: a gradient or accumulator is null"};
+    }
+    segments.source[IndexOf(weight)] = gradients[weight];
+    segments.destination[IndexOf(weight)] = const_cast<float*>(accumulators[weight]);  // read only
+    segments.elements[IndexOf(weight)] = WeightElements(config, weight);
+  }
+  const dim3 grid(BlocksFor(segments, kNumWeights), kNumWeights);
+  CountOverflowingSumsKernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(segments,
+                                                                                       counts);
   return LaunchStatus();
 }
 
