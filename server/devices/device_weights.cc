@@ -111,4 +111,14 @@ absl::StatusOr<std::shared_ptr<const DeviceLayerWeights>> CopyWeightsFromDevice(
       std::make_shared<OwnedDeviceWeights>(device, std::move(buffer)));
 }
 
+absl::Status CopyToDeviceMemory(const RegionBytes& destination, const void* source,
+                                std::size_t bytes) {
+  ATTNGRAD_CUDA_RETURN(cudaSetDevice(destination.cuda_device()));
+  ATTNGRAD_CUDA_RETURN(cudaMemcpy(destination.data, source, bytes, cudaMemcpyHostToDevice));
+  // From pageable memory cudaMemcpy may return before the DMA lands (on the legacy stream): the
+  // client reads the memory as soon as it is answered.
+  ATTNGRAD_CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy));
+  return absl::OkStatus();
+}
+
 }  // namespace attngrad::server

@@ -31,6 +31,12 @@ struct DeviceWeightSource {
 absl::StatusOr<std::shared_ptr<const DeviceLayerWeights>> CopyWeightsFromDevice(
     const LayerConfig& config, const PerWeight<DeviceWeightSource>& sources);
 
+// Copies `bytes` bytes of host memory to a client's GPU memory (a CUDA IPC region slice of at
+// least that size), synchronously. INTERNAL for a CUDA failure; a build without CUDA:
+// FAILED_PRECONDITION.
+absl::Status CopyToDeviceMemory(const RegionBytes& destination, const void* source,
+                                std::size_t bytes);
+
 }  // namespace attngrad::server
 
 #endif  // ATTNGRAD_SERVER_DEVICES_DEVICE_WEIGHTS_H_

@@ -16,4 +16,9 @@ absl::StatusOr<std::shared_ptr<const DeviceLayerWeights>> CopyWeightsFromDevice(
       "region: this server was built without CUDA, so it holds no weights in GPU memory");
 }
 
+absl::Status CopyToDeviceMemory(const RegionBytes&, const void*, std::size_t) {
+  return absl::FailedPreconditionError(
+      "destinations: this server was built without CUDA, so it writes no GPU memory");
+}
+
 }  // namespace attngrad::server

@@ -2,13 +2,18 @@
 #include "rpc/fetch_reactor.h"
 
 #include <algorithm>
+#include <cstring>
+#include <map>
 #include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "attngrad/wire/dtype.h"
+#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
+#include "devices/device_weights.h"
 #include "rpc/gradient_service.h"
+#include "rpc/regions.h"
 
 namespace attngrad::server {
 namespace {
@@ -19,9 +24,10 @@ constexpr std::int64_t kDefaultChunkBytes = 1 << 20;
 class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
  public:
   FetchReactor(GradientService* service, const v1::FetchGradientsRequest& request,
-               const std::string& window_owner)
+               const std::string& window_owner, const std::string& caller)
       : service_(service),
         window_owner_(window_owner),
+        caller_(caller),
         zero_after_fetch_(request.zero_after_fetch()),
         expected_window_id_(request.expected_window_id()) {
     dtype_ = request.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : request.dtype();
@@ -63,6 +69,11 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
     if (slots_.size() > 1 && expected_window_id_ != 0) {
       FinishWith(absl::InvalidArgumentError(
           "expected_window_id: windows are per layer; name one layer with it, or leave it 0"));
+      return;
+    }
+    // Before anything is fetched (or zeroed): a bad destination loses nothing.
+    if (absl::Status status = ResolveDestinations(request); !status.ok()) {
+      FinishWith(status);
       return;
     }
     StartLayer();
@@ -107,6 +118,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
                              weight_index_ = 0;
                              offset_ = 0;
                              first_ = true;
+                             if (destinations_.count(slots_[layer_position_]) != 0) {
+                               WriteToDestinations();
+                               return;
+                             }
                              WriteNext();
                            });
   }
@@ -146,6 +161,80 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
     StartWrite(&chunk_);
   }
 
+  // The slots' destinations of request.destinations, resolved: all six weights of a fetched layer,
+  // float32, in regions of the caller.
+  absl::Status ResolveDestinations(const v1::FetchGradientsRequest& request) {
+    if (request.destinations_size() == 0) return absl::OkStatus();
+    if (dtype_ != v1::DTYPE_FLOAT32) {
+      return absl::InvalidArgumentError(
+          "dtype: sums written into regions (destinations) are float32; leave dtype unset");
+    }
+    for (int i = 0; i < request.destinations_size(); ++i) {
+      ATTNGRAD_RETURN_IF_ERROR(ResolveDestination(request, i));
+    }
+    for (const auto& [slot, regions] : destinations_) {
+      for (Weight weight : kAllWeights) {
+        if (regions[weight].region == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("destinations: layer ", service_->core().settings(slot).index,
+                           " names no region for ", WeightModuleName(weight),
+                           "; a layer's sums go all six into regions or none"));
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ResolveDestination(const v1::FetchGradientsRequest& request, int i) {
+    const v1::GradientDestination& destination = request.destinations(i);
+    const std::string field = absl::StrCat("destinations[", i, "]");
+    const std::optional<Weight> weight = wire::WeightOfWireName(destination.name());
+    if (!weight.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".name: unknown weight"));
+    }
+    ATTNGRAD_ASSIGN_OR_RETURN(const int slot,
+                              service_->core().SlotOf(destination.layer(), field + ".layer"));
+    if (std::find(slots_.begin(), slots_.end(), slot) == slots_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".layer: ", destination.layer(),
+                                                     " is not one of the layers fetched"));
+    }
+    RegionBytes& into = destinations_[slot][*weight];
+    if (into.region != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": layer ", destination.layer(), " ",
+                                                     WeightModuleName(*weight), " named twice"));
+    }
+    const std::size_t bytes =
+        WeightElements(service_->core().config(slot), *weight) * sizeof(float);
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        into, service_->regions().Resolve(caller_, destination.region(), sizeof(float), bytes,
+                                          field + ".region"));
+    return absl::OkStatus();
+  }
+
+  // The fetched layer's sums into its destinations, then its state alone on the stream.
+  void WriteToDestinations() {
+    const PerWeight<RegionBytes>& regions = destinations_[slots_[layer_position_]];
+    for (Weight weight : kAllWeights) {
+      const std::vector<float>& sums = result_.gradients[weight];
+      const RegionBytes& into = regions[weight];
+      absl::Status status = absl::OkStatus();
+      if (into.cuda_device() >= 0) {
+        status = CopyToDeviceMemory(into, sums.data(), sums.size() * sizeof(float));
+      } else {
+        std::memcpy(into.data, sums.data(), sums.size() * sizeof(float));
+      }
+      if (!status.ok()) {
+        FinishWith(status);
+        return;
+      }
+    }
+    chunk_.Clear();
+    FillAccumulationState(result_.state, chunk_.mutable_state());
+    chunk_.set_layer(result_.state.layer);
+    weight_index_ = kNumWeights;  // the next write moves on to the next layer
+    StartWrite(&chunk_);
+  }
+
   void FinishWith(const absl::Status& status) {
     result_ = FetchResult();  // the last chunk is a copy (chunk_)
     fetch_memory_.Release();
@@ -154,10 +243,12 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
 
   GradientService* const service_;
   const std::string window_owner_;
+  const std::string caller_;  // whose regions destinations name
   const bool zero_after_fetch_;
   const std::uint64_t expected_window_id_;
-  std::vector<int> slots_;          // the layers to fetch, in order
-  std::size_t layer_position_ = 0;  // into slots_
+  std::vector<int> slots_;                              // the layers to fetch, in order
+  std::size_t layer_position_ = 0;                      // into slots_
+  std::map<int, PerWeight<RegionBytes>> destinations_;  // slot -> where its sums go (by reference)
   int dtype_ = v1::DTYPE_FLOAT32;
   std::size_t elements_per_chunk_ = 0;
   FetchResult result_;
@@ -172,8 +263,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::GradientChunk> {
 
 grpc::ServerWriteReactor<v1::GradientChunk>* NewFetchReactor(
     GradientService* service, const v1::FetchGradientsRequest& request,
-    const std::string& window_owner) {
-  return new FetchReactor(service, request, window_owner);
+    const std::string& window_owner, const std::string& caller) {
+  return new FetchReactor(service, request, window_owner, caller);
 }
 
 }  // namespace attngrad::server

@@ -91,7 +91,7 @@ grpc::ServerWriteReactor<v1::GradientChunk>* GradientService::FetchGradients(
   if (!caller.ok()) return new Refused(caller.status());
   absl::StatusOr<std::string> owner = WindowOwner(*caller, *context, "FetchGradients");
   if (!owner.ok()) return new Refused(owner.status());
-  return NewFetchReactor(this, *request, *owner);
+  return NewFetchReactor(this, *request, *owner, caller->client_id);
 }
 
 }  // namespace attngrad::server

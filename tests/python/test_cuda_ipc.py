@@ -269,6 +269,20 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         for name, value in expected.weight_gradients.items():
             self.assert_same_bits(got.weight_gradients[name].cpu(), value.cpu(), name)
 
+    def test_sums_fetched_into_cuda_tensors_equal_the_streamed_ones(self):
+        self.client.zero_gradients()
+        hidden, grad, positions = self.inputs(2, 64, 16)
+        self.client.backward(hidden, grad, position_ids=positions, mode="accumulate")
+        layer = self.info.layers[0].index
+        shapes = client_module._weight_shapes(self.info)
+        destinations = {name: torch.full(shape, float("nan"), device=self.device)
+                        for name, shape in zip(attngrad.WEIGHT_NAMES, shapes)}
+        fetched = self.client.fetch_layers([layer], destinations={layer: destinations})[layer]
+        self.assertEqual(fetched.state.tokens, 128)
+        streamed = self.client.fetch_layers([layer], zero_after_fetch=True)[layer]
+        for name in attngrad.WEIGHT_NAMES:
+            self.assert_same_bits(destinations[name].cpu(), torch.from_numpy(streamed[name]), name)
+
     def weights_on_gpu(self, seed, dtype=torch.float32 if torch is not None else None):
         generator = torch.Generator(device=self.device).manual_seed(seed)
         weights = {}

@@ -19,6 +19,9 @@ import numpy as np
 import attngrad_testing as t
 
 import attngrad  # noqa: E402  (attngrad_testing puts client/python on sys.path)
+from attngrad import client as client_module  # noqa: E402
+
+pb = client_module.pb
 
 
 class TransportAgainstServer(t.ServerTestCase):
@@ -119,6 +122,62 @@ class TransportAgainstServer(t.ServerTestCase):
             self.client.load_weights(weights, transport="shm")
         self.assertIn("k_norm", caught.exception.message)
         self.assertEqual(self.client.info().layers[0].weights_version, before)
+
+    def shared_destinations(self, layer):
+        """A registered shared-memory region holding one float32 slot per weight of LAYER:
+        ({name: RegionSlice}, {name: NumPy view of its slot})."""
+        from multiprocessing import shared_memory
+
+        shapes = dict(zip(attngrad.WEIGHT_NAMES, client_module._weight_shapes(self.info)))
+        sizes = {name: int(np.prod(shape)) * 4 for name, shape in shapes.items()}
+        memory = shared_memory.SharedMemory(create=True, size=sum(sizes.values()))
+        self.addCleanup(memory.unlink)
+        self.addCleanup(memory.close)
+        region = self.client.register_region(memory.name, memory.size)
+        self.addCleanup(self.client.unregister_region, region)
+        slices, views, offset = {}, {}, 0
+        for name, shape in shapes.items():
+            slices[name] = pb.RegionSlice(region_id=region, offset=offset, byte_size=sizes[name])
+            views[name] = np.ndarray(shape, np.float32, buffer=memory.buf, offset=offset)
+            offset += sizes[name]
+        return slices, views
+
+    def test_sums_fetched_by_reference_equal_the_streamed_ones(self):
+        layer = self.info.layers[0].index
+        self.client.zero_gradients(layer=layer)
+        for seed in (1, 2):
+            hidden, grad, cos, sin = t.random_batch(np.random.default_rng(seed), 1, 8)
+            self.client.backward(hidden, grad, cos, sin, mode="accumulate", layer=layer)
+        slices, views = self.shared_destinations(layer)
+        for view in views.values():
+            view.fill(np.nan)  # written over, not added to
+        by_reference = self.client.fetch_layers([layer], destinations={layer: slices})[layer]
+        self.assertEqual(by_reference.state.tokens, 16)
+        streamed = self.client.fetch_layers([layer], zero_after_fetch=True)[layer]
+        for name in attngrad.WEIGHT_NAMES:
+            np.testing.assert_array_equal(views[name], streamed[name], err_msg=name)
+
+    def test_a_bad_destination_is_refused_before_anything_is_zeroed(self):
+        layer = self.info.layers[0].index
+        self.client.zero_gradients(layer=layer)
+        hidden, grad, cos, sin = t.random_batch(self.rng, 1, 8)
+        self.client.backward(hidden, grad, cos, sin, mode="accumulate", layer=layer)
+        slices, _ = self.shared_destinations(layer)
+        short = dict(slices)
+        short["v_proj"] = pb.RegionSlice(region_id=slices["v_proj"].region_id,
+                                         offset=slices["v_proj"].offset,
+                                         byte_size=slices["v_proj"].byte_size - 4)
+        with self.assertRaises(attngrad.InvalidArgumentError) as caught:
+            self.client.fetch_layers([layer], zero_after_fetch=True,
+                                     destinations={layer: short})
+        self.assertIn("destinations", caught.exception.message)
+        missing = dict(slices)
+        del missing["k_norm"]
+        with self.assertRaises(attngrad.InvalidArgumentError) as caught:
+            self.client.fetch_layers([layer], zero_after_fetch=True,
+                                     destinations={layer: missing})
+        self.assertIn("k_norm", caught.exception.message)
+        self.assertEqual(self.client.fetch_layers([layer])[layer].state.tokens, 8)
 
 
 if __name__ == "__main__":

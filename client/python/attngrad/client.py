@@ -1201,6 +1201,12 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
 # The client
 
 
+def _torch_float32():
+    import torch  # only reached with torch tensors
+
+    return torch.float32
+
+
 def _names_an_unknown_region(error: errors.AttngradError) -> bool:
     """Whether the server refused a request because a region it names is not the client's: the
     client's registrations are gone (the server restarted)."""
@@ -1915,20 +1921,58 @@ class Client:
 
     def fetch_layers(self, layers: Sequence[int], *, zero_after_fetch: bool = False,
                      dtype: str = "float32", chunk_bytes: int = 0,
-                     timeout: Optional[float] = None, into=None) -> Dict[int, Gradients]:
+                     timeout: Optional[float] = None, into=None,
+                     destinations=None) -> Dict[int, Gradients]:
         """Several layers' accumulated gradients in one call: {layer: Gradients}. INTO: None, or
         into(layer, name, element_count) -> a writable contiguous float32 NumPy array of that
         many elements (or None) that the chunks of that weight are decoded straight into (e.g.
-        a view of page-locked memory the caller copies to its GPU), instead of new arrays."""
+        a view of page-locked memory the caller copies to its GPU), instead of new arrays.
+        DESTINATIONS (same host): {layer: {name: where}} for all six weights of a layer, where is
+        a contiguous float32 CUDA tensor of the weight's shape (registered over CUDA IPC like
+        backward()'s) or a RegionSlice of a region this client registered: the server writes the
+        layer's sums there and streams only its state; that layer's Gradients hold WHERE."""
+        references = self._fetch_destinations(destinations or {})
         fetched = self._fetch(zero_after_fetch, dtype, chunk_bytes, 0,
-                              [int(layer) for layer in layers], timeout, into)
+                              [int(layer) for layer in layers], timeout, into, references)
+        for gradients in fetched:
+            if gradients.state.layer in (destinations or {}):
+                gradients.tensors = {canonical_weight_name(name): where for name, where
+                                     in destinations[gradients.state.layer].items()}
         return {gradients.state.layer: gradients for gradients in fetched}
 
+    def _fetch_destinations(self, destinations) -> List[Any]:
+        """GradientDestination messages for fetch_layers' DESTINATIONS; CUDA tensors registered
+        (their device's current stream synchronised: the server writes them when it fetches)."""
+        messages, devices = [], set()
+        for layer, weights in destinations.items():
+            for name, where in weights.items():
+                if cuda_regions.is_cuda_tensor(where):
+                    if not where.is_contiguous() or where.dtype != _torch_float32():
+                        raise ValueError(f"destinations[{layer}][{name!r}]: a contiguous float32 "
+                                         "CUDA tensor, or a RegionSlice")
+                    try:
+                        region, offset, size = self._cuda_region_cache().slice_of(where)
+                    except (errors.FailedPreconditionError, errors.InvalidArgumentError) as error:
+                        if error.method != "RegisterRegion":
+                            raise
+                        raise _CudaIpcRefused(str(error)) from None
+                    where = pb.RegionSlice(region_id=region, offset=offset, byte_size=size)
+                    devices.add(weights[name].device)
+                messages.append(pb.GradientDestination(
+                    layer=int(layer), name=_WEIGHT_ENUM[canonical_weight_name(name)],
+                    region=where))
+        for device in devices:
+            import torch
+
+            torch.cuda.current_stream(device).synchronize()
+        return messages
+
     def _fetch(self, zero_after_fetch, dtype, chunk_bytes, expected_window_id, layers,
-               timeout, into=None) -> List[Gradients]:
+               timeout, into=None, destinations=()) -> List[Gradients]:
         request = pb.FetchGradientsRequest(
             zero_after_fetch=zero_after_fetch, dtype=_DTYPE_ENUM[tensors.wire_dtype_name(dtype)],
-            chunk_bytes=chunk_bytes, expected_window_id=expected_window_id, layers=layers)
+            chunk_bytes=chunk_bytes, expected_window_id=expected_window_id, layers=layers,
+            destinations=list(destinations))
         attempts = 0 if zero_after_fetch else 2  # a plain fetch is idempotent
         while True:
             try:
@@ -1955,7 +1999,12 @@ class Client:
         dtypes: Dict[str, str] = {}
         filled: Dict[str, int] = collections.Counter()
 
+        by_reference = {destination.layer for destination in request.destinations}
+
         def finish_layer():
+            if state is not None and state.layer in by_reference and not buffers:
+                done.append(Gradients(state, {}))  # the sums are in the caller's destinations
+                return
             missing = [n for n in WEIGHT_NAMES if n not in buffers or filled[n] != buffers[n].size]
             if state is None or missing:
                 raise errors.AttngradError(

@@ -276,8 +276,11 @@ class ShardedClient:
         for layer in layers:
             by_server.setdefault(self._index(int(layer)), []).append(int(layer))
         fetched: Dict[int, client_module.Gradients] = {}
+        destinations = kwargs.pop("destinations", None) or {}
         for index, server_layers in by_server.items():
-            fetched.update(self.clients[index].fetch_layers(server_layers, **kwargs))
+            mine = {layer: destinations[layer] for layer in server_layers if layer in destinations}
+            fetched.update(self.clients[index].fetch_layers(server_layers, destinations=mine,
+                                                            **kwargs))
         return {int(layer): fetched[int(layer)] for layer in layers}
 
     def zero_gradients(self, *, layer: Optional[int] = None, **kwargs):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -435,8 +436,10 @@ def _add_into_grads(parameters: Dict[str, torch.Tensor], gradients) -> None:
     into the parameters' .grad, as autograd would: one copy to the parameter's device and dtype,
     no intermediate host copy."""
     for name, parameter in parameters.items():
-        value = torch.from_numpy(gradients[name]).to(device=parameter.device,
-                                                     dtype=parameter.dtype, non_blocking=True)
+        value = gradients[name]
+        if not isinstance(value, torch.Tensor):  # decoded from the stream
+            value = torch.from_numpy(value)
+        value = value.to(device=parameter.device, dtype=parameter.dtype, non_blocking=True)
         if parameter.grad is None:
             parameter.grad = value
         else:
@@ -633,6 +636,7 @@ class OffloadHandle:
         self.mode = mode
         self._owns_client = owns_client
         self._removed = False
+        self._fetch_refused = False  # the server cannot write this process's GPU memory
         self._staging = _FetchStaging(
             lambda layer, name: self.layers[layer].weights()[name])
 
@@ -653,8 +657,10 @@ class OffloadHandle:
         if self.mode != "accumulate":
             raise RuntimeError("fetch_gradients is for mode='accumulate'; in 'return' mode the "
                                "gradients are already in .grad after backward()")
-        fetched = self.client.fetch_layers(list(self.layers), zero_after_fetch=True,
-                                           into=self._staging.into)
+        fetched = self._fetch_by_reference()
+        if fetched is None:
+            fetched = self.client.fetch_layers(list(self.layers), zero_after_fetch=True,
+                                               into=self._staging.into)
         problems = []
         for index, layer in self.layers.items():
             binding, state = layer.binding, fetched[index].state
@@ -680,6 +686,34 @@ class OffloadHandle:
                 _add_into_grads(layer.weights(), fetched[index])
         self._staging.copies_queued()
         return {index: fetched[index].state for index in self.layers}
+
+    def _fetch_by_reference(self):
+        """{layer: Gradients} whose sums the server wrote into new CUDA tensors of this process
+        (CUDA IPC: no weight-gradient byte on the connection); None when the transport or the
+        parameters' devices do not allow it, or the server cannot open this process's memory
+        (then auto warns once and later fetches go as bytes)."""
+        transport = next(iter(self.layers.values())).binding.transport
+        weights = {index: layer.weights() for index, layer in self.layers.items()}
+        if transport not in ("auto", "cuda_ipc") or self._fetch_refused or not all(
+                w.is_cuda for layer in weights.values() for w in layer.values()):
+            return None
+        destinations = {index: {name: torch.empty(w.shape, dtype=torch.float32, device=w.device)
+                                for name, w in layer.items()}
+                        for index, layer in weights.items()}
+        try:
+            return self.client.fetch_layers(list(self.layers), zero_after_fetch=True,
+                                            destinations=destinations)
+        except client_module._CudaIpcRefused as error:
+            if transport == "cuda_ipc":
+                raise FailedPreconditionError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"transport='cuda_ipc': the server cannot open this process's GPU memory "
+                    f"({error})", method="RegisterRegion") from None
+            self._fetch_refused = True
+            warnings.warn(f"transport='auto': the server cannot write this process's GPU memory "
+                          f"({error}); fetched sums come as bytes from now on", RuntimeWarning,
+                          stacklevel=3)
+            return None
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """ACCUMULATE mode: fetch_gradients() right before every optimizer.step() (a step
