@@ -141,9 +141,9 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
             for phase, seconds in (result.client_phases or {}).items():
                 measured.phases.setdefault(phase, []).append(seconds)
             measured.phases.setdefault("server compute", []).append(
-                sum(t.compute_seconds for t in result.timings))
+                sum(t.compute for t in result.timings))
             measured.phases.setdefault("server total", []).append(
-                sum(t.total_seconds for t in result.timings))
+                sum(t.total for t in result.timings))
         return loss
 
     try:
@@ -304,7 +304,7 @@ def time_layer(forward, layer, steps):
                 for phase, value in (result.client_phases or {}).items():
                     phases.setdefault(phase, []).append(value)
                 phases.setdefault("server compute", []).append(
-                    sum(t.compute_seconds for t in result.timings))
+                    sum(t.compute for t in result.timings))
     return 1e3 * statistics.median(seconds), sorted(transports), phases
 
 
