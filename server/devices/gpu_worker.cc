@@ -15,7 +15,7 @@
 // compute stream, so the accumulators and the shared workspace need no further synchronisation.
 // Every batch computes its weight gradients into its slot's buffer; the finite check
 // (attngrad/finite_check.h) then counts their NaN/Inf values on the device and, for ACCUMULATE,
-// adds them to the client's accumulator set only when there are none (issue 14, found #4).
+// adds them to the client's accumulator set only when there are none.
 //
 // Resident weights: per served layer, the fp32 weights and their fp16 copies (a PreparedWeights,
 // attngrad/prepared_weights.h), made at startup and again, in the same memory, whenever the layer

@@ -1,4 +1,4 @@
-"""The Python client against a server holding several layers of a model (issue 16, item 1):
+"""The Python client against a server holding several layers of a model:
 attngrad-server --weights=random --model=gemma-3-270m --layers=4-5 on the CPU backend (layer 4 a
 sliding-window layer, layer 5 a full one). GetModelInfo's layers, layer-addressed batches
 (layer=..., sliding_window=...), per-layer accumulation, fetch_layers and a per-layer zero, and an

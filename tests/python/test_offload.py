@@ -1,4 +1,4 @@
-"""attngrad.torch.offload (issue 16, item 3): the attention backward of every layer of a Gemma-3
+"""attngrad.torch.offload: the attention backward of every layer of a Gemma-3
 model moved to attngrad servers in one call, against attngrad-server processes on the CPU backend
 serving gemma-3-270m layers (hidden 640, 4 heads, 1 kv head, head_dim 256).
 

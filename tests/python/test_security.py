@@ -1,4 +1,4 @@
-"""The Python client against attngrad-server with mutual TLS and bearer tokens (issue 14, found #5):
+"""The Python client against attngrad-server with mutual TLS and bearer tokens:
 attngrad.tls_credentials (a CA, a client certificate and key) and token=...; a trainer computes and
 fetches its own window, cannot load weights (PERMISSION_DENIED); no token is UNAUTHENTICATED; an
 admin fetches-and-zeroes the trainer's window with for_client=...; a client without a certificate

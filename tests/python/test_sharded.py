@@ -1,5 +1,5 @@
-"""A model's layers spread over several servers (issue 16, item 2) and the client's connections and
-input dtype (issue 13, items 2 and 3), against attngrad-server processes on the CPU backend:
+"""A model's layers spread over several servers and the client's connections and
+input dtype, against attngrad-server processes on the CPU backend:
 
 - attngrad.ShardedClient over two servers of gemma-3-270m (--layers=4-4 and --layers=5-5): the
   merged model info, every layer-addressed call reaching the server of its layer (each server's own

@@ -1207,6 +1207,13 @@ def _torch_float32():
     return torch.float32
 
 
+def _forced_transport_refused(transport: str, what: str, reason: str) -> errors.AttngradError:
+    """The error of a call that forced TRANSPORT when the server cannot WHAT (REASON)."""
+    return errors.FailedPreconditionError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"transport='{transport}': the server cannot {what} ({reason})", method="RegisterRegion")
+
+
 def _names_an_unknown_region(error: errors.AttngradError) -> bool:
     """Whether the server refused a request because a region it names is not the client's: the
     client's registrations are gone (the server restarted)."""
@@ -1244,7 +1251,7 @@ class Client:
         backward_many() call) takes the next channel in turn; the other calls use the first. A
         channel is opened on first use, so unused ones cost nothing. Default 8: up to 8 threads
         streaming at once each get a connection of their own (on one H200 host a bare gRPC stream
-        moved 4x more over 8 connections than over one: issue 13); 1 = one connection.
+        moved 4x more over 8 connections than over one); 1 = one connection.
       options: extra grpc channel options.
       phase_timings: each BackwardResult of backward() gets client_phases (seconds per
         client-side phase of the call).
@@ -1517,10 +1524,8 @@ class Client:
                     self._fall_back("this process's GPU memory (transport cuda_ipc)",
                                     str(refused))
         if transport == "cuda_ipc":
-            raise errors.FailedPreconditionError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"transport='cuda_ipc': the server cannot open this process's GPU memory "
-                f"({self._cuda_ipc_refused})", method="RegisterRegion")
+            raise _forced_transport_refused(transport, "open this process's GPU memory",
+                                            self._cuda_ipc_refused)
         return None
 
     def _take_region_for(self, size: int, transport: str) -> Optional[_SharedRegion]:
@@ -1538,10 +1543,8 @@ class Client:
                 if transport == "auto":
                     self._fall_back("shared memory of this host", self._shm_refused)
         if transport == "shm":
-            raise errors.FailedPreconditionError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"transport='shm': the server cannot map this host's shared memory "
-                f"({self._shm_refused})", method="RegisterRegion")
+            raise _forced_transport_refused(transport, "map this host's shared memory",
+                                            self._shm_refused)
         return None
 
     def _in_shared_memory(self, size: int, transport: str, use):

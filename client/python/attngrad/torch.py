@@ -705,10 +705,8 @@ class OffloadHandle:
                                             destinations=destinations)
         except client_module._CudaIpcRefused as error:
             if transport == "cuda_ipc":
-                raise FailedPreconditionError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"transport='cuda_ipc': the server cannot open this process's GPU memory "
-                    f"({error})", method="RegisterRegion") from None
+                raise client_module._forced_transport_refused(
+                    transport, "open this process's GPU memory", str(error)) from None
             self._fetch_refused = True
             warnings.warn(f"transport='auto': the server cannot write this process's GPU memory "
                           f"({error}); fetched sums come as bytes from now on", RuntimeWarning,

@@ -141,6 +141,21 @@ unsigned int BlocksFor(const Segments& segments, int tensors) {
   return blocks < kMaxBlocksPerTensor ? static_cast<unsigned int>(blocks) : kMaxBlocksPerTensor;
 }
 
+// The six (gradient, accumulator) pairs of a layer as segments (the kernels that read an
+// accumulator only never write through destination); INVALID_ARGUMENT for a null pointer.
+Status PairSegments(const LayerConfig& config, const PerWeight<const float*>& gradients,
+                    const PerWeight<const float*>& accumulators, Segments* segments) {
+  for (Weight weight : kAllWeights) {
+    if (gradients[weight] == nullptr || accumulators[weight] == nullptr) {
+      return {ATTNGRAD_INVALID_ARGUMENT, "finite check: a gradient or accumulator is null"};
+    }
+    segments->source[IndexOf(weight)] = gradients[weight];
+    segments->destination[IndexOf(weight)] = const_cast<float*>(accumulators[weight]);
+    segments->elements[IndexOf(weight)] = WeightElements(config, weight);
+  }
+  return {};
+}
+
 Status LaunchStatus() {
   if (cudaGetLastError() != cudaSuccess)
     return {ATTNGRAD_CUDA_ERROR, "finite check: launch failed"};
@@ -178,14 +193,8 @@ Status CountOverflowingSumsDevice(const LayerConfig& config,
                                   unsigned long long* counts, void* stream) {
   if (counts == nullptr) return {ATTNGRAD_INVALID_ARGUMENT, "finite check: counts is null"};
   Segments segments{};
-  for (Weight weight : kAllWeights) {
-    if (gradients[weight] == nullptr || accumulators[weight] == nullptr) {
-      return {ATTNGRAD_INVALID_ARGUMENT, "finite check: a gradient or accumulator is null"};
-    }
-    segments.source[IndexOf(weight)] = gradients[weight];
-    segments.destination[IndexOf(weight)] = const_cast<float*>(accumulators[weight]);  // read only
-    segments.elements[IndexOf(weight)] = WeightElements(config, weight);
-  }
+  const Status paired = PairSegments(config, gradients, accumulators, &segments);
+  if (!paired.ok()) return paired;
   const dim3 grid(BlocksFor(segments, kNumWeights), kNumWeights);
   CountOverflowingSumsKernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(segments,
                                                                                        counts);
@@ -196,15 +205,11 @@ Status AccumulateIfFiniteDevice(const LayerConfig& config, const PerWeight<const
                                 const PerWeight<float*>& accumulators,
                                 const unsigned long long* counts, void* stream) {
   if (counts == nullptr) return {ATTNGRAD_INVALID_ARGUMENT, "finite check: counts is null"};
+  PerWeight<const float*> sums;
+  for (Weight weight : kAllWeights) sums[weight] = accumulators[weight];
   Segments segments{};
-  for (Weight weight : kAllWeights) {
-    if (gradients[weight] == nullptr || accumulators[weight] == nullptr) {
-      return {ATTNGRAD_INVALID_ARGUMENT, "finite check: a gradient or accumulator is null"};
-    }
-    segments.source[IndexOf(weight)] = gradients[weight];
-    segments.destination[IndexOf(weight)] = accumulators[weight];
-    segments.elements[IndexOf(weight)] = WeightElements(config, weight);
-  }
+  const Status paired = PairSegments(config, gradients, sums, &segments);
+  if (!paired.ok()) return paired;
   const dim3 grid(BlocksFor(segments, kNumWeights), kNumWeights);
   AccumulateIfFiniteKernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(segments,
                                                                                      counts);
