@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import pstats
 import statistics
 import sys
 import tempfile
@@ -146,8 +148,19 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
                 sum(t.total for t in result.timings))
         return loss
 
+    profile = cProfile.Profile() if getattr(args, "profile", False) and transport == "auto" \
+        else None
     try:
-        return train(model, batches, args.steps, args.warmup, step, measured)
+        if profile is None:
+            return train(model, batches, args.steps, args.warmup, step, measured)
+        profile.enable()
+        try:
+            return train(model, batches, args.steps, args.warmup, step, measured)
+        finally:
+            profile.disable()
+            print(f"\n{name}: the trainer's CPU profile of {args.warmup + args.steps} steps "
+                  "(top 25 by own time)")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     finally:
         handle.remove()
 
@@ -340,6 +353,8 @@ def main() -> int:
                         help="the remote path (ACCUMULATE, bytes) for each B = 1 shape")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--spec-layer", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the trainer's CPU profile (cProfile) of the auto offload steps")
     parser.add_argument("--seed", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
