@@ -178,6 +178,18 @@ class SecurityTest : public ::testing::Test {
     if (server_ != nullptr) server_->Shutdown(absl::Seconds(1));
   }
 
+  // The server certificate and key copied to live.pem / live.key, which a test then changes, and
+  // options that serve them and check them for changes every second.
+  static ServerOptions LiveCertificateOptions(Certificates& certificates) {
+    ServerOptions options;
+    options.tls_cert = certificates.Path("live.pem");
+    options.tls_key = certificates.Path("live.key");
+    WriteFile(options.tls_cert, ReadFile(certificates.Path("server.pem")));
+    WriteFile(options.tls_key, ReadFile(certificates.Path("server.key")));
+    options.tls_reload_interval_seconds = 1;
+    return options;
+  }
+
   v1::BackwardRequest Accumulate(std::uint64_t batch_id, std::uint64_t seed, Batch* batch) {
     *batch = MakeBatch(config_, 1, 2, seed);
     return MakeRequest(config_, *batch, batch_id, v1::GRADIENT_MODE_ACCUMULATE);
@@ -260,14 +272,9 @@ TEST_F(SecurityTest, MutualTlsRequiresAClientCertificateOfTheCa) {
 TEST_F(SecurityTest, ChangedCertificateFilesAreServedWithoutARestart) {
   Certificates certificates;
   ASSERT_TRUE(certificates.Make()) << certificates.Log();
-  const std::string certificate = certificates.Path("live.pem");
-  const std::string key = certificates.Path("live.key");
-  WriteFile(certificate, ReadFile(certificates.Path("server.pem")));
-  WriteFile(key, ReadFile(certificates.Path("server.key")));
-  ServerOptions options;
-  options.tls_cert = certificate;
-  options.tls_key = key;
-  options.tls_reload_interval_seconds = 1;
+  const ServerOptions options = LiveCertificateOptions(certificates);
+  const std::string& certificate = options.tls_cert;
+  const std::string& key = options.tls_key;
   StartServer(options);
   ASSERT_NE(server_, nullptr);
   auto trusting = [&](const std::string& ca) {
@@ -362,14 +369,9 @@ TEST_F(SecurityTest, TlsFilesThatCannotServeAreRefusedAtStart) {
 TEST_F(SecurityTest, BadTlsFilesAtReloadKeepTheLastGoodCredentials) {
   Certificates certificates;
   ASSERT_TRUE(certificates.Make()) << certificates.Log();
-  const std::string certificate = certificates.Path("live.pem");
-  const std::string key = certificates.Path("live.key");
-  WriteFile(certificate, ReadFile(certificates.Path("server.pem")));
-  WriteFile(key, ReadFile(certificates.Path("server.key")));
-  ServerOptions options;
-  options.tls_cert = certificate;
-  options.tls_key = key;
-  options.tls_reload_interval_seconds = 1;
+  const ServerOptions options = LiveCertificateOptions(certificates);
+  const std::string& certificate = options.tls_cert;
+  const std::string& key = options.tls_key;
   with_metrics_ = true;
   StartServer(options);
   ASSERT_NE(server_, nullptr);
