@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/status_macros.h"
+#include "rpc/auth.h"
 
 namespace attngrad::server {
 
@@ -41,6 +42,14 @@ absl::StatusOr<std::string> ProcessStartTime(std::int64_t pid) {
 }
 
 }  // namespace
+
+absl::Status CheckRegionCaller(absl::string_view peer) {
+  if (IsLoopbackPeer(peer)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "RegisterRegion: regions are memory of processes on the server's own host, and this call "
+      "came from ",
+      peer, "; send the tensors' bytes instead (transport \"bytes\")"));
+}
 
 absl::StatusOr<std::unique_ptr<MappedRegion>> MappedRegion::Map(const std::string& name,
                                                                 std::int64_t byte_size) {

@@ -79,6 +79,11 @@ struct RegionBytes {
 // kernels read fp32 tensors with 16-byte vector loads).
 inline constexpr std::size_t kDeviceRegionAlignment = 16;
 
+// OK when `peer` (grpc::ServerContext::peer()) is a caller on the server's own host (loopback or a
+// Unix socket); else PERMISSION_DENIED: a region is memory of a process on this host, so a caller
+// from elsewhere can only name other programs' objects.
+absl::Status CheckRegionCaller(absl::string_view peer);
+
 class RegionRegistry {
  public:
   // `device_memory`: opens CUDA IPC regions; null on a server without GPUs (such a region is then

@@ -100,6 +100,9 @@ grpc::ServerUnaryReactor* GradientService::RegisterRegion(grpc::CallbackServerCo
                                                           v1::RegisterRegionResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "RegisterRegion");
+  if (caller.ok()) {
+    if (absl::Status local = CheckRegionCaller(context->peer()); !local.ok()) caller = local;
+  }
   absl::StatusOr<std::uint64_t> id = caller.ok() ? regions_.Register(caller->client_id, *request)
                                                  : absl::StatusOr<std::uint64_t>(caller.status());
   if (id.ok()) response->set_region_id(*id);

@@ -19,6 +19,7 @@
 
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/tensor.h"
+#include "rpc/regions.h"
 #include "server_test_util.h"
 
 namespace attngrad::server::testing {
@@ -103,6 +104,17 @@ class RegionsTest : public ServerTest {
     return request;
   }
 };
+
+// Regions are for callers on the server's host: RegisterRegion from elsewhere (over TCP from
+// another address) is PERMISSION_DENIED before any object is opened.
+TEST(RegionCallerTest, OnlyCallersOnThisHostMayRegisterRegions) {
+  EXPECT_TRUE(CheckRegionCaller("ipv4:127.0.0.1:40000").ok());
+  EXPECT_TRUE(CheckRegionCaller("ipv6:[::1]:40000").ok());
+  EXPECT_TRUE(CheckRegionCaller("unix:/run/attngrad.sock").ok());
+  const absl::Status remote = CheckRegionCaller("ipv4:10.2.3.4:40000");
+  EXPECT_EQ(remote.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(remote.message().find("10.2.3.4"), absl::string_view::npos) << remote;
+}
 
 TEST_F(RegionsTest, ComputesFromAndIntoARegionWithTheBitsOfTheBytesPath) {
   const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 5);
