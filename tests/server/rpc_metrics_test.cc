@@ -21,6 +21,28 @@
 namespace attngrad::server::testing {
 namespace {
 
+// A unary call of `method` whose request is `bytes` as they are (not a serialised message); its
+// status.
+grpc::Status RawUnaryCall(grpc::GenericStub& generic, const std::string& method,
+                          const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::CompletionQueue queue;
+  grpc::ClientContext context;
+  auto call = generic.PrepareUnaryCall(&context, method, request, &queue);
+  call->StartCall();
+  grpc::ByteBuffer reply;
+  grpc::Status status;
+  call->Finish(&reply, &status, reinterpret_cast<void*>(1));
+  void* tag;
+  bool ok;
+  EXPECT_TRUE(queue.Next(&tag, &ok));
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
 constexpr std::int64_t kMaxMessageBytes = 1 << 20;  // the server's least
 
 // attngrad_<family>{code="C",method="M"} samples of one scrape: counts by code for `method`.
@@ -117,23 +139,9 @@ TEST_F(ServerRpcMetricsTest, UnparseableUnaryRequestIsCounted) {
   ASSERT_EQ(RecordedCalls("GetModelInfo", 1), (std::map<std::string, double>{{"OK", 1}}));
   // Field 1, length-delimited, claiming 100 bytes that are not there: no message parses from it.
   const char bytes[] = {0x0a, 0x64, 0x01};
-  grpc::Slice slice(bytes, sizeof bytes);
-  grpc::ByteBuffer request(&slice, 1);
   grpc::GenericStub generic(channel());
-  grpc::CompletionQueue queue;
-  grpc::ClientContext context;
-  auto call = generic.PrepareUnaryCall(&context, "/attngrad.v1.AttentionGradient/GetModelInfo",
-                                       request, &queue);
-  call->StartCall();
-  grpc::ByteBuffer reply;
-  grpc::Status status;
-  call->Finish(&reply, &status, reinterpret_cast<void*>(1));
-  void* tag;
-  bool ok;
-  ASSERT_TRUE(queue.Next(&tag, &ok));
-  queue.Shutdown();
-  while (queue.Next(&tag, &ok)) {
-  }
+  const grpc::Status status = RawUnaryCall(generic, "/attngrad.v1.AttentionGradient/GetModelInfo",
+                                           std::string(bytes, sizeof bytes));
   ASSERT_FALSE(status.ok());
   const std::string code = StatusCodeName(static_cast<int>(status.error_code()));
   EXPECT_EQ(RecordedCalls("GetModelInfo", 2),
@@ -208,21 +216,7 @@ TEST_F(ServerRpcMetricsTest, UnknownMethodsDoNotGrowTheMetrics) {
   for (int i = 0; i < kCalls; ++i) {
     const std::string method =
         absl::StrCat(i % 2 == 0 ? "/attngrad.v1.AttentionGradient/Made" : "/made.Up/Method", i);
-    grpc::Slice slice(std::string("x"));
-    grpc::ByteBuffer request(&slice, 1);
-    grpc::CompletionQueue queue;
-    grpc::ClientContext context;
-    auto call = generic.PrepareUnaryCall(&context, method, request, &queue);
-    call->StartCall();
-    grpc::ByteBuffer reply;
-    grpc::Status status;
-    call->Finish(&reply, &status, reinterpret_cast<void*>(1));
-    void* tag;
-    bool ok;
-    ASSERT_TRUE(queue.Next(&tag, &ok));
-    queue.Shutdown();
-    while (queue.Next(&tag, &ok)) {
-    }
+    const grpc::Status status = RawUnaryCall(generic, method, "x");
     EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << method;
   }
   EXPECT_EQ(RecordedCalls(kUnknownMethod, kCalls),
