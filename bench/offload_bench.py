@@ -65,6 +65,15 @@ class Measured:
         self.peak_bytes = 0
         self.transports = set()
         self.phases = {}
+        self.split = {}  # "forward" / "backward" / "optimizer": GPU-timeline ms per step
+
+    def add_split(self, events) -> None:
+        """EVENTS: CUDA events recorded at a step's start, after its forward, after its backward
+        (and fetch) and after the optimizer step; their intervals on the GPU's timeline (the time
+        the GPU waited for the CPU included)."""
+        for name, (begin, end) in zip(("forward", "backward", "optimizer"),
+                                      zip(events, events[1:])):
+            self.split.setdefault(name, []).append(begin.elapsed_time(end))
 
     @property
     def median_ms(self) -> float:
@@ -72,33 +81,51 @@ class Measured:
 
 
 def train(model, batches, steps: int, warmup: int, step_fn, measured: Measured):
-    """STEPS timed optimizer steps after WARMUP untimed ones; step_fn(ids) does one step's work."""
+    """STEPS timed optimizer steps after WARMUP untimed ones; step_fn(ids, events) does one step's
+    work (events: a list for optimizer_step's CUDA events)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for index in range(warmup + steps):
         ids = batches[index % len(batches)]
+        events = []
         started = time.perf_counter()
-        loss = step_fn(ids)
+        loss = step_fn(ids, events)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
         if index >= warmup:
             measured.seconds.append(elapsed)
             measured.losses.append(float(loss))
+            if len(events) == 4:
+                measured.add_split(events)
     measured.peak_bytes = torch.cuda.max_memory_allocated()
     return measured
 
 
-def optimizer_step(model, optimizer, micro_batches, after_backward=None):
-    """One optimizer step over MICRO_BATCHES (a list of input id tensors); returns the mean loss."""
+def _mark(events) -> None:
+    if events is not None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        events.append(event)
+
+
+def optimizer_step(model, optimizer, micro_batches, after_backward=None, events=None):
+    """One optimizer step over MICRO_BATCHES (a list of input id tensors); returns the mean loss.
+    EVENTS (a list, one micro-batch): CUDA events are appended at the start, after the forward,
+    after the backward and after the optimizer step."""
+    events = events if len(micro_batches) == 1 else None
+    _mark(events)
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for ids in micro_batches:
         loss = loss_of(model, ids) / len(micro_batches)
+        _mark(events)
         loss.backward()
         total += loss.detach()
     if after_backward is not None:
         after_backward()
+    _mark(events)
     optimizer.step()
+    _mark(events)
     return total
 
 
@@ -111,11 +138,11 @@ def run_local(name, base_model, batches, args):
     if name == "local compile tf32":
         forward_model = torch.compile(model)
 
-    def step(ids):
+    def step(ids, events):
         if name == "local bf16 autocast":
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                return optimizer_step(forward_model, optimizer, [ids])
-        return optimizer_step(forward_model, optimizer, [ids])
+                return optimizer_step(forward_model, optimizer, [ids], events=events)
+        return optimizer_step(forward_model, optimizer, [ids], events=events)
 
     warmup = args.warmup + (2 if forward_model is not model else 0)  # compiling takes steps
     return train(model, batches, args.steps, warmup, step, measured)
@@ -133,9 +160,9 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
     measured = Measured(name)
     fetch = handle.fetch_gradients if mode == "accumulate" else None
 
-    def step(ids):
+    def step(ids, events):
         group = [ids] if micro_batches == 1 else list(torch.chunk(ids, micro_batches, dim=0))
-        loss = optimizer_step(model, optimizer, group, fetch)
+        loss = optimizer_step(model, optimizer, group, fetch, events)
         for index, result in handle.last_results().items():
             if result is None:
                 continue
@@ -162,6 +189,10 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
                   "(top 25 by own time)")
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     finally:
+        counts = getattr(handle.client, "cuda_region_counts", None)
+        if counts is not None and transport != "bytes":
+            print(f"  {name}: CUDA IPC regions after {args.warmup + args.steps} steps: "
+                  f"{counts()}", flush=True)
         handle.remove()
 
 
@@ -185,6 +216,11 @@ def print_table(title, rows, reference_names):
         print(f"| {m.name} | {m.median_ms:.1f} | {ratio_sdpa:.2f} | {ratio_compile:.2f} | "
               f"{m.peak_bytes / 2**20:,.0f} | {difference:.1e} | "
               f"{', '.join(sorted(m.transports)) or '-'} |")
+    for m in rows:
+        if m.split:
+            parts = ", ".join(f"{phase} {statistics.median(values):.2f}"
+                              for phase, values in m.split.items())
+            print(f"\n{m.name}: per step on the GPU's timeline, median ms: {parts}")
     for m in rows:
         if m.phases:
             parts = ", ".join(f"{phase} {1e3 * statistics.median(values):.2f}"
@@ -246,7 +282,8 @@ def bench_remote(config, base, seq_len, target, args, device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     set_tf32(True)
     train(model, batches, max(3, args.steps // 2), 1,
-          lambda ids: optimizer_step(model, optimizer, list(torch.chunk(ids, count, dim=0))),
+          lambda ids, events: optimizer_step(model, optimizer,
+                                             list(torch.chunk(ids, count, dim=0))),
           local)
     model = optimizer = None
     torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ build_packages=(
   libgtest-dev libgmock-dev nlohmann-json3-dev
   prometheus                                         # prometheus + promtool for the metrics tests
   python3 python3-grpcio python3-numpy python3-yaml  # Python client and its tests
+  python3-torch          # the autograd bridge's tests (tests/python/test_torch_bridge.py) on the CPU
   clang libclang-rt-dev  # libFuzzer targets (tests/fuzz); = libclang-rt-14-dev on Debian 12
   clang-format           # scripts/check-format.sh (ctest format.check)
   flake8                 # scripts/check-python.sh (ctest python.lint)

@@ -120,6 +120,7 @@ class CudaRegionCacheTest(unittest.TestCase):
         fourth = self.cache.slice_of(FakeTensor(bases[3], 4))[0]
         self.assertEqual(sorted(self.server.live), sorted([regions[0], regions[2], fourth]))
         self.assertEqual(len(self.cache), 3)
+        self.assertEqual((self.cache.registered, self.cache.unregistered), (4, 1))
 
     def test_close_unregisters_everything(self):
         for base in (0x1000_0000, 0x2000_0000):
@@ -129,6 +130,7 @@ class CudaRegionCacheTest(unittest.TestCase):
         self.cache.close()
         self.assertEqual(self.server.live, {})
         self.assertEqual(len(self.cache), 0)
+        self.assertEqual((self.cache.registered, self.cache.unregistered), (2, 2))
 
     def test_a_tensor_past_its_allocation_is_refused(self):
         self.driver.allocate(0x7000_0000, 2 * MiB)

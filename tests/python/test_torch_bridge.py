@@ -1,8 +1,9 @@
 """attngrad.torch against attngrad-server (CPU backend) when the interpreter has PyTorch: the
 autograd bridge's gradients equal float64 PyTorch autograd of the same layer under SPEC section 4
-(RETURN and ACCUMULATE), the weights are re-uploaded after an optimizer step, and the bridge saves
-only hidden_states, cos and sin for the backward. Without PyTorch the suite reports itself skipped
-(CI's Debian interpreter has no PyTorch; the H200 check is
+(RETURN and ACCUMULATE), the weights are uploaded by the backward (never the forward) after an
+optimizer step, weights changed between a forward and its backward are refused, and the bridge saves
+only hidden_states, cos and sin for the backward. CI installs Debian's python3-torch (CPU);
+without PyTorch the suite reports itself skipped (the GPU check is
 client/python/examples/check_autograd.py)."""
 from __future__ import annotations
 
@@ -88,6 +89,28 @@ class TorchBridgeAgainstServer(t.ServerTestCase):
         self.assertEqual(module.last_result.weights_version, module.weights_version)
         state = module.fetch_gradients()
         self.assertEqual((state.tokens, state.weights_version), (8, module.weights_version))
+
+    def test_the_forward_makes_no_remote_call_and_the_backward_uploads(self):
+        module = self.bridge.RemoteGemma3Attention(self.client, mode="return", precision="fp32")
+        before = self.client.info().layers[0].weights_version
+        hidden, grad, cos, sin = self.inputs(1, 8)
+        out = module(hidden, cos, sin)
+        self.assertIsNone(module.weights_version, "the forward uploaded the weights")
+        self.assertEqual(self.client.info().layers[0].weights_version, before)
+        out.backward(grad)
+        self.assertIsNotNone(module.weights_version)
+        self.assertGreater(module.weights_version, before)
+        self.assertEqual(module.last_result.weights_version, module.weights_version)
+
+    def test_weights_changed_between_forward_and_backward_are_refused(self):
+        module = self.bridge.RemoteGemma3Attention(self.client, mode="return", precision="fp32")
+        hidden, grad, cos, sin = self.inputs(1, 8)
+        out = module(hidden, cos, sin)
+        with torch.no_grad():
+            module.k_proj.weight.mul_(2.0)
+        with self.assertRaisesRegex(RuntimeError, "modified in place"):
+            out.backward(grad)
+        self.assertIsNone(module.last_result, "a backward reached the server")
 
     def test_saves_only_hidden_states_and_rotary_tables(self):
         module = self.bridge.RemoteGemma3Attention(self.client, mode="return")

@@ -1698,6 +1698,17 @@ class Client:
                     self.unregister_region)
             return self._cuda_regions
 
+    def cuda_region_counts(self) -> Dict[str, int]:
+        """{"live", "registered", "unregistered"}: the CUDA IPC regions this client holds now and
+        the RegisterRegion / UnregisterRegion calls its cache has made (a steady training loop
+        registers a handful once; a count that grows with the steps means re-registrations)."""
+        with self._regions_lock:
+            cache = self._cuda_regions
+        if cache is None:
+            return {"live": 0, "registered": 0, "unregistered": 0}
+        return {"live": len(cache), "registered": cache.registered,
+                "unregistered": cache.unregistered}
+
     def register_cuda_region(self, handle: bytes, device: int, size: int, *, offset: int = 0,
                              owner_pid: Optional[int] = None,
                              timeout: Optional[float] = None) -> int:

@@ -141,6 +141,8 @@ class CudaRegionCache:
         # (device, buffer id) -> (Allocation, region id), least recently used first.
         self._regions: "collections.OrderedDict[Tuple[int, int], Tuple[Allocation, int]]" = \
             collections.OrderedDict()
+        self.registered = 0  # RegisterRegion calls made, over the cache's life
+        self.unregistered = 0  # UnregisterRegion calls made (stale, evicted or closed)
 
     def __len__(self) -> int:
         with self._lock:
@@ -192,6 +194,7 @@ class CudaRegionCache:
                                 allocation.size)
         stale = []
         with self._lock:
+            self.registered += 1
             for other_key, (other, other_region) in list(self._regions.items()):
                 if other.device == allocation.device and other_key != key and \
                         other.base < allocation.base + allocation.size and \
@@ -206,13 +209,17 @@ class CudaRegionCache:
                 self._regions[key] = (allocation, region)
             while len(self._regions) > self._capacity:
                 stale.append(self._regions.popitem(last=False)[1][1])
-        for old in stale:
-            self._unregister(old)
+        self._unregister_all(stale)
         return region
+
+    def _unregister_all(self, regions) -> None:
+        for region in regions:
+            self._unregister(region)
+            with self._lock:
+                self.unregistered += 1
 
     def close(self) -> None:
         with self._lock:
             regions = [region for _, region in self._regions.values()]
             self._regions = collections.OrderedDict()
-        for region in regions:
-            self._unregister(region)
+        self._unregister_all(regions)

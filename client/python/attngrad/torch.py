@@ -7,7 +7,7 @@ runs on the attngrad service.
     # [B,S,3072]; cos/sin [B,S,128] (transformers' position_embeddings)
     out = attention(hidden_states, cos, sin)
     loss(out).backward()                         # grad of hidden_states + weights from the service
-    optimizer.step()                             # the next forward uploads the new weights
+    optimizer.step()                             # the next backward uploads the new weights
 
 Modes:
   "return"     each backward's response carries the six weight gradients; autograd adds them into
@@ -30,7 +30,8 @@ working set is bounded by processing one key-value head group (3 query heads) at
 The weights live in the module (nn.Parameters named like Hugging Face's Gemma3Attention:
 q_proj.weight, k_proj.weight, v_proj.weight, o_proj.weight, q_norm.weight, k_norm.weight) and are
 uploaded to the server whenever they changed since the last upload (tracked by the tensors' in-place
-version counters, so after every optimizer step). Every backward names the weights version its
+version counters, so after every optimizer step), by the backward that needs them: the forward
+makes no remote call. Every backward names the weights version its
 forward ran with, so a gradient is never computed against other weights: the server refuses with
 FAILED_PRECONDITION instead. One trainer process per server layer: data-parallel ranks sharing one
 server would overwrite each other's weights (give each rank its own server, or let one rank upload).
@@ -204,16 +205,46 @@ def _upload_weights(binding: _Binding, weights: Dict[str, torch.Tensor], **kwarg
         return binding.client.load_weights(weights, transport=binding.transport, **kwargs)
 
 
+class _PinnedWeights:
+    """The weights a forward computed with, uploaded only when their backward runs.
+
+    The forward records the weights' fingerprint (storage, in-place version counter, dtype,
+    shape) and sends nothing, so it keeps no remote call and no GPU synchronisation: a forward
+    whose backward never runs (evaluation under grad, a discarded graph) costs the server
+    nothing, and the upload of a changed version rides on the backward, which waits for the GPU
+    anyway. OWNER has fingerprint() and sync_weights() -> the server's version."""
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.fingerprint = owner.fingerprint()
+
+    def version(self) -> int:
+        """The server's version of exactly the forward's weights (uploaded now if they changed
+        since the last upload). Weights changed in place between the forward and its backward
+        are refused, as autograd refuses a saved tensor changed in place."""
+        if self.owner.fingerprint() != self.fingerprint:
+            raise RuntimeError(
+                "attngrad: one of the attention weights was modified in place (or replaced) "
+                "between the forward and its backward; the backward must see the forward's "
+                "weights (run optimizer.step() after backward())")
+        return self.owner.sync_weights()
+
+
+def _weights_fingerprint(weights: Dict[str, torch.Tensor]) -> Tuple:
+    return tuple((w.data_ptr(), w._version, w.dtype, tuple(w.shape)) for w in weights.values())
+
+
 class RemoteAttentionBackward(torch.autograd.Function):
-    """apply(hidden_states, cos, sin, q_w, k_w, v_w, o_w, q_norm_w, k_norm_w, binding, version):
+    """apply(hidden_states, cos, sin, q_w, k_w, v_w, o_w, q_norm_w, k_norm_w, binding, weights):
     forward = gemma3_attention computed locally without saving activations; backward = the
-    service."""
+    service. WEIGHTS: the server's weights version to pin (an int), or the forward's
+    _PinnedWeights (uploaded at the backward when they changed)."""
 
     @staticmethod
     def forward(ctx, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
-                k_norm_weight, binding: _Binding, weights_version: int):
+                k_norm_weight, binding: _Binding, weights):
         ctx.binding = binding
-        ctx.weights_version = weights_version
+        ctx.weights = weights
         ctx.weight_meta = [(w.dtype, w.device) for w in (q_weight, k_weight, v_weight, o_weight,
                                                          q_norm_weight, k_norm_weight)]
         ctx.save_for_backward(hidden_states, cos, sin)
@@ -230,8 +261,9 @@ class RemoteAttentionBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         hidden_states, cos, sin = ctx.saved_tensors
+        version = ctx.weights if isinstance(ctx.weights, int) else ctx.weights.version()
         grad_hidden, weight_grads = _remote_backward(
-            ctx.binding, hidden_states, cos, sin, grad_output, ctx.weights_version,
+            ctx.binding, hidden_states, cos, sin, grad_output, version,
             ctx.weight_meta, ctx.needs_input_grad[3:9])
         grad_hidden = grad_hidden if ctx.needs_input_grad[0] else None
         return (grad_hidden, None, None, *weight_grads, None, None)
@@ -328,13 +360,15 @@ class RemoteGemma3Attention(nn.Module):
                 "v_proj": self.v_proj.weight, "o_proj": self.o_proj.weight,
                 "q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight}
 
-    def _fingerprint(self) -> Tuple:
-        return tuple((w.data_ptr(), w._version, w.dtype, w.shape) for w in self.weights().values())
+    def fingerprint(self) -> Tuple:
+        """The weights' identity and in-place version counters (they move with every optimizer
+        step)."""
+        return _weights_fingerprint(self.weights())
 
     def sync_weights(self, force: bool = False) -> int:
         """Uploads the weights when they changed since the last upload; returns the server's
         version."""
-        fingerprint = self._fingerprint()
+        fingerprint = self.fingerprint()
         if force or fingerprint != self._uploaded or self.weights_version is None:
             expected = 0 if force or self.weights_version is None else self.weights_version
             try:
@@ -350,11 +384,10 @@ class RemoteGemma3Attention(nn.Module):
         return self.weights_version
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        version = self.sync_weights()
         w = self.weights()
         return RemoteAttentionBackward.apply(
             hidden_states, cos, sin, w["q_proj"], w["k_proj"], w["v_proj"], w["o_proj"],
-            w["q_norm"], w["k_norm"], self._binding, version)
+            w["q_norm"], w["k_norm"], self._binding, _PinnedWeights(self))
 
     def fetch_gradients(self, *, strict: bool = True) -> client_module.AccumulationState:
         """ACCUMULATE mode: fetches-and-zeroes the server's accumulated gradients and adds them into
@@ -542,12 +575,14 @@ class _OffloadedLayer:
                 self.weights_version = self._server_version()
             return self.weights_version
         weights = self.weights()
-        fingerprint = tuple((w.data_ptr(), w._version, w.dtype, tuple(w.shape))
-                            for w in weights.values())
+        fingerprint = _weights_fingerprint(weights)
         if force or fingerprint != self._uploaded or self.weights_version is None:
             self.weights_version = _upload_weights(self.binding, weights, layer=self.index)
             self._uploaded = fingerprint
         return self.weights_version
+
+    def fingerprint(self) -> Tuple:
+        return _weights_fingerprint(self.weights())
 
     def _server_version(self) -> int:
         for layer in self.binding.client.info().layers:
@@ -579,11 +614,10 @@ class _OffloadedLayer:
                                  "the offloaded backward covers the tokens of this call only "
                                  "(train with use_cache=False)")
         cos, sin = position_embeddings
-        version = self.sync_weights()
         call = _Call(self, bound)
         output = _OffloadedAttention.apply(
             hidden_states, cos, sin, weights["q_proj"], weights["k_proj"], weights["v_proj"],
-            weights["o_proj"], weights["q_norm"], weights["k_norm"], call, version)
+            weights["o_proj"], weights["q_norm"], weights["k_norm"], call, _PinnedWeights(self))
         if call.rest is None:
             return output
         return (output,) + call.rest
@@ -609,16 +643,16 @@ class _Call:
 
 
 class _OffloadedAttention(RemoteAttentionBackward):
-    """apply(hidden_states, cos, sin, q_w, k_w, v_w, o_w, q_norm_w, k_norm_w, call, version):
+    """apply(hidden_states, cos, sin, q_w, k_w, v_w, o_w, q_norm_w, k_norm_w, call, weights):
     forward = the module's own forward, unchanged (run without recording a graph, so none of its
     activations are kept); backward = RemoteAttentionBackward's (the service, same saved tensors
     and ctx fields)."""
 
     @staticmethod
     def forward(ctx, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
-                k_norm_weight, call: _Call, weights_version: int):
+                k_norm_weight, call: _Call, weights: _PinnedWeights):
         ctx.binding = call.layer.binding
-        ctx.weights_version = weights_version
+        ctx.weights = weights
         ctx.weight_meta = [(w.dtype, w.device) for w in (q_weight, k_weight, v_weight, o_weight,
                                                          q_norm_weight, k_norm_weight)]
         ctx.save_for_backward(hidden_states, cos, sin)
@@ -646,7 +680,7 @@ class OffloadHandle:
         return {index: layer.binding.last_result for index, layer in self.layers.items()}
 
     def sync_weights(self, force: bool = False) -> Dict[int, int]:
-        """Uploads every layer's changed weights now (the forward does it otherwise)."""
+        """Uploads every layer's changed weights now (the backward does it otherwise)."""
         return {index: layer.sync_weights(force) for index, layer in self.layers.items()}
 
     def fetch_gradients(self, *, strict: bool = True) -> Dict[int, client_module.AccumulationState]:
@@ -768,7 +802,7 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
         "0-12=host-a:50051,13-25=host-b:50051" (a dict works too; see attngrad.ShardedClient).
       mode: "return" or "accumulate". precision: the server's ("auto", "fp32", "tf32", "fp16").
       wire_dtype / input_dtype: the wire dtype of the tensors sent (see Client.backward).
-      upload_weights: upload each layer's weights before the first forward and after every change
+      upload_weights: upload each layer's weights at its first backward and after every change
         (optimizer steps) and pin that version in each backward (default). False: the servers
         already hold exactly these weights (e.g. started with --weights=DIR of this checkpoint)
         and nothing changes them (no training of the attention weights).
