@@ -4,13 +4,18 @@
 # (/usr/local/cuda); without it the project builds CPU-only.
 #   scripts/install-deps.sh            build + test dependencies
 #   scripts/install-deps.sh --runtime  only what the built server and CLI need to run
+#   scripts/install-deps.sh --image-build  only what building the server and CLI needs (the image's
+#                                          build stage, deploy/docker/Dockerfile)
 set -euo pipefail
 
-build_packages=(
-  build-essential cmake pkg-config git ca-certificates curl
+image_build_packages=(
+  build-essential cmake pkg-config ca-certificates libssl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev prometheus-cpp-dev libopenblas-dev
-  libgtest-dev libgmock-dev nlohmann-json3-dev
+  libabsl-dev prometheus-cpp-dev libopenblas-dev nlohmann-json3-dev
+)
+build_packages=(
+  "${image_build_packages[@]}" git curl
+  libgtest-dev libgmock-dev
   prometheus                                         # prometheus + promtool for the metrics tests
   python3 python3-grpcio python3-numpy python3-yaml  # Python client and its tests
   python3-torch          # the autograd bridge's tests (tests/python/test_torch_bridge.py) on the CPU
@@ -18,11 +23,14 @@ build_packages=(
   clang-format           # scripts/check-format.sh (ctest format.check)
   flake8                 # scripts/check-python.sh (ctest python.lint)
   openssl                # the TLS tests make their certificates with the openssl CLI
+  # tests/container: builds the image on local Debian bases and runs it and the compose stack
+  podman runc mmdebstrap podman-compose netavark aardvark-dns iptables
 )
 sudo=""
 if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
 mode=build
 [[ "${1:-}" == "--runtime" ]] && mode=runtime
+[[ "${1:-}" == "--image-build" ]] && mode=image-build
 if [[ "$mode" == runtime ]]; then
   # The shared libraries behind the -dev packages: their names carry SONAME versions that differ
   # between releases (libgrpc++1.51 on Debian 12, libgrpc++1.51t64 on Ubuntu 24.04), so they are
@@ -34,6 +42,8 @@ if [[ "$mode" == runtime ]]; then
     while read -r library; do packages+=("$library"); done < <(
       apt-cache depends "$dev" | awk '/^  Depends: lib/ {print $2}' | grep -v -- '-dev$' | grep -v '[<>]')
   done
+elif [[ "$mode" == image-build ]]; then
+  packages=("${image_build_packages[@]}")
 else
   packages=("${build_packages[@]}")
 fi
