@@ -12,7 +12,11 @@ An allocation freed and another made in its address range (torch.cuda.empty_cach
 released under memory pressure) has a new buffer id: the new one is registered and the old
 registration, which kept the freed memory mapped in the server, is unregistered. At most
 CAPACITY registrations are kept (the least recently used is unregistered first); close()
-unregisters them all.
+unregisters them all. The default capacity holds every segment of a large training process: the
+allocator hands a layer's backward blocks from whichever of its segments is free, so a training
+step touches tens of segments and a small cache would register them again every step (each
+registration is a round trip and a mapping in the server; a mapping costs the server address
+space, not memory).
 
 Nothing of torch's IPC machinery is used (no `storage._share_cuda_()`, whose consumer counters
 kept memory out of reuse). The server computes straight from and into this memory: before a batch
@@ -128,7 +132,7 @@ class CudaRegionCache:
     the client's RPCs; LOCATE (address) -> Allocation and IPC_HANDLE (Allocation) -> bytes are the
     driver's (None: libcuda's, loaded at the first lookup; stand-ins in tests)."""
 
-    def __init__(self, register, unregister, capacity: int = 64,
+    def __init__(self, register, unregister, capacity: int = 4096,
                  locate: Optional[Callable[[int], Allocation]] = None,
                  ipc_handle: Optional[Callable[[Allocation], bytes]] = None):
         self._register = register
