@@ -132,6 +132,25 @@ class CudaRegionCacheTest(unittest.TestCase):
         self.assertEqual(len(self.cache), 0)
         self.assertEqual((self.cache.registered, self.cache.unregistered), (2, 2))
 
+    def test_the_segments_held_at_the_first_call_are_registered_once(self):
+        bases = [0x1000_0000, 0x2000_0000]
+        for base in bases:
+            self.driver.allocate(base, 2 * MiB)
+        asked = []
+
+        def segments():
+            asked.append(True)
+            return bases + [0x5000_0000]  # the last: memory the driver cannot place (skipped)
+
+        self.assertEqual(self.cache.register_segments_once(0, segments), 2)
+        self.assertEqual(self.cache.register_segments_once(0, segments), 0)
+        self.assertEqual(len(asked), 1)
+        self.assertEqual(sorted(size for _, _, _, size in self.server.live.values()),
+                         [2 * MiB, 2 * MiB])
+        region = self.cache.slice_of(FakeTensor(bases[1] + 4096, 4))[0]  # no new registration
+        self.assertIn(region, self.server.live)
+        self.assertEqual(self.cache.registered, 2)
+
     def test_a_tensor_past_its_allocation_is_refused(self):
         self.driver.allocate(0x7000_0000, 2 * MiB)
         with self.assertRaisesRegex(ValueError, "past the end"):

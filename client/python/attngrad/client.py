@@ -1677,8 +1677,12 @@ class Client:
         elif cuda_regions.is_cuda_tensor(batch.cos):  # on another GPU: as bytes
             batch.cos, batch.sin = tensors.to_numpy(batch.cos), tensors.to_numpy(batch.sin)
         try:
-            batch.region = _CudaLayout(batch.parts, self._cuda_region_cache(), hidden, grad,
-                                       answer, weights, shapes, rotary)
+            cache = self._cuda_region_cache()
+            cache.register_segments_once(
+                hidden.device.index,
+                lambda: cuda_regions.torch_segment_addresses(hidden.device.index))
+            batch.region = _CudaLayout(batch.parts, cache, hidden, grad, answer, weights, shapes,
+                                       rotary)
         except (errors.FailedPreconditionError, errors.InvalidArgumentError) as error:
             if error.method != "RegisterRegion":
                 raise

@@ -126,6 +126,14 @@ class _Driver:
         return handle.raw
 
 
+def torch_segment_addresses(device: int) -> list:
+    """The base addresses of the segments torch's caching allocator holds on DEVICE."""
+    import torch
+
+    return [int(segment["address"]) for segment in torch.cuda.memory_snapshot()
+            if int(segment["device"]) == device]
+
+
 class CudaRegionCache:
     """The CUDA IPC regions a client has registered: one per GPU allocation, by (device, buffer
     id). REGISTER (handle bytes, device, offset, size) -> region id and UNREGISTER (region id) are
@@ -145,6 +153,7 @@ class CudaRegionCache:
         # (device, buffer id) -> (Allocation, region id), least recently used first.
         self._regions: "collections.OrderedDict[Tuple[int, int], Tuple[Allocation, int]]" = \
             collections.OrderedDict()
+        self._swept_devices = set()  # devices whose existing segments were registered at once
         self.registered = 0  # RegisterRegion calls made, over the cache's life
         self.unregistered = 0  # UnregisterRegion calls made (stale, evicted or closed)
 
@@ -183,6 +192,27 @@ class CudaRegionCache:
             raise ValueError(f"zero_copy: the tensor's {size} bytes at {address:#x} run past the "
                              f"end of their allocation [{allocation.base:#x}, +{allocation.size})")
         return self.region_of(allocation), address - allocation.base, size
+
+    def register_segments_once(self, device: int, segment_addresses: Callable[[], list]) -> int:
+        """At the first call for DEVICE: registers the allocations at SEGMENT_ADDRESSES() (the
+        segments torch's allocator holds on it, torch_segment_addresses) that are not registered
+        yet, so that the tensors of later steps, which the allocator carves from whichever
+        segment is free, find theirs registered instead of paying a round trip in the middle of
+        a backward. Memory that cannot be shared (expandable segments) is skipped. Returns how
+        many were registered."""
+        with self._lock:
+            if device in self._swept_devices:
+                return 0
+            self._swept_devices.add(device)
+        before = self.registered
+        for address in segment_addresses():
+            try:
+                allocation = self._locate(address)
+            except ValueError:
+                continue
+            if len(self) < self._capacity:
+                self.region_of(allocation)
+        return self.registered - before
 
     def region_of(self, allocation: Allocation) -> int:
         """The region id of ALLOCATION, registered now when it was not. Registrations of
