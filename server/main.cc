@@ -92,6 +92,12 @@ ABSL_FLAG(bool, allow_unauthenticated, false,
           "Without --tokens_file, serve clients of every host (authentication OFF: any client that "
           "reaches the port may do anything); by default such a server serves only clients on "
           "its own host (loopback and Unix sockets). No effect with --tokens_file");
+ABSL_FLAG(
+    std::string, region_socket, "",
+    "Unix socket on which clients of this host pass sealed memfds to register shared-memory "
+    "regions (mode 0600; only the server's user and root may register); empty = "
+    "$XDG_RUNTIME_DIR/attngrad/regions-<port>.sock, or /tmp/attngrad-<uid>/regions-<port>.sock "
+    "without XDG_RUNTIME_DIR; \"off\" = no shared-memory regions");
 ABSL_FLAG(std::int64_t, max_inflight_bytes, std::int64_t{4} << 30,
           "host memory for data in flight, server-wide: received batches, answers not yet sent, "
           "LoadWeights staging, FetchGradients results; beyond it new batches and streams get "
@@ -257,6 +263,7 @@ int main(int argc, char** argv) {
   options.tls_reload_interval_seconds = absl::GetFlag(FLAGS_tls_reload_interval_seconds);
   options.tokens_file = absl::GetFlag(FLAGS_tokens_file);
   options.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
+  options.region_socket = absl::GetFlag(FLAGS_region_socket);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   options.nccl = absl::GetFlag(FLAGS_nccl);
   const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);

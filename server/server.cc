@@ -28,6 +28,7 @@
 #include "scheduling/gradient_core.h"
 #include "rpc/auth.h"
 #include "rpc/gradient_service.h"
+#include "rpc/region_socket.h"
 #include "rpc/rpc_metrics_interceptor.h"
 #include "rpc/tls.h"
 #include "metrics/metrics.h"
@@ -345,13 +346,32 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
       absl::StartsWith(options.listen, "0.0.0.0:") || absl::StartsWith(options.listen, "[::]:")
           ? " (every interface)"
           : ""));
+  const std::string region_socket_path = RegionSocketPath(options.region_socket, server->port_);
+  if (!region_socket_path.empty()) {
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        server->region_socket_,
+        RegionSocketListener::Start(region_socket_path,
+                                    RegisterFromSocket(server->service_->authenticator(),
+                                                       server->service_->mutable_regions())));
+  }
+  server->security_summary_.push_back(
+      region_socket_path.empty()
+          ? "shared-memory regions: off (--region_socket=off)"
+          : absl::StrCat("shared-memory regions: sealed memfds passed on ", region_socket_path,
+                         " (mode 0600: the server's user and root only)"));
   server->instance_id_ = server->core_->instance_id();
   return server;
+}
+
+const std::string& GradientServer::region_socket_path() const {
+  static const std::string kNone;
+  return region_socket_ == nullptr ? kNone : region_socket_->path();
 }
 
 void GradientServer::Shutdown(absl::Duration grace) {
   if (stopped_) return;
   stopped_ = true;
+  region_socket_.reset();  // no new regions
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     // Backward streams take no new batch: those with none in flight end now (a client's idle
@@ -367,6 +387,7 @@ void GradientServer::Shutdown(absl::Duration grace) {
 
 GradientServer::~GradientServer() {
   Shutdown(absl::ZeroDuration());
+  region_socket_.reset();
   server_.reset();
   tls_reloader_.reset();  // gRPC reads its staged files until the server is gone
   service_.reset();

@@ -23,6 +23,7 @@ namespace attngrad::server {
 class GradientCore;
 class GradientService;
 class MetricsHttpServer;
+class RegionSocketListener;
 class ServerMetrics;
 
 // The --devices value resolved: GPU indices, or none for the CPU backend.
@@ -62,6 +63,8 @@ class GradientServer {
   // with N tokens, or OFF said loudly) and the interfaces gRPC and /metrics listen on.
   const std::vector<std::string>& security_summary() const { return security_summary_; }
   const std::string& model_summary() const { return model_summary_; }
+  // Where clients pass sealed memfds to register shared memory; empty when --region_socket=off.
+  const std::string& region_socket_path() const;
 
   // Stops accepting RPCs, marks health NOT_SERVING, ends the Backward streams with no batch in
   // flight (UNAVAILABLE) and lets running RPCs (and their batches) finish for up to `grace`, then
@@ -75,7 +78,8 @@ class GradientServer {
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<GradientCore> core_;
   std::unique_ptr<GradientService> service_;
-  std::unique_ptr<TlsReloader> tls_reloader_;  // TLS only; destroyed after server_
+  std::unique_ptr<TlsReloader> tls_reloader_;            // TLS only; destroyed after server_
+  std::unique_ptr<RegionSocketListener> region_socket_;  // destroyed before service_
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   int metrics_port_ = 0;

@@ -36,6 +36,9 @@ struct ServerOptions {
   std::string tokens_file;  // "token role [client_id]" lines; empty = authentication off
   // Without tokens_file: serve clients of other hosts too (else only this host's: protected mode).
   bool allow_unauthenticated = false;
+  // Unix socket for shared-memory regions (rpc/region_socket.h): "" = the default path of the
+  // gRPC port (wire::DefaultRegionSocketPath), "off" = none.
+  std::string region_socket;
   int queue_depth = 4;  // batches per stream in flight; GPU pipeline depth (at least 3)
   // GPU servers: activations staged into page-locked memory by the receiving thread.
   bool stage_on_arrival = true;

@@ -83,6 +83,7 @@ class GradientService final : public AttentionGradientBase {
   MemoryBudget& memory() { return memory_; }
   const Authenticator& authenticator() const { return authenticator_; }
   const RegionRegistry& regions() const { return regions_; }
+  RegionRegistry& mutable_regions() { return regions_; }
   wire::BufferPool* arrival_staging() const { return arrival_staging_.get(); }
   // The threads of the arrival copies (with arrival_staging only).
   wire::ParallelTasks& arrival_copy_threads() { return *arrival_copy_threads_; }

@@ -1,10 +1,12 @@
-// RegionRegistry: shm_open + mmap of the clients' shared-memory objects, CUDA IPC memory through
+// RegionRegistry: mmap of the clients' sealed memfds, CUDA IPC memory through
 // the DeviceMemoryOpener, and the checks of every reference into them.
 #include "rpc/regions.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -51,40 +53,40 @@ absl::Status CheckRegionCaller(absl::string_view peer) {
       peer, "; send the tensors' bytes instead (transport \"bytes\")"));
 }
 
-absl::StatusOr<std::unique_ptr<MappedRegion>> MappedRegion::Map(const std::string& name,
-                                                                std::int64_t byte_size) {
-  const std::string path = absl::StartsWith(name, "/") ? name : absl::StrCat("/", name);
-  if (path.size() < 2 || path.find('/', 1) != std::string::npos || path.size() > 255) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("name: \"", name,
-                     "\" is not a POSIX shared-memory object name; expected \"/name\" or \"name\" "
-                     "with no other '/'"));
-  }
+absl::StatusOr<std::unique_ptr<MappedRegion>> MappedRegion::MapSealed(int fd,
+                                                                      std::int64_t byte_size) {
   if (byte_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("byte_size: ", byte_size, "; expected > 0 bytes"));
   }
-  const int fd = shm_open(path.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    const int error = errno;
-    return absl::InvalidArgumentError(absl::StrCat("name: cannot open shared-memory object \"",
-                                                   path, "\": ", std::strerror(error)));
+  struct stat file {};
+  struct statfs file_system {};
+  if (fstat(fd, &file) != 0 || !S_ISREG(file.st_mode) || fstatfs(fd, &file_system) != 0 ||
+      file_system.f_type != TMPFS_MAGIC) {
+    return absl::InvalidArgumentError(
+        "fd: not a memfd; expected the descriptor of memfd_create(MFD_ALLOW_SEALING) memory "
+        "sealed with F_SEAL_SHRINK");
   }
-  struct stat stat_buffer {};
-  if (fstat(fd, &stat_buffer) != 0 || stat_buffer.st_size < byte_size) {
-    const std::int64_t object_size = static_cast<std::int64_t>(stat_buffer.st_size);
-    close(fd);
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    return absl::InvalidArgumentError(
+        "fd: the memfd is not sealed against shrinking; add F_SEAL_SHRINK (fcntl F_ADD_SEALS) "
+        "before passing it: memory that can shrink under the server's mapping would make its "
+        "reads fault");
+  }
+  // Sealed: the size read now can only grow.
+  if (fstat(fd, &file) != 0 || file.st_size < byte_size) {
     return absl::InvalidArgumentError(absl::StrCat("byte_size: ", byte_size,
-                                                   " bytes exceed the shared-memory object \"",
-                                                   path, "\" of ", object_size, " bytes"));
+                                                   " bytes exceed the memfd's ",
+                                                   static_cast<std::int64_t>(file.st_size)));
   }
   void* data =
       mmap(nullptr, static_cast<std::size_t>(byte_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int error = errno;
-  close(fd);  // the mapping keeps the object
   if (data == MAP_FAILED) {
+    const int error = errno;
     return absl::InvalidArgumentError(
-        absl::StrCat("name: cannot map \"", path, "\": ", std::strerror(error)));
+        absl::StrCat("fd: cannot map the memfd read-write (", std::strerror(error),
+                     "); pass a descriptor opened read-write and not sealed against writing"));
   }
   return std::unique_ptr<MappedRegion>(
       new MappedRegion(static_cast<char*>(data), static_cast<std::size_t>(byte_size)));
@@ -123,12 +125,35 @@ absl::StatusOr<std::uint64_t> RegionRegistry::Register(const std::string& client
     ATTNGRAD_ASSIGN_OR_RETURN(memory,
                               device_memory_->Open(request.cuda_ipc(), request.byte_size()));
   } else {
-    ATTNGRAD_ASSIGN_OR_RETURN(memory, MappedRegion::Map(request.name(), request.byte_size()));
+    return absl::FailedPreconditionError(
+        "name: host memory is not registered by name (a name could reach any shared-memory "
+        "object of the server's user, and such an object can shrink under the server's "
+        "mapping); create a memfd, seal it against shrinking and pass its descriptor over the "
+        "server's region socket (--region_socket; the Python client's register_region and "
+        "attngrad::SharedMemoryRegion do)");
   }
+  return Add(client_id, std::move(memory), request.owner_pid(), *std::move(owner_start));
+}
+
+absl::StatusOr<std::uint64_t> RegionRegistry::RegisterSharedMemory(const std::string& client_id,
+                                                                   int fd, std::int64_t byte_size,
+                                                                   std::int64_t owner_pid) {
+  ForgetExitedOwners();
+  // An owner the server cannot see (another PID namespace) is not tracked.
+  absl::StatusOr<std::string> owner_start = ProcessStartTime(owner_pid);
+  ATTNGRAD_ASSIGN_OR_RETURN(std::unique_ptr<MappedRegion> memory,
+                            MappedRegion::MapSealed(fd, byte_size));
+  return Add(client_id, std::move(memory), owner_start.ok() ? owner_pid : 0,
+             owner_start.ok() ? *std::move(owner_start) : std::string());
+}
+
+std::uint64_t RegionRegistry::Add(const std::string& client_id,
+                                  std::unique_ptr<RegionMemory> memory, std::int64_t owner_pid,
+                                  std::string owner_start) {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::uint64_t id = next_id_++;
   regions_.emplace(id, Entry{client_id, std::shared_ptr<const RegionMemory>(std::move(memory)),
-                             request.owner_pid(), *std::move(owner_start)});
+                             owner_pid, std::move(owner_start)});
   return id;
 }
 

@@ -1,11 +1,12 @@
 // Same-host regions: memory of same-host clients that batches name tensors in
-// (BackwardRequest.*_region) instead of carrying their bytes. Host memory is a POSIX
-// shared-memory object, mapped read-write into the server; GPU memory is a CUDA IPC memory
-// handle, opened on the server's GPU (DeviceMemoryOpener), which the GPU worker of that device
-// computes from and into directly. Each region belongs to the client id that registered it; a
-// batch may only name its own client's regions, and only bytes inside them. A region stays mapped
-// (open) while a batch that uses it is in flight, even after it is unregistered; the registry
-// unmaps (closes) the rest when it is destroyed (server shutdown).
+// (BackwardRequest.*_region) instead of carrying their bytes. Host memory is a client's memfd
+// sealed against shrinking, whose descriptor the client passed over the region socket
+// (rpc/region_socket.h), mapped read-write into the server; GPU memory is a CUDA IPC memory handle,
+// opened on the server's GPU (DeviceMemoryOpener), which the GPU worker of that device computes
+// from and into directly. Each region belongs to the client id that registered it; a batch may only
+// name its own client's regions, and only bytes inside them. A region stays mapped (open) while a
+// batch that uses it is in flight, even after it is unregistered; the registry unmaps (closes) the
+// rest when it is destroyed (server shutdown).
 #ifndef ATTNGRAD_SERVER_REGIONS_H_
 #define ATTNGRAD_SERVER_REGIONS_H_
 
@@ -35,13 +36,16 @@ class RegionMemory {
   virtual int cuda_device() const { return -1; }
 };
 
-// One mapping of a shared-memory object; unmapped when destroyed.
+// One mapping of a client's memfd; unmapped when destroyed.
 class MappedRegion final : public RegionMemory {
  public:
-  // Opens the object `name` ("/x" or "x") and maps its first `byte_size` bytes read-write;
-  // INVALID_ARGUMENT naming `name` / `byte_size` when it cannot.
-  static absl::StatusOr<std::unique_ptr<MappedRegion>> Map(const std::string& name,
-                                                           std::int64_t byte_size);
+  // Maps the first `byte_size` bytes of `fd` read-write. The descriptor must be a memfd (a file of
+  // the kernel's internal tmpfs) sealed against shrinking (F_SEAL_SHRINK) and at least that large:
+  // then no access to the mapping can fault, whatever its owner does to the file afterwards (a
+  // file that shrinks under a mapping makes the next access past its end raise SIGBUS). Nothing
+  // else is mapped. INVALID_ARGUMENT naming `fd` or `byte_size` when it cannot; `fd` stays the
+  // caller's (the mapping keeps the memory).
+  static absl::StatusOr<std::unique_ptr<MappedRegion>> MapSealed(int fd, std::int64_t byte_size);
   ~MappedRegion() override;
   MappedRegion(const MappedRegion&) = delete;
   MappedRegion& operator=(const MappedRegion&) = delete;
@@ -91,10 +95,17 @@ class RegionRegistry {
   explicit RegionRegistry(std::shared_ptr<DeviceMemoryOpener> device_memory = nullptr)
       : device_memory_(std::move(device_memory)) {}
 
-  // Maps request.name (host memory) or opens request.cuda_ipc (GPU memory) for `client_id`; the
-  // new region's id (never 0). INVALID_ARGUMENT naming the field for a bad request.
+  // Opens request.cuda_ipc (GPU memory) for `client_id`; the new region's id (never 0).
+  // INVALID_ARGUMENT naming the field for a bad request. Host memory is not registered by name
+  // (FAILED_PRECONDITION naming `name`, before anything is opened, so the answer does not tell
+  // whether such an object exists): a name reaches any object the server's user may open.
   absl::StatusOr<std::uint64_t> Register(const std::string& client_id,
                                          const v1::RegisterRegionRequest& request);
+  // Maps the memfd `fd` (MappedRegion::MapSealed) for `client_id`, owned by process `owner_pid`
+  // (the region is removed once it has exited; 0: no owner). The new region's id (never 0).
+  absl::StatusOr<std::uint64_t> RegisterSharedMemory(const std::string& client_id, int fd,
+                                                     std::int64_t byte_size,
+                                                     std::int64_t owner_pid);
   // INVALID_ARGUMENT for an unknown region or another client's.
   absl::Status Unregister(const std::string& client_id, std::uint64_t region_id);
   // Removes the regions whose owner process (RegisterRegionRequest.owner_pid) has exited (or whose
@@ -117,6 +128,10 @@ class RegionRegistry {
     std::int64_t owner_pid = 0;  // 0: none
     std::string owner_start;     // the owner's start time (/proc/<pid>/stat), against pid reuse
   };
+  // Stores a new region; its id.
+  std::uint64_t Add(const std::string& client_id, std::unique_ptr<RegionMemory> memory,
+                    std::int64_t owner_pid, std::string owner_start);
+
   const std::shared_ptr<DeviceMemoryOpener> device_memory_;
   mutable std::mutex mutex_;
   std::uint64_t next_id_ = 1;

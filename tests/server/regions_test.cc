@@ -1,5 +1,5 @@
 // Shared-memory regions (host memory, same-host zero copy) on the CPU backend: a client registers a
-// POSIX shared-memory object, batches read hidden_states / grad_output from it and write
+// sealed memfd over the region socket, batches read hidden_states / grad_output from it and write
 // grad_hidden_states into it, with the bits of the bytes path; every bad reference (unknown region,
 // another client's, out of bounds, misaligned, wrong size) is INVALID_ARGUMENT naming the field and
 // the stream goes on; unregistered regions can no longer be named; CUDA IPC regions are refused
@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "attngrad/shared_memory_region.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/tensor.h"
 #include "rpc/regions.h"
@@ -25,31 +26,19 @@
 namespace attngrad::server::testing {
 namespace {
 
-// A shared-memory object the test creates (as a client would) and removes.
+// Host memory a client shares: a sealed memfd (attngrad::SharedMemoryRegion), mapped here.
 class SharedMemory {
  public:
-  explicit SharedMemory(std::size_t size)
-      : name_("/attngrad-regions-test-" + std::to_string(getpid()) + "-" + std::to_string(next_++)),
-        size_(size) {
-    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    EXPECT_GE(fd, 0) << std::strerror(errno);
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
-    data_ = static_cast<char*>(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-    EXPECT_NE(data_, MAP_FAILED);
-    close(fd);
+  explicit SharedMemory(std::size_t size) {
+    absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> region = SharedMemoryRegion::Create(size);
+    EXPECT_TRUE(region.ok()) << region.status();
+    if (region.ok()) region_ = *std::move(region);
   }
-  ~SharedMemory() {
-    munmap(data_, size_);
-    shm_unlink(name_.c_str());
-  }
-  const std::string& name() const { return name_; }
-  char* data() const { return data_; }
+  char* data() const { return region_->data(); }
+  int fd() const { return region_->fd(); }
 
  private:
-  static inline int next_ = 0;
-  std::string name_;
-  std::size_t size_;
-  char* data_ = nullptr;
+  std::unique_ptr<SharedMemoryRegion> region_;
 };
 
 v1::RegionSlice Slice(std::uint64_t region, std::int64_t offset, std::int64_t bytes) {
@@ -68,17 +57,15 @@ class RegionsTest : public ServerTest {
     return static_cast<std::size_t>(kBatch) * kSeqLen * config().hidden_size * sizeof(float);
   }
 
-  grpc::Status Register(const std::string& name, std::int64_t size, std::uint64_t* id,
+  // Registers `memory`'s first `size` bytes over the server's region socket.
+  absl::Status Register(const SharedMemory& memory, std::int64_t size, std::uint64_t* id,
                         const std::string& client_id = "") {
-    grpc::ClientContext context;
-    if (!client_id.empty()) context.AddMetadata("attngrad-client-id", client_id);
-    v1::RegisterRegionRequest request;
-    request.set_name(name);
-    request.set_byte_size(size);
-    v1::RegisterRegionResponse response;
-    const grpc::Status status = stub().RegisterRegion(&context, request, &response);
-    *id = response.region_id();
-    return status;
+    RegionCredentials credentials;
+    credentials.client_id = client_id;
+    absl::StatusOr<std::uint64_t> registered =
+        RegisterRegionDescriptor(server().region_socket_path(), memory.fd(), size, credentials);
+    *id = registered.ok() ? *registered : 0;
+    return registered.status();
   }
   grpc::Status Unregister(std::uint64_t id, const std::string& client_id = "") {
     grpc::ClientContext context;
@@ -126,7 +113,7 @@ TEST_F(RegionsTest, ComputesFromAndIntoARegionWithTheBitsOfTheBytesPath) {
   const std::size_t bytes = ActivationBytes();
   SharedMemory memory(3 * bytes);
   std::uint64_t region = 0;
-  ASSERT_TRUE(Register(memory.name(), static_cast<std::int64_t>(3 * bytes), &region).ok());
+  ASSERT_TRUE(Register(memory, static_cast<std::int64_t>(3 * bytes), &region).ok());
   ASSERT_NE(region, 0u);
   std::memset(memory.data() + 2 * bytes, 0x7f, bytes);  // the answer overwrites this
   const v1::BackwardResponse response = RunOne(stub(), InRegion(bytes_request, region, memory));
@@ -164,8 +151,7 @@ TEST_F(RegionsTest, WeightGradientsGoIntoARegionWithTheBitsOfTheBytesPath) {
   const std::size_t weight_bytes = PackedWeightLayout(config()).total_elements * sizeof(float);
   SharedMemory memory(3 * bytes + weight_bytes);
   std::uint64_t region = 0;
-  ASSERT_TRUE(
-      Register(memory.name(), static_cast<std::int64_t>(3 * bytes + weight_bytes), &region).ok());
+  ASSERT_TRUE(Register(memory, static_cast<std::int64_t>(3 * bytes + weight_bytes), &region).ok());
   v1::BackwardRequest request = InRegion(bytes_request, region, memory);
   *request.mutable_weight_gradients_region() =
       Slice(region, static_cast<std::int64_t>(3 * bytes), static_cast<std::int64_t>(weight_bytes));
@@ -200,7 +186,7 @@ TEST_F(RegionsTest, A16BitAnswerGoesIntoTheRegionInTheResponseDtype) {
   const std::size_t bytes = ActivationBytes();
   SharedMemory memory(3 * bytes);
   std::uint64_t region = 0;
-  ASSERT_TRUE(Register(memory.name(), static_cast<std::int64_t>(3 * bytes), &region).ok());
+  ASSERT_TRUE(Register(memory, static_cast<std::int64_t>(3 * bytes), &region).ok());
   v1::BackwardRequest request = InRegion(bytes_request, region, memory);
   *request.mutable_grad_hidden_states_region() = Slice(region, 2 * bytes + 2, bytes / 2);
   const v1::BackwardResponse response = RunOne(stub(), request);
@@ -217,9 +203,8 @@ TEST_F(RegionsTest, EveryBadReferenceIsInvalidArgumentAndTheStreamGoesOn) {
   SharedMemory memory(3 * bytes);
   SharedMemory others(3 * bytes);
   std::uint64_t region = 0, other_region = 0;
-  ASSERT_TRUE(Register(memory.name(), static_cast<std::int64_t>(3 * bytes), &region).ok());
-  ASSERT_TRUE(
-      Register(others.name(), static_cast<std::int64_t>(3 * bytes), &other_region, "other").ok());
+  ASSERT_TRUE(Register(memory, static_cast<std::int64_t>(3 * bytes), &region).ok());
+  ASSERT_TRUE(Register(others, static_cast<std::int64_t>(3 * bytes), &other_region, "other").ok());
   const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 7);
   const v1::BackwardRequest good =
       InRegion(MakeRequest(config(), batch, 0, v1::GRADIENT_MODE_RETURN), region, memory);
@@ -328,7 +313,7 @@ TEST_F(RegionsTest, CudaIpcRegionsAreRefusedClearlyWhereTheyCannotBeOpened) {
   const std::size_t bytes = ActivationBytes();
   SharedMemory memory(3 * bytes);
   std::uint64_t region = 0;
-  ASSERT_TRUE(Register(memory.name(), static_cast<std::int64_t>(3 * bytes), &region).ok());
+  ASSERT_TRUE(Register(memory, static_cast<std::int64_t>(3 * bytes), &region).ok());
   const Batch batch = MakeBatch(config(), kBatch, kSeqLen, 11);
   grpc::Status status;
   const std::vector<v1::BackwardResponse> responses = RunStream(
@@ -339,40 +324,42 @@ TEST_F(RegionsTest, CudaIpcRegionsAreRefusedClearlyWhereTheyCannotBeOpened) {
   EXPECT_FALSE(responses[0].has_error()) << responses[0].error().message();
 }
 
-// A region registered with owner_pid goes away once that process has exited (the next
-// RegisterRegion / UnregisterRegion / stream end notices); an owner_pid that is no process is
-// INVALID_ARGUMENT naming owner_pid.
+// A region goes away once the process that passed its memfd has exited (the next registration,
+// UnregisterRegion or stream end notices); RegisterRegion's owner_pid (CUDA IPC) that is no
+// process is INVALID_ARGUMENT naming owner_pid.
 TEST_F(RegionsTest, ARegionGoesAwayWithItsOwnerProcess) {
-  auto register_owned = [&](const std::string& name, std::int64_t owner, std::uint64_t* id) {
-    grpc::ClientContext context;
-    v1::RegisterRegionRequest request;
-    request.set_name(name);
-    request.set_byte_size(4096);
-    request.set_owner_pid(owner);
-    v1::RegisterRegionResponse response;
-    const grpc::Status status = stub().RegisterRegion(&context, request, &response);
-    *id = response.region_id();
-    return status;
-  };
-  SharedMemory memory(4096);
-  std::uint64_t id = 0;
-  const grpc::Status no_process = register_owned(memory.name(), 0x7ffffff0, &id);
+  grpc::ClientContext context;
+  v1::RegisterRegionRequest owned_request;
+  owned_request.set_byte_size(4096);
+  owned_request.set_owner_pid(0x7ffffff0);
+  v1::RegisterRegionResponse response;
+  const grpc::Status no_process = stub().RegisterRegion(&context, owned_request, &response);
   EXPECT_EQ(no_process.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(no_process.error_message().find("owner_pid"), std::string::npos);
 
+  SharedMemory memory(4096);
+  int id_pipe[2];
+  ASSERT_EQ(pipe(id_pipe), 0);
   const pid_t owner = fork();
   ASSERT_GE(owner, 0);
-  if (owner == 0) {  // the owner: waits to be killed
+  if (owner == 0) {  // the owner: registers, says the id, waits to be killed
+    const absl::StatusOr<std::uint64_t> id =
+        RegisterRegionDescriptor(server().region_socket_path(), memory.fd(), 4096, {});
+    const std::uint64_t value = id.ok() ? *id : 0;
+    if (write(id_pipe[1], &value, sizeof(value)) != sizeof(value)) _exit(1);
     pause();
     _exit(0);
   }
   std::uint64_t owned = 0, mine = 0;
-  ASSERT_TRUE(register_owned(memory.name(), owner, &owned).ok());
-  ASSERT_TRUE(register_owned(memory.name(), getpid(), &mine).ok());
+  ASSERT_EQ(read(id_pipe[0], &owned, sizeof(owned)), static_cast<ssize_t>(sizeof(owned)));
+  close(id_pipe[0]);
+  close(id_pipe[1]);
+  ASSERT_NE(owned, 0u);
+  ASSERT_TRUE(Register(memory, 4096, &mine).ok());
   kill(owner, SIGKILL);
   waitpid(owner, nullptr, 0);
   std::uint64_t other = 0;
-  ASSERT_TRUE(Register(memory.name(), 4096, &other).ok());  // notices the exit
+  ASSERT_TRUE(Register(memory, 4096, &other).ok());  // notices the exit
   EXPECT_EQ(Unregister(owned).error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // gone
   EXPECT_TRUE(Unregister(mine).ok());  // its owner (this process) lives
   EXPECT_TRUE(Unregister(other).ok());
@@ -381,16 +368,12 @@ TEST_F(RegionsTest, ARegionGoesAwayWithItsOwnerProcess) {
 TEST_F(RegionsTest, RegisterAndUnregisterCheckTheirArguments) {
   SharedMemory memory(4096);
   std::uint64_t id = 0;
-  EXPECT_EQ(Register("/attngrad-regions-test-missing", 4096, &id).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(Register("a/b", 4096, &id).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(Register(memory.name(), 0, &id).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  const grpc::Status too_big = Register(memory.name(), 8192, &id);
-  EXPECT_EQ(too_big.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(too_big.error_message().find("byte_size"), std::string::npos);
+  EXPECT_EQ(Register(memory, 0, &id).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status too_big = Register(memory, 8192, &id);
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_big.message().find("byte_size"), std::string::npos) << too_big;
 
-  // Without the leading '/', as Python's multiprocessing.shared_memory names them.
-  ASSERT_TRUE(Register(memory.name().substr(1), 4096, &id).ok());
+  ASSERT_TRUE(Register(memory, 4096, &id).ok());
   EXPECT_EQ(Unregister(id, "other").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(Unregister(id).ok());
   EXPECT_EQ(Unregister(id).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
