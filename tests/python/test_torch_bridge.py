@@ -112,6 +112,22 @@ class TorchBridgeAgainstServer(t.ServerTestCase):
             out.backward(grad)
         self.assertIsNone(module.last_result, "a backward reached the server")
 
+    def test_stream_ordered_on_cpu_tensors_answers_each_call_as_before(self):
+        hidden, grad, cos, sin = self.inputs(1, 8)
+        gradients, state = [], None
+        for ordered in (False, True):
+            module = self.bridge.RemoteGemma3Attention(self.client, mode="return",
+                                                       precision="fp32", stream_ordered=ordered)
+            if state is None:
+                state = module.state_dict()
+            module.load_state_dict(state)
+            source = hidden.detach().clone().requires_grad_()
+            module(source, cos, sin).backward(grad)
+            self.assertIsNotNone(module.last_result)
+            gradients.append([source.grad] + [w.grad for w in module.weights().values()])
+        for plain, ordered in zip(*gradients):
+            self.assertTrue(torch.equal(plain, ordered))
+
     def test_saves_only_hidden_states_and_rotary_tables(self):
         module = self.bridge.RemoteGemma3Attention(self.client, mode="return")
         hidden, grad, cos, sin = self.inputs(1, 16)

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import grpc
 import numpy as np
 
-from . import _proto, cuda_regions, errors, tensors
+from . import _proto, cuda_regions, errors, stream_ordered, tensors
 
 tensor_pb2, pb, pb_grpc = _proto.load()
 
@@ -520,6 +520,7 @@ class _CudaLayout:
         # RETURN: each part's six weight gradients, packed in WEIGHT_NAMES order (a row of
         # `weights` per part; SHAPES: the six shapes).
         self._weights, self._shapes = weights, shapes
+        self._weight_totals = None
         self._weights_slice = cache.slice_of(weights) if weights is not None else None
 
     def slices(self, part_index: int):
@@ -546,9 +547,15 @@ class _CudaLayout:
 
     def weight_gradients(self):
         """The six weight gradients summed over the parts (in part order, in the dtype the bytes
-        path decodes to: bfloat16 widened to float32), or None."""
+        path decodes to: bfloat16 widened to float32), or None. Made once (on the GPU, in the
+        caller's stream order) and kept: later calls return the same tensors."""
         if self._weights is None:
             return None
+        if self._weight_totals is None:
+            self._weight_totals = self._sum_weight_gradients()
+        return self._weight_totals
+
+    def _sum_weight_gradients(self):
         import torch
 
         totals = {}
@@ -766,6 +773,12 @@ def _to_torch_like(result: BackwardResult, like) -> None:
     if result.weight_gradients is not None:
         result.weight_gradients = {name: _torch_from_numpy(value, like.device, None)
                                    for name, value in result.weight_gradients.items()}
+
+
+def _answered_on_gpu(result: BackwardResult, on_result) -> None:
+    result.transport = "cuda_ipc"
+    if on_result is not None:
+        on_result(result)
 
 
 def _encode_health_request(service: str) -> bytes:
@@ -1304,6 +1317,9 @@ class Client:
         self._regions_lock = threading.Lock()
         self._free_regions: List[_SharedRegion] = []  # zero_copy regions not in use
         self._cuda_regions: Optional[cuda_regions.CudaRegionCache] = None  # zero_copy, CUDA
+        # submit_backward()'s queue and sender thread, and whether the driver allows them.
+        self._stream_ordered: Optional[stream_ordered.StreamOrderedCalls] = None
+        self._stream_ordered_supported: Optional[bool] = None
         # Why the server cannot open CUDA IPC regions (it is elsewhere or on the CPU), once seen.
         self._cuda_ipc_refused: Optional[str] = None
         # Why the server cannot map this host's shared memory (it is elsewhere), once seen.
@@ -1353,6 +1369,8 @@ class Client:
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._stream_ordered is not None:
+            self._stream_ordered.close()  # answers what is queued first
         self._streams.close()  # half-closed: the server ends them with OK
         self._watchdog.close()
         with self._regions_lock:
@@ -1491,6 +1509,67 @@ class Client:
             if result is not None:
                 return result
         return self._exchange(batch, timeout, phases)
+
+    def submit_backward(self, hidden_states, grad_output, cos=None, sin=None, *,
+                        on_result=None, **kwargs) -> stream_ordered.PendingBackward:
+        """backward() queued on the current CUDA stream of hidden_states' device, without
+        waiting (stream_ordered.py): for CUDA tensors over CUDA IPC, the call returns at once a
+        PendingBackward whose grad_hidden_states (and, RETURN, weight_gradients) are tensors that
+        kernels launched afterwards on that stream see answered; the stream itself waits for the
+        server. Its result() (or wait_submitted()) gives the BackwardResult or raises the call's
+        error; ON_RESULT(result) runs there. Any other case (CPU tensors, another transport, a
+        driver without stream memory operations) runs backward() now and returns it answered.
+        Same arguments as backward(); do not change the inputs until the call is answered."""
+        timeout = kwargs.pop("timeout", None)
+        transport = self._requested_transport(kwargs.get("transport", "auto"),
+                                              kwargs.get("zero_copy"))
+        calls = self._stream_ordered_calls() \
+            if cuda_regions.is_cuda_tensor(hidden_states) and transport in ("auto", "cuda_ipc") \
+            and self._cuda_ipc_refused is None else None
+        if calls is None:
+            result = self.backward(hidden_states, grad_output, cos, sin, timeout=timeout, **kwargs)
+            return stream_ordered.PendingBackward.completed(result, on_result)
+        kwargs.pop("transport", None)
+        kwargs.pop("zero_copy", None)
+        phases = _Phases() if self.phase_timings else _NO_PHASES
+        prepared = self._try_cuda_ipc(transport, lambda: self._prepare_on_gpu(
+            hidden_states, grad_output, cos, sin, dict(kwargs), phases))
+        if prepared is None:  # refused: auto goes as bytes from now on
+            result = self.backward(hidden_states, grad_output, cos, sin, timeout=timeout,
+                                   transport="bytes", **kwargs)
+            return stream_ordered.PendingBackward.completed(result, on_result)
+        batch, kept = prepared
+        import torch
+
+        with torch.cuda.device(hidden_states.device):
+            pending = calls.submit(
+                batch, stream_ordered.stream_handle_of(hidden_states),
+                batch.region.grad_hidden_states, None, kept, self._timeout(timeout), phases,
+                on_result=lambda result: _answered_on_gpu(result, on_result))
+            # After the stream's wait: the kernels these launch see the answer.
+            pending.grad_hidden_states = batch.region.grad_hidden_states.to(hidden_states.dtype)
+            pending.weight_gradients = batch.region.weight_gradients()
+        batch.like = None  # the sender thread launches nothing on the GPU
+        return pending
+
+    def wait_submitted(self) -> None:
+        """Waits for every submit_backward() call of this client so far; raises the first
+        one's error."""
+        calls = self._stream_ordered
+        if calls is not None:
+            calls.wait_all()
+
+    def _stream_ordered_calls(self) -> Optional[stream_ordered.StreamOrderedCalls]:
+        """The queue of submit_backward(), started at its first use; None when the CUDA driver
+        has no stream memory operations."""
+        with self._regions_lock:
+            if self._stream_ordered is None and self._stream_ordered_supported is None:
+                driver = cuda_regions.default_driver()
+                self._stream_ordered_supported = stream_ordered.is_supported(driver)
+                if self._stream_ordered_supported:
+                    self._stream_ordered = stream_ordered.StreamOrderedCalls(
+                        self._exchange, driver)
+            return self._stream_ordered
 
     def _requested_transport(self, transport: str, zero_copy: Optional[bool]) -> str:
         if zero_copy is not None:
@@ -1645,6 +1724,17 @@ class Client:
         """backward(zero_copy=True) of CUDA tensors: CUDA IPC regions (cuda_regions.py)."""
         import torch
 
+        batch, _ = self._prepare_on_gpu(hidden_states, grad_output, cos, sin, kwargs, phases)
+        # The server reads the inputs as soon as the request arrives: their writes must be done.
+        torch.cuda.current_stream(hidden_states.device).synchronize()
+        phases.mark("synchronize")
+        return self._exchange(batch, timeout, phases)
+
+    def _prepare_on_gpu(self, hidden_states, grad_output, cos, sin, kwargs, phases):
+        """The batch of a CUDA IPC backward, its tensors registered (regions), and the tensors
+        the server reads or writes, to keep alive until it has answered."""
+        import torch
+
         if not cuda_regions.is_cuda_tensor(grad_output) or \
                 grad_output.device != hidden_states.device:
             raise ValueError("zero_copy with CUDA tensors: grad_output must be on hidden_states' "
@@ -1688,10 +1778,7 @@ class Client:
                 raise
             raise _CudaIpcRefused(str(error)) from None
         phases.mark("register")
-        # The server reads the inputs as soon as the request arrives: their writes must be done.
-        torch.cuda.current_stream(hidden.device).synchronize()
-        phases.mark("synchronize")
-        return self._exchange(batch, timeout, phases)
+        return batch, (hidden, grad, answer, weights, rotary)
 
     def _cuda_region_cache(self) -> cuda_regions.CudaRegionCache:
         with self._regions_lock:

@@ -89,6 +89,35 @@ class _Driver:
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         kinds = (_BUFFER_ID, _DEVICE_ORDINAL, _IPC_CAPABLE, _RANGE_START, _RANGE_SIZE)
         self._kinds = (ctypes.c_int * len(kinds))(*kinds)
+        # Stream memory operations (CUDA >= 11.7 exports the _v2 entry points).
+        self._write_value = self._stream_value_call(library, "cuStreamWriteValue32")
+        self._wait_value = self._stream_value_call(library, "cuStreamWaitValue32")
+        self.has_stream_memory_operations = None not in (self._write_value, self._wait_value)
+
+    @staticmethod
+    def _stream_value_call(library, name: str):
+        for symbol in (name + "_v2", name):
+            function = getattr(library, symbol, None)
+            if function is not None:
+                function.restype = ctypes.c_int
+                function.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint32,
+                                     ctypes.c_uint]
+                return function
+        return None
+
+    def stream_write_value32(self, stream: int, address: int, value: int) -> None:
+        """Queues on STREAM: write VALUE to the 32-bit word at ADDRESS (after the stream's
+        earlier work)."""
+        self._check(self._write_value(stream, address, value, 0), "cuStreamWriteValue32")
+
+    def stream_wait_value32(self, stream: int, address: int, value: int) -> None:
+        """Queues on STREAM: wait until the 32-bit word at ADDRESS is >= VALUE
+        (CU_STREAM_WAIT_VALUE_GEQ)."""
+        self._check(self._wait_value(stream, address, value, 0), "cuStreamWaitValue32")
+
+    def _check(self, status: int, call: str) -> None:
+        if status != _CUDA_SUCCESS:
+            raise RuntimeError(f"{call} failed: {self.error_name(status)}")
 
     def error_name(self, code: int) -> str:
         name = ctypes.c_char_p()
@@ -132,6 +161,14 @@ def torch_segment_addresses(device: int) -> list:
 
     return [int(segment["address"]) for segment in torch.cuda.memory_snapshot()
             if int(segment["device"]) == device]
+
+
+def default_driver() -> Optional[_Driver]:
+    """libcuda's calls, or None when this process cannot load libcuda."""
+    try:
+        return _Driver()
+    except OSError:
+        return None
 
 
 class CudaRegionCache:

@@ -248,6 +248,22 @@ class ShardedClient:
         return self.client_for(kwargs.get("layer")).backward(hidden_states, grad_output, cos, sin,
                                                              **kwargs)
 
+    def submit_backward(self, hidden_states, grad_output, cos=None, sin=None, **kwargs):
+        """Client.submit_backward on the server of kwargs['layer']."""
+        return self.client_for(kwargs.get("layer")).submit_backward(
+            hidden_states, grad_output, cos, sin, **kwargs)
+
+    def wait_submitted(self) -> None:
+        """Client.wait_submitted on every server's client; raises the first error."""
+        errors_seen = []
+        for client in self.clients:
+            try:
+                client.wait_submitted()
+            except Exception as error:  # noqa: BLE001 - every client is waited for first
+                errors_seen.append(error)
+        if errors_seen:
+            raise errors_seen[0]
+
     def backward_many(self, batches: Iterable[Mapping[str, Any]], *,
                       timeout: Optional[float] = None) -> Iterator[client_module.BackwardResult]:
         """Client.backward_many over every server at once (one stream per server, each fed from

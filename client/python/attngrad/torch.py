@@ -126,12 +126,15 @@ class _Binding:
     def __init__(self, client, *, config, mode: str, precision: str, scaling: float, softcap: float,
                  eps: float, wire_dtype: str, layer: Optional[int] = None,
                  sliding_window: Optional[int] = None, input_dtype: Optional[str] = None,
-                 transport: str = "auto"):
+                 transport: str = "auto", stream_ordered: bool = False):
         if transport not in client_module.TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(client_module.TRANSPORTS)}, "
                              f"got {transport!r}")
         self.client = client
         self.transport = transport  # Client.backward's and Client.load_weights' transport
+        # CUDA IPC calls queued on the trainer's stream (Client.submit_backward) instead of
+        # answered before backward() goes on.
+        self.stream_ordered = bool(stream_ordered)
         self.config = config
         self.mode = mode
         self.precision = precision
@@ -166,11 +169,44 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
     elif hidden_states.dtype in (torch.bfloat16, torch.float16):
         # The activations travel in the model's own dtype (half the bytes of float32).
         extra["input_dtype"] = str(hidden_states.dtype).replace("torch.", "")
-    result = binding.client.backward(
-        hidden_states, grad_output, cos, sin, mode=binding.mode, precision=binding.precision,
-        scaling=binding.scaling, softcap=binding.softcap, eps=binding.eps,
-        expected_weights_version=weights_version, wire_dtype=binding.wire_dtype,
-        transport=binding.transport, **extra)
+    arguments = dict(mode=binding.mode, precision=binding.precision, scaling=binding.scaling,
+                     softcap=binding.softcap, eps=binding.eps,
+                     expected_weights_version=weights_version, wire_dtype=binding.wire_dtype,
+                     transport=binding.transport, **extra)
+    if binding.stream_ordered and hasattr(binding.client, "submit_backward"):
+        answer = _submit_on_stream(binding, hidden_states, grad_output, cos, sin, arguments)
+    else:
+        answer = binding.client.backward(hidden_states, grad_output, cos, sin, **arguments)
+        _record_result(binding, answer)
+    grad_hidden = answer.grad_hidden_states.to(hidden_states.dtype)
+    weight_grads = [None] * 6
+    if binding.mode == "accumulate":
+        binding.pending_tokens += batch * seq_len
+        binding.pending_batches += 1
+    else:
+        for i, name in enumerate(client_module.WEIGHT_NAMES):
+            if needs_weight_grads[i]:
+                dtype, device = weight_meta[i]
+                weight_grads[i] = answer.weight_gradients[name].to(device=device, dtype=dtype)
+    return grad_hidden, weight_grads
+
+
+def _submit_on_stream(binding: _Binding, hidden_states, grad_output, cos, sin, arguments):
+    """Client.submit_backward: the call queued on the current CUDA stream; its answer's tensors
+    are returned at once, and the end of this loss.backward() waits for every queued call (their
+    errors are raised there, from backward())."""
+    pending = binding.client.submit_backward(
+        hidden_states, grad_output, cos, sin,
+        on_result=lambda result: _record_result(binding, result), **arguments)
+    if pending.done():
+        pending.result()  # answered already (another transport): report it now
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(binding.client.wait_submitted)
+    return pending
+
+
+def _record_result(binding: _Binding, result) -> None:
+    """Keeps RESULT as the binding's last and refuses the answer of a restarted server."""
     binding.last_result = result
     if binding.server_instance_id is None:
         binding.server_instance_id = result.server_instance_id
@@ -180,17 +216,6 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
             f"the server restarted (instance {binding.server_instance_id} -> "
             f"{result.server_instance_id}): its weights and accumulated gradients are gone; "
             "re-upload the weights (sync_weights(force=True)) and redo the step")
-    grad_hidden = result.grad_hidden_states.to(hidden_states.dtype)
-    weight_grads = [None] * 6
-    if binding.mode == "accumulate":
-        binding.pending_tokens += batch * seq_len
-        binding.pending_batches += 1
-    else:
-        for i, name in enumerate(client_module.WEIGHT_NAMES):
-            if needs_weight_grads[i]:
-                dtype, device = weight_meta[i]
-                weight_grads[i] = result.weight_gradients[name].to(device=device, dtype=dtype)
-    return grad_hidden, weight_grads
 
 
 def _upload_weights(binding: _Binding, weights: Dict[str, torch.Tensor], **kwargs) -> int:
@@ -297,6 +322,10 @@ class RemoteGemma3Attention(nn.Module):
         trainer's GPU memory and copies the weights on the GPU), CPU ones through shared memory;
         else bytes. last_result.transport says which carried the latest backward.
       zero_copy: the former switch: True = transport "auto", False = "bytes".
+      stream_ordered: CUDA IPC backward calls are queued on the trainer's CUDA stream
+        (Client.submit_backward): backward() goes on launching kernels while the server computes,
+        and the stream waits for the answer; the calls' errors are raised at the end of
+        loss.backward(). Off: each call is answered before backward() goes on.
     forward(hidden_states [B,S,hidden], cos [B,S,D] or [S,D], sin) -> [B,S,hidden].
     """
 
@@ -304,7 +333,7 @@ class RemoteGemma3Attention(nn.Module):
                  scaling: Optional[float] = None, softcap: Optional[float] = None,
                  eps: Optional[float] = None, wire_dtype: str = "float32", init: str = "random",
                  device=None, dtype=torch.float32, transport: str = "auto",
-                 zero_copy: Optional[bool] = None):
+                 zero_copy: Optional[bool] = None, stream_ordered: bool = False):
         super().__init__()
         if mode not in ("return", "accumulate"):
             raise ValueError(f"mode must be 'return' or 'accumulate', got {mode!r}")
@@ -328,7 +357,8 @@ class RemoteGemma3Attention(nn.Module):
             scaling=info.default_scaling if scaling is None else scaling,
             softcap=info.default_softcap if softcap is None else softcap,
             eps=info.default_eps if eps is None else eps, wire_dtype=wire_dtype,
-            transport=transport if zero_copy is None else ("auto" if zero_copy else "bytes"))
+            transport=transport if zero_copy is None else ("auto" if zero_copy else "bytes"),
+            stream_ordered=stream_ordered)
         self._uploaded: Optional[Tuple] = None
         self.weights_version: Optional[int] = None
         if mode == "accumulate":
@@ -780,7 +810,7 @@ class OffloadHandle:
 def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision: str = "auto",
             wire_dtype: str = "float32", input_dtype: Optional[str] = None,
             upload_weights: bool = True, layers=None, transport: str = "auto",
-            **client_kwargs) -> OffloadHandle:
+            stream_ordered: bool = False, **client_kwargs) -> OffloadHandle:
     """Moves the attention backward of every layer of a transformers Gemma-3 model
     (Gemma3ForCausalLM, Gemma3TextModel, or anything whose attention modules carry q_proj ... k_norm
     and layer_idx) to the attngrad server(s), in one call.
@@ -811,6 +841,8 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
         (RETURN) weight gradients reach a server of this host (see RemoteGemma3Attention); "auto"
         probes once and falls back to bytes, with one warning, for a server elsewhere.
         handle.last_results()[layer].transport says which carried each layer's latest backward.
+      stream_ordered: queue the CUDA IPC backward calls on the trainer's CUDA stream instead of
+        waiting for each answer (see RemoteGemma3Attention).
       **client_kwargs: attngrad.Client's arguments when client_or_map is an address or map.
     Returns an OffloadHandle (remove() undoes it)."""
     if mode not in ("return", "accumulate"):
@@ -847,7 +879,7 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
             binding = _Binding(client, config=layer_info, mode=mode, precision=precision,
                                scaling=scaling, softcap=softcap, eps=eps, wire_dtype=wire_dtype,
                                layer=index, sliding_window=window, input_dtype=input_dtype,
-                               transport=transport)
+                               transport=transport, stream_ordered=stream_ordered)
             offloaded[index] = _OffloadedLayer(module, index, binding, upload_weights)
         if mode == "accumulate":
             for index in offloaded:
