@@ -126,14 +126,11 @@ class TransportAgainstServer(t.ServerTestCase):
     def shared_destinations(self, layer):
         """A registered shared-memory region holding one float32 slot per weight of LAYER:
         ({name: RegionSlice}, {name: NumPy view of its slot})."""
-        from multiprocessing import shared_memory
-
         shapes = dict(zip(attngrad.WEIGHT_NAMES, client_module._weight_shapes(self.info)))
         sizes = {name: int(np.prod(shape)) * 4 for name, shape in shapes.items()}
-        memory = shared_memory.SharedMemory(create=True, size=sum(sizes.values()))
-        self.addCleanup(memory.unlink)
+        memory = attngrad.SealedMemory(sum(sizes.values()))
         self.addCleanup(memory.close)
-        region = self.client.register_region(memory.name, memory.size)
+        region = self.client.register_region(memory, memory.size)
         self.addCleanup(self.client.unregister_region, region)
         slices, views, offset = {}, {}, 0
         for name, shape in shapes.items():

@@ -17,6 +17,7 @@ from .errors import (AttngradError, DeadlineExceededError, FailedPreconditionErr
 from .client import (WEIGHT_NAMES, AccumulationState, BackwardResult, Client, DeviceInfo, Gradients,
                      LayerInfo, ModelInfo, StageTimings, canonical_weight_name, read_token_file,
                      tls_credentials)
+from .host_regions import SealedMemory
 from .sharded import LayerRange, ShardedClient, connect, parse_layer_map
 
 __version__ = "0.1.0"
@@ -25,6 +26,6 @@ __all__ = [
     "AccumulationState", "AttngradError", "BackwardResult", "Client", "DeadlineExceededError",
     "DeviceInfo", "FailedPreconditionError", "Gradients", "InvalidArgumentError", "LayerInfo",
     "LayerRange", "ModelInfo", "ShardedClient", "connect", "parse_layer_map",
-    "ResourceExhaustedError", "StageTimings", "UnavailableError", "WEIGHT_NAMES",
+    "ResourceExhaustedError", "SealedMemory", "StageTimings", "UnavailableError", "WEIGHT_NAMES",
     "canonical_weight_name", "read_token_file", "tls_credentials", "__version__",
 ]

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import grpc
 import numpy as np
 
-from . import _proto, cuda_regions, errors, stream_ordered, tensors
+from . import _proto, cuda_regions, errors, host_regions, stream_ordered, tensors
 
 tensor_pb2, pb, pb_grpc = _proto.load()
 
@@ -470,15 +470,14 @@ class _WireRequest:
 
 
 class _SharedRegion:
-    """A POSIX shared-memory object this client created and registered with the server (zero_copy);
-    reused by later batches that fit."""
+    """A sealed memfd this client created and registered with the server (zero_copy; see
+    host_regions.py); reused by later batches that fit."""
 
     def __init__(self, client: "Client", size: int):
-        from multiprocessing import shared_memory
-        self.memory = shared_memory.SharedMemory(create=True, size=size)
+        self.memory = host_regions.SealedMemory(size)
         self.size = size
         try:
-            self.region_id = client.register_region(self.memory.name, size)
+            self.region_id = client.register_region(self.memory, size)
         except BaseException:
             self.destroy(None)
             raise
@@ -490,7 +489,6 @@ class _SharedRegion:
             except errors.AttngradError:
                 pass  # the server is gone or restarted: nothing of it is mapped there any more
         self.memory.close()
-        self.memory.unlink()
 
 
 class _CudaIpcRefused(Exception):
@@ -1282,7 +1280,7 @@ class Client:
                  options: Sequence[Tuple[str, Any]] = (), token: Optional[str] = None,
                  client_id: Optional[str] = None, for_client: Optional[str] = None,
                  tls_server_name: Optional[str] = None, channels: int = 8,
-                 phase_timings: bool = False):
+                 phase_timings: bool = False, region_socket: Optional[str] = None):
         if int(channels) < 1:
             raise ValueError(f"channels must be >= 1, got {channels}")
         channel_options = [("grpc.max_send_message_length", -1),
@@ -1297,6 +1295,10 @@ class Client:
         if for_client:
             metadata.append(("attngrad-for-client", for_client))
         self._credentials = credentials
+        # Shared memory (register_region): the server's region socket and who registers there.
+        self.region_socket = (region_socket or os.environ.get("ATTNGRAD_REGION_SOCKET")
+                              or host_regions.default_socket_path(target))
+        self._region_token, self._region_client_id = token, client_id
         self._channel_options = channel_options
         self._metadata = metadata
         self._raw_channels: List[Optional[grpc.Channel]] = [None] * int(channels)
@@ -1818,13 +1820,34 @@ class Client:
 
     # -- shared-memory regions (same host) -------------------------------------------------------
 
-    def register_region(self, name: str, size: int, *, timeout: Optional[float] = None) -> int:
-        """Maps the POSIX shared-memory object NAME (its first SIZE bytes) into the server for
-        batches to name tensors in; returns the region id. Only a server on this host, running as a
-        user that may open the object, can; the region belongs to this client's id."""
-        response = self._unary("RegisterRegion", self._stub.RegisterRegion,
-                               pb.RegisterRegionRequest(name=name, byte_size=int(size)), timeout)
-        return response.region_id
+    def register_region(self, memory, size: Optional[int] = None, *,
+                        timeout: Optional[float] = None) -> int:
+        """Shares MEMORY (its first SIZE bytes, default all of it) with the server for batches to
+        name tensors in; returns the region id. MEMORY is an attngrad.SealedMemory, or the
+        descriptor of a memfd sealed against shrinking (F_SEAL_SHRINK). Its descriptor goes over
+        the server's region socket (self.region_socket: the region_socket argument,
+        $ATTNGRAD_REGION_SOCKET, or the default path of the target's port), so only a server on
+        this host can; the region belongs to this client's id and is removed once this process
+        has exited. Shared-memory objects are not registered by name (FAILED_PRECONDITION): a name
+        does not show that the caller holds the object, and such an object can shrink under the
+        server."""
+        if isinstance(memory, (str, bytes)):
+            raise errors.make_error(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "name: shared memory is registered by descriptor, not by name; pass an "
+                "attngrad.SealedMemory (or a memfd sealed with F_SEAL_SHRINK)",
+                method="RegisterRegion")
+        fd = memory.fileno() if hasattr(memory, "fileno") else int(memory)
+        if size is None:
+            size = getattr(memory, "size", None) or os.fstat(fd).st_size
+        if not self.region_socket:
+            raise errors.make_error(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"region_socket: the target {self.target} names no port to find the server's "
+                "region socket by; pass Client(..., region_socket=PATH)", method="RegisterRegion")
+        return host_regions.register(self.region_socket, fd, int(size), token=self._region_token,
+                                     client_id=self._region_client_id,
+                                     timeout=self._timeout(timeout))
 
     def unregister_region(self, region_id: int, *, timeout: Optional[float] = None) -> None:
         """Unmaps a region of this client from the server."""
