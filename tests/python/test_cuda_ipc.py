@@ -343,6 +343,47 @@ class CudaIpcAgainstServer(t.ServerTestCase):
                 self.assertFalse(torch.equal(layer.q_proj.weight.detach(), before))
                 client.close()
 
+    def test_stream_ordered_calls_equal_the_waited_ones_bit_for_bit(self):
+        # Work queued before the call (a long matmul chain writing the inputs) and after it
+        # (a kernel reading the answer): the stream's flags order both around the server's.
+        hidden, grad, positions = self.inputs(2, 64, 15)
+        expected = self.client.backward(hidden, grad, position_ids=positions, mode="return",
+                                        precision="fp32", transport="cuda_ipc")
+        scratch = torch.randn(2048, 2048, device=self.device)
+        for _ in range(20):
+            scratch = scratch @ scratch / 2048 ** 0.5
+        late_grad = grad * 1.0 + scratch[0, 0] * 0.0  # written after the chain
+        pending = self.client.submit_backward(hidden, late_grad, position_ids=positions,
+                                              mode="return", precision="fp32")
+        answer = pending.grad_hidden_states * 1.0  # read in stream order, after the answer
+        weights = {name: value * 1.0 for name, value in pending.weight_gradients.items()}
+        self.client.wait_submitted()
+        self.assertEqual(pending.result().transport, "cuda_ipc")
+        self.assert_same_bits(answer, expected.grad_hidden_states, "grad_hidden_states")
+        for name, value in expected.weight_gradients.items():
+            self.assert_same_bits(weights[name], value, name)
+
+    def test_stream_ordered_bridge_trains_like_the_waited_one(self):
+        import attngrad.torch as attngrad_torch
+
+        hidden, _, positions = self.inputs(1, 48, 16)
+        cos, sin = attngrad_torch.rotary_tables(positions.to(self.device))
+        losses = {}
+        for ordered in (False, True):
+            torch.manual_seed(7)
+            layer = attngrad_torch.RemoteGemma3Attention(self.client, precision="fp32",
+                                                         stream_ordered=ordered).to(self.device)
+            optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+            curve = []
+            for _ in range(3):
+                optimizer.zero_grad()
+                loss = layer(hidden, cos, sin).square().mean()
+                loss.backward()
+                optimizer.step()
+                curve.append(loss.item())
+            losses[ordered] = curve
+        self.assertEqual(losses[False], losses[True])
+
     def test_one_registration_per_allocation_reused_by_later_calls_and_closed(self):
         client = attngrad.Client(self.server.target, client_id="cache")
         try:
