@@ -87,17 +87,17 @@ class Trainer:
 
 class HostTrainer(Trainer):
     """Trainer's requests over a POSIX shared-memory region of this process: [hidden_states |
-    grad_output | one answer per in-flight slot], fp32, registered by name (the server copies the
+    grad_output | one answer per in-flight slot], fp32, a sealed memfd registered over the region socket (the server copies the
     inputs from it into its page-locked staging and the answers into it)."""
 
     def __init__(self, client, batch, seq_len, hidden, slots, seed=1):
         import numpy as np
-        from multiprocessing import shared_memory
+        from attngrad import SealedMemory
 
         self.weights_region = False
         self.batch, self.seq_len, self.hidden = batch, seq_len, hidden
         tensor_bytes = batch * seq_len * hidden * 4
-        self.memory = shared_memory.SharedMemory(create=True, size=tensor_bytes * (2 + slots))
+        self.memory = SealedMemory(tensor_bytes * (2 + slots))
         rng = np.random.default_rng(seed)
         floats = np.ndarray((2 + slots, batch * seq_len * hidden), dtype=np.float32,
                             buffer=self.memory.buf)
@@ -105,7 +105,7 @@ class HostTrainer(Trainer):
         floats[1] = rng.standard_normal(floats.shape[1], dtype=np.float32) * 0.01
         del floats  # no view may outlive close()
         self.client = client
-        self.region = client.register_region(self.memory.name, self.memory.size)
+        self.region = client.register_region(self.memory, self.memory.size)
         self.hidden_slice = (self.region, 0, tensor_bytes)
         self.grad_slice = (self.region, tensor_bytes, tensor_bytes)
         self.answer_slices = [(self.region, (2 + slot) * tensor_bytes, tensor_bytes)
@@ -116,7 +116,6 @@ class HostTrainer(Trainer):
             self.client.unregister_region(self.region)
         finally:
             self.memory.close()
-            self.memory.unlink()
 
 
 def backward_call(client):
