@@ -1,10 +1,10 @@
 // SPEC section 2 step 6 (the attention backward) on Hopper's warpgroup MMA (sm_90a `wgmma`), for
 // fp16 operands at head_dim 128 on a compute-capability-9.0 GPU, every product on wgmma, in one of
 // two forms (AttentionScores): 5 products, the dK/dV kernel storing dS (fp16 64 x 64 tiles in the
-// workspace, attention_common.cuh's ScoreTiles) and HopperQueryFromScoresKernel computing dQ = dS K
-// from them; or 7, the two kernels of the mma.sync path of attention_backward.cu (S and dP computed
-// in both). attention_backward.cu dispatches here (HopperBackwardApplies) and keeps DeltaKernel,
-// the split partials' sum and every other mode/GPU.
+// workspace, attention_block_range.cuh's ScoreTiles) and HopperQueryFromScoresKernel computing dQ =
+// dS K from them; or 7, the two kernels of the mma.sync path of attention_backward.cu (S and dP
+// computed in both). attention_backward.cu dispatches here (HopperBackwardApplies) and keeps
+// DeltaKernel, the split partials' sum and every other mode/GPU.
 //   HopperKeyValueKernel: one block of kGroups warpgroups per (64 * kGroups keys, key-value head,
 //     batch) or, split, per (keys, query head); warpgroup w owns 64 keys and keeps their dK, dV
 //     (64 x 128 fp32 each) in registers. Per step of 64 query rows (double-buffered with cp.async):
@@ -20,14 +20,14 @@
 // Overlap: one warpgroup per block and two blocks per SM (the element-wise work of one runs while
 // the other's products do), and inside a warpgroup the products are committed as separate groups
 // so that P is computed while dP runs and dS while dV runs (ProbabilityAndWeight, then
-// ScaledGradient: attention_common.cuh's SoftmaxGradient split at dP).
+// ScaledGradient: attention_softmax.cuh's SoftmaxGradient split at dP).
 // Shared-memory tiles are 128 columns of fp16 stored as two 64-column halves of 128-byte rows with
 // the 128-byte swizzle (hopper_wgmma.cuh), so one tile serves as a K-major operand (Q K^T) and as
 // an MN-major one (dS K). Deterministic: every dK, dV, dQ element is summed in one fixed order (no
-// atomics). Soft-cap (branch-free, attention_common.cuh's CappedLog2), the sliding window, the fp16
-// dS scale and the statistics are those of attention_common.cuh; the causal/window mask is applied
-// only where a warp's 16 keys (dK/dV; rows in dQ) and the step's 64 queries (keys) cross it, a
-// warp-uniform branch.
+// atomics). Soft-cap (branch-free, attention_softmax.cuh's CappedLog2), the sliding window, the
+// fp16 dS scale and the statistics are those of the mma.sync kernels (attention_softmax.cuh); the
+// causal/window mask is applied only where a warp's 16 keys (dK/dV; rows in dQ) and the step's 64
+// queries (keys) cross it, a warp-uniform branch.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

@@ -16,7 +16,7 @@
 // With a sliding window, key blocks before a warp's window are not computed (P = dS = 0 staged) and
 // key rows before a chunk's window are skipped in phase 2.
 // Delta = rowsum(dO * O) comes from DeltaKernel, lse from the forward; dS carries the power-of-two
-// scale of the FP16 mode (attention_common.cuh), removed from dK and dQ on output.
+// scale of the FP16 mode (attention_params.cuh), removed from dK and dQ on output.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

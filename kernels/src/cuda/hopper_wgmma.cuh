@@ -17,8 +17,9 @@
 //
 // Accumulator layout (fp32, m64nN): warp w of the warpgroup owns rows 16w..16w+15; with g = lane /
 // 4 and t = lane % 4, d[n][0..1] = (row 16w + g, columns 8n + 2t, 8n + 2t + 1) and d[n][2..3] =
-// (row 16w + g + 8, the same columns): the mma.sync m16n8 layout of attention_common.cuh, per warp.
-// The register A operand of m64nNk16 (4 x f16x2) has the mma.sync m16n8k16 A layout, per warp.
+// (row 16w + g + 8, the same columns): the mma.sync m16n8 layout of attention_mma_fragments.cuh,
+// per warp. The register A operand of m64nNk16 (4 x f16x2) has the mma.sync m16n8k16 A layout, per
+// warp.
 //
 // Order of use (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): registers an
 // in-flight wgmma reads or writes (its accumulators, its register A) are not touched before the
@@ -70,7 +71,7 @@ __device__ __forceinline__ std::uint32_t SharedAddress(const void* pointer) {
 // elements) into the swizzled tile at shared address `tile`, 16 bytes per cp.async by the kThreads
 // threads of the block (thread = threadIdx.x); rows at or past `row_end` are zero-filled (row 0
 // is named as their source, and not read). The caller commits and waits (CpAsyncCommit /
-// CpAsyncWait of attention_common.cuh, or its own).
+// CpAsyncWait of attention_tile_loads.cuh, or its own).
 template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void LoadSwizzledTileAsync(std::uint32_t tile, const __half* base,
                                                       long long ld, int row0, int row_end,
@@ -233,7 +234,7 @@ __device__ __forceinline__ void AccumulatorToOperand(const float (&c)[kTiles][4]
 
 // The accumulator without a scale, each value rounded to fp16 and saturated to its finite range by
 // the conversion itself (cvt.rn.satfinite.f16x2.f32: beyond +-65504, infinities included, gives
-// +-65504; NaN stays NaN): dS as an operand with attention_common.cuh's ClampGradient folded into
+// +-65504; NaN stays NaN): dS as an operand with attention_softmax.cuh's ClampGradient folded into
 // the conversion instead of two instructions per element before it.
 template <int kTiles>
 __device__ __forceinline__ void AccumulatorToSaturatedOperand(const float (&c)[kTiles][4],
