@@ -1,0 +1,193 @@
+// A Backward stream whose last message is cut short: the client's HTTP/2 DATA frames carry a
+// complete ACCUMULATE batch, then a gRPC length prefix that promises a whole request of which only
+// 100 bytes follow, then END_STREAM. gRPC's HTTP/2 transport (chttp2, the grpc_core
+// grpc_chttp2_maybe_complete_recv_message of 1.51 and of today's master alike) drops the partial
+// bytes when the stream's read side closes and reports the end of the stream exactly as a clean
+// half-close: the reactor's OnReadDone(false), no error anywhere. The server therefore cannot
+// refuse it; this test pins what happens (status OK, one answer, the cut batch neither computed nor
+// accumulated) so that a gRPC that starts reporting truncation shows up here (server/README.md,
+// "Truncated last message").
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server_test_util.h"
+
+namespace attngrad::server::testing {
+namespace {
+
+constexpr std::uint8_t kData = 0x0, kHeaders = 0x1, kRstStream = 0x3, kSettings = 0x4;
+constexpr std::uint8_t kEndStream = 0x1, kEndHeaders = 0x4, kAck = 0x1;
+
+std::string Frame(std::uint8_t type, std::uint8_t flags, std::uint32_t stream,
+                  const std::string& payload) {
+  std::string frame;
+  const std::uint32_t length = static_cast<std::uint32_t>(payload.size());
+  frame += static_cast<char>(length >> 16);
+  frame += static_cast<char>(length >> 8);
+  frame += static_cast<char>(length);
+  frame += static_cast<char>(type);
+  frame += static_cast<char>(flags);
+  for (int shift : {24, 16, 8, 0}) frame += static_cast<char>((stream >> shift) & 0xff);
+  return frame + payload;
+}
+
+// An HPACK literal header field without indexing, with a new name (RFC 7541 6.2.2), both strings
+// shorter than 127 bytes and not Huffman-coded.
+std::string Literal(const std::string& name, const std::string& value) {
+  return std::string(1, '\0') + static_cast<char>(name.size()) + name +
+         static_cast<char>(value.size()) + value;
+}
+
+// A gRPC message prefix: not compressed, `length` bytes (big-endian).
+std::string MessagePrefix(std::uint32_t length) {
+  std::string prefix(1, '\0');
+  for (int shift : {24, 16, 8, 0}) prefix += static_cast<char>((length >> shift) & 0xff);
+  return prefix;
+}
+
+// DATA frames of at most 16 KiB (the default SETTINGS_MAX_FRAME_SIZE) carrying `bytes`; the last
+// one ends the stream when `end_stream`.
+std::string DataFrames(const std::string& bytes, bool end_stream) {
+  std::string frames;
+  for (std::size_t offset = 0; offset < bytes.size(); offset += 16384) {
+    const bool last = offset + 16384 >= bytes.size();
+    frames += Frame(kData, last && end_stream ? kEndStream : 0, 1, bytes.substr(offset, 16384));
+  }
+  return frames;
+}
+
+struct StreamOutcome {
+  std::vector<v1::BackwardResponse> answers;
+  bool ended = false;  // trailers with END_STREAM, or RST_STREAM, on stream 1
+};
+
+// Sends `body` (the gRPC bytes of stream 1) on a new connection after the Backward headers, then
+// reads the server's frames until stream 1 ends or `seconds` pass.
+StreamOutcome RunRawStream(int port, const std::string& body, double seconds) {
+  StreamOutcome outcome;
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<std::uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  const std::string headers = Literal(":method", "POST") + Literal(":scheme", "http") +
+                              Literal(":path", "/attngrad.v1.AttentionGradient/Backward") +
+                              Literal(":authority", "127.0.0.1:" + std::to_string(port)) +
+                              Literal("content-type", "application/grpc") +
+                              Literal("te", "trailers");
+  const std::string out = std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") +
+                          Frame(kSettings, 0, 0, "") + Frame(kHeaders, kEndHeaders, 1, headers) +
+                          body;
+  EXPECT_EQ(send(fd, out.data(), out.size(), MSG_NOSIGNAL), static_cast<ssize_t>(out.size()));
+
+  std::string in, messages;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!outcome.ended && std::chrono::steady_clock::now() < deadline) {
+    pollfd readable{fd, POLLIN, 0};
+    if (poll(&readable, 1, 100) <= 0) continue;
+    char buffer[65536];
+    const ssize_t received = read(fd, buffer, sizeof(buffer));
+    if (received <= 0) break;
+    in.append(buffer, static_cast<std::size_t>(received));
+    while (in.size() >= 9) {
+      const std::size_t length = (static_cast<std::uint8_t>(in[0]) << 16) |
+                                 (static_cast<std::uint8_t>(in[1]) << 8) |
+                                 static_cast<std::uint8_t>(in[2]);
+      if (in.size() < 9 + length) break;
+      const std::uint8_t type = in[3], flags = in[4];
+      const std::uint32_t stream =
+          ntohl(*reinterpret_cast<const std::uint32_t*>(in.data() + 5)) & 0x7fffffffu;
+      const std::string payload = in.substr(9, length);
+      in.erase(0, 9 + length);
+      if (type == kSettings && (flags & kAck) == 0) {
+        const std::string ack = Frame(kSettings, kAck, 0, "");
+        send(fd, ack.data(), ack.size(), MSG_NOSIGNAL);
+      }
+      if (stream != 1) continue;
+      if (type == kData) messages += payload;
+      if ((type == kHeaders && (flags & kEndStream) != 0) || type == kRstStream) {
+        outcome.ended = true;
+      }
+    }
+  }
+  close(fd);
+  while (messages.size() >= 5) {  // the answers' gRPC messages
+    const std::uint32_t length =
+        ntohl(*reinterpret_cast<const std::uint32_t*>(messages.data() + 1));
+    if (messages.size() < 5 + length) break;
+    v1::BackwardResponse answer;
+    EXPECT_TRUE(answer.ParseFromString(messages.substr(5, length)));
+    outcome.answers.push_back(answer);
+    messages.erase(0, 5 + length);
+  }
+  return outcome;
+}
+
+// The number of Backward calls /metrics has recorded as ended with `code`.
+int BackwardCallsEndedWith(int metrics_port, const std::string& code) {
+  const std::string page = HttpGet(metrics_port, "/metrics");
+  const std::string prefix = "attngrad_rpc_duration_seconds_count{";
+  for (std::size_t start = page.find(prefix); start != std::string::npos;
+       start = page.find(prefix, start + 1)) {
+    const std::string line = page.substr(start, page.find('\n', start) - start);
+    if (line.find("method=\"Backward\"") != std::string::npos &&
+        line.find("code=\"" + code + "\"") != std::string::npos) {
+      return std::stoi(line.substr(line.rfind(' ') + 1));
+    }
+  }
+  return 0;
+}
+
+class TruncatedMessageTest : public ServerTest {};
+
+TEST_F(TruncatedMessageTest, ACutLastMessageLooksToTheServerLikeACleanHalfClose) {
+  const Batch batch = MakeBatch(config(), 1, 1, 21);
+  const std::string first =
+      MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE).SerializeAsString();
+  const std::string second =
+      MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE).SerializeAsString();
+  ASSERT_GT(second.size(), 20000u);  // the prefix promises ~24 kB
+  const std::string cut =
+      MessagePrefix(static_cast<std::uint32_t>(second.size())) + second.substr(0, 100);
+
+  const StreamOutcome outcome = RunRawStream(
+      server().port(), DataFrames(MessagePrefix(first.size()) + first + cut, true), 30);
+  ASSERT_TRUE(outcome.ended) << "stream 1 did not end";
+  ASSERT_EQ(outcome.answers.size(), 1u);
+  EXPECT_EQ(outcome.answers[0].batch_id(), 1u);
+  EXPECT_FALSE(outcome.answers[0].has_error()) << outcome.answers[0].error().message();
+
+  // The call ended OK, as gRPC reported a clean half-close to the reactor (recorded once gRPC has
+  // closed the call, a moment after the client saw its end).
+  int ok_calls = 0;
+  for (int attempt = 0; attempt < 50 && ok_calls == 0; ++attempt) {
+    ok_calls = BackwardCallsEndedWith(server().metrics_port(), "OK");
+    if (ok_calls == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(ok_calls, 1) << "gRPC now ends a stream cut inside a message otherwise: "
+                            "update server/README.md (Truncated last message)";
+  // Only the complete batch was accumulated; the cut one was never handed to the server.
+  v1::FetchGradientsRequest fetch;
+  const Fetched fetched = Fetch(stub(), fetch);
+  ASSERT_TRUE(fetched.status.ok()) << fetched.status.error_message();
+  EXPECT_EQ(fetched.state.batches(), 1);
+
+  // A stream that really ends after the first batch is the same to the server: one answer, OK.
+  const StreamOutcome clean =
+      RunRawStream(server().port(), DataFrames(MessagePrefix(first.size()) + first, true), 30);
+  ASSERT_TRUE(clean.ended);
+  EXPECT_EQ(clean.answers.size(), 1u);
+}
+
+}  // namespace
+}  // namespace attngrad::server::testing
