@@ -11,9 +11,10 @@ save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N o
   local bf16 autocast  for honesty (no target)
   offload auto         offload(model) with transport="auto" (CUDA IPC on the same GPU), RETURN,
                        server precision AUTO, the rest of the model in TF32
-  offload auto stream-ordered
-                       the same with stream_ordered=True: the backward calls queued on the
-                       trainer's CUDA stream (Client.submit_backward), not waited for by its CPU
+  offload auto unary   the same with Client.ipc_calls = "unary" (one short gRPC call per backward)
+  offload auto unary stream-ordered
+                       and with stream_ordered=True: the backward calls queued on the trainer's
+                       CUDA stream (Client.submit_backward), not waited for by its CPU
   offload bytes        the same with transport="bytes" (everything through grpcio)
 It reports the median step time, the trainer process's peak GPU memory (the server is another
 process) and the loss curves (each offloaded curve against local eager fp32: max relative
@@ -51,7 +52,8 @@ from check_offload import Server, build_model, loss_of, write_checkpoint  # noqa
 
 LOCAL_VARIANTS = ("local eager fp32", "local sdpa tf32", "local compile tf32",
                   "local bf16 autocast")
-OFFLOAD_VARIANTS = ("offload auto", "offload auto stream-ordered", "offload bytes")
+OFFLOAD_VARIANTS = ("offload auto", "offload auto unary", "offload auto unary stream-ordered",
+                    "offload bytes")
 
 
 def set_tf32(enabled: bool) -> None:
@@ -158,6 +160,8 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
     handle = attngrad_torch.offload(model, target, mode=mode, precision=args.precision,
                                     transport=transport, timeout=args.timeout,
                                     phase_timings=True, stream_ordered="stream-ordered" in name)
+    for client in getattr(handle.client, "clients", [handle.client]):
+        client.ipc_calls = "unary" if "unary" in name else "stream"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     set_tf32(True)
     measured = Measured(name)
@@ -312,11 +316,14 @@ def bench_spec_layer(args, device):
         cos, sin = attngrad_torch.rotary_tables(torch.arange(seq_len, device=device))
         set_tf32(False)
         rows = []
-        for transport, ordered in (("auto", False), ("auto", True), ("bytes", False)):
+        for transport, calls, ordered in (("auto", "stream", False), ("auto", "unary", False),
+                                          ("auto", "unary", True), ("bytes", "stream", False)):
             client = attngrad.Client(server.target, timeout=args.timeout, phase_timings=True)
+            client.ipc_calls = calls
             layer = attngrad_torch.RemoteGemma3Attention(client, transport=transport,
                                                          stream_ordered=ordered).to(device)
             rows.append((f"RemoteGemma3Attention {transport}"
+                         + (" unary" if calls == "unary" else "")
                          + (" stream-ordered" if ordered else ""),
                          time_layer(lambda: layer(hidden.requires_grad_(), cos, sin), layer,
                                     args.steps)))

@@ -1273,6 +1273,10 @@ class Client:
     replaced, and the call's unanswered requests are sent again once with the same batch ids
     (ACCUMULATE counts each batch id once per window). A call's deadline is kept by one watchdog
     thread per client, which cancels the stream of a call that ran past it.
+
+    Attribute ipc_calls: how a CUDA IPC backward (a request with no tensor bytes) travels:
+    "stream" (default: the kept streams above) or "unary" (one short gRPC call per request on the
+    same Backward method: no hand-off to grpcio's request thread and no response iterator).
     """
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
@@ -1319,6 +1323,8 @@ class Client:
         self._regions_lock = threading.Lock()
         self._free_regions: List[_SharedRegion] = []  # zero_copy regions not in use
         self._cuda_regions: Optional[cuda_regions.CudaRegionCache] = None  # zero_copy, CUDA
+        self.ipc_calls = "stream"  # or "unary" (see the class docstring)
+        self._backward_unary = None
         # submit_backward()'s queue and sender thread, and whether the driver allows them.
         self._stream_ordered: Optional[stream_ordered.StreamOrderedCalls] = None
         self._stream_ordered_supported: Optional[bool] = None
@@ -1570,7 +1576,7 @@ class Client:
                 self._stream_ordered_supported = stream_ordered.is_supported(driver)
                 if self._stream_ordered_supported:
                     self._stream_ordered = stream_ordered.StreamOrderedCalls(
-                        self._exchange, driver)
+                        self._exchange_by_reference, driver)
             return self._stream_ordered
 
     def _requested_transport(self, transport: str, zero_copy: Optional[bool]) -> str:
@@ -1730,7 +1736,28 @@ class Client:
         # The server reads the inputs as soon as the request arrives: their writes must be done.
         torch.cuda.current_stream(hidden_states.device).synchronize()
         phases.mark("synchronize")
-        return self._exchange(batch, timeout, phases)
+        return self._exchange_by_reference(batch, timeout, phases)
+
+    def _exchange_by_reference(self, batch: _Batch, timeout, phases) -> BackwardResult:
+        """The exchange of a batch whose tensors are all in regions: on the kept streams, or one
+        unary call per part (ipc_calls)."""
+        if self.ipc_calls != "unary":
+            return self._exchange(batch, timeout, phases)
+        if self._backward_unary is None:
+            self._backward_unary = self._channel.unary_unary(
+                f"/{_SERVICE}/Backward", request_serializer=None,
+                response_deserializer=_parse_backward_response)
+        for index, (part_id, _) in enumerate(batch.parts):
+            payload = batch.request(index).serialize()
+            phases.mark("encode")
+            response = self._unary("Backward", self._backward_unary, payload, timeout, retries=1)
+            phases.mark("wait")
+            _raise_in_band_error(batch, response)
+            batch.add(response)
+        result = batch.result()
+        phases.mark("decode")
+        result.client_phases = phases.seconds
+        return result
 
     def _prepare_on_gpu(self, hidden_states, grad_output, cos, sin, kwargs, phases):
         """The batch of a CUDA IPC backward, its tensors registered (regions), and the tensors
