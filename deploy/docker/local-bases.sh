@@ -84,8 +84,20 @@ trap 'rm -rf "$work"' EXIT
 
 started=$SECONDS
 # minbase: the Essential packages and apt. passwd (useradd) and ca-certificates are in NVIDIA's
-# Ubuntu images too, and the Dockerfile uses both.
-mmdebstrap --quiet --variant=minbase --include=passwd,ca-certificates "$suite" "$work/rootfs"
+# Ubuntu images too, and the Dockerfile uses both. Slimmed as Docker's Debian and Ubuntu images are:
+# merged /usr made by mmdebstrap's hook instead of the usrmerge package (which brings perl, ~50 MB),
+# no documentation, manual pages or translations from any package installed later either (copyright
+# files kept), and apt keeps neither downloaded packages nor its caches.
+mmdebstrap_options=(--variant=minbase --include=passwd,ca-certificates
+  --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
+  --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*'
+  --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-include=/usr/share/locale/locale.alias'
+  --customize-hook='printf "%s\n" "APT::Keep-Downloaded-Packages \"false\";" "Dir::Cache::pkgcache \"\";" "Dir::Cache::srcpkgcache \"\";" >"$1/etc/apt/apt.conf.d/90slim-image"'
+  --customize-hook='rm -f "$1"/var/cache/apt/*.bin "$1"/var/cache/apt/archives/*.deb')
+if [[ -d /usr/share/mmdebstrap/hooks/merged-usr ]]; then
+  mmdebstrap_options+=(--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr)
+fi
+mmdebstrap --quiet "${mmdebstrap_options[@]}" "$suite" "$work/rootfs"
 echo "local-bases: Debian $suite minbase in $((SECONDS - started)) s"
 
 # import IMAGE FOLDER [tar arguments...]: FOLDER (a root file system) and the further tar members as

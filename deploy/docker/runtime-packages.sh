@@ -1,10 +1,10 @@
 #!/bin/bash
 # runtime-packages.sh BINARY...: prints, one a line and sorted, the Debian/Ubuntu packages that own the
-# shared libraries the given binaries load (from ldd). The Dockerfile's runtime stage installs those
-# it lacks, on top of `scripts/install-deps.sh --runtime`, so that the image has what the build linked
-# against whatever the distribution names its runtime packages (Ubuntu 24.04's libgrpc++1.51t64,
-# Debian 12's libgrpc++1.51, ...). Libraries under /usr/local/cuda* are left out: the nvidia/cuda
-# runtime image has them (and the driver's libcuda is mounted at run time).
+# shared libraries the given binaries load (from ldd). The Dockerfile's runtime stage installs these
+# and no other, so that the image has what the build linked against, whatever the distribution names
+# its runtime packages (Ubuntu 24.04's libgrpc++1.51t64, Debian 12's libgrpc++1.51, ...), and nothing
+# more. Libraries under /usr/local/cuda* are left out: the runtime base has them (nvidia/cuda's
+# runtime image, or local-bases.sh's), and the driver's libcuda is mounted at run time.
 # Fails when a library is not found or belongs to no package (the image would not start).
 set -euo pipefail
 if [[ $# -eq 0 ]]; then

@@ -176,7 +176,8 @@ run_image() {
   # As Kubernetes runs it (deploy/k8s/base): read-only root, /tmp a tmpfs, no capabilities. The
   # bridge network: host connections arrive from the bridge, so they are allowed explicitly, as
   # compose.yaml does.
-  podman run -d --name "$container" --read-only --read-only-tmpfs=false --tmpfs /tmp --cap-drop=ALL \
+  podman run -d --name "$container" --health-interval=disable \
+    --read-only --read-only-tmpfs=false --tmpfs /tmp --cap-drop=ALL \
     -p "127.0.0.1:$port:50051" -e ATTNGRAD_DEVICES=cpu -e ATTNGRAD_ALLOW_UNAUTHENTICATED=true \
     -e "ATTNGRAD_SHUTDOWN_GRACE_SECONDS=$grace" "$image" >/dev/null
   if ! wait_for 120 "$cli" health --target="127.0.0.1:$port"; then
@@ -251,8 +252,11 @@ compose_stack() {
     { cat "$work/compose-up.log" >&2; fail "podman-compose up failed"; }
   podman ps -a --filter "label=io.podman.compose.project=$project" --format '{{.Names}} {{.Image}} {{.Status}}'
 
-  wait_for 120 "$cli" health --target="127.0.0.1:$grpc_port" ||
-    { podman ps -a --filter "label=io.podman.compose.project=$project"; fail "the compose server did not answer SERVING"; }
+  if ! wait_for 120 "$cli" health --target="127.0.0.1:$grpc_port"; then
+    podman ps -a --filter "label=io.podman.compose.project=$project"
+    podman logs --tail 20 "${project}_attngrad_1" >&2 || true
+    fail "the compose server did not answer SERVING on 127.0.0.1:$grpc_port within 120 s"
+  fi
   "$cli" backward --target="127.0.0.1:$grpc_port" --batch=1 --seq_len=8 --count=2 --check ||
     fail "attngrad-cli backward --check against the compose server failed"
   http_get "http://127.0.0.1:$metrics_port/metrics" | grep -q '^attngrad_build_info' ||
