@@ -346,21 +346,30 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
       absl::StartsWith(options.listen, "0.0.0.0:") || absl::StartsWith(options.listen, "[::]:")
           ? " (every interface)"
           : ""));
-  const std::string region_socket_path = RegionSocketPath(options.region_socket, server->port_);
-  if (!region_socket_path.empty()) {
-    ATTNGRAD_ASSIGN_OR_RETURN(
-        server->region_socket_,
-        RegionSocketListener::Start(region_socket_path,
-                                    RegisterFromSocket(server->service_->authenticator(),
-                                                       server->service_->mutable_regions())));
-  }
-  server->security_summary_.push_back(
-      region_socket_path.empty()
-          ? "shared-memory regions: off (--region_socket=off)"
-          : absl::StrCat("shared-memory regions: sealed memfds passed on ", region_socket_path,
-                         " (mode 0600: the server's user and root only)"));
+  ATTNGRAD_ASSIGN_OR_RETURN(std::string region_summary,
+                            StartRegionSocket(options.region_socket, *server));
+  server->security_summary_.push_back(std::move(region_summary));
   server->instance_id_ = server->core_->instance_id();
   return server;
+}
+
+absl::StatusOr<std::string> GradientServer::StartRegionSocket(const std::string& flag,
+                                                              GradientServer& server) {
+  const std::string path = RegionSocketPath(flag, server.port_);
+  if (path.empty()) return std::string("shared-memory regions: off (--region_socket=off)");
+  absl::StatusOr<std::unique_ptr<RegionSocketListener>> listener = RegionSocketListener::Start(
+      path,
+      RegisterFromSocket(server.service_->authenticator(), server.service_->mutable_regions()));
+  if (!listener.ok()) {
+    // A path the operator named must work; the default one is a convenience, and a server that
+    // cannot create it serves everything but shared memory.
+    if (!flag.empty()) return listener.status();
+    return absl::StrCat("shared-memory regions: off (", listener.status().message(),
+                        "; give --region_socket=PATH)");
+  }
+  server.region_socket_ = *std::move(listener);
+  return absl::StrCat("shared-memory regions: sealed memfds passed on ", path,
+                      " (mode 0600: the server's user and root only)");
 }
 
 const std::string& GradientServer::region_socket_path() const {

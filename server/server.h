@@ -73,6 +73,10 @@ class GradientServer {
 
  private:
   GradientServer() = default;
+  // Starts the region socket of --region_socket (`flag`); the start-up log's line about it. An
+  // explicit path that cannot be served is an error; the default one turns shared memory off.
+  static absl::StatusOr<std::string> StartRegionSocket(const std::string& flag,
+                                                       GradientServer& server);
 
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;

@@ -20,6 +20,7 @@
 #include "attngrad/wire/region_socket.h"
 #include "child_process.h"
 #include "rpc/region_socket.h"
+#include "server.h"
 #include "server_test_util.h"
 
 namespace attngrad::server::testing {
@@ -243,6 +244,76 @@ TEST_F(RegionSocketTest, RegistrationByNameIsRefusedAlikeForEveryName) {
   EXPECT_EQ(existing.error_code(), missing.error_code());
   EXPECT_EQ(existing.error_message(), missing.error_message());
   EXPECT_NE(existing.error_message().find("name"), std::string::npos);
+}
+
+ServerOptions SmallServerOptions() {
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.metrics_listen = "";
+  options.devices = "cpu";
+  options.cpu_threads = 1;
+  return options;
+}
+
+// The default socket path is a convenience: a server that cannot create it serves everything but
+// shared memory (and says so); a path the operator named must work, or the server does not start.
+TEST(RegionSocketStartTest, AnUnusableDefaultTurnsRegionsOffAndAnUnusablePathIsAnError) {
+  const char* saved = std::getenv("XDG_RUNTIME_DIR");
+  const std::string saved_value = saved == nullptr ? "" : saved;
+  setenv("XDG_RUNTIME_DIR", "/proc/version", 1);  // not a directory: mkdir fails
+  absl::StatusOr<std::unique_ptr<GradientServer>> server =
+      GradientServer::Start(SmallServerOptions());
+  if (saved == nullptr) {
+    unsetenv("XDG_RUNTIME_DIR");
+  } else {
+    setenv("XDG_RUNTIME_DIR", saved_value.c_str(), 1);
+  }
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_TRUE((*server)->region_socket_path().empty());
+  bool said = false;
+  for (const std::string& line : (*server)->security_summary()) {
+    said = said || line.find("shared-memory regions: off") != std::string::npos;
+  }
+  EXPECT_TRUE(said);
+  server->reset();
+
+  ServerOptions named = SmallServerOptions();
+  named.region_socket = "/proc/version/regions.sock";
+  const absl::StatusOr<std::unique_ptr<GradientServer>> refused = GradientServer::Start(named);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("--region_socket"), std::string::npos)
+      << refused.status();
+
+  ServerOptions off = SmallServerOptions();
+  off.region_socket = "off";
+  const absl::StatusOr<std::unique_ptr<GradientServer>> without = GradientServer::Start(off);
+  ASSERT_TRUE(without.ok()) << without.status();
+  EXPECT_TRUE((*without)->region_socket_path().empty());
+}
+
+// A socket file left by a server that was killed is replaced; a live server's is not taken over.
+TEST(RegionSocketStartTest, AStaleSocketIsReplacedAndALiveOneIsNot) {
+  const std::string path = "/tmp/attngrad-region-socket-test-" + std::to_string(getpid()) + ".sock";
+  {
+    const int stale = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::strncpy(address.sun_path, path.c_str(), sizeof(address.sun_path) - 1);
+    ASSERT_EQ(bind(stale, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    close(stale);  // the file stays, nobody answers
+  }
+  ServerOptions options = SmallServerOptions();
+  options.region_socket = path;
+  absl::StatusOr<std::unique_ptr<GradientServer>> first = GradientServer::Start(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*first)->region_socket_path(), path);
+  const absl::StatusOr<std::unique_ptr<GradientServer>> second = GradientServer::Start(options);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("another server answers"), std::string::npos)
+      << second.status();
+  first->reset();
+  struct stat status {};
+  EXPECT_NE(stat(path.c_str(), &status), 0) << "the socket file was left behind";
 }
 
 // The hostile client of the report, against the server binary: it registers its memory, shrinks
