@@ -8,7 +8,7 @@
 #
 # Images (PREFIX defaults to localhost/attngrad-base, SUITE to bookworm):
 #   PREFIX:SUITE-cpu           Debian minbase + passwd + ca-certificates: build and run base of the
-#                              CPU-only image (build argument ATTNGRAD_CUDA=OFF)
+#                              CPU-only image (build argument CUDA_BACKEND=OFF)
 #   PREFIX:SUITE-cuda-devel    the CPU base + this host's CUDA Toolkit (the whole of /usr/local/cuda,
 #                              nvcc on PATH): stands in for nvidia/cuda:*-devel-*
 #   PREFIX:SUITE-cuda-runtime  the CPU base + only the CUDA libraries the binaries load: the CUDA
@@ -88,7 +88,9 @@ started=$SECONDS
 # merged /usr made by mmdebstrap's hook instead of the usrmerge package (which brings perl, ~50 MB),
 # no documentation, manual pages or translations from any package installed later either (copyright
 # files kept), and apt keeps neither downloaded packages nor its caches.
-mmdebstrap_options=(--variant=minbase --include=passwd,ca-certificates
+# The hooks' "$1" (the new root) is expanded by mmdebstrap's shell, not here.
+# shellcheck disable=SC2016
+mmdebstrap_options=(--variant=minbase --include=passwd --include=ca-certificates
   --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
   --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*'
   --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-include=/usr/share/locale/locale.alias'

@@ -125,7 +125,7 @@ build() {
     "$source_dir/deploy/docker/local-bases.sh" --cpu-only --suite="$suite" --prefix="$base_prefix"
     build_base="$base_prefix:$suite-cpu"
     runtime_base="$base_prefix:$suite-cpu"
-    arguments+=(--build-arg ATTNGRAD_CUDA=OFF)
+    arguments+=(--build-arg CUDA_BACKEND=OFF)
   fi
   echo "bases ready in $((SECONDS - started)) s"
   local image_started=$SECONDS
