@@ -17,11 +17,13 @@ save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N o
                        CUDA stream (Client.submit_backward), not waited for by its CPU
   offload bytes        the same with transport="bytes" (everything through grpcio)
 It reports the median step time, the trainer process's peak GPU memory (the server is another
-process) and the loss curves (each offloaded curve against local eager fp32: max relative
-difference). --remote adds the remote path: transport="bytes", ACCUMULATE over --micro-batches
-micro-batches per optimizer step with one fetch, against the local TF32 step over the same
-micro-batches. --spec-layer adds the SPEC layer through RemoteGemma3Attention (1 x 1024, forward +
-backward) against local eager fp32 autograd of the same layer, with the client's phase timings.
+process; also the peak above what stays allocated between steps, i.e. the step's own activations,
+gradients and optimizer temporaries) and the loss curves (each offloaded curve against local eager
+fp32: max relative difference). --remote adds the remote path: transport="bytes", ACCUMULATE over
+--micro-batches micro-batches per optimizer step with one fetch, against the local TF32 step over
+the same micro-batches. --spec-layer adds the SPEC layer through RemoteGemma3Attention (1 x 1024,
+forward + backward) against local eager fp32 autograd of the same layer, with the client's phase
+timings.
 
     python3 bench/offload_bench.py --server build/server/attngrad-server \\
         --configs 4b-attn,27b-attn --shapes 1x2048,4x2048 --steps 10 --remote --spec-layer
@@ -68,6 +70,7 @@ class Measured:
         self.name = name
         self.seconds, self.losses = [], []
         self.peak_bytes = 0
+        self.resident_bytes = 0  # allocated between steps (weights, optimizer state)
         self.transports = set()
         self.phases = {}
         self.split = {}  # "forward" / "backward" / "optimizer": GPU-timeline ms per step
@@ -91,6 +94,9 @@ def train(model, batches, steps: int, warmup: int, step_fn, measured: Measured):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for index in range(warmup + steps):
+        if index == warmup:  # what stays between steps: weights, optimizer state
+            torch.cuda.synchronize()
+            measured.resident_bytes = torch.cuda.memory_allocated()
         ids = batches[index % len(batches)]
         events = []
         started = time.perf_counter()
@@ -211,8 +217,8 @@ def curve_difference(measured: Measured, reference: Measured) -> float:
 def print_table(title, rows, reference_names):
     print(f"\n### {title}\n")
     print("| variant | median step ms | × local sdpa tf32 | × local compile tf32 | peak MB | "
-          "loss rel. diff vs eager fp32 | transport |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+          "peak above resident MB | loss rel. diff vs eager fp32 | transport |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     by_name = {m.name: m for m in rows}
     sdpa, compiled = (by_name.get(n) for n in reference_names)
     eager = by_name.get("local eager fp32")
@@ -221,7 +227,8 @@ def print_table(title, rows, reference_names):
         ratio_compile = m.median_ms / compiled.median_ms if compiled else float("nan")
         difference = curve_difference(m, eager) if eager and m is not eager else 0.0
         print(f"| {m.name} | {m.median_ms:.1f} | {ratio_sdpa:.2f} | {ratio_compile:.2f} | "
-              f"{m.peak_bytes / 2**20:,.0f} | {difference:.1e} | "
+              f"{m.peak_bytes / 2**20:,.0f} | {(m.peak_bytes - m.resident_bytes) / 2**20:,.0f} | "
+              f"{difference:.1e} | "
               f"{', '.join(sorted(m.transports)) or '-'} |")
     for m in rows:
         if m.split:
@@ -264,6 +271,8 @@ def bench_model(config, args, device):
                     torch.cuda.empty_cache()  # the variant's model and optimizer state are gone
                     print(f"  {config} {shape} {name}: {rows[-1].median_ms:.1f} ms", flush=True)
                 for name in OFFLOAD_VARIANTS:
+                    if name not in args.offload_variants.split(","):
+                        continue
                     rows.append(run_offloaded(name, base, batches, server.target, args))
                     torch.cuda.empty_cache()
                     print(f"  {config} {shape} {name}: {rows[-1].median_ms:.1f} ms", flush=True)
@@ -393,6 +402,8 @@ def main() -> int:
     parser.add_argument("--configs", default="4b-attn,27b-attn",
                         help="check_offload.py presets: 4b-attn, 27b-attn, 270m, 1b, tiny")
     parser.add_argument("--shapes", default="1x2048,4x2048", help="B x S list")
+    parser.add_argument("--offload-variants", default=",".join(OFFLOAD_VARIANTS),
+                        help="which offloaded variants to time (comma-separated)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
