@@ -129,8 +129,10 @@ if [[ $cpu_only == 0 ]]; then
     echo "/usr/local/$cuda_name/$cuda_library_relative" >"$work/$flavour/etc/ld.so.conf.d/attngrad-cuda.conf"
   done
   if [[ " ${missing[*]} " == *" $devel_image "* ]]; then
+    # The toolkit's members renamed into usr/local/ (S: not the targets of symbolic links, such as
+    # /usr/local/cuda's).
     import "$devel_image" "$work/devel" -C "$(dirname "$cuda_root")" \
-      --transform="s,^$cuda_name,usr/local/$cuda_name," "$cuda_name"
+      --transform="s,^$cuda_name,usr/local/$cuda_name,S" "$cuda_name"
   fi
   if [[ " ${missing[*]} " == *" $runtime_image "* ]]; then
     runtime_libraries="$work/runtime/usr/local/$cuda_name/$cuda_library_relative"
