@@ -316,10 +316,51 @@ TEST(RegionSocketStartTest, AStaleSocketIsReplacedAndALiveOneIsNot) {
   EXPECT_NE(stat(path.c_str(), &status), 0) << "the socket file was left behind";
 }
 
-// The hostile client of the report, against the server binary: it registers its memory, shrinks
-// it, unlinks it and maps it again, then sends batches that name it. The server must answer
-// every batch (or refuse the registration) and still be serving at the end. Before the fix, the
-// object registered by name was shrunk and the next batch ended the server with SIGBUS.
+// With tokens, the region socket authenticates the request's token as a call's metadata: the
+// region belongs to that token's client id; no token or an unknown one is UNAUTHENTICATED and
+// nothing is mapped.
+TEST(RegionSocketTokenTest, TheTokenDecidesWhoseRegionItIs) {
+  constexpr char kTrainerToken[] = "trainer-token-0123456789abcdef";
+  const std::string tokens_file = "/tmp/attngrad-region-tokens-" + std::to_string(getpid());
+  std::FILE* file = std::fopen(tokens_file.c_str(), "w");
+  ASSERT_NE(file, nullptr);
+  std::fprintf(file, "%s trainer trainer-a\n", kTrainerToken);
+  std::fclose(file);
+  ServerOptions options = SmallServerOptions();
+  options.tokens_file = tokens_file;
+  absl::StatusOr<std::unique_ptr<GradientServer>> server = GradientServer::Start(options);
+  unlink(tokens_file.c_str());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int sealed = Memfd(4096, F_SEAL_SHRINK);
+  const std::string path = (*server)->region_socket_path();
+  const absl::StatusOr<std::uint64_t> anonymous = RegisterRegionDescriptor(path, sealed, 4096, {});
+  EXPECT_EQ(anonymous.status().code(), absl::StatusCode::kUnauthenticated) << anonymous.status();
+  RegionCredentials unknown;
+  unknown.token = "not-a-token-of-this-server-000";
+  EXPECT_EQ(RegisterRegionDescriptor(path, sealed, 4096, unknown).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  RegionCredentials trainer;
+  trainer.token = kTrainerToken;
+  trainer.client_id = "someone-else";  // ignored with tokens: the token names the client
+  const absl::StatusOr<std::uint64_t> region =
+      RegisterRegionDescriptor(path, sealed, 4096, trainer);
+  ASSERT_TRUE(region.ok()) << region.status();
+  close(sealed);
+  auto stub = v1::AttentionGradient::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", std::string("Bearer ") + kTrainerToken);
+  v1::UnregisterRegionRequest request;
+  request.set_region_id(*region);
+  v1::UnregisterRegionResponse response;
+  const grpc::Status unregistered = stub->UnregisterRegion(&context, request, &response);
+  EXPECT_TRUE(unregistered.ok()) << unregistered.error_message();
+}
+
+// A hostile client, against the server binary: it registers its memory, shrinks it, unlinks it
+// and maps it again, then sends batches that name it. The server must answer every batch (or
+// refuse the registration) and still be serving at the end. A server that maps shared-memory
+// objects by name dies of SIGBUS here: the shrunk object faults at the next batch's read.
 TEST(RegionHostileClientTest, ShrinkingUnlinkingAndRemappingNeverFaultTheServer) {
   if (ServerBinary().empty()) GTEST_SKIP() << "built without ATTNGRAD_SERVER_BINARY";
   ServerProcess server({"--listen=127.0.0.1:0", "--metrics_listen=", "--devices=cpu"});
