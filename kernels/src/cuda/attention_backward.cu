@@ -225,11 +225,11 @@ __global__ void __launch_bounds__(kWarps * 32) KeyValueGradientKernel(const Atte
   const Elem* q_base0 = static_cast<const Elem*>(p.q) + token0 * p.ldq;
   const Elem* do_base0 = static_cast<const Elem*>(p.grad_out) + token0 * p.ldo;
 
-  // Queries [key0, key0 + kBN - 1 + window) can see this block's keys (the sliding window's end;
-  // seq_len for full causal attention): query tiles [first_q_tile, end_q_tile).
-  const int last_query = min(seq_len, key0 + kBN - 1 + p.window);
-  const int first_q_tile = key0 / kBM;
-  const int q_tiles_per_head = (last_query + kBM - 1) / kBM - first_q_tile;
+  // The query tiles that can see this block's keys (up to the sliding window's end; seq_len for
+  // full causal attention).
+  const TileRange query_tiles = BlockRange<kBM, kBN>::QueryTiles(key0, seq_len, p.window);
+  const int first_q_tile = query_tiles.first;
+  const int q_tiles_per_head = query_tiles.Count();
   const int steps = num_block_heads * q_tiles_per_head;
 
   auto load_step = [&](int step, int stage) {
@@ -366,10 +366,10 @@ __global__ void __launch_bounds__(kWarps * 32) QueryGradientKernel(const Attenti
   const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kD;
   const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kD;
 
-  // Key tiles [first_kv_tile, end): keys (q0 - window, q0 + kBM) can be visible to this tile.
-  const int last_key = min(seq_len, q0 + kBM);
-  const int first_kv_tile = FirstVisibleKey(p, q0) / kBN;
-  const int num_kv_tiles = (last_key + kBN - 1) / kBN - first_kv_tile;
+  // The key tiles this tile's rows can see.
+  const TileRange key_tiles = BlockRange<kBM, kBN>::KeyTiles(q0, seq_len, p.window);
+  const int first_kv_tile = key_tiles.first;
+  const int num_kv_tiles = key_tiles.Count();
 
   LoadTileAsync<Op, kBM, kThreads>(q_tile, q_base, p.ldq, q0, seq_len);
   LoadTileAsync<Op, kBM, kThreads>(do_tile, do_base, p.ldo, q0, seq_len);

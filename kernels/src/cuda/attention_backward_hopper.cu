@@ -178,11 +178,10 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
   const __half* q_base0 = static_cast<const __half*>(p.q) + token0 * p.ldq;
   const __half* do_base0 = static_cast<const __half*>(p.grad_out) + token0 * p.ldo;
 
-  // Queries [key0, key0 + kKeys - 1 + window) can see this block's keys: query tiles
-  // [first_q_tile, first_q_tile + q_tiles_per_head) of each query head of the block.
-  const int last_query = min(seq_len, key0 + kKeys - 1 + p.window);
-  const int first_q_tile = key0 / kStepRows;
-  const int q_tiles_per_head = (last_query + kStepRows - 1) / kStepRows - first_q_tile;
+  // The query tiles that can see this block's keys, of each query head of the block.
+  const TileRange query_tiles = BlockRange<kStepRows, kKeys>::QueryTiles(key0, seq_len, p.window);
+  const int first_q_tile = query_tiles.first;
+  const int q_tiles_per_head = query_tiles.Count();
   const int steps = num_block_heads * q_tiles_per_head;
 
   auto load_step = [&](int step, int stage) {
@@ -372,10 +371,10 @@ __global__ void __launch_bounds__(kGroups * 128, 2 / kGroups)
   const __half* k_base = static_cast<const __half*>(p.k) + token0 * p.ldkv + kv_head * kHeadDim;
   const __half* v_base = static_cast<const __half*>(p.v) + token0 * p.ldkv + kv_head * kHeadDim;
 
-  // Key tiles [first_kv_tile, end): keys (q0 - window, q0 + kQueries) can be visible.
-  const int last_key = min(seq_len, q0 + kQueries);
-  const int first_kv_tile = FirstVisibleKey(p, q0) / kStepRows;
-  const int num_kv_tiles = (last_key + kStepRows - 1) / kStepRows - first_kv_tile;
+  // The key tiles the block's queries can see.
+  const TileRange key_tiles = BlockRange<kQueries, kStepRows>::KeyTiles(q0, seq_len, p.window);
+  const int first_kv_tile = key_tiles.first;
+  const int num_kv_tiles = key_tiles.Count();
 
   hopper::LoadSwizzledTileAsync<kQueries, kHeadDim, kThreads>(q_tile, q_base, p.ldq, q0, seq_len,
                                                               threadIdx.x);

@@ -21,6 +21,41 @@ __device__ __forceinline__ int FirstVisibleKey(const AttentionParams& p, int row
   return max(0, row - p.window + 1);
 }
 
+// Tiles [first, end) along one side of the attention matrix: the key tiles that a block of queries
+// sees, or the query tiles that see a block of keys.
+struct TileRange {
+  int first, end;
+  __device__ __forceinline__ int Count() const { return end - first; }
+};
+
+// The causal and sliding-window geometry between blocks of kQueryRows queries and blocks of
+// kKeyRows keys, the same for every tiled kernel: which key tiles a query block sees, and which
+// query tiles see a key block. Tiles wholly after the diagonal or wholly before the window are left
+// out; those at either end of a range may be partly masked. The arguments are values (not
+// AttentionParams), as the kernels read them.
+template <int kQueryRows, int kKeyRows>
+struct BlockRange {
+  // Key tiles (of kKeyRows) that queries [query0, query0 + kQueryRows) see: from the tile of the
+  // first key in query0's window to that of the block's last query, or of the sequence's last key.
+  __device__ __forceinline__ static TileRange KeyTiles(int query0, int seq_len, int window) {
+    const int key_end = min(seq_len, query0 + kQueryRows);
+    TileRange tiles;
+    tiles.first = max(0, query0 - window + 1) / kKeyRows;
+    tiles.end = (key_end + kKeyRows - 1) / kKeyRows;
+    return tiles;
+  }
+  // Query tiles (of kQueryRows) that see a key of [key0, key0 + kKeyRows): from the tile of key0
+  // (no earlier query sees it) to that of the last query whose window holds the block's last key,
+  // key0 + kKeyRows - 1 + window - 1, or of the sequence's last query.
+  __device__ __forceinline__ static TileRange QueryTiles(int key0, int seq_len, int window) {
+    const int query_end = min(seq_len, key0 + kKeyRows - 1 + window);
+    TileRange tiles;
+    tiles.first = key0 / kQueryRows;
+    tiles.end = (query_end + kQueryRows - 1) / kQueryRows;
+    return tiles;
+  }
+};
+
 // Work item of a 1-D grid of num_tiles * num_heads * batch blocks, heaviest tiles first (causal
 // load balance): heavy_last means the last tile index has the most work.
 struct WorkItem {

@@ -5,7 +5,8 @@
 // The building blocks, by role (each included here, so that a kernel file includes this one):
 //   attention_operand_traits.cuh  operand traits per AttentionOperand mode and head dimension
 //   attention_params.cuh          AttentionParams and the host-side checks that fill them
-//   attention_block_range.cuh     the causal/window mask, work items, the stored dS tiles
+//   attention_block_range.cuh     the causal/window mask, key/query block ranges, work items, the
+//                                 stored dS tiles
 //   attention_mma_fragments.cuh   mma.sync fragments, accumulator tiles, warp tile products
 //   attention_softmax.cuh         soft-cap, exp, P and dS per element, the online-softmax step
 //   attention_tile_loads.cuh      cp.async tile loads

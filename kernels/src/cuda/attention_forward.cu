@@ -88,12 +88,10 @@ __global__ void __launch_bounds__(kWarps * 32, ForwardMinBlocksPerSm<Op>())
   const Elem* k_base = static_cast<const Elem*>(p.k) + token0 * p.ldkv + kv_head * kD;
   const Elem* v_base = static_cast<const Elem*>(p.v) + token0 * p.ldkv + kv_head * kD;
 
-  // Keys (q0 - window, q0 + kBM) can be visible to this tile's rows: key tiles [first_kv_tile,
-  // end_kv_tile); the ones wholly before the window are never loaded.
-  const int last_key = min(seq_len, q0 + kBM);
-  const int first_kv_tile = FirstVisibleKey(p, q0) / kBN;
-  const int end_kv_tile = (last_key + kBN - 1) / kBN;
-  const int num_kv_tiles = end_kv_tile - first_kv_tile;
+  // The key tiles this tile's rows can see; the ones wholly before the window are never loaded.
+  const TileRange key_tiles = BlockRange<kBM, kBN>::KeyTiles(q0, seq_len, p.window);
+  const int first_kv_tile = key_tiles.first;
+  const int num_kv_tiles = key_tiles.Count();
 
   // cp.async groups, in commit order: {Q, K0}, {V0}, then per iteration j: {K(j+1)} at its start
   // and {V(j+1)} at its end (empty groups past the last tile keep the counting uniform).

@@ -117,9 +117,9 @@ __global__ void __launch_bounds__(HopperForwardShape<D>::kThreads,
   const __half* k_base = static_cast<const __half*>(p.k) + token0 * p.ldkv + kv_head * D;
   const __half* v_base = static_cast<const __half*>(p.v) + token0 * p.ldkv + kv_head * D;
 
-  const int last_key = min(seq_len, q0 + kBM);
-  const int first_kv_tile = FirstVisibleKey(p, q0) / kBN;
-  const int num_kv_tiles = (last_key + kBN - 1) / kBN - first_kv_tile;
+  const TileRange key_tiles = BlockRange<kBM, kBN>::KeyTiles(q0, seq_len, p.window);
+  const int first_kv_tile = key_tiles.first;
+  const int num_kv_tiles = key_tiles.Count();
 
   const int thread = threadIdx.x;
   const int warpgroup = kThreads == 128 ? 0 : thread / 128;  // (0 written out: warp-uniform)
