@@ -41,6 +41,7 @@
 #include "attngrad/backward.h"
 #include "attngrad/prepared_weights.h"
 #include "cuda/attention.h"
+#include "cuda/device_context.h"
 #include "cuda/pipeline.h"
 #include "cuda/projection_gemm.h"
 #include "cuda/stages.h"

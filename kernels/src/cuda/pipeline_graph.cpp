@@ -1,7 +1,7 @@
 // Replay of a repeated backward call as one CUDA graph (see pipeline_graph.h).
 #include "cuda/pipeline_graph.h"
 
-#include "cuda/projection_gemm.h"
+#include "cuda/device_context.h"
 
 namespace attngrad::cuda {
 

@@ -1,16 +1,13 @@
 // The projection GEMMs of SPEC section 2 (steps 1, 5 and 9: qkv = X Wqkv^T, dA = dY Wo,
-// dWo = dY^T A, dX = dqkv Wqkv, dWqkv = dqkv^T X) through cuBLASLt, and the per-device cache of
-// cuBLASLt handles and matmul plans they run with. Internal to kernels/.
+// dWo = dY^T A, dX = dqkv Wqkv, dWqkv = dqkv^T X) through cuBLASLt plans, and the side streams
+// that one call forks its concurrent stages onto. Internal to kernels/.
 //
 // A GEMM is described in cuBLAS's column-major terms (D = alpha op(A) op(B) + beta D, D is m x n).
 // A row-major matrix [rows, cols] is the column-major matrix [cols x rows] with the same leading
 // dimension, so every product of the pipeline maps onto one such description (backward_device.cu).
 //
-// Plans (matmul descriptor, matrix layouts, the algorithm cuBLASLt's heuristic picked) are created
-// on first use of a shape and reused for every later call with that shape on that device. The
-// registry that owns them is one process-wide object (DeviceContextRegistry::Instance(), a
-// function-local static with thread-safe initialisation); every lookup takes its mutex, plans are
-// never freed or changed once made, so the GEMMs themselves run without holding a lock.
+// A plan (GemmPlan: matmul descriptor, matrix layouts, the algorithm cuBLASLt's heuristic picked)
+// is made once per shape and device and kept by that device's DeviceContext (device_context.h).
 #ifndef ATTNGRAD_KERNELS_CUDA_PROJECTION_GEMM_H_
 #define ATTNGRAD_KERNELS_CUDA_PROJECTION_GEMM_H_
 
@@ -19,15 +16,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <tuple>
-#include <vector>
 
 #include "attngrad/attngrad.h"
 #include "attngrad/cuda_resources.h"
-#include "cuda/pipeline_graph.h"
 
 namespace attngrad::cuda {
 
@@ -135,74 +126,6 @@ class SideStream {
   Stream stream_;
   Stream lane_;
   Event events_[kForkJoinEvents];
-};
-
-// cuBLASLt handle, plans, side streams and replayable pipeline graphs of one device.
-class DeviceContext {
- public:
-  explicit DeviceContext(int device) : device_(device) {}
-  DeviceContext(const DeviceContext&) = delete;
-  DeviceContext& operator=(const DeviceContext&) = delete;
-  ~DeviceContext();
-
-  attngrad_status Init();  // creates the cuBLASLt handle; called once by the registry
-  int device() const { return device_; }
-
-  // Runs one GEMM on `stream`, creating its plan the first time this shape is seen.
-  attngrad_status Gemm(const GemmSpec& spec, void* gemm_workspace, cudaStream_t stream);
-
-  // A side stream for one call's concurrent stages: taken from a pool (created on first need, so
-  // at most as many exist as calls ever ran at once on this device) and given back after the call
-  // has enqueued its work. A later call that reuses it is ordered after the earlier one's work on
-  // it, which is always correct.
-  attngrad_status AcquireSideStream(SideStream** side);
-  void ReleaseSideStream(SideStream* side);
-
-  // The graphs of repeated calls on this device (pipeline_graph.h).
-  PipelineGraphCache& pipeline_graphs() { return pipeline_graphs_; }
-
- private:
-  // Everything the heuristic's choice depends on: shape, leading dimensions, types, pointer
-  // alignment, where alpha and beta live.
-  using PlanKey = std::tuple<int, int, int, int, int, int, int, int, int, int, int, int>;
-
-  int device_;
-  cublasLtHandle_t handle_ = nullptr;
-  std::mutex mutex_;
-  std::map<PlanKey, std::unique_ptr<GemmPlan>> plans_;
-  std::vector<std::unique_ptr<SideStream>> side_streams_;  // all made, owned here
-  std::vector<SideStream*> idle_side_streams_;
-  PipelineGraphCache pipeline_graphs_;
-};
-
-// Holds a side stream for the scope of one call.
-class SideStreamLease {
- public:
-  explicit SideStreamLease(DeviceContext* context) : context_(context) {}
-  SideStreamLease(const SideStreamLease&) = delete;
-  SideStreamLease& operator=(const SideStreamLease&) = delete;
-  ~SideStreamLease() {
-    if (side_) context_->ReleaseSideStream(side_);
-  }
-  attngrad_status Acquire() { return context_->AcquireSideStream(&side_); }
-  SideStream* get() const { return side_; }
-
- private:
-  DeviceContext* context_;
-  SideStream* side_ = nullptr;
-};
-
-// Process-wide owner of one DeviceContext per device, created lazily and thread-safely.
-class DeviceContextRegistry {
- public:
-  static DeviceContextRegistry& Instance();
-  // The context of `device`, created on first use. Never null when ATTNGRAD_OK is returned.
-  attngrad_status Get(int device, DeviceContext** context);
-
- private:
-  DeviceContextRegistry() = default;
-  std::mutex mutex_;
-  std::vector<std::unique_ptr<DeviceContext>> contexts_;
 };
 
 }  // namespace attngrad::cuda
