@@ -1,5 +1,5 @@
 // SharedMemoryRegion: a sealed memfd and the client's side of the region socket
-// (attngrad/wire/region_socket.h).
+// (attngrad/wire/region_socket.h); Client::RegisterRegion and UnregisterRegion.
 #include "attngrad/shared_memory_region.h"
 
 #include <fcntl.h>
@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/client.h"
 #include "attngrad/wire/region_socket.h"
+#include "client_impl.h"
 
 namespace attngrad {
 
@@ -124,6 +126,32 @@ absl::StatusOr<std::uint64_t> RegisterRegionDescriptor(const std::string& socket
   }
   return wire::ParseRegionReply(
       absl::string_view(reply.data(), static_cast<std::size_t>(received)));
+}
+
+absl::StatusOr<uint64_t> Client::RegisterRegion(const SharedMemoryRegion& memory) {
+  const ClientOptions& options = impl_->options();
+  const std::string socket_path = options.region_socket.empty()
+                                      ? DefaultRegionSocketPath(impl_->target())
+                                      : options.region_socket;
+  if (socket_path.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("region_socket: the target ", impl_->target(),
+                     " names no port to find the server's region socket by; set "
+                     "ClientOptions::region_socket"));
+  }
+  RegionCredentials credentials;
+  credentials.token = options.token;
+  credentials.client_id = options.client_id;
+  return memory.Register(socket_path, credentials);
+}
+
+absl::Status Client::UnregisterRegion(uint64_t region_id) {
+  grpc::ClientContext context;
+  PrepareContext(&context, impl_->options(), impl_->options().deadline);
+  v1::UnregisterRegionRequest request;
+  request.set_region_id(region_id);
+  v1::UnregisterRegionResponse response;
+  return FromGrpc(impl_->stub().UnregisterRegion(&context, request, &response), "UnregisterRegion");
 }
 
 std::string DefaultRegionSocketPath(const std::string& target) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "attngrad/client.h"
 #include "attngrad/shared_memory_region.h"
 #include "attngrad/wire/region_socket.h"
 #include "child_process.h"
@@ -227,6 +228,48 @@ TEST_F(RegionSocketTest, ARegionBelongsToTheClientThatPassedIt) {
   owner_context.AddMetadata("attngrad-client-id", "someone");
   EXPECT_TRUE(stub().UnregisterRegion(&owner_context, request, &response).ok());
   close(sealed);
+}
+
+// attngrad::Client registers a SharedMemoryRegion over the default socket of its target; a batch
+// computes from and into it with the bytes path's bits; UnregisterRegion removes it.
+TEST_F(RegionSocketTest, TheCppClientRegistersSharedMemoryAndBatchesComputeThroughIt) {
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect("127.0.0.1:" + std::to_string(server().port()));
+  ASSERT_TRUE(client.ok()) << client.status();
+  const Batch batch = MakeBatch(config(), 1, 8, 31);
+  const v1::BackwardRequest bytes_request =
+      MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_RETURN);
+  const std::string& hidden = bytes_request.hidden_states().raw_data();
+  const std::string& grad = bytes_request.grad_output().raw_data();
+  const std::int64_t bytes = static_cast<std::int64_t>(hidden.size());
+  absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> memory =
+      SharedMemoryRegion::Create(static_cast<std::size_t>(3 * bytes));
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  const absl::StatusOr<std::uint64_t> region = (*client)->RegisterRegion(**memory);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::memcpy((*memory)->data(), hidden.data(), hidden.size());
+  std::memcpy((*memory)->data() + bytes, grad.data(), grad.size());
+
+  v1::BackwardRequest request = bytes_request;
+  request.set_batch_id(2);
+  request.mutable_hidden_states()->clear_raw_data();
+  request.mutable_grad_output()->clear_raw_data();
+  v1::RegionSlice* slices[] = {request.mutable_hidden_states_region(),
+                               request.mutable_grad_output_region(),
+                               request.mutable_grad_hidden_states_region()};
+  for (int index = 0; index < 3; ++index) {
+    slices[index]->set_region_id(*region);
+    slices[index]->set_offset(index * bytes);
+    slices[index]->set_byte_size(bytes);
+  }
+  const v1::BackwardResponse expected = RunOne(stub(), bytes_request);
+  const v1::BackwardResponse response = RunOne(stub(), request);
+  ASSERT_FALSE(response.has_error()) << response.error().message();
+  EXPECT_EQ(std::memcmp((*memory)->data() + 2 * bytes,
+                        expected.grad_hidden_states().raw_data().data(), bytes),
+            0);
+  EXPECT_TRUE((*client)->UnregisterRegion(*region).ok());
+  EXPECT_EQ((*client)->UnregisterRegion(*region).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // RegisterRegion by name is refused before anything is opened: an existing object and a missing

@@ -85,6 +85,10 @@ struct ClientOptions {
   // Admins only: FetchGradients and ZeroGradients address this client's window instead of the
   // caller's own (metadata attngrad-for-client). Empty: the caller's own.
   std::string for_client;
+  // The server's region socket, where RegisterRegion passes shared memory
+  // (attngrad/shared_memory_region.h). Empty: the default path of the target's port (a server
+  // started without --region_socket).
+  std::string region_socket;
   // Connect reads GetModelInfo (and keeps it for splitting batches). False: Connect only waits for
   // the channel, for callers that ask for nothing but Health (the health service needs no token).
   bool read_info_on_connect = true;
@@ -226,6 +230,7 @@ enum class HealthStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceU
 absl::string_view HealthStatusName(HealthStatus status);
 
 class Client;
+class SharedMemoryRegion;  // attngrad/shared_memory_region.h
 
 // A Backward session: one bidirectional stream with many batches in flight. Submit sends a batch
 // (split as needed) and returns its id; Next returns batches in the order they complete; Await
@@ -327,6 +332,14 @@ class Client {
   absl::Status AcceptServerRestart();
   std::string server_instance_id() const;
   const std::string& target() const;
+
+  // Shares `memory` with the server (same host only): its descriptor goes over the server's region
+  // socket (ClientOptions::region_socket) with this client's token or client id; the region id,
+  // which BackwardRequest / LoadWeights / FetchGradients region slices name. The server unmaps it
+  // at UnregisterRegion, once this process has exited, or at shutdown.
+  absl::StatusOr<uint64_t> RegisterRegion(const SharedMemoryRegion& memory);
+  // INVALID_ARGUMENT for a region that is not this client's.
+  absl::Status UnregisterRegion(uint64_t region_id);
   const ClientOptions& options() const;
   // How many channels (connections) the client spreads its streams over (ClientOptions::channels).
   int channel_count() const;
