@@ -20,7 +20,8 @@ Status BackwardDevice(const LayerConfig& config, int batch, int seq_len, const S
 
 int DeviceCount() { return 0; }
 
-void PreparedWeights::Release() {}  // never holds memory here
+// Never called here: without CUDA a PreparedWeights never holds device memory.
+void PreparedWeights::DeviceMemoryRelease::operator()(void*) const noexcept {}
 
 Status PreparedWeights::Prepare(const LayerConfig&, const PerWeight<const float*>&, void*) {
   return {ATTNGRAD_UNSUPPORTED, "this build of attngrad has no CUDA backend"};

@@ -31,7 +31,7 @@
 #define ATTNGRAD_PREPARED_WEIGHTS_H_
 
 #include <cstddef>
-#include <utility>
+#include <memory>
 
 #include "attngrad/backward.h"
 #include "attngrad/layer_config.h"
@@ -40,22 +40,17 @@
 namespace attngrad {
 
 // Owns the device memory of the fp16 copies (cudaMalloc'd on the device current at Prepare,
-// cudaFree'd in the destructor or when a Prepare for another configuration replaces it).
-// Move-only; an empty (default or moved-from) object is not ready() and is refused by the calls.
+// cudaFree'd in the destructor, when a Prepare for another configuration replaces it, or when a
+// move assignment gives the object other copies). Move-only; an empty (default or moved-from)
+// object is not ready() and is refused by the calls.
 class ATTNGRAD_API PreparedWeights {
  public:
   PreparedWeights() = default;
   PreparedWeights(const PreparedWeights&) = delete;
   PreparedWeights& operator=(const PreparedWeights&) = delete;
-  PreparedWeights(PreparedWeights&& other) noexcept { *this = std::move(other); }
-  PreparedWeights& operator=(PreparedWeights&& other) noexcept {
-    std::swap(config_, other.config_);  // what this held is released with `other`
-    std::swap(source_, other.source_);
-    std::swap(half_, other.half_);
-    std::swap(bytes_, other.bytes_);
-    return *this;
-  }
-  ~PreparedWeights() { Release(); }
+  PreparedWeights(PreparedWeights&&) noexcept = default;
+  PreparedWeights& operator=(PreparedWeights&&) noexcept = default;
+  ~PreparedWeights() = default;
 
   // Converts the four projection weights of `weights` (device pointers, WeightShape(config, w)
   // each; all six must be set, q_norm/k_norm 16-byte aligned) to fp16 on `stream` (a
@@ -71,13 +66,13 @@ class ATTNGRAD_API PreparedWeights {
   // The fp32 weights it was prepared from (what FP32/TF32 calls and the norm weights read).
   const PerWeight<const float*>& source() const { return source_; }
   // Device memory it owns, in bytes (0 when empty).
-  std::size_t device_bytes() const { return bytes_; }
+  std::size_t device_bytes() const { return half_ == nullptr ? 0 : CopiesBytes(config_); }
   // The fp16 copies (device memory; null when empty): [Wq; Wk; Wv] row-major
   // [q_out + 2 kv_out, hidden], and Wo [hidden, q_out] right after it.
-  const void* half_qkv() const { return half_; }
+  const void* half_qkv() const { return half_.get(); }
   const void* half_o() const {
     return half_ == nullptr ? nullptr
-                            : static_cast<const unsigned char*>(half_) + OffsetOfO(config_);
+                            : static_cast<const unsigned char*>(half_.get()) + OffsetOfO(config_);
   }
   // Bytes from the start of the copies to Wo's: [Wq; Wk; Wv] in fp16, rounded up to 256 bytes (the
   // alignment the workspace gives it in a plain call, which cuBLASLt's choice of algorithm sees).
@@ -88,12 +83,24 @@ class ATTNGRAD_API PreparedWeights {
   }
 
  private:
-  void Release();  // frees the copies (cudaFree); empty afterwards
+  // Bytes of the copies: [Wq; Wk; Wv], then Wo at OffsetOfO.
+  static std::size_t CopiesBytes(const LayerConfig& config) {
+    return OffsetOfO(config) + static_cast<std::size_t>(config.hidden_size) *
+                                   static_cast<std::size_t>(config.q_out()) * 2;
+  }
+
+  // Frees device memory (cudaFree); defined in the library, so that this header needs none of the
+  // CUDA runtime's headers (a build without CUDA includes it too).
+  struct ATTNGRAD_API DeviceMemoryRelease {
+    void operator()(void* pointer) const noexcept;
+  };
+  // The device buffer that owns the fp16 copies: freed when it is reset, replaced or destroyed.
+  // (cuda_resources.h's DeviceBuffer does the same, but needs the CUDA runtime's headers.)
+  using DeviceMemory = std::unique_ptr<void, DeviceMemoryRelease>;
 
   LayerConfig config_{};
   PerWeight<const float*> source_{};
-  void* half_ = nullptr;
-  std::size_t bytes_ = 0;
+  DeviceMemory half_;
 };
 
 // The workspace a call with prepared weights needs (less than DeviceWorkspaceSize's: no room for

@@ -15,12 +15,6 @@ namespace {
 
 bool Aligned16(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
 
-// Bytes of the copies: [Wq; Wk; Wv], then Wo at OffsetOfO.
-std::size_t HalfBytes(const LayerConfig& config) {
-  return PreparedWeights::OffsetOfO(config) +
-         static_cast<std::size_t>(config.hidden_size) * config.q_out() * sizeof(__half);
-}
-
 bool SameConfig(const LayerConfig& a, const LayerConfig& b) {
   return a.hidden_size == b.hidden_size && a.num_heads == b.num_heads &&
          a.num_kv_heads == b.num_kv_heads && a.head_dim == b.head_dim;
@@ -28,11 +22,8 @@ bool SameConfig(const LayerConfig& a, const LayerConfig& b) {
 
 }  // namespace
 
-void PreparedWeights::Release() {
-  if (half_ != nullptr) cudaFree(half_);
-  half_ = nullptr;
-  bytes_ = 0;
-  source_ = {};
+void PreparedWeights::DeviceMemoryRelease::operator()(void* pointer) const noexcept {
+  cudaFree(pointer);
 }
 
 Status PreparedWeights::Prepare(const LayerConfig& config, const PerWeight<const float*>& weights,
@@ -51,21 +42,20 @@ Status PreparedWeights::Prepare(const LayerConfig& config, const PerWeight<const
   if (!Aligned16(weights[Weight::kQNorm]) || !Aligned16(weights[Weight::kKNorm])) {
     return {ATTNGRAD_INVALID_ARGUMENT, "weights[q_norm] or weights[k_norm] is not 16-byte aligned"};
   }
-  const std::size_t bytes = HalfBytes(config);
   if (half_ == nullptr || !SameConfig(config, config_)) {
-    Release();
+    half_.reset();
+    source_ = {};
     void* allocated = nullptr;
-    if (cudaMalloc(&allocated, bytes) != cudaSuccess) {
+    if (cudaMalloc(&allocated, CopiesBytes(config)) != cudaSuccess) {
       cudaGetLastError();
       return {ATTNGRAD_CUDA_ERROR, "cudaMalloc of the prepared fp16 weights failed"};
     }
-    half_ = allocated;
-    bytes_ = bytes;
+    half_.reset(allocated);
   }
   config_ = config;
   source_ = weights;
   // The same segments, scale and launch as the pipeline's own conversion (ConvertOperands).
-  auto* half = static_cast<__half*>(half_);
+  auto* half = static_cast<__half*>(half_.get());
   const std::size_t hidden = static_cast<std::size_t>(config.hidden_size);
   const std::size_t q_rows = static_cast<std::size_t>(config.q_out());
   const std::size_t kv_rows = static_cast<std::size_t>(config.kv_out());
@@ -77,7 +67,8 @@ Status PreparedWeights::Prepare(const LayerConfig& config, const PerWeight<const
        1.f},
   };
   if (cuda::ConvertToHalf(segments, 4, static_cast<cudaStream_t>(stream)) != ATTNGRAD_OK) {
-    Release();
+    half_.reset();
+    source_ = {};
     return {ATTNGRAD_CUDA_ERROR, "the conversion of the weights to fp16 failed to launch"};
   }
   return {};
