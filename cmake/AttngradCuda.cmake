@@ -15,6 +15,12 @@ if(NOT ATTNGRAD_CUDA STREQUAL "OFF")
     enable_language(CUDA)
     set(CMAKE_CUDA_STANDARD 17)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    # CMake before 3.27 (Debian 12 has 3.25) marks CUDA::nvToolsExt deprecated without checking that
+    # the target exists, and CUDA 13 has no libnvToolsExt (only the header-only nvtx3): the configure
+    # fails. An empty target of that name lets it pass; nothing here links it.
+    if(CMAKE_VERSION VERSION_LESS 3.27 AND NOT TARGET CUDA::nvToolsExt)
+      add_library(CUDA::nvToolsExt INTERFACE IMPORTED GLOBAL)
+    endif()
     find_package(CUDAToolkit REQUIRED)
     set(ATTNGRAD_HAVE_CUDA ON)
   elseif(ATTNGRAD_CUDA STREQUAL "ON")
