@@ -210,15 +210,18 @@ run_image() {
     fail "podman does not report a read-only root file system"
   echo "runs as uid/gid 10001 (PID 1 = attngrad-server), root file system read-only, /tmp writable"
 
-  local stop_started=$SECONDS exit_code
+  local stop_started exit_code
+  stop_started=$(date +%s%N)
   podman stop -t $((grace + 15)) "$container" >/dev/null
+  local stop_ms=$((($(date +%s%N) - stop_started) / 1000000))
   exit_code=$(podman inspect --format '{{.State.ExitCode}}' "$container")
-  local stop_seconds=$((SECONDS - stop_started))
+  local stop_seconds=$((stop_ms / 1000))
   [[ "$exit_code" == 0 ]] || { podman logs --tail 20 "$container" >&2; fail "the server exited $exit_code after podman stop"; }
   ((stop_seconds <= grace)) || fail "podman stop took $stop_seconds s, beyond the grace of $grace s"
-  podman logs "$container" 2>&1 | grep -q 'serving on port' ||
-    fail "the container's log lacks the server's start-up line"
-  echo "podman stop: exit 0 after ${stop_seconds} s (grace ${grace} s)"
+  local log
+  log=$(podman logs "$container" 2>&1)
+  grep -q 'serving on port' <<<"$log" || fail "the container's log lacks the server's start-up line"
+  echo "podman stop: exit 0 after $stop_seconds.$(printf '%03d' $((stop_ms % 1000))) s (grace $grace s)"
 }
 
 # --- compose -------------------------------------------------------------------------------------
