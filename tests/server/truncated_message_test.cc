@@ -70,9 +70,10 @@ struct StreamOutcome {
   bool ended = false;  // trailers with END_STREAM, or RST_STREAM, on stream 1
 };
 
-// Sends `body` (the gRPC bytes of stream 1) on a new connection after the Backward headers, then
-// reads the server's frames until stream 1 ends or `seconds` pass.
-StreamOutcome RunRawStream(int port, const std::string& body, double seconds) {
+// Sends `body` (the gRPC bytes of stream 1) on a new connection after the headers of a call of
+// `method` of the service, then reads the server's frames until stream 1 ends or `seconds` pass.
+StreamOutcome RunRawStream(int port, const std::string& body, double seconds,
+                           const std::string& method = "Backward") {
   StreamOutcome outcome;
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in address{};
@@ -81,7 +82,7 @@ StreamOutcome RunRawStream(int port, const std::string& body, double seconds) {
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
   const std::string headers = Literal(":method", "POST") + Literal(":scheme", "http") +
-                              Literal(":path", "/attngrad.v1.AttentionGradient/Backward") +
+                              Literal(":path", "/attngrad.v1.AttentionGradient/" + method) +
                               Literal(":authority", "127.0.0.1:" + std::to_string(port)) +
                               Literal("content-type", "application/grpc") +
                               Literal("te", "trailers");
@@ -133,14 +134,14 @@ StreamOutcome RunRawStream(int port, const std::string& body, double seconds) {
   return outcome;
 }
 
-// The number of Backward calls /metrics has recorded as ended with `code`.
-int BackwardCallsEndedWith(int metrics_port, const std::string& code) {
+// The number of calls of `method` /metrics has recorded as ended with `code`.
+int CallsEndedWith(int metrics_port, const std::string& method, const std::string& code) {
   const std::string page = HttpGet(metrics_port, "/metrics");
   const std::string prefix = "attngrad_rpc_duration_seconds_count{";
   for (std::size_t start = page.find(prefix); start != std::string::npos;
        start = page.find(prefix, start + 1)) {
     const std::string line = page.substr(start, page.find('\n', start) - start);
-    if (line.find("method=\"Backward\"") != std::string::npos &&
+    if (line.find("method=\"" + method + "\"") != std::string::npos &&
         line.find("code=\"" + code + "\"") != std::string::npos) {
       return std::stoi(line.substr(line.rfind(' ') + 1));
     }
@@ -171,7 +172,7 @@ TEST_F(TruncatedMessageTest, ACutLastMessageLooksToTheServerLikeACleanHalfClose)
   // closed the call, a moment after the client saw its end).
   int ok_calls = 0;
   for (int attempt = 0; attempt < 50 && ok_calls == 0; ++attempt) {
-    ok_calls = BackwardCallsEndedWith(server().metrics_port(), "OK");
+    ok_calls = CallsEndedWith(server().metrics_port(), "Backward", "OK");
     if (ok_calls == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_EQ(ok_calls, 1) << "gRPC now ends a stream cut inside a message otherwise: "
@@ -187,6 +188,35 @@ TEST_F(TruncatedMessageTest, ACutLastMessageLooksToTheServerLikeACleanHalfClose)
       RunRawStream(server().port(), DataFrames(MessagePrefix(first.size()) + first, true), 30);
   ASSERT_TRUE(clean.ended);
   EXPECT_EQ(clean.answers.size(), 1u);
+}
+
+// A LoadWeights upload cut inside its only chunk: gRPC reports a clean half-close here too, and the
+// upload is refused as incomplete (INVALID_ARGUMENT); the weights keep their version.
+TEST_F(TruncatedMessageTest, ALoadWeightsUploadCutInsideAChunkIsRefusedAsIncomplete) {
+  grpc::ClientContext info_context;
+  v1::GetModelInfoResponse before;
+  ASSERT_TRUE(stub().GetModelInfo(&info_context, {}, &before).ok());
+  v1::LoadWeightsRequest chunk;
+  chunk.set_name(v1::WEIGHT_NAME_Q_NORM);
+  chunk.set_dtype(v1::DTYPE_FLOAT32);
+  chunk.add_shape(config().head_dim);
+  chunk.set_data(std::string(config().head_dim * sizeof(float), '\0'));
+  const std::string whole = chunk.SerializeAsString();
+  const std::string cut =
+      MessagePrefix(static_cast<std::uint32_t>(whole.size())) + whole.substr(0, whole.size() / 2);
+  const StreamOutcome outcome =
+      RunRawStream(server().port(), DataFrames(cut, true), 30, "LoadWeights");
+  ASSERT_TRUE(outcome.ended);
+  int refused = 0;
+  for (int attempt = 0; attempt < 50 && refused == 0; ++attempt) {
+    refused = CallsEndedWith(server().metrics_port(), "LoadWeights", "INVALID_ARGUMENT");
+    if (refused == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(refused, 1);
+  grpc::ClientContext after_context;
+  v1::GetModelInfoResponse after;
+  ASSERT_TRUE(stub().GetModelInfo(&after_context, {}, &after).ok());
+  EXPECT_EQ(after.weights_version(), before.weights_version());
 }
 
 }  // namespace
