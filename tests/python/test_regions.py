@@ -146,6 +146,23 @@ class RegionsAgainstServer(t.ServerTestCase):
         self.assertEqual(self.client.health(), "SERVING")
 
 
+class RegionsOffServer(t.ServerTestCase):
+    """A server without shared-memory regions (--region_socket=off): transport="auto" falls back
+    to bytes with one warning, a forced "shm" is FAILED_PRECONDITION naming the socket."""
+    server_flags = ("--region_socket=off",)
+
+    def test_auto_falls_back_to_bytes_and_shm_is_refused(self):
+        hidden, grad, cos, sin = t.random_batch(np.random.default_rng(5), 1, 8)
+        expected = self.client.backward(hidden, grad, cos, sin, transport="bytes")
+        with self.assertWarns(RuntimeWarning):
+            result = self.client.backward(hidden, grad, cos, sin, transport="auto")
+        np.testing.assert_array_equal(result.grad_hidden_states, expected.grad_hidden_states)
+        with attngrad.Client(self.server.target) as fresh:
+            with self.assertRaises(attngrad.FailedPreconditionError) as caught:
+                fresh.backward(hidden, grad, cos, sin, transport="shm")
+        self.assertIn("region_socket", caught.exception.message)
+
+
 class _Remapped:
     """A mapping standing in for a SealedMemory whose descriptor the test closed."""
 
