@@ -86,9 +86,10 @@ class Trainer:
 
 
 class HostTrainer(Trainer):
-    """Trainer's requests over a POSIX shared-memory region of this process: [hidden_states |
-    grad_output | one answer per in-flight slot], fp32, a sealed memfd registered over the region socket (the server copies the
-    inputs from it into its page-locked staging and the answers into it)."""
+    """Trainer's requests over a shared-memory region of this process: [hidden_states |
+    grad_output | one answer per in-flight slot], fp32, a sealed memfd registered over the region
+    socket (the server copies the inputs from it into its page-locked staging and the answers into
+    it)."""
 
     def __init__(self, client, batch, seq_len, hidden, slots, seed=1):
         import numpy as np
