@@ -217,7 +217,13 @@ RegionSocketListener::~RegionSocketListener() {
 void RegionSocketListener::Serve() {
   while (WaitReadable(listen_fd_.get(), wake_read_.get(), -1)) {
     UniqueFd connection(accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (connection.valid()) Answer(connection);
+    if (connection.valid()) {
+      Answer(connection);
+    } else {
+      // Out of descriptors, say: wait a moment rather than spin on the pending connection.
+      pollfd wake{wake_read_.get(), POLLIN, 0};
+      poll(&wake, 1, 100);
+    }
   }
 }
 

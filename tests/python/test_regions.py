@@ -171,8 +171,7 @@ class _Remapped:
         self.buf = memoryview(mapping)
 
     def close(self):
-        self.buf.release()
-        self.mapping.close()
+        self.buf = self.mapping = None  # unmapped once nothing uses it
 
 
 if __name__ == "__main__":

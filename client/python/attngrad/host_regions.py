@@ -48,15 +48,12 @@ class SealedMemory:
         return self.fd
 
     def close(self) -> None:
-        """Releases this process's mapping and descriptor (idempotent). Views of `buf` still held
-        elsewhere keep the mapping until they are gone."""
-        if self.buf is not None:
-            self.buf.release()
-            self.buf = None
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # arrays made on buf still use it; it is unmapped when they are collected
+        """Releases this process's mapping and descriptor (idempotent). The mapping is dropped, not
+        closed: arrays made on `buf` (NumPy keeps a reference to it but no buffer export) keep it
+        mapped until they are collected, where an explicit close would leave them pointing at
+        unmapped memory."""
+        self.buf = None
+        self._map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
