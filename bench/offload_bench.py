@@ -11,10 +11,8 @@ save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N o
   local bf16 autocast  for honesty (no target)
   offload auto         offload(model) with transport="auto" (CUDA IPC on the same GPU), RETURN,
                        server precision AUTO, the rest of the model in TF32
-  offload auto unary   the same with Client.ipc_calls = "unary" (one short gRPC call per backward)
-  offload auto unary stream-ordered
-                       and with stream_ordered=True: the backward calls queued on the trainer's
-                       CUDA stream (Client.submit_backward), not waited for by its CPU
+  offload auto waited  the same with stream_ordered=False: each backward call answered before
+                       backward() goes on (the trainer's CPU waits for the server)
   offload bytes        the same with transport="bytes" (everything through grpcio)
 It reports the median step time, the trainer process's peak GPU memory (the server is another
 process; also the peak above what stays allocated between steps, i.e. the step's own activations,
@@ -35,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import gc
 import pstats
 import statistics
 import sys
@@ -54,8 +53,7 @@ from check_offload import Server, build_model, loss_of, write_checkpoint  # noqa
 
 LOCAL_VARIANTS = ("local eager fp32", "local sdpa tf32", "local compile tf32",
                   "local bf16 autocast")
-OFFLOAD_VARIANTS = ("offload auto", "offload auto unary", "offload auto unary stream-ordered",
-                    "offload bytes")
+OFFLOAD_VARIANTS = ("offload auto", "offload auto waited", "offload bytes")
 
 
 def set_tf32(enabled: bool) -> None:
@@ -165,9 +163,7 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
     transport = transport or ("bytes" if name == "offload bytes" else "auto")
     handle = attngrad_torch.offload(model, target, mode=mode, precision=args.precision,
                                     transport=transport, timeout=args.timeout,
-                                    phase_timings=True, stream_ordered="stream-ordered" in name)
-    for client in getattr(handle.client, "clients", [handle.client]):
-        client.ipc_calls = "unary" if "unary" in name else "stream"
+                                    phase_timings=True, stream_ordered="waited" not in name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     set_tf32(True)
     measured = Measured(name)
@@ -207,6 +203,13 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
             print(f"  {name}: CUDA IPC regions after {args.warmup + args.steps} steps: "
                   f"{counts()}", flush=True)
         handle.remove()
+
+
+def release_memory() -> None:
+    """Frees what the last variant left (its model and optimizer, reference cycles included) so
+    that the next variant's peak memory is its own."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def curve_difference(measured: Measured, reference: Measured) -> float:
@@ -268,13 +271,13 @@ def bench_model(config, args, device):
                     if name == "local compile tf32" and not args.compile:
                         continue
                     rows.append(run_local(name, base, batches, args))
-                    torch.cuda.empty_cache()  # the variant's model and optimizer state are gone
+                    release_memory()  # the variant's model and optimizer state are gone
                     print(f"  {config} {shape} {name}: {rows[-1].median_ms:.1f} ms", flush=True)
                 for name in OFFLOAD_VARIANTS:
                     if name not in args.offload_variants.split(","):
                         continue
                     rows.append(run_offloaded(name, base, batches, server.target, args))
-                    torch.cuda.empty_cache()
+                    release_memory()
                     print(f"  {config} {shape} {name}: {rows[-1].median_ms:.1f} ms", flush=True)
                 print_table(f"{config}, B×S = {shape}, RETURN, {args.steps} steps", rows,
                             ("local sdpa tf32", "local compile tf32"))
@@ -325,15 +328,12 @@ def bench_spec_layer(args, device):
         cos, sin = attngrad_torch.rotary_tables(torch.arange(seq_len, device=device))
         set_tf32(False)
         rows = []
-        for transport, calls, ordered in (("auto", "stream", False), ("auto", "unary", False),
-                                          ("auto", "unary", True), ("bytes", "stream", False)):
+        for transport, ordered in (("auto", True), ("auto", False), ("bytes", False)):
             client = attngrad.Client(server.target, timeout=args.timeout, phase_timings=True)
-            client.ipc_calls = calls
             layer = attngrad_torch.RemoteGemma3Attention(client, transport=transport,
                                                          stream_ordered=ordered).to(device)
             rows.append((f"RemoteGemma3Attention {transport}"
-                         + (" unary" if calls == "unary" else "")
-                         + (" stream-ordered" if ordered else ""),
+                         + ("" if ordered or transport == "bytes" else " waited"),
                          time_layer(lambda: layer(hidden.requires_grad_(), cos, sin), layer,
                                     args.steps)))
             weights = layer.weights()

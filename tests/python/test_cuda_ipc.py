@@ -363,24 +363,6 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         for name, value in expected.weight_gradients.items():
             self.assert_same_bits(weights[name], value, name)
 
-    def test_unary_ipc_calls_equal_the_stream_ones_and_split_batches_too(self):
-        hidden, grad, positions = self.inputs(6, 64, 17)  # 2 parts of MAX_BATCH_TOKENS
-        arguments = dict(position_ids=positions, mode="return", precision="fp32",
-                         transport="cuda_ipc")
-        expected = self.client.backward(hidden, grad, **arguments)
-        client = attngrad.Client(self.server.target)
-        try:
-            client.ipc_calls = "unary"
-            got = client.backward(hidden, grad, **arguments)
-            self.assertEqual(len(got.batch_ids), len(expected.batch_ids))
-            self.assert_same_bits(got.grad_hidden_states, expected.grad_hidden_states, "grad")
-            for name, value in expected.weight_gradients.items():
-                self.assert_same_bits(got.weight_gradients[name], value, name)
-            with self.assertRaises(attngrad.InvalidArgumentError):  # in-band errors still raise
-                client.backward(hidden * float("inf"), grad, **arguments)
-        finally:
-            client.close()
-
     def test_stream_ordered_bridge_trains_like_the_waited_one(self):
         import attngrad.torch as attngrad_torch
 

@@ -50,14 +50,14 @@ class StreamOrderedCallsTest(unittest.TestCase):
     def setUp(self):
         self.stream = FakeStream()
         self.sent = []
-        self.fail = set()
+        self.refused = set()
         self.memory = (ctypes.c_uint32 * (2 * SLOTS))()
 
         def send(batch, timeout, phases):
             self.sent.append(batch)
-            if batch in self.fail:
+            if batch in self.refused:
                 raise RuntimeError(f"server refused {batch}")
-            return f"result of {batch}"
+            return Result(f"result of {batch}")
 
         self.calls = stream_ordered.StreamOrderedCalls(send, self.stream, slots=SLOTS,
                                                        flag_memory=self.memory)
@@ -82,16 +82,16 @@ class StreamOrderedCallsTest(unittest.TestCase):
         self.assertEqual(self.sent, [], "sent before the stream wrote READY")
         self.assertFalse(pending.done())
         self.stream.run()
-        self.assertEqual(pending.result(timeout=5), "result of b1")
+        self.assertEqual(pending.result(timeout=5).name, "result of b1")
         self.assertEqual(self.sent, ["b1"])
         (done_address, value), = self.stream.waits
         self.assertEqual(load(done_address), value, "DONE not written after the answer")
 
     def test_a_failed_call_still_releases_the_stream_and_raises_at_wait_all(self):
-        self.fail.add("bad")
+        self.refused.add("bad")
         reported = []
         first = self.submit("bad")
-        second = self.submit("good", on_result=reported.append)
+        second = self.submit("good", on_result=lambda result: reported.append(result.name))
         self.stream.run()
         with self.assertRaisesRegex(RuntimeError, "server refused bad"):
             self.calls.wait_all()
@@ -99,7 +99,7 @@ class StreamOrderedCallsTest(unittest.TestCase):
             self.assertEqual(load(address), value, "a wait of the stream was never released")
         self.assertTrue(first.done())
         self.assertEqual(reported, ["result of good"], "the later call was not reported")
-        self.assertEqual(second.result(), "result of good")
+        self.assertEqual(second.result().name, "result of good")
         self.assertEqual(reported, ["result of good"], "on_result ran twice")
 
     def test_slots_are_reused_in_order_with_counting_values(self):
@@ -113,6 +113,19 @@ class StreamOrderedCallsTest(unittest.TestCase):
         self.assertEqual(len(addresses), SLOTS)
         values = [value for _, value in self.stream.waits]
         self.assertEqual(values, [1] * SLOTS + [2] * SLOTS + [3] * SLOTS)
+
+    def test_a_task_runs_in_order_with_the_calls_and_the_stream_does_not_wait_for_it(self):
+        first = self.submit("b1")
+        task = self.calls.submit_task(0, lambda: self.sent.append("task") or 7, 5.0)
+        second = self.submit("b2")
+        self.stream.run()
+        self.calls.wait_all()
+        self.assertEqual(task.result(), 7)
+        self.assertEqual((first.result().name, second.result().name),
+                         ("result of b1", "result of b2"))
+        self.assertEqual(self.sent, ["b1", "task", "b2"])
+        self.assertEqual(len(self.stream.waits), 2, "the stream waits for the task")
+        self.assertIsNone(first.result().grad_hidden_states, "the result keeps the tensors")
 
     def test_the_ready_wait_times_out_and_releases_the_stream(self):
         calls = stream_ordered.StreamOrderedCalls(
@@ -132,6 +145,14 @@ class StreamOrderedCallsTest(unittest.TestCase):
         self.assertTrue(stream_ordered._reached(6, 5))
         self.assertFalse(stream_ordered._reached(4, 5))
         self.assertTrue(stream_ordered._reached(1, 0xFFFFFFFF))  # counted past the wrap
+
+
+class Result:
+    """What the client's exchange returns: a BackwardResult's tensor fields and a name."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.grad_hidden_states = self.weight_gradients = "tensors"
 
 
 class _NoPhases:

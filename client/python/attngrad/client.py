@@ -1273,10 +1273,6 @@ class Client:
     replaced, and the call's unanswered requests are sent again once with the same batch ids
     (ACCUMULATE counts each batch id once per window). A call's deadline is kept by one watchdog
     thread per client, which cancels the stream of a call that ran past it.
-
-    Attribute ipc_calls: how a CUDA IPC backward (a request with no tensor bytes) travels:
-    "stream" (default: the kept streams above) or "unary" (one short gRPC call per request on the
-    same Backward method: no hand-off to grpcio's request thread and no response iterator).
     """
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
@@ -1323,8 +1319,6 @@ class Client:
         self._regions_lock = threading.Lock()
         self._free_regions: List[_SharedRegion] = []  # zero_copy regions not in use
         self._cuda_regions: Optional[cuda_regions.CudaRegionCache] = None  # zero_copy, CUDA
-        self.ipc_calls = "stream"  # or "unary" (see the class docstring)
-        self._backward_unary = None
         # submit_backward()'s queue and sender thread, and whether the driver allows them.
         self._stream_ordered: Optional[stream_ordered.StreamOrderedCalls] = None
         self._stream_ordered_supported: Optional[bool] = None
@@ -1527,38 +1521,72 @@ class Client:
         server. Its result() (or wait_submitted()) gives the BackwardResult or raises the call's
         error; ON_RESULT(result) runs there. Any other case (CPU tensors, another transport, a
         driver without stream memory operations) runs backward() now and returns it answered.
-        Same arguments as backward(); do not change the inputs until the call is answered."""
+        Same arguments as backward(), except that expected_weights_version may be a callable
+        VERSION(ordered) -> int, called right before the request goes: in the sender thread once
+        the stream reached the call (ORDERED True: what the stream launched before is done), or
+        in this thread before an answered-now call (False). Do not change the inputs until the
+        call is answered."""
         timeout = kwargs.pop("timeout", None)
         transport = self._requested_transport(kwargs.get("transport", "auto"),
                                               kwargs.get("zero_copy"))
+        version = kwargs.pop("expected_weights_version", 0)
         calls = self._stream_ordered_calls() \
             if cuda_regions.is_cuda_tensor(hidden_states) and transport in ("auto", "cuda_ipc") \
             and self._cuda_ipc_refused is None else None
-        if calls is None:
+        prepared = None
+        if calls is not None:
+            phases = _Phases() if self.phase_timings else _NO_PHASES
+            arguments = {k: v for k, v in kwargs.items() if k not in ("transport", "zero_copy")}
+            prepared = self._try_cuda_ipc(transport, lambda: self._prepare_on_gpu(
+                hidden_states, grad_output, cos, sin, arguments, phases))
+            if prepared is None:  # refused: auto goes as bytes from now on
+                kwargs["transport"] = "bytes"
+        if prepared is None:
+            kwargs["expected_weights_version"] = version(False) if callable(version) else version
             result = self.backward(hidden_states, grad_output, cos, sin, timeout=timeout, **kwargs)
             return stream_ordered.PendingBackward.completed(result, on_result)
-        kwargs.pop("transport", None)
-        kwargs.pop("zero_copy", None)
-        phases = _Phases() if self.phase_timings else _NO_PHASES
-        prepared = self._try_cuda_ipc(transport, lambda: self._prepare_on_gpu(
-            hidden_states, grad_output, cos, sin, dict(kwargs), phases))
-        if prepared is None:  # refused: auto goes as bytes from now on
-            result = self.backward(hidden_states, grad_output, cos, sin, timeout=timeout,
-                                   transport="bytes", **kwargs)
-            return stream_ordered.PendingBackward.completed(result, on_result)
         batch, kept = prepared
+        if callable(version):
+            def before_send(sent):
+                sent.expected_weights_version = int(version(True))
+        else:
+            batch.expected_weights_version, before_send = int(version), None
+        return self._queue_prepared(calls, batch, kept, hidden_states, timeout, phases,
+                                    on_result, before_send)
+
+    def _queue_prepared(self, calls, batch, kept, hidden_states, timeout, phases, on_result,
+                        before_send) -> stream_ordered.PendingBackward:
         import torch
 
         with torch.cuda.device(hidden_states.device):
             pending = calls.submit(
                 batch, stream_ordered.stream_handle_of(hidden_states),
                 batch.region.grad_hidden_states, None, kept, self._timeout(timeout), phases,
-                on_result=lambda result: _answered_on_gpu(result, on_result))
+                on_result=lambda result: _answered_on_gpu(result, on_result),
+                before_send=before_send)
             # After the stream's wait: the kernels these launch see the answer.
             pending.grad_hidden_states = batch.region.grad_hidden_states.to(hidden_states.dtype)
             pending.weight_gradients = batch.region.weight_gradients()
         batch.like = None  # the sender thread launches nothing on the GPU
         return pending
+
+    def submit_after_stream(self, tensor, task, *, timeout: Optional[float] = None,
+                            layer: Optional[int] = None):
+        """Runs TASK() in the thread of submit_backward()'s calls, in order with them, once the
+        current stream of TENSOR's CUDA device has done what was launched on it so far (the
+        stream does not wait for the task). Returns a stream_ordered.PendingCall, or None when
+        calls cannot be ordered by the stream (the caller then runs the task itself). LAYER: the
+        layer the task is for (a ShardedClient picks its server by it)."""
+        if not cuda_regions.is_cuda_tensor(tensor) or self._cuda_ipc_refused is not None:
+            return None
+        calls = self._stream_ordered_calls()
+        if calls is None:
+            return None
+        import torch
+
+        with torch.cuda.device(tensor.device):
+            return calls.submit_task(stream_ordered.stream_handle_of(tensor), task,
+                                     self._timeout(timeout))
 
     def wait_submitted(self) -> None:
         """Waits for every submit_backward() call of this client so far; raises the first
@@ -1576,7 +1604,7 @@ class Client:
                 self._stream_ordered_supported = stream_ordered.is_supported(driver)
                 if self._stream_ordered_supported:
                     self._stream_ordered = stream_ordered.StreamOrderedCalls(
-                        self._exchange_by_reference, driver)
+                        self._exchange, driver)
             return self._stream_ordered
 
     def _requested_transport(self, transport: str, zero_copy: Optional[bool]) -> str:
@@ -1736,28 +1764,7 @@ class Client:
         # The server reads the inputs as soon as the request arrives: their writes must be done.
         torch.cuda.current_stream(hidden_states.device).synchronize()
         phases.mark("synchronize")
-        return self._exchange_by_reference(batch, timeout, phases)
-
-    def _exchange_by_reference(self, batch: _Batch, timeout, phases) -> BackwardResult:
-        """The exchange of a batch whose tensors are all in regions: on the kept streams, or one
-        unary call per part (ipc_calls)."""
-        if self.ipc_calls != "unary":
-            return self._exchange(batch, timeout, phases)
-        if self._backward_unary is None:
-            self._backward_unary = self._channel.unary_unary(
-                f"/{_SERVICE}/Backward", request_serializer=None,
-                response_deserializer=_parse_backward_response)
-        for index, (part_id, _) in enumerate(batch.parts):
-            payload = batch.request(index).serialize()
-            phases.mark("encode")
-            response = self._unary("Backward", self._backward_unary, payload, timeout, retries=1)
-            phases.mark("wait")
-            _raise_in_band_error(batch, response)
-            batch.add(response)
-        result = batch.result()
-        phases.mark("decode")
-        result.client_phases = phases.seconds
-        return result
+        return self._exchange(batch, timeout, phases)
 
     def _prepare_on_gpu(self, hidden_states, grad_output, cos, sin, kwargs, phases):
         """The batch of a CUDA IPC backward, its tensors registered (regions), and the tensors
@@ -2227,7 +2234,7 @@ class Client:
     def load_weights(self, weights: Mapping[str, Any], *, expected_weights_version: int = 0,
                      dtype: str = "float32", chunk_bytes: int = 4 << 20,
                      layer: Optional[int] = None, timeout: Optional[float] = None,
-                     transport: str = "bytes") -> int:
+                     transport: str = "bytes", synchronize: bool = True) -> int:
         """Replaces a layer's weights (all six: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
         Hugging Face names accepted; layer=None: the server's first layer). Returns the layer's new
         weights version.
@@ -2237,7 +2244,8 @@ class Client:
         float32, float16 or bfloat16), which the server copies on the GPU; "shm" writes them into
         a shared-memory region the server reads; "auto" takes the first of these the server
         accepts (as backward() does). The server has its own copy once this returns: the
-        tensors may change right after."""
+        tensors may change right after. synchronize=False: CUDA tensors' writes are known to be
+        done (the current streams are not synchronised first)."""
         named = {}
         for key, value in weights.items():
             name = canonical_weight_name(key)
@@ -2254,7 +2262,7 @@ class Client:
             raise ValueError("transport='cuda_ipc' needs the six weights as CUDA tensors")
         if on_gpu and transport in ("auto", "cuda_ipc"):
             version = self._try_cuda_ipc(
-                transport, lambda: self._load_weights_on_gpu(named, *arguments))
+                transport, lambda: self._load_weights_on_gpu(named, *arguments, synchronize))
             if version is not None:
                 return version
             transport = "bytes"
@@ -2295,7 +2303,8 @@ class Client:
                                (_WireChunk(head, None) for head in heads), timeout)
         return response.weights_version
 
-    def _load_weights_on_gpu(self, named, expected_weights_version, layer, timeout) -> int:
+    def _load_weights_on_gpu(self, named, expected_weights_version, layer, timeout,
+                             synchronize: bool = True) -> int:
         """load_weights(transport="cuda_ipc"): the weights' own GPU memory, registered like
         backward()'s tensors (one region per allocation, remembered)."""
         import torch
@@ -2304,6 +2313,12 @@ class Client:
         kept, heads = [], []
         for name in WEIGHT_NAMES:
             tensor = named[name].detach()
+            usable = cuda_regions.torch_wire_dtype(tensor) is not None and \
+                tensor.is_contiguous() and tensor.data_ptr() % cuda_regions.ALIGNMENT == 0
+            if not usable and not synchronize:
+                raise ValueError(f"load_weights(synchronize=False): {name} must be a contiguous, "
+                                 "16-byte aligned float32/float16/bfloat16 tensor (a converted "
+                                 "copy would need a synchronisation)")
             if cuda_regions.torch_wire_dtype(tensor) is None:
                 tensor = tensor.float()
             if not tensor.is_contiguous() or tensor.data_ptr() % cuda_regions.ALIGNMENT:
@@ -2321,7 +2336,7 @@ class Client:
             head.region.CopyFrom(pb.RegionSlice(region_id=region, offset=offset, byte_size=size))
             heads.append(head)
         # The server reads the weights when the upload arrives: the writes to them must be done.
-        for device in {tensor.device for tensor in kept}:
+        for device in {tensor.device for tensor in kept} if synchronize else ():
             torch.cuda.current_stream(device).synchronize()
         return self._load_weights_by_reference(heads, timeout)
 

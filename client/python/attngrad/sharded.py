@@ -253,6 +253,11 @@ class ShardedClient:
         return self.client_for(kwargs.get("layer")).submit_backward(
             hidden_states, grad_output, cos, sin, **kwargs)
 
+    def submit_after_stream(self, tensor, task, *, timeout=None, layer=None):
+        """Client.submit_after_stream on the server of LAYER."""
+        return self.client_for(layer).submit_after_stream(tensor, task, timeout=timeout,
+                                                          layer=layer)
+
     def wait_submitted(self) -> None:
         """Client.wait_submitted on every server's client; raises the first error."""
         errors_seen = []

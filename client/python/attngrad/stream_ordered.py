@@ -36,25 +36,15 @@ def _reached(loaded: int, value: int) -> bool:
     return ((loaded - value) & _UINT32) < 0x80000000
 
 
-class PendingBackward:
-    """One queued backward: the tensors its answer goes into (usable at once in the order of the
-    stream it was queued on) and, once the sender has it, its BackwardResult or error."""
+class PendingCall:
+    """One queued call: once the sender has run it, its result or error."""
 
-    def __init__(self, grad_hidden_states, weight_gradients, on_result: Optional[Callable] = None):
-        self.grad_hidden_states = grad_hidden_states
-        self.weight_gradients = weight_gradients
+    def __init__(self, on_result: Optional[Callable] = None):
         self._on_result = on_result
         self._finished = threading.Event()
         self._result = None
         self._error: Optional[BaseException] = None
         self._reported = False
-
-    @classmethod
-    def completed(cls, result, on_result: Optional[Callable] = None) -> "PendingBackward":
-        """A call answered synchronously (another transport): RESULT is its BackwardResult."""
-        pending = cls(result.grad_hidden_states, result.weight_gradients, on_result)
-        pending.finish(result, None)
-        return pending
 
     def finish(self, result, error: Optional[BaseException]) -> None:
         self._result, self._error = result, error
@@ -64,15 +54,33 @@ class PendingBackward:
         return self._finished.is_set()
 
     def result(self, timeout: Optional[float] = None):
-        """The BackwardResult (raises the call's error); ON_RESULT runs once, here."""
+        """The call's result (raises its error); ON_RESULT runs once, here."""
         if not self._finished.wait(timeout):
-            raise TimeoutError("the queued backward has not been answered yet")
+            raise TimeoutError("the queued call has not been answered yet")
         if self._error is not None:
             raise self._error
         if not self._reported and self._on_result is not None:
             self._reported = True
             self._on_result(self._result)
         return self._result
+
+
+class PendingBackward(PendingCall):
+    """One queued backward: the tensors its answer goes into (usable at once in the order of the
+    stream it was queued on) and, once the sender has it, its BackwardResult (whose own tensor
+    fields are None: the answer is in these) or error."""
+
+    def __init__(self, grad_hidden_states, weight_gradients, on_result: Optional[Callable] = None):
+        super().__init__(on_result)
+        self.grad_hidden_states = grad_hidden_states
+        self.weight_gradients = weight_gradients
+
+    @classmethod
+    def completed(cls, result, on_result: Optional[Callable] = None) -> "PendingBackward":
+        """A call answered synchronously (another transport): RESULT is its BackwardResult."""
+        pending = cls(result.grad_hidden_states, result.weight_gradients, on_result)
+        pending.finish(result, None)
+        return pending
 
 
 class _Flags:
@@ -121,31 +129,57 @@ class StreamOrderedCalls:
         self._numbers = itertools.count()
         self._free_slots = threading.Semaphore(slots)
         self._queue: "queue.Queue" = queue.Queue()
-        self._outstanding: List[PendingBackward] = []
+        self._outstanding: List[PendingCall] = []
         self._lock = threading.Lock()
         self._sender = threading.Thread(target=self._run, name="attngrad-stream-ordered",
                                         daemon=True)
         self._sender.start()
 
     def submit(self, batch, stream_handle: int, answer, weight_gradients, kept, timeout, phases,
-               on_result: Optional[Callable] = None) -> PendingBackward:
+               on_result: Optional[Callable] = None,
+               before_send: Optional[Callable] = None) -> PendingBackward:
         """Queues BATCH (its CUDA IPC layout resolved) on the stream STREAM_HANDLE: the stream
         signals READY, then waits for DONE. ANSWER / WEIGHT_GRADIENTS: the tensors the server
-        writes (returned in the PendingBackward); KEPT: tensors to keep alive until answered."""
+        writes (returned in the PendingBackward); KEPT: tensors to keep alive until answered.
+        BEFORE_SEND(batch) runs in the sender once READY is reached, right before the batch is
+        sent (it may still change the batch's request fields)."""
+        pending = PendingBackward(answer, weight_gradients, on_result)
+
+        def run():
+            if before_send is not None:
+                before_send(batch)
+            phases.mark("synchronize")
+            result = self._send(batch, timeout, phases)
+            result.grad_hidden_states = result.weight_gradients = None  # in PENDING
+            return result
+
+        self._queue_call(pending, stream_handle, run, kept, timeout, wait_for_done=True)
+        return pending
+
+    def submit_task(self, stream_handle: int, task: Callable, timeout: Optional[float],
+                    on_result: Optional[Callable] = None) -> PendingCall:
+        """Queues TASK() to run in the sender once the stream STREAM_HANDLE has passed this
+        point (what it launched before is done); the stream does not wait for it. Tasks and
+        backward calls run in the order they were queued."""
+        pending = PendingCall(on_result)
+        self._queue_call(pending, stream_handle, task, None, timeout, wait_for_done=False)
+        return pending
+
+    def _queue_call(self, pending: PendingCall, stream_handle: int, run: Callable, kept, timeout,
+                    wait_for_done: bool) -> None:
         self._free_slots.acquire()
         number = next(self._numbers)
         slot, value = number % self._slots, (number // self._slots + 1) & _UINT32
         self._driver.stream_write_value32(stream_handle, self._flags.ready(slot), value)
-        self._driver.stream_wait_value32(stream_handle, self._flags.done(slot), value)
-        pending = PendingBackward(answer, weight_gradients, on_result)
+        if wait_for_done:
+            self._driver.stream_wait_value32(stream_handle, self._flags.done(slot), value)
         with self._lock:
             self._outstanding.append(pending)
-        self._queue.put((pending, batch, kept, slot, value, timeout, phases))
-        return pending
+        self._queue.put((pending, run, kept, slot, value, timeout))
 
     def wait_all(self) -> None:
-        """Waits for every call queued so far and raises the first one's error (the others'
-        results are reported all the same)."""
+        """Waits for every call and task queued so far and raises the first one's error (the
+        others' results are reported all the same)."""
         with self._lock:
             outstanding, self._outstanding = self._outstanding, []
         first_error = None
@@ -166,16 +200,15 @@ class StreamOrderedCalls:
             item = self._queue.get()
             if item is None:
                 return
-            pending, batch, kept, slot, value, timeout, phases = item
+            pending, run, kept, slot, value, timeout = item
             try:
                 self._wait_until_ready(slot, value, timeout)
-                phases.mark("synchronize")
-                pending.finish(self._send(batch, timeout, phases), None)
+                pending.finish(run(), None)
             except BaseException as error:  # noqa: B902 - handed to the caller's thread
                 pending.finish(None, error)
             finally:
                 self._flags.store(self._flags.done(slot), value)
-                del item, pending, batch, kept  # the call's tensors may go now
+                del item, pending, run, kept  # the call's tensors may go now
                 self._free_slots.release()
 
     def _wait_until_ready(self, slot: int, value: int, timeout: Optional[float]) -> None:

@@ -126,7 +126,7 @@ class _Binding:
     def __init__(self, client, *, config, mode: str, precision: str, scaling: float, softcap: float,
                  eps: float, wire_dtype: str, layer: Optional[int] = None,
                  sliding_window: Optional[int] = None, input_dtype: Optional[str] = None,
-                 transport: str = "auto", stream_ordered: bool = False):
+                 transport: str = "auto", stream_ordered: bool = True):
         if transport not in client_module.TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(client_module.TRANSPORTS)}, "
                              f"got {transport!r}")
@@ -149,11 +149,12 @@ class _Binding:
         self.last_result: Optional[client_module.BackwardResult] = None
 
 
-def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, weights_version: int,
+def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, weights,
                      weight_meta, needs_weight_grads):
     """The backward of one attention call on the server: (grad of hidden_states in its dtype, the
     six weight gradients (RETURN mode, those in NEEDS_WEIGHT_GRADS; else None) in the weights'
-    dtypes and devices). Shared by every autograd Function of this module."""
+    dtypes and devices). WEIGHTS: the weights version to pin (an int) or the forward's
+    _PinnedWeights. Shared by every autograd Function of this module."""
     batch, seq_len = hidden_states.shape[:2]
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
@@ -170,12 +171,15 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
         # The activations travel in the model's own dtype (half the bytes of float32).
         extra["input_dtype"] = str(hidden_states.dtype).replace("torch.", "")
     arguments = dict(mode=binding.mode, precision=binding.precision, scaling=binding.scaling,
-                     softcap=binding.softcap, eps=binding.eps,
-                     expected_weights_version=weights_version, wire_dtype=binding.wire_dtype,
+                     softcap=binding.softcap, eps=binding.eps, wire_dtype=binding.wire_dtype,
                      transport=binding.transport, **extra)
     if binding.stream_ordered and hasattr(binding.client, "submit_backward"):
+        arguments["expected_weights_version"] = weights if isinstance(weights, int) else \
+            lambda ordered: weights.version(synchronize=not ordered)
         answer = _submit_on_stream(binding, hidden_states, grad_output, cos, sin, arguments)
     else:
+        arguments["expected_weights_version"] = weights if isinstance(weights, int) else \
+            weights.version()
         answer = binding.client.backward(hidden_states, grad_output, cos, sin, **arguments)
         _record_result(binding, answer)
     grad_hidden = answer.grad_hidden_states.to(hidden_states.dtype)
@@ -218,41 +222,58 @@ def _record_result(binding: _Binding, result) -> None:
             "re-upload the weights (sync_weights(force=True)) and redo the step")
 
 
-def _upload_weights(binding: _Binding, weights: Dict[str, torch.Tensor], **kwargs) -> int:
+def _upload_weights(binding: _Binding, weights: Dict[str, torch.Tensor], synchronize: bool = True,
+                    **kwargs) -> int:
     """Client.load_weights of a layer's six parameters with the binding's transport: by reference
     (CUDA IPC or shared memory, in the parameters' own dtype) on the same host, else as float32
-    bytes. Returns the server's new weights version."""
+    bytes. Returns the server's new weights version. SYNCHRONIZE False (the stream-ordered
+    sender, which must launch nothing that waits on the trainer's stream): CUDA IPC only, no
+    synchronisation and no host copy."""
     with torch.no_grad():
-        if binding.transport == "bytes":
+        transport = binding.transport
+        if transport == "bytes":
             weights = {name: w.detach().float().cpu() for name, w in weights.items()}
         else:
             weights = {name: w.detach() for name, w in weights.items()}
-        return binding.client.load_weights(weights, transport=binding.transport, **kwargs)
+        if not synchronize:
+            transport = "cuda_ipc"
+        return binding.client.load_weights(weights, transport=transport, synchronize=synchronize,
+                                           **kwargs)
 
 
 class _PinnedWeights:
-    """The weights a forward computed with, uploaded only when their backward runs.
+    """The weights a forward computed with, uploaded only when needed, never by the forward.
 
     The forward records the weights' fingerprint (storage, in-place version counter, dtype,
-    shape) and sends nothing, so it keeps no remote call and no GPU synchronisation: a forward
-    whose backward never runs (evaluation under grad, a discarded graph) costs the server
-    nothing, and the upload of a changed version rides on the backward, which waits for the GPU
-    anyway. OWNER has fingerprint() and sync_weights() -> the server's version."""
+    shape) and makes no remote call and no GPU synchronisation. With stream-ordered calls it
+    queues the upload of changed weights (Client.submit_after_stream): the client's sender
+    thread uploads them as soon as the stream has passed this point (the optimizer step's writes
+    are done), while the GPU computes the forward. Otherwise the backward uploads them. OWNER has
+    fingerprint(), needs_upload(fingerprint), sync_weights(synchronize=...) -> the server's
+    version, and upload_queued_for (the fingerprint of a queued upload)."""
 
-    def __init__(self, owner):
+    def __init__(self, owner, binding: "_Binding", sample):
         self.owner = owner
         self.fingerprint = owner.fingerprint()
+        if binding.stream_ordered and owner.upload_queued_for != self.fingerprint and \
+                owner.needs_upload(self.fingerprint):
+            queue = getattr(binding.client, "submit_after_stream", None)
+            if queue is not None and queue(
+                    sample, lambda: owner.sync_weights(synchronize=False),
+                    layer=binding.layer) is not None:
+                owner.upload_queued_for = self.fingerprint
 
-    def version(self) -> int:
+    def version(self, synchronize: bool = True) -> int:
         """The server's version of exactly the forward's weights (uploaded now if they changed
-        since the last upload). Weights changed in place between the forward and its backward
-        are refused, as autograd refuses a saved tensor changed in place."""
+        since the last upload; SYNCHRONIZE False when the stream's earlier writes are known to
+        be done). Weights changed in place between the forward and its backward are refused, as
+        autograd refuses a saved tensor changed in place."""
         if self.owner.fingerprint() != self.fingerprint:
             raise RuntimeError(
                 "attngrad: one of the attention weights was modified in place (or replaced) "
                 "between the forward and its backward; the backward must see the forward's "
                 "weights (run optimizer.step() after backward())")
-        return self.owner.sync_weights()
+        return self.owner.sync_weights(synchronize=synchronize)
 
 
 def _weights_fingerprint(weights: Dict[str, torch.Tensor]) -> Tuple:
@@ -286,9 +307,8 @@ class RemoteAttentionBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         hidden_states, cos, sin = ctx.saved_tensors
-        version = ctx.weights if isinstance(ctx.weights, int) else ctx.weights.version()
         grad_hidden, weight_grads = _remote_backward(
-            ctx.binding, hidden_states, cos, sin, grad_output, version,
+            ctx.binding, hidden_states, cos, sin, grad_output, ctx.weights,
             ctx.weight_meta, ctx.needs_input_grad[3:9])
         grad_hidden = grad_hidden if ctx.needs_input_grad[0] else None
         return (grad_hidden, None, None, *weight_grads, None, None)
@@ -322,10 +342,11 @@ class RemoteGemma3Attention(nn.Module):
         trainer's GPU memory and copies the weights on the GPU), CPU ones through shared memory;
         else bytes. last_result.transport says which carried the latest backward.
       zero_copy: the former switch: True = transport "auto", False = "bytes".
-      stream_ordered: CUDA IPC backward calls are queued on the trainer's CUDA stream
-        (Client.submit_backward): backward() goes on launching kernels while the server computes,
-        and the stream waits for the answer; the calls' errors are raised at the end of
-        loss.backward(). Off: each call is answered before backward() goes on.
+      stream_ordered: True (default): CUDA IPC backward calls are queued on the trainer's CUDA
+        stream (Client.submit_backward): backward() goes on launching kernels while the server
+        computes, the stream waits for the answer, and changed weights are uploaded by the
+        client's sender thread while the forward runs; the calls' errors are raised at the end of
+        loss.backward(). False: each call is answered before backward() goes on.
     forward(hidden_states [B,S,hidden], cos [B,S,D] or [S,D], sin) -> [B,S,hidden].
     """
 
@@ -333,7 +354,7 @@ class RemoteGemma3Attention(nn.Module):
                  scaling: Optional[float] = None, softcap: Optional[float] = None,
                  eps: Optional[float] = None, wire_dtype: str = "float32", init: str = "random",
                  device=None, dtype=torch.float32, transport: str = "auto",
-                 zero_copy: Optional[bool] = None, stream_ordered: bool = False):
+                 zero_copy: Optional[bool] = None, stream_ordered: bool = True):
         super().__init__()
         if mode not in ("return", "accumulate"):
             raise ValueError(f"mode must be 'return' or 'accumulate', got {mode!r}")
@@ -360,6 +381,7 @@ class RemoteGemma3Attention(nn.Module):
             transport=transport if zero_copy is None else ("auto" if zero_copy else "bytes"),
             stream_ordered=stream_ordered)
         self._uploaded: Optional[Tuple] = None
+        self.upload_queued_for: Optional[Tuple] = None  # stream-ordered: the queued upload's
         self.weights_version: Optional[int] = None
         if mode == "accumulate":
             client.zero_gradients()
@@ -395,14 +417,18 @@ class RemoteGemma3Attention(nn.Module):
         step)."""
         return _weights_fingerprint(self.weights())
 
-    def sync_weights(self, force: bool = False) -> int:
+    def needs_upload(self, fingerprint: Tuple) -> bool:
+        return fingerprint != self._uploaded or self.weights_version is None
+
+    def sync_weights(self, force: bool = False, synchronize: bool = True) -> int:
         """Uploads the weights when they changed since the last upload; returns the server's
-        version."""
+        version. synchronize=False: the writes to them are known to be done."""
         fingerprint = self.fingerprint()
-        if force or fingerprint != self._uploaded or self.weights_version is None:
+        if force or self.needs_upload(fingerprint):
             expected = 0 if force or self.weights_version is None else self.weights_version
             try:
                 self.weights_version = _upload_weights(self._binding, self.weights(),
+                                                       synchronize=synchronize,
                                                        expected_weights_version=expected)
             except FailedPreconditionError as error:
                 raise FailedPreconditionError(
@@ -417,7 +443,8 @@ class RemoteGemma3Attention(nn.Module):
         w = self.weights()
         return RemoteAttentionBackward.apply(
             hidden_states, cos, sin, w["q_proj"], w["k_proj"], w["v_proj"], w["o_proj"],
-            w["q_norm"], w["k_norm"], self._binding, _PinnedWeights(self))
+            w["q_norm"], w["k_norm"], self._binding,
+            _PinnedWeights(self, self._binding, hidden_states))
 
     def fetch_gradients(self, *, strict: bool = True) -> client_module.AccumulationState:
         """ACCUMULATE mode: fetches-and-zeroes the server's accumulated gradients and adds them into
@@ -588,6 +615,7 @@ class _OffloadedLayer:
         self.upload_weights = upload_weights
         self.weights_version: Optional[int] = None
         self._uploaded: Optional[Tuple] = None
+        self.upload_queued_for: Optional[Tuple] = None  # stream-ordered: the queued upload's
         self.original_forward = module.forward
         self.had_instance_forward = "forward" in module.__dict__
         self.signature = inspect.signature(self.original_forward)
@@ -596,10 +624,15 @@ class _OffloadedLayer:
     def weights(self) -> Dict[str, torch.Tensor]:
         return {name: getattr(self.module, name).weight for name in _WEIGHT_MODULES}
 
-    def sync_weights(self, force: bool = False) -> int:
+    def needs_upload(self, fingerprint: Tuple) -> bool:
+        return self.upload_weights and (fingerprint != self._uploaded
+                                        or self.weights_version is None)
+
+    def sync_weights(self, force: bool = False, synchronize: bool = True) -> int:
         """Uploads the layer's weights when they changed since the last upload (the tensors'
         in-place version counters move with every optimizer step); returns the server's version.
-        upload_weights=False: the server's current version (it must already hold these weights)."""
+        upload_weights=False: the server's current version (it must already hold these weights).
+        synchronize=False: the writes to the weights are known to be done."""
         if not self.upload_weights:
             if self.weights_version is None:
                 self.weights_version = self._server_version()
@@ -607,7 +640,8 @@ class _OffloadedLayer:
         weights = self.weights()
         fingerprint = _weights_fingerprint(weights)
         if force or fingerprint != self._uploaded or self.weights_version is None:
-            self.weights_version = _upload_weights(self.binding, weights, layer=self.index)
+            self.weights_version = _upload_weights(self.binding, weights, synchronize=synchronize,
+                                                   layer=self.index)
             self._uploaded = fingerprint
         return self.weights_version
 
@@ -647,7 +681,8 @@ class _OffloadedLayer:
         call = _Call(self, bound)
         output = _OffloadedAttention.apply(
             hidden_states, cos, sin, weights["q_proj"], weights["k_proj"], weights["v_proj"],
-            weights["o_proj"], weights["q_norm"], weights["k_norm"], call, _PinnedWeights(self))
+            weights["o_proj"], weights["q_norm"], weights["k_norm"], call,
+            _PinnedWeights(self, self.binding, hidden_states))
         if call.rest is None:
             return output
         return (output,) + call.rest
@@ -810,7 +845,7 @@ class OffloadHandle:
 def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision: str = "auto",
             wire_dtype: str = "float32", input_dtype: Optional[str] = None,
             upload_weights: bool = True, layers=None, transport: str = "auto",
-            stream_ordered: bool = False, **client_kwargs) -> OffloadHandle:
+            stream_ordered: bool = True, **client_kwargs) -> OffloadHandle:
     """Moves the attention backward of every layer of a transformers Gemma-3 model
     (Gemma3ForCausalLM, Gemma3TextModel, or anything whose attention modules carry q_proj ... k_norm
     and layer_idx) to the attngrad server(s), in one call.
@@ -841,8 +876,8 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
         (RETURN) weight gradients reach a server of this host (see RemoteGemma3Attention); "auto"
         probes once and falls back to bytes, with one warning, for a server elsewhere.
         handle.last_results()[layer].transport says which carried each layer's latest backward.
-      stream_ordered: queue the CUDA IPC backward calls on the trainer's CUDA stream instead of
-        waiting for each answer (see RemoteGemma3Attention).
+      stream_ordered: True (default): queue the CUDA IPC backward calls on the trainer's CUDA
+        stream instead of waiting for each answer (see RemoteGemma3Attention).
       **client_kwargs: attngrad.Client's arguments when client_or_map is an address or map.
     Returns an OffloadHandle (remove() undoes it)."""
     if mode not in ("return", "accumulate"):
