@@ -24,6 +24,7 @@
 # missing, when not root, or when the kernel refuses the namespaces a container needs.
 # ATTNGRAD_CONTAINER_VARIANT=cpu (default) builds the CPU-only image on the CPU base; =cuda builds the
 # CUDA image (CUDA_ARCHITECTURES, default 90a-real) on the CUDA bases, which needs /usr/local/cuda.
+# Either image is run on its CPU backend (ATTNGRAD_DEVICES=cpu): no GPU is needed.
 # Everything the tests start carries the name prefix attngrad-ctest-<pid> and is removed at the end;
 # nothing else in podman's storage is touched.
 set -euo pipefail
