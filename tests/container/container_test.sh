@@ -131,8 +131,9 @@ build() {
   echo "bases ready in $((SECONDS - started)) s"
   local image_started=$SECONDS
   # --format docker keeps the HEALTHCHECK (the OCI format has none); chroot isolation and the host's
-  # network for the RUN steps (apt-get), as these build machines allow.
-  podman build --format docker --isolation=chroot --network=host \
+  # network for the RUN steps (apt-get), as these build machines allow; --layers=false leaves no
+  # intermediate images behind (gigabytes per build of the CUDA image), only the tagged one.
+  podman build --format docker --isolation=chroot --network=host --layers=false \
     -f "$source_dir/deploy/docker/Dockerfile" \
     --build-arg "BUILD_BASE=$build_base" --build-arg "RUNTIME_BASE=$runtime_base" \
     --build-arg "BUILD_JOBS=${BUILD_JOBS:-2}" "${arguments[@]}" \
@@ -140,7 +141,7 @@ build() {
   echo "image $image built in $((SECONDS - image_started)) s: $(megabytes "$(image_size "$image")")" \
     "(runtime base $runtime_base: $(megabytes "$(image_size "$runtime_base")"))"
   local prometheus_started=$SECONDS
-  podman build --format docker --isolation=chroot --network=host \
+  podman build --format docker --isolation=chroot --network=host --layers=false \
     -f "$source_dir/deploy/docker/prometheus.Dockerfile" \
     --build-arg "BASE=$base_prefix:$suite-cpu" -t "$prometheus_image" "$source_dir/deploy/docker"
   echo "image $prometheus_image built in $((SECONDS - prometheus_started)) s:" \
