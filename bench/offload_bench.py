@@ -11,6 +11,9 @@ save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N o
   local bf16 autocast  for honesty (no target)
   offload auto         offload(model) with transport="auto" (CUDA IPC on the same GPU), RETURN,
                        server precision AUTO, the rest of the model in TF32
+  offload auto lazy registration
+                       the same with Client.register_existing_segments = False: each allocation
+                       registered when a call first names it, not all at the first call
   offload auto waited  the same with stream_ordered=False: each backward call answered before
                        backward() goes on (the trainer's CPU waits for the server)
   offload bytes        the same with transport="bytes" (everything through grpcio)
@@ -53,7 +56,8 @@ from check_offload import Server, build_model, loss_of, write_checkpoint  # noqa
 
 LOCAL_VARIANTS = ("local eager fp32", "local sdpa tf32", "local compile tf32",
                   "local bf16 autocast")
-OFFLOAD_VARIANTS = ("offload auto", "offload auto waited", "offload bytes")
+OFFLOAD_VARIANTS = ("offload auto", "offload auto lazy registration", "offload auto waited",
+                    "offload bytes")
 
 
 def set_tf32(enabled: bool) -> None:
@@ -164,6 +168,8 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
     handle = attngrad_torch.offload(model, target, mode=mode, precision=args.precision,
                                     transport=transport, timeout=args.timeout,
                                     phase_timings=True, stream_ordered="waited" not in name)
+    for client in getattr(handle.client, "clients", [handle.client]):
+        client.register_existing_segments = "lazy registration" not in name
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     set_tf32(True)
     measured = Measured(name)

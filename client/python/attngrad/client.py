@@ -1319,6 +1319,9 @@ class Client:
         self._regions_lock = threading.Lock()
         self._free_regions: List[_SharedRegion] = []  # zero_copy regions not in use
         self._cuda_regions: Optional[cuda_regions.CudaRegionCache] = None  # zero_copy, CUDA
+        # CUDA IPC: register every segment torch's allocator holds at the first GPU backward
+        # (True), or each allocation when a call first names it (False).
+        self.register_existing_segments = True
         # submit_backward()'s queue and sender thread, and whether the driver allows them.
         self._stream_ordered: Optional[stream_ordered.StreamOrderedCalls] = None
         self._stream_ordered_supported: Optional[bool] = None
@@ -1804,9 +1807,10 @@ class Client:
             batch.cos, batch.sin = tensors.to_numpy(batch.cos), tensors.to_numpy(batch.sin)
         try:
             cache = self._cuda_region_cache()
-            cache.register_segments_once(
-                hidden.device.index,
-                lambda: cuda_regions.torch_segment_addresses(hidden.device.index))
+            if self.register_existing_segments:
+                cache.register_segments_once(
+                    hidden.device.index,
+                    lambda: cuda_regions.torch_segment_addresses(hidden.device.index))
             batch.region = _CudaLayout(batch.parts, cache, hidden, grad, answer, weights, shapes,
                                        rotary)
         except (errors.FailedPreconditionError, errors.InvalidArgumentError) as error:
