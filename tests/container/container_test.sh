@@ -161,8 +161,12 @@ build() {
     [[ -n "$library" ]] || continue
     library=$(basename "$library")
     [[ "$library" == libnccl.so* ]] && continue
-    grep -qx "$library" <<<"$loaded" || fail "the runtime image carries $library, which the binaries do not load"
+    grep -qxF "$library" <<<"$loaded" || fail "the runtime image carries $library, which the binaries do not load"
   done < <(sed -n '/^--- cuda libraries/,$p' <<<"$listing" | tail -n +2)
+  if [[ "$variant" == cuda ]]; then
+    grep -q '^libcudart\.so' <<<"$loaded" || fail "the cuda image's server does not load the CUDA runtime"
+  fi
+  echo "libraries: $(tr '\n' ' ' <<<"$loaded")"
   echo "build: total $((SECONDS - started)) s"
 }
 
