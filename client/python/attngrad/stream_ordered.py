@@ -170,9 +170,15 @@ class StreamOrderedCalls:
         self._free_slots.acquire()
         number = next(self._numbers)
         slot, value = number % self._slots, (number // self._slots + 1) & _UINT32
-        self._driver.stream_write_value32(stream_handle, self._flags.ready(slot), value)
-        if wait_for_done:
-            self._driver.stream_wait_value32(stream_handle, self._flags.done(slot), value)
+        try:
+            self._driver.stream_write_value32(stream_handle, self._flags.ready(slot), value)
+            if wait_for_done:
+                self._driver.stream_wait_value32(stream_handle, self._flags.done(slot), value)
+        except BaseException:
+            # Nothing queued, or a wait the sender can never release: write DONE now.
+            self._flags.store(self._flags.done(slot), value)
+            self._free_slots.release()
+            raise
         with self._lock:
             self._outstanding.append(pending)
         self._queue.put((pending, run, kept, slot, value, timeout))
