@@ -67,8 +67,9 @@ ABSL_FLAG(int, max_streams_per_client, 16,
           "Backward streams one client (one token, or one attngrad-client-id when authentication "
           "is off) may have open at once");
 ABSL_FLAG(int, stream_idle_timeout_seconds, 300,
-          "A Backward stream that reads no request and writes no answer for this long, with no "
-          "batch computing, is ended (DEADLINE_EXCEEDED); 0 = never");
+          "A streaming call (Backward, LoadWeights, FetchGradients) that reads no message and "
+          "completes no write for this long, with no batch computing, is ended "
+          "(DEADLINE_EXCEEDED); 0 = never");
 ABSL_FLAG(int, connection_idle_timeout_seconds, 120,
           "A connection with no call for this long is closed (GOAWAY; gRPC clients reconnect when "
           "they next call), so idle connections that never call cannot pile up; 0 = never");
@@ -103,6 +104,11 @@ ABSL_FLAG(std::int64_t, max_inflight_bytes, std::int64_t{4} << 30,
           "LoadWeights staging, FetchGradients results; beyond it new batches and streams get "
           "RESOURCE_EXHAUSTED (one request larger than this is served when nothing else is in "
           "flight); 0 = no limit");
+ABSL_FLAG(double, max_inflight_share_per_client, 0.5,
+          "The fraction of --max_inflight_bytes that one client (one token, or one "
+          "attngrad-client-id when authentication is off) may hold at once, in (0, 1]; beyond it "
+          "that client's batches and streams get RESOURCE_EXHAUSTED while others are served; "
+          "1 = no per-client limit");
 ABSL_FLAG(int, queue_depth, 4,
           "Batches one Backward stream may have in the server at once; also each GPU's pipeline "
           "depth (at least 3)");
@@ -253,6 +259,7 @@ int main(int argc, char** argv) {
   options.queue_depth = absl::GetFlag(FLAGS_queue_depth);
   options.stage_on_arrival = absl::GetFlag(FLAGS_stage_on_arrival);
   options.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  options.max_inflight_share_per_client = absl::GetFlag(FLAGS_max_inflight_share_per_client);
   options.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   options.stream_idle_timeout_seconds = absl::GetFlag(FLAGS_stream_idle_timeout_seconds);
   options.max_clients_with_sums = absl::GetFlag(FLAGS_max_clients_with_sums);

@@ -211,6 +211,12 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   if (options.connection_idle_timeout_seconds < 0) {
     return absl::InvalidArgumentError("--connection_idle_timeout_seconds must be >= 0 (0 = never)");
   }
+  if (!(options.max_inflight_share_per_client > 0.0 &&
+        options.max_inflight_share_per_client <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_inflight_share_per_client: ", options.max_inflight_share_per_client,
+                     " is not in (0, 1] (a fraction of --max_inflight_bytes)"));
+  }
   if (options.max_clients_with_sums < 1) {
     return absl::InvalidArgumentError("--max_clients_with_sums must be >= 1");
   }
@@ -280,6 +286,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   limits.streams.idle_timeout = std::chrono::seconds(options.stream_idle_timeout_seconds);
   limits.stream_window = options.queue_depth;
   limits.max_inflight_bytes = options.max_inflight_bytes;
+  limits.inflight_share_per_client = options.max_inflight_share_per_client;
   server->security_summary_.push_back(transport.description);
   if (authenticator.enabled()) {
     server->security_summary_.push_back(absl::StrCat(
@@ -371,6 +378,8 @@ absl::StatusOr<std::string> GradientServer::StartRegionSocket(const std::string&
   return absl::StrCat("shared-memory regions: sealed memfds passed on ", path,
                       " (mode 0600: the server's user and root only)");
 }
+
+const MemoryBudget& GradientServer::inflight_memory() const { return service_->memory(); }
 
 const std::string& GradientServer::region_socket_path() const {
   static const std::string kNone;

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "rpc/tls.h"
+#include "scheduling/memory_budget.h"
 #include "server_options.h"
 #include "weights/model.h"
 
@@ -65,6 +66,8 @@ class GradientServer {
   const std::string& model_summary() const { return model_summary_; }
   // Where clients pass sealed memfds to register shared memory; empty when --region_socket=off.
   const std::string& region_socket_path() const;
+  // Host memory of data in flight, in all and per client (--max_inflight_bytes).
+  const MemoryBudget& inflight_memory() const;
 
   // Stops accepting RPCs, marks health NOT_SERVING, ends the Backward streams with no batch in
   // flight (UNAVAILABLE) and lets running RPCs (and their batches) finish for up to `grace`, then

@@ -22,8 +22,9 @@ struct ServerOptions {
   std::int64_t max_batch_tokens = 65536;
   std::int64_t max_message_bytes = 1073741824;
   int max_concurrent_streams = 64;
-  int max_streams_per_client = 16;        // Backward streams of one client id at once
-  int stream_idle_timeout_seconds = 300;  // a Backward stream without progress ends; 0 = never
+  int max_streams_per_client = 16;  // Backward streams of one client id at once
+  // A streaming call (Backward, LoadWeights, FetchGradients) without progress ends; 0 = never.
+  int stream_idle_timeout_seconds = 300;
   // A connection with no call for this long is closed (GOAWAY; clients reconnect when they next
   // call); 0 = never.
   int connection_idle_timeout_seconds = 120;
@@ -44,6 +45,9 @@ struct ServerOptions {
   bool stage_on_arrival = true;
   // Host memory for data in flight, server-wide (MemoryBudget); 0 = no limit.
   std::int64_t max_inflight_bytes = std::int64_t{4} << 30;
+  // The fraction of max_inflight_bytes one client id may hold at once, in (0, 1]; 1 = no
+  // per-client limit.
+  double max_inflight_share_per_client = 0.5;
   int cpu_threads = 0;  // CPU backend threads (0 = all cores)
   std::string nccl =
       "auto";  // cross-GPU sums: "auto" (NCCL when usable), "on" (NCCL or fail), "off"

@@ -58,6 +58,24 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     return true;
   }
 
+  std::optional<Clock::time_point> IdleSince() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ || HasBatchesLocked()) return std::nullopt;
+    return last_progress_;
+  }
+
+  bool EvictIfIdle() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ || HasBatchesLocked()) return false;
+    finished_ = true;
+    expiry_status_ = grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        "Backward: the server closed this idle stream to make room for another client's stream "
+        "(--max_concurrent_streams reached, and this client held the most streams); open a new "
+        "stream when there are batches to send");
+    return true;
+  }
+
   bool Drain() override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) return false;
@@ -321,7 +339,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     ATTNGRAD_ASSIGN_OR_RETURN(
         MemoryBudget::Reservation memory,
         service_->memory().Reserve(
-            received_bytes + static_cast<std::int64_t>(batch.job->AnswerBytes()),
+            client_id_, received_bytes + static_cast<std::int64_t>(batch.job->AnswerBytes()),
             absl::StrCat("Backward batch ", batch_id, " and its answer")));
     batch.job->request_reservation = memory.Split(received_bytes);
     batch.job->answer.reservation = std::move(memory);

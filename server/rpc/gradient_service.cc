@@ -6,6 +6,7 @@
 #include "rpc/backward_reactor.h"
 #include "rpc/fetch_reactor.h"
 #include "rpc/load_weights_reactor.h"
+#include "rpc/raw_request.h"
 
 namespace attngrad::server {
 namespace {
@@ -48,7 +49,7 @@ GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, Ser
       authenticator_(std::move(authenticator)),
       server_version_(std::move(server_version)),
       streams_(limits.streams),
-      memory_(limits.max_inflight_bytes),
+      memory_(limits.max_inflight_bytes, limits.inflight_share_per_client),
       regions_(std::move(device_memory)),
       arrival_staging_(std::move(arrival_staging)),
       arrival_copy_threads_(arrival_staging_ == nullptr ? nullptr
@@ -84,14 +85,19 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* GradientService::Ba
   return NewBackwardReactor(this, context, caller->client_id);
 }
 
-grpc::ServerWriteReactor<v1::GradientChunk>* GradientService::FetchGradients(
-    grpc::CallbackServerContext* context, const v1::FetchGradientsRequest* request) {
-  using Refused = RefusedReactor<grpc::ServerWriteReactor<v1::GradientChunk>>;
+grpc::ServerWriteReactor<grpc::ByteBuffer>* GradientService::FetchGradients(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes) {
+  using Refused = RefusedReactor<grpc::ServerWriteReactor<grpc::ByteBuffer>>;
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kFetchOwn, "FetchGradients");
   if (!caller.ok()) return new Refused(caller.status());
   absl::StatusOr<std::string> owner = WindowOwner(*caller, *context, "FetchGradients");
   if (!owner.ok()) return new Refused(owner.status());
-  return NewFetchReactor(this, *request, *owner, caller->client_id);
+  v1::FetchGradientsRequest request;
+  if (absl::Status parsed = ParseCallRequest(*request_bytes, "FetchGradients", &request);
+      !parsed.ok()) {
+    return new Refused(parsed);
+  }
+  return NewFetchReactor(this, context, request, *owner, caller->client_id);
 }
 
 }  // namespace attngrad::server

@@ -29,19 +29,22 @@ struct ServiceLimits {
   // Host memory for data in flight (requests, answers not yet sent, LoadWeights staging,
   // FetchGradients results), server-wide; <= 0: no limit. See MemoryBudget.
   std::int64_t max_inflight_bytes = std::int64_t{4} << 30;
+  // The fraction of max_inflight_bytes one client id may hold at once (1: no per-client limit).
+  double inflight_share_per_client = 0.5;
 };
 
-// The generated callback service with Backward and LoadWeights taken as raw bytes
-// (grpc::ByteBuffer): the service parses them itself (rpc/raw_request.h), so that bytes that are
-// no message end the stream with INVALID_ARGUMENT (gRPC would end it as a clean half-close) and a
-// batch's activations stay in gRPC's receive buffers until a device worker copies them.
-using AttentionGradientBase = v1::AttentionGradient::WithCallbackMethod_GetModelInfo<
+// The generated callback service with every method taken as raw bytes (grpc::ByteBuffer): the
+// service parses requests itself (rpc/raw_request.h), so that bytes that are no message are
+// answered INVALID_ARGUMENT naming the method (gRPC would end a stream as a clean half-close, and
+// answer a unary call UNIMPLEMENTED without a message), and so that a batch's activations stay in
+// gRPC's receive buffers until a device worker copies them.
+using AttentionGradientBase = v1::AttentionGradient::WithRawCallbackMethod_GetModelInfo<
     v1::AttentionGradient::WithRawCallbackMethod_LoadWeights<
         v1::AttentionGradient::WithRawCallbackMethod_Backward<
-            v1::AttentionGradient::WithCallbackMethod_FetchGradients<
-                v1::AttentionGradient::WithCallbackMethod_ZeroGradients<
-                    v1::AttentionGradient::WithCallbackMethod_RegisterRegion<
-                        v1::AttentionGradient::WithCallbackMethod_UnregisterRegion<
+            v1::AttentionGradient::WithRawCallbackMethod_FetchGradients<
+                v1::AttentionGradient::WithRawCallbackMethod_ZeroGradients<
+                    v1::AttentionGradient::WithRawCallbackMethod_RegisterRegion<
+                        v1::AttentionGradient::WithRawCallbackMethod_UnregisterRegion<
                             v1::AttentionGradient::Service>>>>>>>;
 
 class GradientService final : public AttentionGradientBase {
@@ -54,33 +57,36 @@ class GradientService final : public AttentionGradientBase {
                   std::shared_ptr<DeviceMemoryOpener> device_memory = nullptr,
                   std::shared_ptr<wire::BufferPool> arrival_staging = nullptr);
 
+  // The unary methods: the request's bytes in, the response's bytes out.
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
-                                         const v1::GetModelInfoRequest* request,
-                                         v1::GetModelInfoResponse* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   // LoadWeightsRequest chunks in, a LoadWeightsResponse out.
   grpc::ServerReadReactor<grpc::ByteBuffer>* LoadWeights(grpc::CallbackServerContext* context,
                                                          grpc::ByteBuffer* response) override;
   // BackwardRequests in, BackwardResponses out.
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Backward(
       grpc::CallbackServerContext* context) override;
-  grpc::ServerWriteReactor<v1::GradientChunk>* FetchGradients(
-      grpc::CallbackServerContext* context, const v1::FetchGradientsRequest* request) override;
+  // A FetchGradientsRequest in, GradientChunks out.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchGradients(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* ZeroGradients(grpc::CallbackServerContext* context,
-                                          const v1::ZeroGradientsRequest* request,
-                                          v1::ZeroGradientsResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   // Same-host regions of the caller: shared memory or CUDA IPC (rpc/regions.h).
   grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,
-                                           const v1::RegisterRegionRequest* request,
-                                           v1::RegisterRegionResponse* response) override;
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* context,
-                                             const v1::UnregisterRegionRequest* request,
-                                             v1::UnregisterRegionResponse* response) override;
+                                             const grpc::ByteBuffer* request,
+                                             grpc::ByteBuffer* response) override;
 
   GradientCore& core() { return *core_; }
   ServerMetrics& metrics() { return *metrics_; }
   const ServiceLimits& limits() const { return limits_; }
   StreamRegistry& streams() { return streams_; }
   MemoryBudget& memory() { return memory_; }
+  const MemoryBudget& memory() const { return memory_; }
   const Authenticator& authenticator() const { return authenticator_; }
   const RegionRegistry& regions() const { return regions_; }
   RegionRegistry& mutable_regions() { return regions_; }
@@ -93,6 +99,12 @@ class GradientService final : public AttentionGradientBase {
   // the error (the RPC metrics count it when the call ends: rpc_metrics_interceptor.h).
   absl::StatusOr<Caller> Admit(const grpc::CallbackServerContext& context, Operation operation,
                                const char* method);
+  // GetModelInfo's answer to `caller`.
+  void FillModelInfo(const Caller& caller, v1::GetModelInfoResponse* response);
+  // Zeroes the window the request names (an admitted caller's), finishing `reactor` when done.
+  void ZeroGradients(const Caller& caller, const grpc::CallbackServerContext& context,
+                     const v1::ZeroGradientsRequest& request, grpc::ByteBuffer* response,
+                     grpc::ServerUnaryReactor* reactor);
 
   GradientCore* const core_;
   ServerMetrics* const metrics_;

@@ -1,6 +1,8 @@
 // The LoadWeights reactor: stages the chunks of an upload and commits them at its end.
 #include "rpc/load_weights_reactor.h"
 
+#include <chrono>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -15,21 +17,54 @@
 namespace attngrad::server {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 // See load_weights_reactor.h.
-class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
+                                 public IdleStream {
  public:
   LoadWeightsReactor(GradientService* service, grpc::CallbackServerContext* context,
                      grpc::ByteBuffer* response, std::string client_id)
       : service_(service),
         context_(context),
         response_(response),
-        client_id_(std::move(client_id)) {
+        client_id_(std::move(client_id)),
+        last_progress_(Clock::now()) {
     received_.items.fill(0);
     dtypes_.items.fill(v1::DTYPE_UNSPECIFIED);
+    service_->streams().Watch(this);
     StartRead(&received_bytes_);
   }
 
+  ~LoadWeightsReactor() override { service_->streams().Close(this); }
+
+  // Idle: no chunk (nor the half-close) arrived for `timeout`; the staged chunks are dropped.
+  bool ExpireIfIdle(Clock::time_point now, Clock::duration timeout) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ || handling_ || now - last_progress_ < timeout) return false;
+    finished_ = true;
+    return true;
+  }
+
+  // An upload runs on through the shutdown's grace period.
+  bool Drain() override { return false; }
+
+  void FinishIdle() override {
+    Finish(grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat(
+            "LoadWeights: no chunk arrived for ",
+            std::chrono::duration<double>(service_->streams().limits().idle_timeout).count(),
+            " s (--stream_idle_timeout_seconds) and the upload was ended; nothing was "
+            "changed")));
+  }
+
   void OnReadDone(bool ok) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_) return;  // ended as idle
+      handling_ = true;
+    }
     if (!ok) {
       if (context_->IsCancelled()) {
         FinishWith(absl::CancelledError("LoadWeights: cancelled; nothing was changed"));
@@ -45,6 +80,11 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
     if (!status.ok()) {
       FinishWith(status);
       return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      handling_ = false;
+      last_progress_ = Clock::now();
     }
     StartRead(&received_bytes_);
   }
@@ -154,7 +194,7 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
     const std::size_t count = bytes.size() / wire::DTypeSize(dtypes_[index]);
     ATTNGRAD_ASSIGN_OR_RETURN(
         MemoryBudget::Reservation reservation,
-        service_->memory().Reserve(static_cast<std::int64_t>(count * sizeof(float)),
+        service_->memory().Reserve(client_id_, static_cast<std::int64_t>(count * sizeof(float)),
                                    absl::StrCat("LoadWeights ", field)));
     reservations_.push_back(std::move(reservation));
     staging_[index].resize(received_[index] + count);
@@ -236,7 +276,16 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
     return absl::OkStatus();
   }
 
-  void FinishWith(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  // Ends the upload once (an idle end may have come first).
+  void FinishWith(const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    service_->streams().Close(this);
+    Finish(ToGrpcStatus(status));
+  }
 
   GradientService* const service_;
   grpc::CallbackServerContext* const context_;
@@ -253,6 +302,11 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
   PerWeight<DeviceWeightSource> device_sources_;  // weights by reference in GPU memory
   int device_weights_ = 0;                        // how many
   v1::LoadWeightsRequest request_;
+
+  std::mutex mutex_;
+  bool finished_ = false;
+  bool handling_ = false;            // a chunk or the commit is being handled: not idle
+  Clock::time_point last_progress_;  // the last chunk handled
 };
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "attngrad/wire/backward_paths.h"
 #include "attngrad/wire/byte_buffer.h"
 #include "attngrad/wire/dtype.h"
@@ -28,6 +29,23 @@ absl::Status ParseReceivedMessage(grpc::ByteBuffer* bytes, google::protobuf::Mes
   if (!message->ParseFromZeroCopyStream(&reader)) {
     return wire::NotAMessage(message->GetDescriptor()->full_name().c_str(),
                              "the bytes are not its encoding");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseCallRequest(const grpc::ByteBuffer& bytes, const char* method,
+                              google::protobuf::Message* request) {
+  const std::string& type = request->GetDescriptor()->full_name();
+  if (!bytes.Valid()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(method, ": no whole request arrived (the call ended inside or before its ",
+                     type, "); send the request again"));
+  }
+  grpc::ByteBuffer copy = bytes;  // the reader consumes its buffer; the slices are shared
+  grpc::ProtoBufferReader reader(&copy);
+  if (!request->ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError(absl::StrCat(method, ": the request does not parse as an ",
+                                                   type, " (the bytes are not its encoding)"));
   }
   return absl::OkStatus();
 }

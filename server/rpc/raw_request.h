@@ -1,6 +1,6 @@
-// Requests read from, and answers written as, the bytes gRPC moves (the service takes Backward and
-// LoadWeights as raw grpc::ByteBuffers, so that a message that does not parse is its own error to
-// answer, and so that a batch's activations are never copied out of gRPC's receive buffers on the
+// Requests read from, and answers written as, the bytes gRPC moves (the service takes every method
+// as raw grpc::ByteBuffers, so that a message that does not parse is its own error to answer, and
+// for Backward so that a batch's activations are never copied out of gRPC's receive buffers on the
 // gRPC thread, nor its answer into a serialized message).
 #ifndef ATTNGRAD_SERVER_RAW_REQUEST_H_
 #define ATTNGRAD_SERVER_RAW_REQUEST_H_
@@ -22,6 +22,13 @@ absl::StatusOr<ReceivedBackwardRequest> ParseReceivedBackwardRequest(const grpc:
 // A whole message parsed from received bytes; INVALID_ARGUMENT naming the type when they do not
 // parse as one.
 absl::Status ParseReceivedMessage(grpc::ByteBuffer* bytes, google::protobuf::Message* message);
+
+// The request of a call of `method` (a unary or server-streaming method, taken as raw bytes so
+// that this, not gRPC's UNIMPLEMENTED without a message, answers a bad request): INVALID_ARGUMENT
+// naming the method and the request type when the bytes do not parse as one, or when no whole
+// request arrived (the call ended inside or before its message).
+absl::Status ParseCallRequest(const grpc::ByteBuffer& bytes, const char* method,
+                              google::protobuf::Message* request);
 
 // The response of a finished job: `response`'s fields (batch id, versions, ...) plus the job's
 // outputs (grad_hidden_states, RETURN weight gradients, in the job's response dtype, and its

@@ -30,23 +30,63 @@ StreamRegistry::~StreamRegistry() {
 }
 
 absl::Status StreamRegistry::Open(const std::string& client_id, IdleStream* stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   if (draining_) return ShuttingDownError();
-  if (static_cast<int>(streams_.size()) >= limits_.max_streams) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "Backward: the server already has ", limits_.max_streams,
-        " streams open (--max_concurrent_streams); retry later or send more batches per stream"));
-  }
-  int& mine = per_client_[client_id];
-  if (mine >= limits_.max_streams_per_client) {
-    if (mine == 0) per_client_.erase(client_id);
+  const auto mine = per_client_.find(client_id);
+  const int held = mine == per_client_.end() ? 0 : mine->second;
+  if (held >= limits_.max_streams_per_client) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "Backward: client '", client_id, "' already has ", limits_.max_streams_per_client,
         " streams open (--max_streams_per_client); send more batches per stream or close some"));
   }
-  ++mine;
-  streams_.emplace(stream, client_id);
+  IdleStream* evicted = nullptr;
+  if (counted_streams_ >= limits_.max_streams) {
+    evicted = EvictableLocked(client_id);
+    if (evicted == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "Backward: the server already has ", limits_.max_streams,
+          " streams open (--max_concurrent_streams), none of them idle and held by a client with "
+          "more streams than '",
+          client_id, "'; retry later or send more batches per stream"));
+    }
+    CountOutLocked(streams_.find(evicted));
+  }
+  ++per_client_[client_id];
+  ++counted_streams_;
+  streams_.emplace(stream, Entry{client_id, /*counted=*/true});
+  lock.unlock();
+  if (evicted != nullptr) evicted->FinishIdle();  // out of the registry: only this ends it
   return absl::OkStatus();
+}
+
+IdleStream* StreamRegistry::EvictableLocked(const std::string& client_id) {
+  const auto mine = per_client_.find(client_id);
+  const int held = mine == per_client_.end() ? 0 : mine->second;
+  IdleStream* victim = nullptr;
+  int victim_client_streams = held;
+  std::chrono::steady_clock::time_point victim_idle_since;
+  for (const auto& [candidate, entry] : streams_) {
+    if (!entry.counted) continue;
+    const int streams = per_client_[entry.client_id];
+    // Only from a client that would still hold as many as this one: no stream goes back and
+    // forth between two clients.
+    if (streams < victim_client_streams || streams < held + 2) continue;
+    const std::optional<std::chrono::steady_clock::time_point> idle_since = candidate->IdleSince();
+    if (!idle_since.has_value()) continue;
+    if (victim != nullptr && streams == victim_client_streams && *idle_since >= victim_idle_since) {
+      continue;
+    }
+    victim = candidate;
+    victim_client_streams = streams;
+    victim_idle_since = *idle_since;
+  }
+  if (victim != nullptr && !victim->EvictIfIdle()) return nullptr;
+  return victim;
+}
+
+void StreamRegistry::Watch(IdleStream* stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  streams_.emplace(stream, Entry{std::string(), /*counted=*/false});
 }
 
 void StreamRegistry::Close(IdleStream* stream) {
@@ -57,7 +97,7 @@ void StreamRegistry::Close(IdleStream* stream) {
 
 int StreamRegistry::open_streams() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<int>(streams_.size());
+  return counted_streams_;
 }
 
 void StreamRegistry::WatchIdleStreams() {
@@ -77,8 +117,11 @@ void StreamRegistry::WatchIdleStreams() {
 }
 
 StreamRegistry::Streams::iterator StreamRegistry::CountOutLocked(Streams::iterator entry) {
-  const auto count = per_client_.find(entry->second);
-  if (count != per_client_.end() && --count->second <= 0) per_client_.erase(count);
+  if (entry->second.counted) {
+    --counted_streams_;
+    const auto count = per_client_.find(entry->second.client_id);
+    if (count != per_client_.end() && --count->second <= 0) per_client_.erase(count);
+  }
   return streams_.erase(entry);
 }
 

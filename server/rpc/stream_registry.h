@@ -1,8 +1,10 @@
-// The Backward streams open: counted server-wide and per client (RESOURCE_EXHAUSTED beyond
-// either limit), and closed by a background thread once they have made no progress for the idle
-// timeout, so that streams a client leaves open cannot hold the server's stream slots forever. At
-// shutdown they are drained: a stream with no batch in flight ends at once, the others once their
-// batches are answered, so that streams a client keeps open do not hold the shutdown.
+// The streaming calls open: Backward streams are counted server-wide and per client
+// (RESOURCE_EXHAUSTED beyond either limit); every streaming call (Backward, LoadWeights,
+// FetchGradients) is closed by a background thread once it has made no progress for the idle
+// timeout, so that calls a client leaves open cannot hold the server's stream slots or in-flight
+// memory forever. At shutdown they are drained: a Backward stream with no batch in flight ends at
+// once, the others once their batches are answered, so that streams a client keeps open do not
+// hold the shutdown.
 #ifndef ATTNGRAD_SERVER_RPC_STREAM_REGISTRY_H_
 #define ATTNGRAD_SERVER_RPC_STREAM_REGISTRY_H_
 
@@ -10,6 +12,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -37,6 +40,14 @@ class IdleStream {
   // True when it has none: it is then marked finished, so that nothing but FinishIdle ends it.
   // Called with the registry's lock held; must not call back into the registry.
   virtual bool Drain() = 0;
+  // When the stream has no batch computing and no answer to write: the last time it made progress
+  // (the server may close it to make room, below); nullopt when it is busy. Called with the
+  // registry's lock held; must not call back into the registry.
+  virtual std::optional<std::chrono::steady_clock::time_point> IdleSince() { return std::nullopt; }
+  // Marks the stream finished, to be ended by FinishIdle with UNAVAILABLE saying that the server
+  // closed it to make room for another client's stream, when it is still idle (IdleSince); false
+  // otherwise. Called with the registry's lock held; must not call back into the registry.
+  virtual bool EvictIfIdle() { return false; }
   // Ends a stream ExpireIfIdle or Drain marked: DEADLINE_EXCEEDED naming the idle timeout (a write
   // stuck on a client that does not read is cancelled first), or ShuttingDownError. Called without
   // the registry's lock.
@@ -57,10 +68,16 @@ class StreamRegistry {
   StreamRegistry& operator=(const StreamRegistry&) = delete;
 
   // Counts the stream in (OK) or refuses it (RESOURCE_EXHAUSTED naming the limit reached, or
-  // ShuttingDownError after Drain).
+  // ShuttingDownError after Drain). When the server-wide limit is reached, an idle stream of the
+  // client holding the most streams, if it holds at least two more than this client, is closed to
+  // make room (the longest idle first): clients that open many streams, under as many client ids as
+  // they like, cannot lock out a client that holds fewer.
   absl::Status Open(const std::string& client_id, IdleStream* stream);
-  // Counts it out; does nothing when it is not counted in (refused, or already ended as idle or
-  // at shutdown).
+  // Watches a call that the stream limits do not count (LoadWeights, FetchGradients) for the idle
+  // timeout and the shutdown's drain.
+  void Watch(IdleStream* stream);
+  // Counts it out or stops watching it; does nothing when it is not counted in (refused, or
+  // already ended as idle or at shutdown).
   void Close(IdleStream* stream);
   int open_streams() const;
   const StreamLimits& limits() const { return limits_; }
@@ -69,9 +86,16 @@ class StreamRegistry {
   void Drain();
 
  private:
-  using Streams = std::map<IdleStream*, std::string>;  // open stream -> its client id
+  struct Entry {
+    std::string client_id;
+    bool counted = true;  // a Backward stream (Open), not a watched call (Watch)
+  };
+  using Streams = std::map<IdleStream*, Entry>;  // open stream -> its client id
 
   void WatchIdleStreams();
+  // The idle stream Open may close to make room for a stream of `client_id` (see Open); null when
+  // none may be.
+  IdleStream* EvictableLocked(const std::string& client_id);
   // Removes the stream from streams_ and per_client_; returns the entry after it.
   Streams::iterator CountOutLocked(Streams::iterator entry);
   // Counts out every stream that `mark` marks (called with the lock held) and ends them with
@@ -85,6 +109,7 @@ class StreamRegistry {
   bool stopping_ = false;
   bool draining_ = false;  // the shutdown began: Open refuses
   Streams streams_;
+  int counted_streams_ = 0;  // Backward streams in streams_
   std::map<std::string, int> per_client_;
   std::thread idle_thread_;
 };

@@ -1,20 +1,80 @@
 // The unary RPCs of attngrad.v1.AttentionGradient: GetModelInfo, ZeroGradients, RegisterRegion
-// and UnregisterRegion.
+// and UnregisterRegion. Each takes its request as bytes (rpc/raw_request.h, ParseCallRequest):
+// authenticated first, then parsed, then served by its typed half.
 #include <optional>
 
 #include "rpc/gradient_service.h"
+#include "rpc/raw_request.h"
 
 namespace attngrad::server {
+namespace {
+
+// Finishes `reactor` with `status`, sending `response` serialized when it is OK.
+grpc::ServerUnaryReactor* FinishUnary(grpc::ServerUnaryReactor* reactor, const absl::Status& status,
+                                      const google::protobuf::Message& response,
+                                      grpc::ByteBuffer* response_bytes) {
+  if (status.ok()) *response_bytes = SerializeMessage(response);
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace
 
 grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerContext* context,
-                                                        const v1::GetModelInfoRequest*,
-                                                        v1::GetModelInfoResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+                                                        const grpc::ByteBuffer* request_bytes,
+                                                        grpc::ByteBuffer* response_bytes) {
+  v1::GetModelInfoRequest request;
+  v1::GetModelInfoResponse response;
   absl::StatusOr<Caller> caller = Admit(*context, Operation::kInfo, "GetModelInfo");
-  if (!caller.ok()) {
-    reactor->Finish(ToGrpcStatus(caller.status()));
-    return reactor;
+  absl::Status status = caller.status();
+  if (status.ok()) status = ParseCallRequest(*request_bytes, "GetModelInfo", &request);
+  if (status.ok()) FillModelInfo(*caller, &response);
+  return FinishUnary(context->DefaultReactor(), status, response, response_bytes);
+}
+
+grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerContext* context,
+                                                         const grpc::ByteBuffer* request_bytes,
+                                                         grpc::ByteBuffer* response_bytes) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  v1::ZeroGradientsRequest request;
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kZero, "ZeroGradients");
+  absl::Status status = caller.status();
+  if (status.ok()) status = ParseCallRequest(*request_bytes, "ZeroGradients", &request);
+  if (!status.ok()) return FinishUnary(reactor, status, request, response_bytes);
+  ZeroGradients(*caller, *context, request, response_bytes, reactor);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GradientService::RegisterRegion(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* request_bytes,
+                                                          grpc::ByteBuffer* response_bytes) {
+  v1::RegisterRegionRequest request;
+  v1::RegisterRegionResponse response;
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "RegisterRegion");
+  absl::Status status = caller.status();
+  if (status.ok()) status = ParseCallRequest(*request_bytes, "RegisterRegion", &request);
+  if (status.ok()) status = CheckRegionCaller(context->peer());
+  if (status.ok()) {
+    absl::StatusOr<std::uint64_t> id = regions_.Register(caller->client_id, request);
+    status = id.status();
+    if (id.ok()) response.set_region_id(*id);
   }
+  return FinishUnary(context->DefaultReactor(), status, response, response_bytes);
+}
+
+grpc::ServerUnaryReactor* GradientService::UnregisterRegion(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request_bytes,
+                                                            grpc::ByteBuffer* response_bytes) {
+  v1::UnregisterRegionRequest request;
+  absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "UnregisterRegion");
+  absl::Status status = caller.status();
+  if (status.ok()) status = ParseCallRequest(*request_bytes, "UnregisterRegion", &request);
+  if (status.ok()) status = regions_.Unregister(caller->client_id, request.region_id());
+  return FinishUnary(context->DefaultReactor(), status, v1::UnregisterRegionResponse(),
+                     response_bytes);
+}
+
+void GradientService::FillModelInfo(const Caller& caller, v1::GetModelInfoResponse* response) {
   const LayerConfig& config = core_->config();
   wire::LayerConfigToWire(config, response->mutable_config());
   response->set_weights_version(core_->weights_version());
@@ -41,7 +101,7 @@ grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerCont
   response->add_supported_wire_dtypes(v1::DTYPE_BFLOAT16);
   response->set_max_message_bytes(limits_.batch.max_message_bytes);
   response->set_max_batch_tokens(limits_.batch.max_batch_tokens);
-  response->set_accumulation_window_id(core_->window_id(caller->client_id));
+  response->set_accumulation_window_id(core_->window_id(caller.client_id));
   response->set_server_version(server_version_);
   const Scalars& defaults = core_->settings(0).scalars;
   response->set_default_scaling(defaults.scaling);
@@ -63,62 +123,33 @@ grpc::ServerUnaryReactor* GradientService::GetModelInfo(grpc::CallbackServerCont
     info->set_eps(layer.settings.scalars.eps);
     info->set_weights_version(layer.weights_version);
   }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* GradientService::ZeroGradients(grpc::CallbackServerContext* context,
-                                                         const v1::ZeroGradientsRequest* request,
-                                                         v1::ZeroGradientsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<Caller> caller = Admit(*context, Operation::kZero, "ZeroGradients");
-  absl::StatusOr<std::string> owner =
-      caller.ok() ? WindowOwner(*caller, *context, "ZeroGradients") : caller.status();
+void GradientService::ZeroGradients(const Caller& caller,
+                                    const grpc::CallbackServerContext& context,
+                                    const v1::ZeroGradientsRequest& request,
+                                    grpc::ByteBuffer* response_bytes,
+                                    grpc::ServerUnaryReactor* reactor) {
+  absl::StatusOr<std::string> owner = WindowOwner(caller, context, "ZeroGradients");
   if (!owner.ok()) {
     reactor->Finish(ToGrpcStatus(owner.status()));
-    return reactor;
+    return;
   }
   absl::StatusOr<int> slot = core_->SlotOf(
-      request->has_layer() ? std::optional<int>(request->layer()) : std::nullopt, "layer");
+      request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt, "layer");
   if (!slot.ok()) {
     reactor->Finish(ToGrpcStatus(slot.status()));
-    return reactor;
+    return;
   }
-  core_->Zero(*owner, *slot, request->expected_window_id(),
-              [reactor, response](absl::StatusOr<ZeroResult> result) {
+  core_->Zero(*owner, *slot, request.expected_window_id(),
+              [reactor, response_bytes](absl::StatusOr<ZeroResult> result) {
+                v1::ZeroGradientsResponse response;
                 if (result.ok()) {
-                  FillAccumulationState(result->previous, response->mutable_previous());
-                  FillAccumulationState(result->current, response->mutable_current());
+                  FillAccumulationState(result->previous, response.mutable_previous());
+                  FillAccumulationState(result->current, response.mutable_current());
                 }
-                reactor->Finish(ToGrpcStatus(result.status()));
+                FinishUnary(reactor, result.status(), response, response_bytes);
               });
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* GradientService::RegisterRegion(grpc::CallbackServerContext* context,
-                                                          const v1::RegisterRegionRequest* request,
-                                                          v1::RegisterRegionResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "RegisterRegion");
-  if (caller.ok()) {
-    if (absl::Status local = CheckRegionCaller(context->peer()); !local.ok()) caller = local;
-  }
-  absl::StatusOr<std::uint64_t> id = caller.ok() ? regions_.Register(caller->client_id, *request)
-                                                 : absl::StatusOr<std::uint64_t>(caller.status());
-  if (id.ok()) response->set_region_id(*id);
-  reactor->Finish(ToGrpcStatus(id.status()));
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* GradientService::UnregisterRegion(
-    grpc::CallbackServerContext* context, const v1::UnregisterRegionRequest* request,
-    v1::UnregisterRegionResponse*) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<Caller> caller = Admit(*context, Operation::kBackward, "UnregisterRegion");
-  const absl::Status status =
-      caller.ok() ? regions_.Unregister(caller->client_id, request->region_id()) : caller.status();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
 }
 
 }  // namespace attngrad::server

@@ -143,10 +143,33 @@ TEST_F(ServerRpcMetricsTest, UnparseableUnaryRequestIsCounted) {
   const grpc::Status status = RawUnaryCall(generic, "/attngrad.v1.AttentionGradient/GetModelInfo",
                                            std::string(bytes, sizeof bytes));
   ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
   const std::string code = StatusCodeName(static_cast<int>(status.error_code()));
   EXPECT_EQ(RecordedCalls("GetModelInfo", 2),
             (std::map<std::string, double>{{"OK", 1}, {code, 1}}));
   EXPECT_EQ(Errors("GetModelInfo"), (std::map<std::string, double>{{code, 1}}));
+}
+
+// Bytes that are no request of the method are INVALID_ARGUMENT naming the method and the request
+// type, for every method whose request gRPC used to parse (before: UNIMPLEMENTED, no message).
+TEST_F(ServerRpcMetricsTest, GarbageRequestsAreInvalidArgumentNamingTheMethod) {
+  const char bytes[] = {0x0a, 0x64, 0x01};
+  grpc::GenericStub generic(channel());
+  for (const char* method :
+       {"GetModelInfo", "ZeroGradients", "RegisterRegion", "UnregisterRegion", "FetchGradients"}) {
+    const grpc::Status status =
+        RawUnaryCall(generic, absl::StrCat("/attngrad.v1.AttentionGradient/", method),
+                     std::string(bytes, sizeof bytes));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << method << ": " << status.error_message();
+    EXPECT_NE(status.error_message().find(absl::StrCat(method, ": the request does not parse")),
+              std::string::npos)
+        << status.error_message();
+  }
+  // An empty message is a valid request (every field unset) and is served.
+  const grpc::Status empty =
+      RawUnaryCall(generic, "/attngrad.v1.AttentionGradient/GetModelInfo", "");
+  EXPECT_TRUE(empty.ok()) << empty.error_message();
 }
 
 TEST_F(ServerRpcMetricsTest, RefusedAndSuccessfulCallsAreCountedOnce) {

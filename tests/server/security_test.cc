@@ -676,6 +676,34 @@ TEST_F(StreamShareTest, OneClientsIdleStreamsDoNotLockOthersOut) {
   EXPECT_FALSE(response.has_error());
 }
 
+// Idle streams under several client ids fill the server; a client with fewer streams still gets
+// one: the server closes an idle stream of a client holding the most (UNAVAILABLE, saying why).
+// Before: RESOURCE_EXHAUSTED naming --max_concurrent_streams until the idle timeout.
+TEST_F(StreamShareTest, IdleStreamsOfSeveralClientIdsDoNotLockOthersOut) {
+  auto stub = Stub();
+  std::vector<std::unique_ptr<OpenStream>> idle;
+  for (const char* id : {"greedy-a", "greedy-a", "greedy-b", "greedy-b"}) {
+    idle.push_back(Open(*stub, {"", id}));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // counted by the server
+  Batch batch;
+  v1::BackwardResponse response;
+  const grpc::Status other =
+      RunBackward(*stub, {"", "patient"}, Accumulate(1, 52, &batch), &response);
+  EXPECT_TRUE(other.ok()) << other.error_message();
+  EXPECT_FALSE(response.has_error()) << response.error().message();
+  int evicted = 0;
+  for (auto& open : idle) {  // the others end when they idle out
+    const grpc::Status ended = Ended(*open);
+    if (ended.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      EXPECT_NE(ended.error_message().find("to make room"), std::string::npos)
+          << ended.error_message();
+      ++evicted;
+    }
+  }
+  EXPECT_EQ(evicted, 1);
+}
+
 TEST_F(StreamShareTest, IdleStreamsEnd) {
   auto stub = Stub();
   const auto start = std::chrono::steady_clock::now();

@@ -219,5 +219,27 @@ TEST_F(TruncatedMessageTest, ALoadWeightsUploadCutInsideAChunkIsRefusedAsIncompl
   EXPECT_EQ(after.weights_version(), before.weights_version());
 }
 
+// A unary request cut inside its message (or a call that ends before any message) is refused with
+// INVALID_ARGUMENT naming the method (before: gRPC's UNIMPLEMENTED without a message).
+TEST_F(TruncatedMessageTest, AUnaryRequestCutInsideItsMessageIsInvalidArgument) {
+  v1::ZeroGradientsRequest request;
+  request.set_layer(0);
+  request.set_expected_window_id(0x123456789abcdefULL);
+  const std::string whole = request.SerializeAsString();
+  const std::string cut =
+      MessagePrefix(static_cast<std::uint32_t>(whole.size())) + whole.substr(0, whole.size() / 2);
+  ASSERT_TRUE(RunRawStream(server().port(), DataFrames(cut, true), 30, "ZeroGradients").ended);
+  ASSERT_TRUE(
+      RunRawStream(server().port(), Frame(kData, kEndStream, 1, ""), 30, "GetModelInfo").ended);
+  for (const char* method : {"ZeroGradients", "GetModelInfo"}) {
+    int refused = 0;
+    for (int attempt = 0; attempt < 50 && refused == 0; ++attempt) {
+      refused = CallsEndedWith(server().metrics_port(), method, "INVALID_ARGUMENT");
+      if (refused == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_EQ(refused, 1) << method;
+  }
+}
+
 }  // namespace
 }  // namespace attngrad::server::testing
