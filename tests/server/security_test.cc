@@ -680,16 +680,21 @@ TEST_F(StreamShareTest, OneClientsIdleStreamsDoNotLockOthersOut) {
 // one: the server closes an idle stream of a client holding the most (UNAVAILABLE, saying why).
 // Before: RESOURCE_EXHAUSTED naming --max_concurrent_streams until the idle timeout.
 TEST_F(StreamShareTest, IdleStreamsOfSeveralClientIdsDoNotLockOthersOut) {
-  auto stub = Stub();
+  // Each client on a connection of its own (a connection carries --max_concurrent_streams
+  // HTTP/2 streams at most, so a fourth stream on one would wait in the client).
+  auto greedy_a = Stub();
+  auto greedy_b = Stub();
+  auto patient = Stub();
   std::vector<std::unique_ptr<OpenStream>> idle;
-  for (const char* id : {"greedy-a", "greedy-a", "greedy-b", "greedy-b"}) {
-    idle.push_back(Open(*stub, {"", id}));
+  for (int i = 0; i < 2; ++i) {
+    idle.push_back(Open(*greedy_a, {"", "greedy-a"}));
+    idle.push_back(Open(*greedy_b, {"", "greedy-b"}));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // counted by the server
   Batch batch;
   v1::BackwardResponse response;
   const grpc::Status other =
-      RunBackward(*stub, {"", "patient"}, Accumulate(1, 52, &batch), &response);
+      RunBackward(*patient, {"", "patient"}, Accumulate(1, 52, &batch), &response);
   EXPECT_TRUE(other.ok()) << other.error_message();
   EXPECT_FALSE(response.has_error()) << response.error().message();
   int evicted = 0;
