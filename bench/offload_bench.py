@@ -11,6 +11,9 @@ save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N o
   local bf16 autocast  for honesty (no target)
   offload auto         offload(model) with transport="auto" (CUDA IPC on the same GPU), RETURN,
                        server precision AUTO, the rest of the model in TF32
+  offload auto sender uploads
+                       the same with ATTNGRAD_SENDER_UPLOADS=1: changed weights uploaded by the
+                       client's sender thread, queued by the forward
   offload auto lazy registration
                        the same with Client.register_existing_segments = False: each allocation
                        registered when a call first names it, not all at the first call
@@ -37,6 +40,7 @@ import argparse
 import copy
 import cProfile
 import gc
+import os
 import pstats
 import statistics
 import sys
@@ -56,8 +60,8 @@ from check_offload import Server, build_model, loss_of, write_checkpoint  # noqa
 
 LOCAL_VARIANTS = ("local eager fp32", "local sdpa tf32", "local compile tf32",
                   "local bf16 autocast")
-OFFLOAD_VARIANTS = ("offload auto", "offload auto lazy registration", "offload auto waited",
-                    "offload bytes")
+OFFLOAD_VARIANTS = ("offload auto", "offload auto sender uploads",
+                    "offload auto lazy registration", "offload auto waited", "offload bytes")
 
 
 def set_tf32(enabled: bool) -> None:
@@ -165,6 +169,7 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
                   transport=None):
     model = copy.deepcopy(base_model)
     transport = transport or ("bytes" if name == "offload bytes" else "auto")
+    os.environ["ATTNGRAD_SENDER_UPLOADS"] = "1" if "sender uploads" in name else "0"
     handle = attngrad_torch.offload(model, target, mode=mode, precision=args.precision,
                                     transport=transport, timeout=args.timeout,
                                     phase_timings=True, stream_ordered="waited" not in name)

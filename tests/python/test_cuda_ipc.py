@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import unittest
+import unittest.mock
 
 import attngrad_testing as t
 
@@ -369,10 +370,11 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         hidden, _, positions = self.inputs(1, 48, 16)
         cos, sin = attngrad_torch.rotary_tables(positions.to(self.device))
         losses = {}
-        for ordered in (False, True):
+        for ordered, sender_uploads in ((False, "0"), (True, "0"), (True, "1")):
             torch.manual_seed(7)
-            layer = attngrad_torch.RemoteGemma3Attention(self.client, precision="fp32",
-                                                         stream_ordered=ordered).to(self.device)
+            with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_SENDER_UPLOADS": sender_uploads}):
+                layer = attngrad_torch.RemoteGemma3Attention(
+                    self.client, precision="fp32", stream_ordered=ordered).to(self.device)
             optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
             curve = []
             for _ in range(3):
@@ -381,8 +383,9 @@ class CudaIpcAgainstServer(t.ServerTestCase):
                 loss.backward()
                 optimizer.step()
                 curve.append(loss.item())
-            losses[ordered] = curve
-        self.assertEqual(losses[False], losses[True])
+            losses[(ordered, sender_uploads)] = curve
+        self.assertEqual(losses[(False, "0")], losses[(True, "0")])
+        self.assertEqual(losses[(False, "0")], losses[(True, "1")], "uploads by the sender")
 
     def test_one_registration_per_allocation_reused_by_later_calls_and_closed(self):
         client = attngrad.Client(self.server.target, client_id="cache")

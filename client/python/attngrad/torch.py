@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 from typing import Dict, Optional, Tuple
 
@@ -135,6 +136,11 @@ class _Binding:
         # CUDA IPC calls queued on the trainer's stream (Client.submit_backward) instead of
         # answered before backward() goes on.
         self.stream_ordered = bool(stream_ordered)
+        # With stream-ordered calls, changed weights are uploaded by the client's sender thread
+        # (queued by the forward) instead of by the backward's thread before its call. Not yet
+        # measured on a GPU: on only when ATTNGRAD_SENDER_UPLOADS=1.
+        self.sender_uploads = self.stream_ordered and \
+            os.environ.get("ATTNGRAD_SENDER_UPLOADS", "0") == "1"
         self.config = config
         self.mode = mode
         self.precision = precision
@@ -174,8 +180,12 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
                      softcap=binding.softcap, eps=binding.eps, wire_dtype=binding.wire_dtype,
                      transport=binding.transport, **extra)
     if binding.stream_ordered and hasattr(binding.client, "submit_backward"):
-        arguments["expected_weights_version"] = weights if isinstance(weights, int) else \
-            lambda ordered: weights.version(synchronize=not ordered)
+        if isinstance(weights, int) or not binding.sender_uploads:
+            arguments["expected_weights_version"] = weights if isinstance(weights, int) else \
+                weights.version()
+        else:
+            arguments["expected_weights_version"] = \
+                lambda ordered: weights.version(synchronize=not ordered)
         answer = _submit_on_stream(binding, hidden_states, grad_output, cos, sin, arguments)
     else:
         arguments["expected_weights_version"] = weights if isinstance(weights, int) else \
@@ -245,17 +255,18 @@ class _PinnedWeights:
     """The weights a forward computed with, uploaded only when needed, never by the forward.
 
     The forward records the weights' fingerprint (storage, in-place version counter, dtype,
-    shape) and makes no remote call and no GPU synchronisation. With stream-ordered calls it
-    queues the upload of changed weights (Client.submit_after_stream): the client's sender
-    thread uploads them as soon as the stream has passed this point (the optimizer step's writes
-    are done), while the GPU computes the forward. Otherwise the backward uploads them. OWNER has
+    shape) and makes no remote call and no GPU synchronisation. With sender uploads
+    (_Binding.sender_uploads) it queues the upload of changed weights
+    (Client.submit_after_stream): the client's sender thread uploads them as soon as the stream
+    has passed this point (the optimizer step's writes are done), while the GPU computes the
+    forward. Otherwise the backward uploads them. OWNER has
     fingerprint(), needs_upload(fingerprint), sync_weights(synchronize=...) -> the server's
     version, and upload_queued_for (the fingerprint of a queued upload)."""
 
     def __init__(self, owner, binding: "_Binding", sample):
         self.owner = owner
         self.fingerprint = owner.fingerprint()
-        if binding.stream_ordered and owner.upload_queued_for != self.fingerprint and \
+        if binding.sender_uploads and owner.upload_queued_for != self.fingerprint and \
                 owner.needs_upload(self.fingerprint):
             queue = getattr(binding.client, "submit_after_stream", None)
             if queue is not None and queue(
@@ -344,9 +355,10 @@ class RemoteGemma3Attention(nn.Module):
       zero_copy: the former switch: True = transport "auto", False = "bytes".
       stream_ordered: True (default): CUDA IPC backward calls are queued on the trainer's CUDA
         stream (Client.submit_backward): backward() goes on launching kernels while the server
-        computes, the stream waits for the answer, and changed weights are uploaded by the
-        client's sender thread while the forward runs; the calls' errors are raised at the end of
-        loss.backward(). False: each call is answered before backward() goes on.
+        computes, and the stream waits for the answer; the calls' errors are raised at the end of
+        loss.backward(). With ATTNGRAD_SENDER_UPLOADS=1 changed weights are also uploaded by the
+        client's sender thread while the forward runs. False: each call is answered before
+        backward() goes on.
     forward(hidden_states [B,S,hidden], cos [B,S,D] or [S,D], sin) -> [B,S,hidden].
     """
 
