@@ -7,7 +7,10 @@ without PyTorch the suite reports itself skipped (the GPU check is
 client/python/examples/check_autograd.py)."""
 from __future__ import annotations
 
+import pathlib
+import re
 import unittest
+import unittest.mock
 
 import numpy as np
 
@@ -127,6 +130,25 @@ class TorchBridgeAgainstServer(t.ServerTestCase):
             gradients.append([source.grad] + [w.grad for w in module.weights().values()])
         for plain, ordered in zip(*gradients):
             self.assertTrue(torch.equal(plain, ordered))
+
+    def test_the_readme_snippets_run_as_written(self):
+        root = pathlib.Path(__file__).resolve().parents[2]
+        for readme in (root / "README.md", root / "client" / "python" / "README.md"):
+            with self.subTest(readme=readme.name):
+                blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+                snippet, = [b for b in blocks if "RemoteGemma3Attention(client" in b]
+                self.assertIn('"gpu-box:50051"', snippet)
+                hidden, _, cos, sin = self.inputs(1, 8)
+                names = {"hidden_states": hidden, "cos": cos, "sin": sin}
+                with unittest.mock.patch.object(torch.nn.Module, "cuda",
+                                                lambda module, *args, **kwargs: module):
+                    exec(snippet.replace('"gpu-box:50051"', repr(self.server.target)), names)
+                attention = names["attention"]
+                self.assertEqual(attention.last_result.server_instance_id,
+                                 self.client.info().server_instance_id)
+                for parameter in attention.parameters():
+                    self.assertIsNotNone(parameter.grad, "fetch_gradients did not fill .grad")
+                names["client"].close()
 
     def test_saves_only_hidden_states_and_rotary_tables(self):
         module = self.bridge.RemoteGemma3Attention(self.client, mode="return")
