@@ -393,7 +393,7 @@ class RemoteGemma3Attention(nn.Module):
             transport=transport if zero_copy is None else ("auto" if zero_copy else "bytes"),
             stream_ordered=stream_ordered)
         self._uploaded: Optional[Tuple] = None
-        self.upload_queued_for: Optional[Tuple] = None  # stream-ordered: the queued upload's
+        self.upload_queued_for: Optional[Tuple] = None  # the fingerprint a queued upload sends
         self.weights_version: Optional[int] = None
         if mode == "accumulate":
             client.zero_gradients()
@@ -627,7 +627,7 @@ class _OffloadedLayer:
         self.upload_weights = upload_weights
         self.weights_version: Optional[int] = None
         self._uploaded: Optional[Tuple] = None
-        self.upload_queued_for: Optional[Tuple] = None  # stream-ordered: the queued upload's
+        self.upload_queued_for: Optional[Tuple] = None  # the fingerprint a queued upload sends
         self.original_forward = module.forward
         self.had_instance_forward = "forward" in module.__dict__
         self.signature = inspect.signature(self.original_forward)
@@ -651,7 +651,7 @@ class _OffloadedLayer:
             return self.weights_version
         weights = self.weights()
         fingerprint = _weights_fingerprint(weights)
-        if force or fingerprint != self._uploaded or self.weights_version is None:
+        if force or self.needs_upload(fingerprint):
             self.weights_version = _upload_weights(self.binding, weights, synchronize=synchronize,
                                                    layer=self.index)
             self._uploaded = fingerprint
