@@ -20,6 +20,7 @@
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/tensor.h"
 #include "rpc/auth.h"
+#include "rpc/stream_registry.h"
 #include "server.h"
 #include "server_test_util.h"
 #include "test_certificates.h"
@@ -707,6 +708,71 @@ TEST_F(StreamShareTest, IdleStreamsOfSeveralClientIdsDoNotLockOthersOut) {
     }
   }
   EXPECT_EQ(evicted, 1);
+}
+
+// The registry's rule alone, with scripted streams: when the server is full, the longest-idle
+// stream of the client holding the most streams is closed for a client holding at least two
+// fewer; busy streams never are, and no stream goes back and forth between two clients.
+class ScriptedStream final : public IdleStream {
+ public:
+  explicit ScriptedStream(std::optional<std::chrono::steady_clock::time_point> idle_since)
+      : idle_since_(idle_since) {}
+  bool ExpireIfIdle(std::chrono::steady_clock::time_point,
+                    std::chrono::steady_clock::duration) override {
+    return false;
+  }
+  bool Drain() override { return false; }
+  std::optional<std::chrono::steady_clock::time_point> IdleSince() override { return idle_since_; }
+  bool EvictIfIdle() override {
+    evicted_ = idle_since_.has_value();
+    return evicted_;
+  }
+  void FinishIdle() override { finished_ = true; }
+  bool evicted() const { return evicted_ && finished_; }
+
+ private:
+  const std::optional<std::chrono::steady_clock::time_point> idle_since_;
+  bool evicted_ = false;
+  bool finished_ = false;
+};
+
+TEST(StreamRegistryTest, AFullServerClosesAnIdleStreamOfTheBusiestClientForAClientWithFewer) {
+  StreamLimits limits;
+  limits.max_streams = 4;
+  limits.max_streams_per_client = 4;
+  limits.idle_timeout = std::chrono::steady_clock::duration::zero();  // no idle thread
+  StreamRegistry registry(limits);
+  const auto now = std::chrono::steady_clock::now();
+  ScriptedStream a_old(now - std::chrono::seconds(9)), a_new(now - std::chrono::seconds(1));
+  ScriptedStream a_busy(std::nullopt), b(now - std::chrono::seconds(20));
+  ASSERT_TRUE(registry.Open("a", &a_busy).ok());
+  ASSERT_TRUE(registry.Open("a", &a_new).ok());
+  ASSERT_TRUE(registry.Open("a", &a_old).ok());
+  ASSERT_TRUE(registry.Open("b", &b).ok());
+  // c holds none: a holds three, so a's longest-idle stream makes room (not b's, idle longer).
+  ScriptedStream c1(std::nullopt);
+  ASSERT_TRUE(registry.Open("c", &c1).ok());
+  EXPECT_TRUE(a_old.evicted());
+  EXPECT_FALSE(a_new.evicted());
+  EXPECT_FALSE(b.evicted());
+  EXPECT_EQ(registry.open_streams(), 4);
+  // a (2) may not take a slot back from anyone holding fewer than 4: refused, nothing closed.
+  ScriptedStream a_again(std::nullopt);
+  const absl::Status refused = registry.Open("a", &a_again);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("--max_concurrent_streams"), std::string::npos) << refused;
+  // d holds none: a (2) is two ahead; its idle stream goes, its busy one never.
+  ScriptedStream d(std::nullopt);
+  ASSERT_TRUE(registry.Open("d", &d).ok());
+  EXPECT_TRUE(a_new.evicted());
+  EXPECT_FALSE(a_busy.evicted());
+  // Now a, b, c and d hold one each: nobody is two ahead of e.
+  ScriptedStream e(std::nullopt);
+  EXPECT_EQ(registry.Open("e", &e).code(), absl::StatusCode::kResourceExhausted);
+  for (IdleStream* stream : std::initializer_list<IdleStream*>{&a_busy, &b, &c1, &d}) {
+    registry.Close(stream);
+  }
+  EXPECT_EQ(registry.open_streams(), 0);
 }
 
 TEST_F(StreamShareTest, IdleStreamsEnd) {
