@@ -396,8 +396,8 @@ def command_manifests(arguments):
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
     # The bases are build arguments whose defaults are NVIDIA's images (local-bases.sh makes
     # stand-ins where no registry is reachable).
-    check(re.search(r"^ARG BUILD_BASE=nvidia/cuda:\$\{CUDA_VERSION\}-devel-ubuntu\$\{UBUNTU_VERSION\}$",
-                    dockerfile, re.M)
+    check(re.search(r"^ARG BUILD_BASE=nvidia/cuda:\$\{CUDA_VERSION\}-devel-ubuntu"
+                    r"\$\{UBUNTU_VERSION\}$", dockerfile, re.M)
           and re.search(r"^ARG RUNTIME_BASE=nvidia/cuda:\$\{CUDA_VERSION\}-runtime-ubuntu"
                         r"\$\{UBUNTU_VERSION\}$", dockerfile, re.M)
           and re.search(r"^FROM \$\{BUILD_BASE\} AS build$", dockerfile, re.M)
