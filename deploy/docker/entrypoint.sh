@@ -45,6 +45,9 @@ declare -A flag_of=(
   [ATTNGRAD_TLS_RELOAD_INTERVAL_SECONDS]=tls_reload_interval_seconds
   [ATTNGRAD_TOKENS_FILE]=tokens_file
   [ATTNGRAD_ALLOW_UNAUTHENTICATED]=allow_unauthenticated
+  [ATTNGRAD_MAX_INFLIGHT_BYTES]=max_inflight_bytes
+  [ATTNGRAD_MAX_INFLIGHT_SHARE_PER_CLIENT]=max_inflight_share_per_client
+  [ATTNGRAD_REGION_SOCKET]=region_socket
 )
 
 server="${ATTNGRAD_SERVER_BINARY:-/usr/local/bin/attngrad-server}"
