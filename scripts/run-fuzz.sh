@@ -28,7 +28,8 @@ while [[ $# -gt 0 ]]; do
 done
 if [[ ${#targets[@]} -eq 0 ]]; then
   targets=(tensor_decode_fuzzer safetensors_header_fuzzer json_fuzzer metrics_http_request_fuzzer
-           backward_request_fuzzer received_request_fuzzer received_response_fuzzer)
+           backward_request_fuzzer received_request_fuzzer received_response_fuzzer
+           region_socket_fuzzer)
 fi
 
 if [[ $build -eq 1 ]]; then
