@@ -94,28 +94,6 @@ class TrackedContext {
   bool added_ = false;
 };
 
-// A unary call of `method` whose request is `bytes` as they are.
-grpc::Status RawCall(grpc::GenericStub& generic, const std::string& method,
-                     const std::string& bytes) {
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::CompletionQueue queue;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  auto call = generic.PrepareUnaryCall(&context, method, request, &queue);
-  call->StartCall();
-  grpc::ByteBuffer reply;
-  grpc::Status status;
-  call->Finish(&reply, &status, reinterpret_cast<void*>(1));
-  void* tag;
-  bool ok;
-  queue.Next(&tag, &ok);
-  queue.Shutdown();
-  while (queue.Next(&tag, &ok)) {
-  }
-  return status;
-}
-
 class HostileClientsTest : public ServerTest {
  protected:
   void Customize(ServerOptions& options) override {
@@ -199,7 +177,7 @@ void HostileClientsTest::StartGarbage() {
     const std::string garbage("\x0a\x64\x01", 3);
     for (const char* method : {"GetModelInfo", "ZeroGradients", "RegisterRegion",
                                "UnregisterRegion", "FetchGradients", "Backward", "LoadWeights"}) {
-      RawCall(*generic, absl::StrCat("/attngrad.v1.AttentionGradient/", method), garbage);
+      RawUnaryCall(*generic, absl::StrCat("/attngrad.v1.AttentionGradient/", method), garbage);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   });

@@ -21,28 +21,6 @@
 namespace attngrad::server::testing {
 namespace {
 
-// A unary call of `method` whose request is `bytes` as they are (not a serialised message); its
-// status.
-grpc::Status RawUnaryCall(grpc::GenericStub& generic, const std::string& method,
-                          const std::string& bytes) {
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::CompletionQueue queue;
-  grpc::ClientContext context;
-  auto call = generic.PrepareUnaryCall(&context, method, request, &queue);
-  call->StartCall();
-  grpc::ByteBuffer reply;
-  grpc::Status status;
-  call->Finish(&reply, &status, reinterpret_cast<void*>(1));
-  void* tag;
-  bool ok;
-  EXPECT_TRUE(queue.Next(&tag, &ok));
-  queue.Shutdown();
-  while (queue.Next(&tag, &ok)) {
-  }
-  return status;
-}
-
 constexpr std::int64_t kMaxMessageBytes = 1 << 20;  // the server's least
 
 // attngrad_<family>{code="C",method="M"} samples of one scrape: counts by code for `method`.

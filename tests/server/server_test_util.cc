@@ -2,6 +2,7 @@
 #include "server_test_util.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <random>
@@ -297,6 +298,27 @@ std::string HttpGet(int port, const std::string& path) {
       wire::HttpGet(absl::StrCat("127.0.0.1:", port), path);
   EXPECT_TRUE(response.ok()) << response.status();
   return response.ok() ? response->body : std::string();
+}
+
+grpc::Status RawUnaryCall(grpc::GenericStub& generic, const std::string& method,
+                          const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::CompletionQueue queue;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto call = generic.PrepareUnaryCall(&context, method, request, &queue);
+  call->StartCall();
+  grpc::ByteBuffer reply;
+  grpc::Status status;
+  call->Finish(&reply, &status, reinterpret_cast<void*>(1));
+  void* tag;
+  bool ok;
+  EXPECT_TRUE(queue.Next(&tag, &ok));
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  return status;
 }
 
 }  // namespace attngrad::server::testing

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -115,6 +116,11 @@ class ServerTest : public ::testing::Test {
   std::unique_ptr<v1::AttentionGradient::Stub> stub_;
   std::unique_ptr<LayerWeights> weights_;
 };
+
+// A unary call of `method` ("/package.Service/Method") whose request is `bytes` as they are (not
+// a serialised message), with a 10 s deadline; its status.
+grpc::Status RawUnaryCall(grpc::GenericStub& generic, const std::string& method,
+                          const std::string& bytes);
 
 }  // namespace attngrad::server::testing
 
