@@ -110,6 +110,8 @@ class DeviceInfo:
     backend: str
     memory_total_bytes: int
     memory_used_bytes: int
+    # The server orders batches on this GPU by the caller's CUDA stream (stream_order).
+    stream_ordered_batches: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +148,8 @@ class ModelInfo:
             weights_version=message.weights_version, weights_source=message.weights_source,
             server_instance_id=message.server_instance_id,
             devices=tuple(DeviceInfo(d.index, d.name, d.backend, d.memory_total_bytes,
-                                     d.memory_used_bytes) for d in message.devices),
+                                     d.memory_used_bytes, d.stream_ordered_batches)
+                          for d in message.devices),
             supported_precisions=tuple(_PRECISION_BY_ENUM.get(p, str(p))
                                        for p in message.supported_precisions),
             supported_wire_dtypes=tuple(_DTYPE_BY_ENUM.get(d, str(d))
@@ -231,7 +234,10 @@ class BackwardResult:
       "encode" (requests serialised), "send" (queued for gRPC's sender), "wait" (until the answers
       arrived), "decode" (the result assembled); None otherwise.
     transport: what carried the activations: "cuda_ipc" (the server computed straight from this
-      process's GPU memory), "shm" (a shared-memory region) or "bytes" (the connection)."""
+      process's GPU memory), "shm" (a shared-memory region) or "bytes" (the connection).
+    ordering: a submit_backward() call queued on the trainer's CUDA stream: "gpu" (the server's
+      GPU waited for the stream's inputs: stream_ordered.GpuOrderedCalls) or "host" (this
+      process's sender thread did: stream_ordered.StreamOrderedCalls); "" otherwise."""
     batch_id: int
     grad_hidden_states: Any
     weight_gradients: Optional[Dict[str, Any]]
@@ -244,6 +250,7 @@ class BackwardResult:
     timings: Tuple[StageTimings, ...]
     client_phases: Optional[Dict[str, float]] = None
     transport: str = "bytes"
+    ordering: str = ""
 
 
 @dataclasses.dataclass
@@ -1109,6 +1116,45 @@ def _raise_in_band_error(batch: _Batch, response) -> None:
                             batch_id=response.batch_id, method="Backward")
 
 
+_FLAG_WORD_BYTES = 4  # StreamOrder's ready and done words are 32-bit
+
+
+class _GpuOrderedBatch:
+    """A prepared CUDA IPC batch as stream_ordered.GpuOrderedCalls sends it: each part's request
+    with its stream_order, the parts' answers checked as they come, the result once all are in."""
+
+    def __init__(self, batch: _Batch, phases):
+        self._batch = batch
+        self._phases = phases
+        self.part_ids = [part_id for part_id, _ in batch.parts]
+
+    def encode(self, part_index: int, order: stream_ordered.StreamOrder) -> bytes:
+        wire = self._batch.request(part_index)
+        wire.head.stream_order.CopyFrom(pb.StreamOrder(
+            ready=pb.RegionSlice(region_id=order.region_id, offset=order.ready_offset,
+                                 byte_size=_FLAG_WORD_BYTES),
+            done=pb.RegionSlice(region_id=order.region_id, offset=order.done_offset,
+                                byte_size=_FLAG_WORD_BYTES),
+            value=order.value))
+        payload = wire.serialize()
+        self._phases.mark("encode")
+        return payload
+
+    def add(self, response) -> None:
+        """Takes a part's answer; raises its in-band error."""
+        self._phases.mark("wait")
+        _raise_in_band_error(self._batch, response)
+        self._batch.add(response)
+
+    def result(self) -> BackwardResult:
+        result = self._batch.result()
+        self._phases.mark("decode")
+        result.client_phases = self._phases.seconds
+        result.grad_hidden_states = result.weight_gradients = None  # in the PendingBackward
+        result.ordering = "gpu"
+        return result
+
+
 _SERVICE = pb.DESCRIPTOR.services_by_name["AttentionGradient"].full_name
 
 
@@ -1325,6 +1371,8 @@ class Client:
         # submit_backward()'s queue and sender thread, and whether the driver allows them.
         self._stream_ordered: Optional[stream_ordered.StreamOrderedCalls] = None
         self._stream_ordered_supported: Optional[bool] = None
+        # submit_backward()'s calls ordered on the GPU by the server, started at first use.
+        self._gpu_ordered: Optional[stream_ordered.GpuOrderedCalls] = None
         # Why the server cannot open CUDA IPC regions (it is elsewhere or on the CPU), once seen.
         self._cuda_ipc_refused: Optional[str] = None
         # Why the server cannot map this host's shared memory (it is elsewhere), once seen.
@@ -1374,6 +1422,8 @@ class Client:
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._gpu_ordered is not None:
+            self._gpu_ordered.close()  # waits for the calls in flight first
         if self._stream_ordered is not None:
             self._stream_ordered.close()  # answers what is queued first
         self._streams.close()  # half-closed: the server ends them with OK
@@ -1524,11 +1574,17 @@ class Client:
         server. Its result() (or wait_submitted()) gives the BackwardResult or raises the call's
         error; ON_RESULT(result) runs there. Any other case (CPU tensors, another transport, a
         driver without stream memory operations) runs backward() now and returns it answered.
+        Where the server orders batches on the tensors' GPU (orders_on_gpu()), the request
+        leaves at once and the server's GPU waits for the inputs (PendingBackward.ordering
+        "gpu"); otherwise a sender thread sends it once the stream has written them ("host").
         Same arguments as backward(), except that expected_weights_version may be a callable
-        VERSION(ordered) -> int, called right before the request goes: in the sender thread once
-        the stream reached the call (ORDERED True: what the stream launched before is done), or
-        in this thread before an answered-now call (False). Do not change the inputs until the
-        call is answered."""
+        VERSION(ordered) -> int, called right before the request goes. Host-ordered: in the
+        sender thread once the stream reached the call (ORDERED True: what the stream launched
+        before is done). GPU-ordered: in this thread, once the tasks submit_after_stream() queued
+        before (weight uploads) have run (ORDERED True: they all succeeded, so what the stream
+        launched before each of them is done; the stream's later work may still be running).
+        Answered-now calls: in this thread (False). Do not change the inputs until the call is
+        answered."""
         timeout = kwargs.pop("timeout", None)
         transport = self._requested_transport(kwargs.get("transport", "auto"),
                                               kwargs.get("zero_copy"))
@@ -1550,8 +1606,8 @@ class Client:
             return stream_ordered.PendingBackward.completed(result, on_result)
         batch, kept = prepared
         if callable(version):
-            def before_send(sent):
-                sent.expected_weights_version = int(version(True))
+            def before_send(ordered):
+                batch.expected_weights_version = int(version(ordered))
         else:
             batch.expected_weights_version, before_send = int(version), None
         return self._queue_prepared(calls, batch, kept, hidden_states, timeout, phases,
@@ -1559,19 +1615,31 @@ class Client:
 
     def _queue_prepared(self, calls, batch, kept, hidden_states, timeout, phases, on_result,
                         before_send) -> stream_ordered.PendingBackward:
+        """Queues a prepared CUDA IPC batch on the current stream of hidden_states' device:
+        GPU-ordered where the server orders batches on that device, else by CALLS' sender."""
         import torch
 
-        with torch.cuda.device(hidden_states.device):
-            pending = calls.submit(
-                batch, stream_ordered.stream_handle_of(hidden_states),
-                batch.region.grad_hidden_states, None, kept, self._timeout(timeout), phases,
-                on_result=lambda result: _answered_on_gpu(result, on_result),
-                before_send=before_send)
-            # After the stream's wait: the kernels these launch see the answer.
+        def on_queued(pending):
+            # After the stream's wait: the kernels these launch see the answer. The answer is
+            # assembled in another thread, which must launch nothing on the GPU (no `like`).
             pending.grad_hidden_states = batch.region.grad_hidden_states.to(hidden_states.dtype)
             pending.weight_gradients = batch.region.weight_gradients()
-        batch.like = None  # the sender thread launches nothing on the GPU
-        return pending
+            batch.like = None
+
+        def answered(result):
+            _answered_on_gpu(result, on_result)
+
+        device = hidden_states.device
+        stream = stream_ordered.stream_handle_of(hidden_states)
+        with torch.cuda.device(device):
+            gpu_calls = self._gpu_ordered_calls(device.index)
+            if gpu_calls is not None:
+                return gpu_calls.submit(_GpuOrderedBatch(batch, phases), device.index, stream,
+                                        kept, self._timeout(timeout), on_result=answered,
+                                        before_send=before_send, on_queued=on_queued)
+            return calls.submit(batch, stream, batch.region.grad_hidden_states, None, kept,
+                                self._timeout(timeout), phases, on_result=answered,
+                                before_send=before_send, on_queued=on_queued)
 
     def submit_after_stream(self, tensor, task, *, timeout: Optional[float] = None,
                             layer: Optional[int] = None):
@@ -1592,11 +1660,50 @@ class Client:
                                      self._timeout(timeout))
 
     def wait_submitted(self) -> None:
-        """Waits for every submit_backward() call of this client so far; raises the first
-        one's error."""
-        calls = self._stream_ordered
-        if calls is not None:
-            calls.wait_all()
+        """Waits for every submit_backward() call and submit_after_stream() task of this client
+        so far, host- and GPU-ordered; raises the first one's error."""
+        first_error = None
+        for calls in (self._stream_ordered, self._gpu_ordered):
+            if calls is None:
+                continue
+            try:
+                calls.wait_all()
+            except BaseException as error:  # noqa: B902 - raised below, after the others
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def orders_on_gpu(self, device: Optional[int] = None, *, layer: Optional[int] = None) -> bool:
+        """Whether submit_backward() has the server's GPU order its calls on CUDA device DEVICE
+        (None: on any GPU of the server) by the trainer's stream (stream_ordered.GpuOrderedCalls):
+        where the CUDA driver has stream memory operations, the server reports
+        DeviceInfo.stream_ordered_batches for that GPU, it can open this process's GPU memory
+        (as far as known) and $ATTNGRAD_GPU_ORDERED is not "0". Otherwise calls on the stream are
+        ordered by this process's sender thread. LAYER: for a ShardedClient, the layer whose
+        server is asked."""
+        if os.environ.get("ATTNGRAD_GPU_ORDERED") == "0" or self._cuda_ipc_refused is not None:
+            return False
+        if self._stream_ordered_calls() is None:
+            return False
+        info = self._limits or self.info()
+        # The server numbers its GPUs as RegisterRegion's cuda_ipc.device does (cuda_regions:
+        # the device ordinal of this process's driver, which is torch's device index).
+        return any(known.stream_ordered_batches and (device is None or known.index == device)
+                   for known in info.devices)
+
+    def _gpu_ordered_calls(self, device: int) -> Optional[stream_ordered.GpuOrderedCalls]:
+        """The GPU-ordered calls of submit_backward() for CUDA device DEVICE, started at first
+        use; None where calls on it are host-ordered (orders_on_gpu)."""
+        if not self.orders_on_gpu(device):
+            return None
+        with self._regions_lock:
+            if self._gpu_ordered is None:
+                self._gpu_ordered = stream_ordered.GpuOrderedCalls(
+                    lambda: _BackwardStream(self._next_backward(serialized=True)),
+                    self._stream_ordered.driver,
+                    lambda memory: self._cuda_region_cache().slice_of(memory),
+                    watchdog=self._watchdog, tasks=self._stream_ordered)
+            return self._gpu_ordered
 
     def _stream_ordered_calls(self) -> Optional[stream_ordered.StreamOrderedCalls]:
         """The queue of submit_backward(), started at its first use; None when the CUDA driver

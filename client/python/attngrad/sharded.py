@@ -258,6 +258,10 @@ class ShardedClient:
         return self.client_for(layer).submit_after_stream(tensor, task, timeout=timeout,
                                                           layer=layer)
 
+    def orders_on_gpu(self, device: Optional[int] = None, *, layer: Optional[int] = None) -> bool:
+        """Client.orders_on_gpu on the server of LAYER."""
+        return self.client_for(layer).orders_on_gpu(device, layer=layer)
+
     def wait_submitted(self) -> None:
         """Client.wait_submitted on every server's client; raises the first error."""
         errors_seen = []

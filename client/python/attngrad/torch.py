@@ -136,11 +136,7 @@ class _Binding:
         # CUDA IPC calls queued on the trainer's stream (Client.submit_backward) instead of
         # answered before backward() goes on.
         self.stream_ordered = bool(stream_ordered)
-        # With stream-ordered calls, changed weights are uploaded by the client's sender thread
-        # (queued by the forward) instead of by the backward's thread before its call. Not yet
-        # measured on a GPU: on only when ATTNGRAD_SENDER_UPLOADS=1.
-        self.sender_uploads = self.stream_ordered and \
-            os.environ.get("ATTNGRAD_SENDER_UPLOADS", "0") == "1"
+        self._sender_uploads: Optional[bool] = None  # decided at the first use (sender_uploads)
         self.config = config
         self.mode = mode
         self.precision = precision
@@ -153,6 +149,26 @@ class _Binding:
         self.pending_tokens = 0
         self.pending_batches = 0
         self.last_result: Optional[client_module.BackwardResult] = None
+
+    @property
+    def sender_uploads(self) -> bool:
+        """With stream-ordered calls: changed weights are uploaded by the client's sender thread
+        (queued by the forward, Client.submit_after_stream) instead of by the backward's thread
+        before its call. On by default where the client orders the calls on the GPU
+        (Client.orders_on_gpu): the backward's thread must then never synchronise the stream,
+        which an upload there does. ATTNGRAD_SENDER_UPLOADS=1 or 0 forces it on or off. Decided
+        at the first use, so that a forward and its backward agree."""
+        if self._sender_uploads is None:
+            forced = os.environ.get("ATTNGRAD_SENDER_UPLOADS")
+            orders_on_gpu = getattr(self.client, "orders_on_gpu", None)
+            if not self.stream_ordered:
+                self._sender_uploads = False
+            elif forced in ("0", "1"):
+                self._sender_uploads = forced == "1"
+            else:
+                self._sender_uploads = orders_on_gpu is not None and \
+                    bool(orders_on_gpu(layer=self.layer))
+        return self._sender_uploads
 
 
 def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, weights,
