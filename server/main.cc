@@ -109,6 +109,10 @@ ABSL_FLAG(double, max_inflight_share_per_client, 0.5,
           "attngrad-client-id when authentication is off) may hold at once, in (0, 1]; beyond it "
           "that client's batches and streams get RESOURCE_EXHAUSTED while others are served; "
           "1 = no per-client limit");
+ABSL_FLAG(int, stream_order_timeout_seconds, 60,
+          "A batch ordered by its client's CUDA stream (BackwardRequest.stream_order) fails with "
+          "DEADLINE_EXCEEDED when that stream has not reached it this many seconds after it "
+          "arrived");
 ABSL_FLAG(int, queue_depth, 4,
           "Batches one Backward stream may have in the server at once; also each GPU's pipeline "
           "depth (at least 3)");
@@ -260,6 +264,7 @@ int main(int argc, char** argv) {
   options.stage_on_arrival = absl::GetFlag(FLAGS_stage_on_arrival);
   options.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   options.max_inflight_share_per_client = absl::GetFlag(FLAGS_max_inflight_share_per_client);
+  options.stream_order_timeout_seconds = absl::GetFlag(FLAGS_stream_order_timeout_seconds);
   options.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   options.stream_idle_timeout_seconds = absl::GetFlag(FLAGS_stream_idle_timeout_seconds);
   options.max_clients_with_sums = absl::GetFlag(FLAGS_max_clients_with_sums);

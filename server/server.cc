@@ -208,6 +208,9 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   if (options.stream_idle_timeout_seconds < 0) {
     return absl::InvalidArgumentError("--stream_idle_timeout_seconds must be >= 0 (0 = never)");
   }
+  if (options.stream_order_timeout_seconds < 1) {
+    return absl::InvalidArgumentError("--stream_order_timeout_seconds must be >= 1");
+  }
   if (options.connection_idle_timeout_seconds < 0) {
     return absl::InvalidArgumentError("--connection_idle_timeout_seconds must be >= 0 (0 = never)");
   }
@@ -287,6 +290,7 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   limits.stream_window = options.queue_depth;
   limits.max_inflight_bytes = options.max_inflight_bytes;
   limits.inflight_share_per_client = options.max_inflight_share_per_client;
+  limits.stream_order_timeout = std::chrono::seconds(options.stream_order_timeout_seconds);
   server->security_summary_.push_back(transport.description);
   if (authenticator.enabled()) {
     server->security_summary_.push_back(absl::StrCat(

@@ -48,6 +48,8 @@ struct ServerOptions {
   // The fraction of max_inflight_bytes one client id may hold at once, in (0, 1]; 1 = no
   // per-client limit.
   double max_inflight_share_per_client = 0.5;
+  // A stream-ordered batch waits this long at most for its client's stream to reach it.
+  int stream_order_timeout_seconds = 60;
   int cpu_threads = 0;  // CPU backend threads (0 = all cores)
   std::string nccl =
       "auto";  // cross-GPU sums: "auto" (NCCL when usable), "on" (NCCL or fail), "off"

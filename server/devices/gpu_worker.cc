@@ -65,6 +65,7 @@
 #include "devices/nccl_abort.h"
 #include "devices/nccl_library.h"
 #include "devices/pinned_pool.h"
+#include "devices/stream_memory_operations.h"
 #include "devices/wire_convert.h"
 #include "scheduling/finite_check.h"
 #include "attngrad/wire/parallel_tasks.h"
@@ -140,6 +141,10 @@ constexpr std::size_t kPinnedAnswerPoolBytes = std::size_t{4} << 30;
 // batch of the SPEC layer stages 27 MB).
 constexpr std::size_t kArrivalStagingPoolBytes = std::size_t{1} << 30;
 
+// How often the worker looks at the gates of stream-ordered batches (BatchJob::stream_gate) while
+// some are closed: the delay between a client's stream reaching a batch and its launch.
+constexpr std::chrono::microseconds kGatePollInterval{20};
+
 class GpuWorker final : public DeviceWorker {
  public:
   // `nccl`: null for host-side sums; else this worker is rank `rank` of it (rank 0 is the root).
@@ -165,6 +170,7 @@ class GpuWorker final : public DeviceWorker {
     description.backend = "cuda";
     description.memory_total_bytes = memory_total_.load();
     description.memory_used_bytes = memory_used_.load();
+    description.stream_ordered_batches = stream_ordered_batches_.load();
     return description;
   }
 
@@ -218,6 +224,19 @@ class GpuWorker final : public DeviceWorker {
     WireTensor device_hidden_states, device_grad_output;
   };
 
+  // Where a stream-ordered batch waits for its client's stream: the GPU waits on `stream`
+  // (cuStreamWaitValue32), and `opened`, recorded behind that wait, tells the worker's thread, by a
+  // query, that the batch may be launched. The waiting thus never holds up the streams that other
+  // batches use.
+  struct Gate {
+    cuda::Stream stream;
+    cuda::Event opened;
+  };
+  struct ParkedJob {
+    std::unique_ptr<BatchJob> job;
+    std::unique_ptr<Gate> gate;
+  };
+
   absl::Status Initialize() override {
     absl::Status status = InitializeDevice();
     if (!status.ok()) Release();
@@ -232,6 +251,8 @@ class GpuWorker final : public DeviceWorker {
     for (cuda::Stream* stream : {&copy_in_stream_, &compute_stream_, &copy_out_stream_}) {
       ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(stream));
     }
+    stream_memory_ = std::make_unique<StreamMemoryOperations>();
+    stream_ordered_batches_ = stream_memory_->usable();
     const std::size_t weight_elements = largest_layer_elements_;
     for (std::unique_ptr<ResidentLayer>& layer : layers_) {
       const cudaError_t allocated =
@@ -280,6 +301,8 @@ class GpuWorker final : public DeviceWorker {
   // idle); their destructors release them.
   void Release() {
     cudaDeviceSynchronize();
+    parked_.clear();
+    free_gates_.clear();
     slots_.clear();
     workspace_ = cuda::DeviceBuffer<unsigned char>();
     layers_.clear();
@@ -344,49 +367,146 @@ class GpuWorker final : public DeviceWorker {
 
   void Run() override {
     std::deque<Slot*> in_flight;
-    auto retire_oldest = [&] {
-      Retire(*in_flight.front());
-      in_flight.pop_front();
-    };
     while (true) {
+      LaunchOpenedGates(in_flight);
       // With batches in flight, look for more work without blocking; when there is none, finish
-      // the oldest batch instead.
-      std::optional<Item> item = Pop(/*wait=*/in_flight.empty());
+      // the oldest batch instead. With closed gates, look again soon.
+      std::optional<Item> item =
+          parked_.empty() ? Pop(/*wait=*/in_flight.empty()) : PopWithin(kGatePollInterval);
       if (!item) {
-        if (in_flight.empty()) break;  // stopping and drained
-        retire_oldest();
+        if (!in_flight.empty()) {
+          RetireOldest(in_flight);
+        } else if (parked_.empty()) {
+          break;  // stopping and drained
+        }
         continue;
       }
       if (item->job == nullptr) {
-        while (!in_flight.empty()) retire_oldest();
+        // A control runs after every batch queued before it, stream-ordered ones included.
+        while (!parked_.empty()) {
+          LaunchOpenedGates(in_flight);
+          if (!parked_.empty()) std::this_thread::sleep_for(kGatePollInterval);
+        }
+        while (!in_flight.empty()) RetireOldest(in_flight);
         Control(*item->control);
         continue;
       }
-      if (in_flight.size() == slots_.size()) retire_oldest();
-      Slot* slot = nullptr;
-      for (Slot& candidate : slots_) {
-        if (candidate.job == nullptr) {
-          slot = &candidate;
-          break;
-        }
-      }
-      slot->job = std::move(item->job);
-      absl::Status status = Launch(*slot);
-      if (status.ok()) {
-        in_flight.push_back(slot);
+      if (item->job->stream_gate.ready != nullptr) {
+        Park(std::move(item->job));
       } else {
-        // Nothing of this batch may still be running before its buffers are reused.
-        cudaStreamSynchronize(copy_in_stream_.get());
-        cudaStreamSynchronize(compute_stream_.get());
-        cudaStreamSynchronize(copy_out_stream_.get());
-        slot->device_hidden_states = WireTensor();
-        slot->device_grad_output = WireTensor();
-        slot->staged_inputs = wire::BufferPool::Buffer();
-        slot->job->status = status;
-        FinishJob(std::move(slot->job));
+        LaunchInSlot(std::move(item->job), in_flight);
       }
     }
     Release();
+  }
+
+  void RetireOldest(std::deque<Slot*>& in_flight) {
+    Retire(*in_flight.front());
+    in_flight.pop_front();
+  }
+
+  // Launches `job` in a free slot (retiring the oldest batch when none is free), or finishes it
+  // with the error that stopped its launch.
+  void LaunchInSlot(std::unique_ptr<BatchJob> job, std::deque<Slot*>& in_flight) {
+    if (in_flight.size() == slots_.size()) RetireOldest(in_flight);
+    Slot* slot = nullptr;
+    for (Slot& candidate : slots_) {
+      if (candidate.job == nullptr) {
+        slot = &candidate;
+        break;
+      }
+    }
+    slot->job = std::move(job);
+    absl::Status status = Launch(*slot);
+    if (status.ok()) {
+      in_flight.push_back(slot);
+      return;
+    }
+    // Nothing of this batch may still be running before its buffers are reused.
+    cudaStreamSynchronize(copy_in_stream_.get());
+    cudaStreamSynchronize(compute_stream_.get());
+    cudaStreamSynchronize(copy_out_stream_.get());
+    slot->device_hidden_states = WireTensor();
+    slot->device_grad_output = WireTensor();
+    slot->staged_inputs = wire::BufferPool::Buffer();
+    slot->job->status = status;
+    FinishJob(std::move(slot->job));
+  }
+
+  // Queues the wait for a stream-ordered batch's ready word on a gate of its own and parks the
+  // batch until the gate opens (LaunchOpenedGates); finishes it with the error otherwise.
+  void Park(std::unique_ptr<BatchJob> job) {
+    absl::StatusOr<std::unique_ptr<Gate>> gate = CloseGate(job->stream_gate);
+    if (!gate.ok()) {
+      job->status = gate.status();
+      FinishJob(std::move(job));
+      return;
+    }
+    parked_.push_back(ParkedJob{std::move(job), *std::move(gate)});
+  }
+
+  absl::StatusOr<std::unique_ptr<Gate>> CloseGate(const BatchJob::StreamGate& order) {
+    if (!stream_memory_->usable()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "stream_order: the CUDA driver of ", device(),
+          " has no stream memory operations (cuStreamWaitValue32); send the batch without it"));
+    }
+    std::unique_ptr<Gate> gate;
+    if (!free_gates_.empty()) {
+      gate = std::move(free_gates_.back());
+      free_gates_.pop_back();
+    } else {
+      gate = std::make_unique<Gate>();
+      ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(&gate->stream));
+      ATTNGRAD_CUDA_RETURN(cuda::Event::Create(&gate->opened, cudaEventDisableTiming));
+    }
+    ATTNGRAD_RETURN_IF_ERROR(
+        stream_memory_->WaitUntilReached(gate->stream.get(), order.ready, order.value));
+    absl::Status recorded =
+        CudaStatus(cudaEventRecord(gate->opened.get(), gate->stream.get()), "cudaEventRecord");
+    if (!recorded.ok()) {
+      OpenGateOurselves(order);  // the gate's stream must not wait for the client forever
+      return recorded;
+    }
+    return gate;
+  }
+
+  // Writes a batch's ready value itself, so that the stream of its gate stops waiting; false when
+  // that could not be queued (the gate's stream then stays blocked and is not reused).
+  bool OpenGateOurselves(const BatchJob::StreamGate& order) {
+    return stream_memory_->Write(copy_in_stream_.get(), order.ready, order.value).ok();
+  }
+
+  // Launches the parked batches whose gate has opened, in the order they came; fails those whose
+  // deadline has passed.
+  void LaunchOpenedGates(std::deque<Slot*>& in_flight) {
+    for (auto parked = parked_.begin(); parked != parked_.end();) {
+      const cudaError_t state = cudaEventQuery(parked->gate->opened.get());
+      if (state == cudaErrorNotReady &&
+          std::chrono::steady_clock::now() < parked->job->stream_gate.deadline) {
+        ++parked;
+        continue;
+      }
+      ParkedJob opened = std::move(*parked);
+      parked = parked_.erase(parked);
+      if (state == cudaSuccess) {
+        free_gates_.push_back(std::move(opened.gate));
+        LaunchInSlot(std::move(opened.job), in_flight);
+        continue;
+      }
+      BatchJob& job = *opened.job;
+      if (state == cudaErrorNotReady) {
+        if (OpenGateOurselves(job.stream_gate)) {
+          free_gates_.push_back(std::move(opened.gate));  // reusable once the write lands
+        }
+        job.status = absl::DeadlineExceededError(
+            "stream_order.ready: the client's CUDA stream did not reach the batch before its "
+            "deadline (--stream_order_timeout_seconds after it arrived); it was not computed");
+      } else {
+        job.status = CudaStatus(state, "the wait for stream_order.ready");
+      }
+      FinishJob(std::move(opened.job));
+    }
   }
 
   // Grows a buffer (pinned or device) to hold `elements` (its user is idle): the old one is
@@ -648,6 +768,11 @@ class GpuWorker final : public DeviceWorker {
                                              cudaMemcpyDeviceToHost, copy_out));
       }
     }
+    // A stream-ordered batch: the client's stream goes on once the outputs are in its memory.
+    if (job.stream_gate.done != nullptr) {
+      ATTNGRAD_RETURN_IF_ERROR(
+          stream_memory_->Write(copy_out, job.stream_gate.done, job.stream_gate.value));
+    }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
   }
@@ -864,6 +989,12 @@ class GpuWorker final : public DeviceWorker {
   cuda::DeviceBuffer<float> reduce_buffer_;      // NCCL root only: the summed accumulators
   cuda::DeviceBuffer<unsigned char> workspace_;  // shared by every batch on compute_stream_
   std::vector<Slot> slots_;
+  // Stream-ordered batches: their driver operations (made on the worker's thread), the batches
+  // waiting for their client's stream, in arrival order, and the gates free for reuse.
+  std::unique_ptr<StreamMemoryOperations> stream_memory_;
+  std::atomic<bool> stream_ordered_batches_{false};
+  std::deque<ParkedJob> parked_;
+  std::vector<std::unique_ptr<Gate>> free_gates_;
   int retired_since_gauges_ = 0;
   // The host copies (staging in, answers out), in parts on these threads.
   std::unique_ptr<wire::ParallelTasks> copy_threads_ =

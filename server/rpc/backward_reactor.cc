@@ -324,6 +324,9 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         request.has_weight_gradients_region()
             ? std::optional<v1::RegionSlice>(request.weight_gradients_region())
             : std::nullopt;
+    const std::optional<v1::StreamOrder> stream_order =
+        request.has_stream_order() ? std::optional<v1::StreamOrder>(request.stream_order())
+                                   : std::nullopt;
     ATTNGRAD_ASSIGN_OR_RETURN(ParsedBackward parsed,
                               ParseBackwardRequest(std::move(received), core.config(slot),
                                                    core.settings(slot), service_->limits().batch));
@@ -336,6 +339,11 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
             grad_hidden_states_slice.has_value() ? &*grad_hidden_states_slice : nullptr,
             weight_gradients_slice.has_value() ? &*weight_gradients_slice : nullptr,
             batch.job.get()));
+    if (stream_order.has_value()) {
+      ATTNGRAD_RETURN_IF_ERROR(ResolveStreamOrder(service_->regions(), client_id_, *stream_order,
+                                                  service_->limits().stream_order_timeout,
+                                                  batch.job.get()));
+    }
     ATTNGRAD_ASSIGN_OR_RETURN(
         MemoryBudget::Reservation memory,
         service_->memory().Reserve(

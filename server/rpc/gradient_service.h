@@ -5,20 +5,21 @@
 #ifndef ATTNGRAD_SERVER_GRADIENT_SERVICE_H_
 #define ATTNGRAD_SERVER_GRADIENT_SERVICE_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 
+#include "attngrad/common/buffer_pool.h"
+#include "attngrad/common/parallel_tasks.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
-#include "attngrad/wire/buffer_pool.h"
+#include "metrics/metrics.h"
 #include "rpc/auth.h"
 #include "rpc/backward_request.h"
 #include "rpc/regions.h"
 #include "rpc/stream_registry.h"
 #include "scheduling/gradient_core.h"
 #include "scheduling/memory_budget.h"
-#include "attngrad/wire/parallel_tasks.h"
-#include "metrics/metrics.h"
 
 namespace attngrad::server {
 
@@ -31,6 +32,9 @@ struct ServiceLimits {
   std::int64_t max_inflight_bytes = std::int64_t{4} << 30;
   // The fraction of max_inflight_bytes one client id may hold at once (1: no per-client limit).
   double inflight_share_per_client = 0.5;
+  // A stream-ordered batch (BackwardRequest.stream_order) whose ready word is not reached this long
+  // after it arrived fails with DEADLINE_EXCEEDED.
+  std::chrono::seconds stream_order_timeout{60};
 };
 
 // The generated callback service with every method taken as raw bytes (grpc::ByteBuffer): the
@@ -55,7 +59,7 @@ class GradientService final : public AttentionGradientBase {
   GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
                   Authenticator authenticator, std::string server_version,
                   std::shared_ptr<DeviceMemoryOpener> device_memory = nullptr,
-                  std::shared_ptr<wire::BufferPool> arrival_staging = nullptr);
+                  std::shared_ptr<common::BufferPool> arrival_staging = nullptr);
 
   // The unary methods: the request's bytes in, the response's bytes out.
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
@@ -90,9 +94,9 @@ class GradientService final : public AttentionGradientBase {
   const Authenticator& authenticator() const { return authenticator_; }
   const RegionRegistry& regions() const { return regions_; }
   RegionRegistry& mutable_regions() { return regions_; }
-  wire::BufferPool* arrival_staging() const { return arrival_staging_.get(); }
+  common::BufferPool* arrival_staging() const { return arrival_staging_.get(); }
   // The threads of the arrival copies (with arrival_staging only).
-  wire::ParallelTasks& arrival_copy_threads() { return *arrival_copy_threads_; }
+  common::ParallelTasks& arrival_copy_threads() { return *arrival_copy_threads_; }
 
  private:
   // The caller of `context` when it may perform `operation` (named `method` in errors); otherwise
@@ -114,8 +118,8 @@ class GradientService final : public AttentionGradientBase {
   StreamRegistry streams_;
   MemoryBudget memory_;
   RegionRegistry regions_;  // unmapped (closed) when the service is destroyed
-  const std::shared_ptr<wire::BufferPool> arrival_staging_;
-  std::unique_ptr<wire::ParallelTasks> arrival_copy_threads_;
+  const std::shared_ptr<common::BufferPool> arrival_staging_;
+  std::unique_ptr<common::ParallelTasks> arrival_copy_threads_;
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the metrics' code label.

@@ -412,6 +412,48 @@ absl::StatusOr<OutputRegions> ResolveOutputRegions(const RegionRegistry& regions
   return outputs;
 }
 
+namespace {
+
+// One word of a stream order: 4 bytes of the client's GPU memory on the batch's GPU.
+absl::StatusOr<RegionBytes> ResolveOrderWord(const RegionRegistry& regions,
+                                             const std::string& client_id,
+                                             const v1::RegionSlice& slice, const char* field,
+                                             const BatchJob& job) {
+  ATTNGRAD_ASSIGN_OR_RETURN(
+      RegionBytes word,
+      regions.Resolve(client_id, slice, kDeviceRegionAlignment, sizeof(std::uint32_t), field));
+  if (word.cuda_device() != job.cuda_device()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field,
+        ": must be GPU memory (a CUDA IPC region) of the batch's GPU cuda:", job.cuda_device()));
+  }
+  return word;
+}
+
+}  // namespace
+
+absl::Status ResolveStreamOrder(const RegionRegistry& regions, const std::string& client_id,
+                                const v1::StreamOrder& order, std::chrono::seconds timeout,
+                                BatchJob* job) {
+  if (job->cuda_device() < 0) {
+    return absl::InvalidArgumentError(
+        "stream_order: only for batches that name CUDA IPC regions (hidden_states_region, "
+        "grad_output_region or grad_hidden_states_region in GPU memory)");
+  }
+  ATTNGRAD_ASSIGN_OR_RETURN(RegionBytes ready, ResolveOrderWord(regions, client_id, order.ready(),
+                                                                "stream_order.ready", *job));
+  ATTNGRAD_ASSIGN_OR_RETURN(RegionBytes done, ResolveOrderWord(regions, client_id, order.done(),
+                                                               "stream_order.done", *job));
+  BatchJob::StreamGate& gate = job->stream_gate;
+  gate.ready = ready.data;
+  gate.done = done.data;
+  gate.value = order.value();
+  gate.deadline = std::chrono::steady_clock::now() + timeout;
+  gate.ready_owner = std::move(ready.region);
+  gate.done_owner = std::move(done.region);
+  return absl::OkStatus();
+}
+
 void CopyOutputsToRegions(const OutputRegions& outputs, const BatchJob& job) {
   // The answer buffer: grad_hidden_states, then the weight gradients (BatchJob::answer).
   const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);

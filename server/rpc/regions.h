@@ -10,6 +10,7 @@
 #ifndef ATTNGRAD_SERVER_REGIONS_H_
 #define ATTNGRAD_SERVER_REGIONS_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -166,6 +167,13 @@ absl::StatusOr<OutputRegions> ResolveOutputRegions(const RegionRegistry& regions
                                                    const v1::RegionSlice* grad_hidden_states,
                                                    const v1::RegionSlice* weight_gradients,
                                                    BatchJob* job);
+
+// Resolves a parsed batch's stream_order into job->stream_gate (its deadline `timeout` from now):
+// both words 4 bytes of the client's GPU memory on the batch's GPU, which must itself read or write
+// GPU memory (CUDA IPC). INVALID_ARGUMENT naming the field otherwise.
+absl::Status ResolveStreamOrder(const RegionRegistry& regions, const std::string& client_id,
+                                const v1::StreamOrder& order, std::chrono::seconds timeout,
+                                BatchJob* job);
 
 // Copies a finished job's outputs that go to host-memory regions out of its answer buffer.
 void CopyOutputsToRegions(const OutputRegions& outputs, const BatchJob& job);

@@ -88,6 +88,7 @@ void GradientService::FillModelInfo(const Caller& caller, v1::GetModelInfoRespon
     info->set_backend(device.backend);
     info->set_memory_total_bytes(device.memory_total_bytes);
     info->set_memory_used_bytes(device.memory_used_bytes);
+    info->set_stream_ordered_batches(device.stream_ordered_batches);
     any_gpu |= device.backend == "cuda";
   }
   response->add_supported_precisions(v1::PRECISION_AUTO);

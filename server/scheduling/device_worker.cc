@@ -99,6 +99,17 @@ std::size_t DeviceWorker::Outstanding() const {
 std::optional<DeviceWorker::Item> DeviceWorker::Pop(bool wait) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (wait) ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+  return PopLocked();
+}
+
+std::optional<DeviceWorker::Item> DeviceWorker::PopWithin(std::chrono::microseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  // Not woken by stopping: the caller still has work of its own to poll.
+  ready_.wait_for(lock, timeout, [this] { return !queue_.empty(); });
+  return PopLocked();
+}
+
+std::optional<DeviceWorker::Item> DeviceWorker::PopLocked() {
   if (queue_.empty()) return std::nullopt;
   Item item = std::move(queue_.front());
   queue_.pop_front();

@@ -84,6 +84,18 @@ struct BatchJob {
   // RETURN: the weight gradients (response_dtype, PackedWeightLayout order) into GPU memory
   // instead of the answer buffer, the same way.
   DeviceDestination weight_gradients_destination;
+  // A batch ordered by the caller's CUDA stream (BackwardRequest.stream_order): computed once the
+  // 32-bit word at `ready` (GPU memory of the job's device) reaches `value`, after which `value` is
+  // written to `done`, behind the batch's last write into the caller's memory. ready == nullptr:
+  // computed as it arrives. A gate still closed at `deadline` fails the batch (DEADLINE_EXCEEDED).
+  struct StreamGate {
+    char* ready = nullptr;
+    char* done = nullptr;
+    std::uint32_t value = 0;
+    std::chrono::steady_clock::time_point deadline;
+    std::shared_ptr<const void> ready_owner, done_owner;  // keep the memory open
+  };
+  StreamGate stream_gate;
   // The budget reservation of the received request, given back when the worker has copied it.
   MemoryBudget::Reservation request_reservation;
   // GPU servers: the host inputs copied on arrival, by the thread that received them, into
@@ -143,6 +155,7 @@ struct DeviceDescription {
   std::string backend;  // "cuda" or "cpu"
   long long memory_total_bytes = 0;
   long long memory_used_bytes = 0;
+  bool stream_ordered_batches = false;  // BatchJob::stream_gate is honoured
 };
 
 class DeviceWorker {
@@ -184,6 +197,8 @@ class DeviceWorker {
   // The next item; with wait, blocks until there is one (nothing = stop); without, returns nothing
   // at once when the queue is empty.
   std::optional<Item> Pop(bool wait);
+  // The next item, waiting at most `timeout` for one (nothing: none came).
+  std::optional<Item> PopWithin(std::chrono::microseconds timeout);
   // Records metrics and hands the job back (status set by the caller).
   void FinishJob(std::unique_ptr<BatchJob> job);
   static void FinishControl(WorkerControl& control, absl::Status status,
@@ -194,6 +209,7 @@ class DeviceWorker {
 
  private:
   void ThreadMain(std::promise<absl::Status>* started);
+  std::optional<Item> PopLocked();  // mutex_ held
 
   const std::string device_;
   ServerMetrics* const metrics_;

@@ -244,6 +244,13 @@ TEST_F(RegionsTest, EveryBadReferenceIsInvalidArgumentAndTheStreamGoesOn) {
   bad("grad_hidden_states_region", [&](v1::BackwardRequest& r) {
     r.mutable_grad_hidden_states_region()->set_offset(2 * size + 4);
   });
+  // Ordering by the caller's CUDA stream is for batches in GPU memory only.
+  bad("stream_order", [&](v1::BackwardRequest& r) {
+    v1::StreamOrder* order = r.mutable_stream_order();
+    *order->mutable_ready() = Slice(region, 0, 4);
+    *order->mutable_done() = Slice(region, 16, 4);
+    order->set_value(1);
+  });
   bad("hidden_states.raw_data", [&](v1::BackwardRequest& r) {
     r.mutable_hidden_states()->set_raw_data(std::string(bytes, '\0'));
   });

@@ -35,6 +35,7 @@ TEST_F(ServerServiceTest, ModelInfoDescribesTheServer) {
   EXPECT_EQ(info.server_instance_id().size(), 32u);
   ASSERT_EQ(info.devices_size(), 1);
   EXPECT_EQ(info.devices(0).backend(), "cpu");
+  EXPECT_FALSE(info.devices(0).stream_ordered_batches());  // a GPU's stream orders those
   EXPECT_EQ(info.supported_wire_dtypes_size(), 3);
   EXPECT_EQ(info.max_batch_tokens(), 65536);
   EXPECT_EQ(info.max_message_bytes(), 1073741824);
