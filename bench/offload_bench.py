@@ -10,10 +10,17 @@ save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N o
   local compile tf32   torch.compile of the model, TF32
   local bf16 autocast  for honesty (no target)
   offload auto         offload(model) with transport="auto" (CUDA IPC on the same GPU), RETURN,
-                       server precision AUTO, the rest of the model in TF32
+                       server precision AUTO, the rest of the model in TF32; calls ordered by the
+                       trainer's stream on the server's GPU where it offers that
+                       (stream_ordered_batches), changed weights uploaded by the client's sender
+                       thread
+  offload auto host-ordered
+                       the same with ATTNGRAD_GPU_ORDERED=0: the client's sender thread sends each
+                       call once the trainer's stream has reached it (and the backward uploads
+                       changed weights itself)
   offload auto sender uploads
-                       the same with ATTNGRAD_SENDER_UPLOADS=1: changed weights uploaded by the
-                       client's sender thread, queued by the forward
+                       host-ordered with ATTNGRAD_SENDER_UPLOADS=1: changed weights uploaded by
+                       the client's sender thread, queued by the forward
   offload auto lazy registration
                        the same with Client.register_existing_segments = False: each allocation
                        registered when a call first names it, not all at the first call
@@ -60,7 +67,7 @@ from check_offload import Server, build_model, loss_of, write_checkpoint  # noqa
 
 LOCAL_VARIANTS = ("local eager fp32", "local sdpa tf32", "local compile tf32",
                   "local bf16 autocast")
-OFFLOAD_VARIANTS = ("offload auto", "offload auto sender uploads",
+OFFLOAD_VARIANTS = ("offload auto", "offload auto host-ordered", "offload auto sender uploads",
                     "offload auto lazy registration", "offload auto waited", "offload bytes")
 
 
@@ -165,11 +172,27 @@ def run_local(name, base_model, batches, args):
     return train(model, batches, args.steps, warmup, step, measured)
 
 
+def transport_label(result) -> str:
+    """What carried a call and, for one queued on the trainer's stream, who ordered it."""
+    ordering = getattr(result, "ordering", "")
+    return result.transport + (f" ({ordering}-ordered)" if ordering else "")
+
+
+def set_environment(name: str, value) -> None:
+    """Sets (VALUE None: unsets) one of the client's environment switches for the next variant."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def run_offloaded(name, base_model, batches, target, args, *, mode="return", micro_batches=1,
                   transport=None):
     model = copy.deepcopy(base_model)
     transport = transport or ("bytes" if name == "offload bytes" else "auto")
-    os.environ["ATTNGRAD_SENDER_UPLOADS"] = "1" if "sender uploads" in name else "0"
+    host_ordered = "host-ordered" in name or "sender uploads" in name
+    set_environment("ATTNGRAD_GPU_ORDERED", "0" if host_ordered else None)
+    set_environment("ATTNGRAD_SENDER_UPLOADS", "1" if "sender uploads" in name else None)
     handle = attngrad_torch.offload(model, target, mode=mode, precision=args.precision,
                                     transport=transport, timeout=args.timeout,
                                     phase_timings=True, stream_ordered="waited" not in name)
@@ -186,7 +209,7 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
         for index, result in handle.last_results().items():
             if result is None:
                 continue
-            measured.transports.add(result.transport)
+            measured.transports.add(transport_label(result))
             for phase, seconds in (result.client_phases or {}).items():
                 measured.phases.setdefault(phase, []).append(seconds)
             measured.phases.setdefault("server compute", []).append(
@@ -339,16 +362,19 @@ def bench_spec_layer(args, device):
         cos, sin = attngrad_torch.rotary_tables(torch.arange(seq_len, device=device))
         set_tf32(False)
         rows = []
-        for transport, ordered in (("auto", True), ("auto", False), ("bytes", False)):
+        variants = (("auto", True, None), ("auto host-ordered", True, "0"),
+                    ("auto waited", False, None), ("bytes", False, None))
+        for name, ordered, gpu_ordered in variants:
+            set_environment("ATTNGRAD_GPU_ORDERED", gpu_ordered)
             client = attngrad.Client(server.target, timeout=args.timeout, phase_timings=True)
-            layer = attngrad_torch.RemoteGemma3Attention(client, transport=transport,
+            layer = attngrad_torch.RemoteGemma3Attention(client, transport=name.split()[0],
                                                          stream_ordered=ordered).to(device)
-            rows.append((f"RemoteGemma3Attention {transport}"
-                         + ("" if ordered or transport == "bytes" else " waited"),
+            rows.append((f"RemoteGemma3Attention {name}",
                          time_layer(lambda: layer(hidden.requires_grad_(), cos, sin), layer,
                                     args.steps)))
             weights = layer.weights()
             client.close()
+        set_environment("ATTNGRAD_GPU_ORDERED", None)
         local_weights = {name: w.detach().clone().requires_grad_() for name, w in weights.items()}
 
         def local_forward():
@@ -382,7 +408,7 @@ def time_layer(forward, layer, steps):
             seconds.append(time.perf_counter() - started)
             if layer is not None and layer.last_result is not None:
                 result = layer.last_result
-                transports.add(result.transport)
+                transports.add(transport_label(result))
                 for phase, value in (result.client_phases or {}).items():
                     phases.setdefault(phase, []).append(value)
                 phases.setdefault("server compute", []).append(

@@ -19,6 +19,8 @@ Needs PyTorch with CUDA and a GPU build of attngrad-server (ATTNGRAD_SERVER); sk
 from __future__ import annotations
 
 import os
+import threading
+import time
 import unittest
 import unittest.mock
 
@@ -31,15 +33,18 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 import attngrad  # noqa: E402
 from attngrad import client as client_module  # noqa: E402
+from attngrad import cuda_regions, errors  # noqa: E402
 
 HAVE_GPU = torch is not None and torch.cuda.is_available()
 GPU = int(os.environ.get("ATTNGRAD_TEST_GPU", "0"))
 MAX_BATCH_TOKENS = 256
+STREAM_ORDER_TIMEOUT = 3  # seconds a GPU-ordered batch waits for its client's stream
 
 
 @unittest.skipUnless(HAVE_GPU, "needs PyTorch with a CUDA GPU")
 class CudaIpcAgainstServer(t.ServerTestCase):
-    server_flags = (f"--devices={GPU}", f"--max_batch_tokens={MAX_BATCH_TOKENS}")
+    server_flags = (f"--devices={GPU}", f"--max_batch_tokens={MAX_BATCH_TOKENS}",
+                    f"--stream_order_timeout_seconds={STREAM_ORDER_TIMEOUT}")
 
     @classmethod
     def set_up_class(cls):
@@ -346,23 +351,75 @@ class CudaIpcAgainstServer(t.ServerTestCase):
 
     def test_stream_ordered_calls_equal_the_waited_ones_bit_for_bit(self):
         # Work queued before the call (a long matmul chain writing the inputs) and after it
-        # (a kernel reading the answer): the stream's flags order both around the server's.
+        # (a kernel reading the answer): the stream's flags order both around the server's,
+        # whether the server's GPU waits for them ("gpu") or this process's sender ("host").
+        self.assertTrue(self.client.orders_on_gpu(GPU), "a GPU server orders batches on its GPU")
         hidden, grad, positions = self.inputs(2, 64, 15)
         expected = self.client.backward(hidden, grad, position_ids=positions, mode="return",
                                         precision="fp32", transport="cuda_ipc")
-        scratch = torch.randn(2048, 2048, device=self.device)
-        for _ in range(20):
-            scratch = torch.tanh(scratch @ scratch / 2048 ** 0.5)  # bounded: finite
-        late_grad = grad * 1.0 + scratch[0, 0] * 0.0  # written after the chain
-        pending = self.client.submit_backward(hidden, late_grad, position_ids=positions,
-                                              mode="return", precision="fp32")
-        answer = pending.grad_hidden_states * 1.0  # read in stream order, after the answer
-        weights = {name: value * 1.0 for name, value in pending.weight_gradients.items()}
-        self.client.wait_submitted()
-        self.assertEqual(pending.result().transport, "cuda_ipc")
-        self.assert_same_bits(answer, expected.grad_hidden_states, "grad_hidden_states")
-        for name, value in expected.weight_gradients.items():
-            self.assert_same_bits(weights[name], value, name)
+        for ordering, switch in (("gpu", "1"), ("host", "0")):
+            with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_GPU_ORDERED": switch}):
+                scratch = torch.randn(2048, 2048, device=self.device)
+                for _ in range(20):
+                    scratch = torch.tanh(scratch @ scratch / 2048 ** 0.5)  # bounded: finite
+                late_grad = grad * 1.0 + scratch[0, 0] * 0.0  # written after the chain
+                pending = self.client.submit_backward(hidden, late_grad, position_ids=positions,
+                                                      mode="return", precision="fp32")
+                answer = pending.grad_hidden_states * 1.0  # read in stream order, after it
+                weights = {name: value * 1.0 for name, value in pending.weight_gradients.items()}
+                self.client.wait_submitted()
+            self.assertEqual(pending.result().transport, "cuda_ipc")
+            self.assertEqual(pending.result().ordering, ordering)
+            self.assert_same_bits(answer, expected.grad_hidden_states,
+                                  f"grad_hidden_states, {ordering}-ordered")
+            for name, value in expected.weight_gradients.items():
+                self.assert_same_bits(weights[name], value, f"{name}, {ordering}-ordered")
+
+    def test_a_stream_that_never_reaches_its_call_stalls_no_one_and_times_out(self):
+        # A trainer whose stream is blocked before a GPU-ordered call: the server parks the batch
+        # on a gate of its own and serves another client meanwhile; after
+        # --stream_order_timeout_seconds it answers DEADLINE_EXCEEDED, the client releases its
+        # stream and raises at wait_submitted(), and the next call of that client works.
+        blocked = attngrad.Client(self.server.target, client_id="blocked", timeout=60)
+        hidden, grad, positions = self.inputs(1, 32, 21)
+        word = torch.zeros(4, dtype=torch.int32, device=self.device)
+        stream = torch.cuda.Stream(device=self.device)
+        torch.cuda.synchronize()
+
+        def release():
+            with torch.cuda.stream(torch.cuda.Stream(device=self.device)):
+                word.fill_(1)
+
+        safety = threading.Timer(4 * STREAM_ORDER_TIMEOUT, release)  # never hang the test
+        safety.start()
+        try:
+            with torch.cuda.stream(stream):
+                cuda_regions.default_driver().stream_wait_value32(stream.cuda_stream,
+                                                                  word.data_ptr(), 1)
+                pending = blocked.submit_backward(hidden, grad, position_ids=positions,
+                                                  mode="return", precision="fp32")
+            started = time.monotonic()
+            other = self.client.backward(hidden, grad, position_ids=positions, mode="return",
+                                         precision="fp32", transport="cuda_ipc")
+            self.assertLess(time.monotonic() - started, 2.0, "another client waited")
+            self.assertEqual(other.transport, "cuda_ipc")
+            self.assertFalse(pending.done(), "answered before its stream reached it")
+            with self.assertRaisesRegex(errors.DeadlineExceededError, "stream_order"):
+                blocked.wait_submitted()
+            self.assertLess(time.monotonic() - started, STREAM_ORDER_TIMEOUT + 5)
+            release()
+            stream.synchronize()  # its wait for the answer was released by the client
+            with torch.cuda.stream(stream):
+                again = blocked.submit_backward(hidden, grad, position_ids=positions,
+                                                mode="return", precision="fp32")
+                answer = again.grad_hidden_states * 1.0
+            blocked.wait_submitted()
+            stream.synchronize()
+            self.assert_same_bits(answer, other.grad_hidden_states, "the next call")
+        finally:
+            safety.cancel()
+            release()
+            blocked.close()
 
     def test_stream_ordered_bridge_trains_like_the_waited_one(self):
         import attngrad.torch as attngrad_torch
@@ -370,22 +427,31 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         hidden, _, positions = self.inputs(1, 48, 16)
         cos, sin = attngrad_torch.rotary_tables(positions.to(self.device))
         losses = {}
-        for ordered, sender_uploads in ((False, "0"), (True, "0"), (True, "1")):
+        # (stream-ordered, $ATTNGRAD_SENDER_UPLOADS, $ATTNGRAD_GPU_ORDERED): waited; host-ordered
+        # with uploads by the backward or by the sender; GPU-ordered (uploads by the sender).
+        variants = ((False, "0", "0"), (True, "0", "0"), (True, "1", "0"), (True, None, "1"))
+        for ordered, sender_uploads, gpu_ordered in variants:
             torch.manual_seed(7)
-            with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_SENDER_UPLOADS": sender_uploads}):
+            switches = {"ATTNGRAD_GPU_ORDERED": gpu_ordered}
+            if sender_uploads is not None:
+                switches["ATTNGRAD_SENDER_UPLOADS"] = sender_uploads
+            with unittest.mock.patch.dict(os.environ, switches):
                 layer = attngrad_torch.RemoteGemma3Attention(
                     self.client, precision="fp32", stream_ordered=ordered).to(self.device)
-            optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
-            curve = []
-            for _ in range(3):
-                optimizer.zero_grad()
-                loss = layer(hidden, cos, sin).square().mean()
-                loss.backward()
-                optimizer.step()
-                curve.append(loss.item())
-            losses[(ordered, sender_uploads)] = curve
-        self.assertEqual(losses[(False, "0")], losses[(True, "0")])
-        self.assertEqual(losses[(False, "0")], losses[(True, "1")], "uploads by the sender")
+                optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+                curve = []
+                for _ in range(3):
+                    optimizer.zero_grad()
+                    loss = layer(hidden, cos, sin).square().mean()
+                    loss.backward()
+                    optimizer.step()
+                    curve.append(loss.item())
+                if ordered:
+                    self.assertEqual(layer.last_result.ordering,
+                                     "gpu" if gpu_ordered == "1" else "host")
+            losses[variants.index((ordered, sender_uploads, gpu_ordered))] = curve
+        for index in (1, 2, 3):
+            self.assertEqual(losses[0], losses[index], f"variant {variants[index]}")
 
     def test_one_registration_per_allocation_reused_by_later_calls_and_closed(self):
         client = attngrad.Client(self.server.target, client_id="cache")
