@@ -8,10 +8,10 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/safetensors.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",

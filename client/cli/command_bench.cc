@@ -12,15 +12,15 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include "attngrad/wire/dtype.h"
-#include "attngrad/wire/layer.h"
-#include "attngrad/wire/status_macros.h"
-#include "attngrad/wire/tensor.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "attngrad/common/status_macros.h"
+#include "attngrad/wire/dtype.h"
+#include "attngrad/wire/layer.h"
+#include "attngrad/wire/tensor.h"
 #include "cli_common.h"
 
 ABSL_FLAG(bool, answer_buffers, true,

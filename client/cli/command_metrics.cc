@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "attngrad/wire/http_get.h"
+#include "cli/http_get.h"
 #include "cli_common.h"
 
 ABSL_FLAG(std::string, metrics_target, "127.0.0.1:9464",
@@ -23,7 +23,7 @@ namespace attngrad::cli {
 
 int RunMetrics() {
   const std::string address = absl::GetFlag(FLAGS_metrics_target);
-  auto response = wire::HttpGet(address, "/metrics");
+  auto response = cli::HttpGet(address, "/metrics");
   if (!response.ok()) return Fail("metrics", response.status());
   if (response->status != 200) {
     return Fail("metrics", absl::UnavailableError(absl::StrCat(

@@ -1,5 +1,5 @@
 // HTTP/1.0 GET for /metrics and Prometheus's API.
-#include "attngrad/wire/http_get.h"
+#include "cli/http_get.h"
 
 #include <netdb.h>
 #include <sys/socket.h>
@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
-namespace attngrad::wire {
+namespace attngrad::cli {
 
 absl::StatusOr<HttpResponse> HttpGet(const std::string& address, const std::string& path,
                                      absl::Duration timeout) {
@@ -90,4 +90,4 @@ std::string UrlEncode(absl::string_view text) {
   return out;
 }
 
-}  // namespace attngrad::wire
+}  // namespace attngrad::cli

@@ -1,7 +1,7 @@
 // A minimal HTTP/1.0 GET over a TCP socket (no TLS, no redirects, no chunked encoding): enough to
 // read a Prometheus /metrics page or Prometheus's HTTP API, for the CLI and the tests.
-#ifndef ATTNGRAD_WIRE_HTTP_GET_H_
-#define ATTNGRAD_WIRE_HTTP_GET_H_
+#ifndef ATTNGRAD_CLI_HTTP_GET_H_
+#define ATTNGRAD_CLI_HTTP_GET_H_
 
 #include <string>
 
@@ -9,7 +9,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
-namespace attngrad::wire {
+namespace attngrad::cli {
 
 struct HttpResponse {
   int status = 0;
@@ -25,6 +25,6 @@ absl::StatusOr<HttpResponse> HttpGet(const std::string& address, const std::stri
 // Percent-encodes everything but the unreserved characters (for query strings).
 std::string UrlEncode(absl::string_view text);
 
-}  // namespace attngrad::wire
+}  // namespace attngrad::cli
 
-#endif  // ATTNGRAD_WIRE_HTTP_GET_H_
+#endif  // ATTNGRAD_CLI_HTTP_GET_H_

@@ -19,16 +19,16 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/sync_stream.h>
 
-#include "attngrad/wire/layer.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "attngrad/client.h"
+#include "attngrad/common/host_memory.h"
+#include "attngrad/common/parallel_tasks.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/backward_messages.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/host_memory.h"
-#include "attngrad/wire/parallel_tasks.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/layer.h"
 #include "attngrad/wire/tensor.h"
 #include "client_impl.h"
 
@@ -112,13 +112,14 @@ struct AnswerDecode {
 // 8 MB equal, 4 MB 0.14 -> 0.15: a loss).
 constexpr std::size_t kStreamedAnswerBytes = std::size_t{8} << 20;
 
-// Decodes `decodes` in parts of wire::ParallelTasks::kCopyPartBytes (of fp32 output) on `threads`
+// Decodes `decodes` in parts of common::ParallelTasks::kCopyPartBytes (of fp32 output) on `threads`
 // and the calling thread; the first failure in part order, or OK.
-absl::Status DecodeAnswers(const std::vector<AnswerDecode>& decodes, wire::ParallelTasks& threads) {
+absl::Status DecodeAnswers(const std::vector<AnswerDecode>& decodes,
+                           common::ParallelTasks& threads) {
   struct Part {
     std::size_t decode, first, count;  // elements [first, first + count) of decodes[decode]
   };
-  constexpr std::size_t kPartElements = wire::ParallelTasks::kCopyPartBytes / sizeof(float);
+  constexpr std::size_t kPartElements = common::ParallelTasks::kCopyPartBytes / sizeof(float);
   std::vector<Part> parts;
   for (std::size_t d = 0; d < decodes.size(); ++d) {
     const std::size_t elements = decodes[d].elements();
@@ -148,7 +149,7 @@ absl::Status DecodeAnswers(const std::vector<AnswerDecode>& decodes, wire::Paral
       return;
     }
     std::vector<float> piece;
-    wire::ResizeForOverwrite(&piece, part.count);
+    common::ResizeForOverwrite(&piece, part.count);
     statuses[index] = DecodeAnswer(*decode.tensor, range, decode.what, absl::MakeSpan(piece));
     if (!statuses[index].ok()) return;
     for (std::size_t i = 0; i < part.count; ++i) out[i] += piece[i];
@@ -682,7 +683,7 @@ absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const
   } else {
     absl::Span<float> grad_hidden = pending->grad_hidden_out;
     if (grad_hidden.empty()) {
-      wire::ResizeForOverwrite(
+      common::ResizeForOverwrite(
           &result.grad_hidden_states,
           static_cast<size_t>(result.parts == 1 ? elements : pending->batch * S * H));
       grad_hidden = absl::Span<float>(result.grad_hidden_states);
@@ -709,7 +710,7 @@ absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const
       if (first) {
         sum.shape = shape;
         if (out.empty()) {
-          wire::ResizeForOverwrite(&sum.data, static_cast<size_t>(count));
+          common::ResizeForOverwrite(&sum.data, static_cast<size_t>(count));
           out = absl::Span<float>(sum.data);
         }
       } else if (out.empty()) {

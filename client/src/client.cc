@@ -4,11 +4,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <random>
-#include <sstream>
 #include <thread>
 
 #include <grpcpp/create_channel.h>
@@ -20,9 +18,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "attngrad/client.h"
+#include "attngrad/common/read_file.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 #include "client_impl.h"
 
@@ -50,18 +49,6 @@ void PrepareContext(grpc::ClientContext* context, const ClientOptions& options,
   if (!options.for_client.empty()) context->AddMetadata("attngrad-for-client", options.for_client);
 }
 
-namespace {
-
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path, absl::string_view what) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return absl::NotFoundError(absl::StrCat(what, ": cannot read ", path));
-  std::ostringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
-}  // namespace
-
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentialsFromFiles(
     const std::string& ca_file, const std::string& certificate_file, const std::string& key_file) {
   if (certificate_file.empty() != key_file.empty()) {
@@ -70,18 +57,19 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentialsFromFile
   }
   grpc::SslCredentialsOptions tls;
   if (!ca_file.empty()) {
-    ATTNGRAD_ASSIGN_OR_RETURN(tls.pem_root_certs, ReadWholeFile(ca_file, "TLS CA"));
+    ATTNGRAD_ASSIGN_OR_RETURN(tls.pem_root_certs, common::ReadFileToString(ca_file, "TLS CA"));
   }
   if (!certificate_file.empty()) {
     ATTNGRAD_ASSIGN_OR_RETURN(tls.pem_cert_chain,
-                              ReadWholeFile(certificate_file, "TLS client certificate"));
-    ATTNGRAD_ASSIGN_OR_RETURN(tls.pem_private_key, ReadWholeFile(key_file, "TLS client key"));
+                              common::ReadFileToString(certificate_file, "TLS client certificate"));
+    ATTNGRAD_ASSIGN_OR_RETURN(tls.pem_private_key,
+                              common::ReadFileToString(key_file, "TLS client key"));
   }
   return grpc::SslCredentials(tls);
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
-  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(path, "token file"));
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, common::ReadFileToString(path, "token file"));
   const absl::string_view first_line =
       absl::StripAsciiWhitespace(absl::string_view(text).substr(0, text.find('\n')));
   if (first_line.empty()) {
@@ -150,8 +138,9 @@ Client::Impl::Impl(std::string target, ClientOptions options,
       options_(std::move(options)),
       channels_(std::move(channels)),
       generic_stub_(std::make_unique<grpc::GenericStub>(channels_.front())),
-      request_pool_(wire::BufferPool::Create(kRequestPoolBytes)),
-      decode_threads_(std::make_unique<wire::ParallelTasks>(wire::ParallelTasks::CopyThreads())) {
+      request_pool_(common::BufferPool::Create(kRequestPoolBytes)),
+      decode_threads_(
+          std::make_unique<common::ParallelTasks>(common::ParallelTasks::CopyThreads())) {
   for (const std::shared_ptr<grpc::Channel>& channel : channels_) {
     stubs_.push_back(v1::AttentionGradient::NewStub(channel));
   }

@@ -20,9 +20,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attngrad/client.h"
+#include "attngrad/common/buffer_pool.h"
+#include "attngrad/common/parallel_tasks.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
-#include "attngrad/wire/buffer_pool.h"
-#include "attngrad/wire/parallel_tasks.h"
 
 namespace attngrad {
 
@@ -69,11 +69,11 @@ class Client::Impl {
   const std::shared_ptr<grpc::Channel>& NextStreamChannel();
   // Host buffers for the requests' tensor bytes, reused once gRPC has sent them (shared by the
   // client's streams; keeps up to kRequestPoolBytes of free buffers).
-  wire::BufferPool& request_pool() { return *request_pool_; }
+  common::BufferPool& request_pool() { return *request_pool_; }
   static constexpr std::size_t kRequestPoolBytes = std::size_t{1} << 30;
   // The threads that decode large answers in parts (shared by the client's streams; each stream's
   // reader thread takes part in its own answers' decodes).
-  wire::ParallelTasks& decode_threads() { return *decode_threads_; }
+  common::ParallelTasks& decode_threads() { return *decode_threads_; }
   int channel_count() const { return static_cast<int>(stubs_.size()); }
 
   // Runs `attempt` up to options.max_attempts times while it fails with a retryable code
@@ -104,8 +104,8 @@ class Client::Impl {
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::AttentionGradient::Stub>> stubs_;  // one per channel
   std::unique_ptr<grpc::GenericStub> generic_stub_;
-  std::shared_ptr<wire::BufferPool> request_pool_;
-  std::unique_ptr<wire::ParallelTasks> decode_threads_;
+  std::shared_ptr<common::BufferPool> request_pool_;
+  std::unique_ptr<common::ParallelTasks> decode_threads_;
   std::atomic<uint64_t> next_batch_id_;
   std::atomic<uint64_t> next_stream_channel_{0};
 

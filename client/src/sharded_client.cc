@@ -8,77 +8,12 @@
 #include <set>
 #include <unordered_map>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/status_macros.h"
 #include "client_impl.h"
 
 namespace attngrad {
-
-// ---------------------------------------------------------------------------------------------
-// The map
-
-std::string LayerRange::ToString() const {
-  if (all_layers()) return target;
-  if (first == last) return absl::StrCat(first, "=", target);
-  return absl::StrCat(first, "-", last, "=", target);
-}
-
-std::string LayerMapString(const std::vector<LayerRange>& map) {
-  return absl::StrJoin(map, ",", [](std::string* out, const LayerRange& range) {
-    absl::StrAppend(out, range.ToString());
-  });
-}
-
-absl::StatusOr<std::vector<LayerRange>> ParseLayerMap(absl::string_view text) {
-  const absl::string_view whole = absl::StripAsciiWhitespace(text);
-  if (whole.empty()) return absl::InvalidArgumentError("layer map: empty");
-  if (!absl::StrContains(whole, '=')) {
-    if (absl::StrContains(whole, ',')) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer map \"", whole,
-          "\": several servers need layer ranges, e.g. \"0-12=host-a:50051,13-25=host-b:50051\""));
-    }
-    return std::vector<LayerRange>{LayerRange{-1, -1, std::string(whole)}};
-  }
-  std::vector<LayerRange> map;
-  for (absl::string_view piece : absl::StrSplit(whole, ',')) {
-    piece = absl::StripAsciiWhitespace(piece);
-    const std::vector<absl::string_view> sides = absl::StrSplit(piece, absl::MaxSplits('=', 1));
-    auto bad = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layer map \"", whole, "\": \"", piece, "\": ", why,
-                       " (expected FIRST-LAST=host:port, e.g. \"0-12=host-a:50051\")"));
-    };
-    if (sides.size() != 2) return bad("no '='");
-    LayerRange range;
-    range.target = std::string(absl::StripAsciiWhitespace(sides[1]));
-    if (range.target.empty()) return bad("no address");
-    const absl::string_view layers = absl::StripAsciiWhitespace(sides[0]);
-    const std::vector<absl::string_view> bounds = absl::StrSplit(layers, absl::MaxSplits('-', 1));
-    if (!absl::SimpleAtoi(bounds[0], &range.first) ||
-        !absl::SimpleAtoi(bounds.size() == 2 ? bounds[1] : bounds[0], &range.last)) {
-      return bad("the layers are not a range of integers");
-    }
-    if (range.first < 0 || range.last < range.first) {
-      return bad("the range must be FIRST-LAST with 0 <= FIRST <= LAST");
-    }
-    map.push_back(std::move(range));
-  }
-  std::sort(map.begin(), map.end(),
-            [](const LayerRange& a, const LayerRange& b) { return a.first < b.first; });
-  for (size_t i = 1; i < map.size(); ++i) {
-    if (map[i].first <= map[i - 1].last) {
-      return absl::InvalidArgumentError(absl::StrCat("layer map \"", whole,
-                                                     "\": ", map[i - 1].ToString(), " and ",
-                                                     map[i].ToString(), " overlap"));
-    }
-  }
-  return map;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Merging the servers' model info

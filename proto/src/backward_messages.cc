@@ -4,9 +4,9 @@
 #include <cstring>
 #include <utility>
 
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/byte_buffer.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 
 namespace attngrad::wire {
@@ -26,7 +26,7 @@ absl::StatusOr<grpc::ByteBuffer> SerializeWithActivations(const v1::BackwardRequ
 absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(const v1::BackwardRequest& request,
                                                        absl::Span<const float> hidden_states,
                                                        absl::Span<const float> grad_output,
-                                                       int dtype, BufferPool& pool,
+                                                       int dtype, common::BufferPool& pool,
                                                        std::shared_ptr<const void> borrow_owner) {
   const std::size_t element_size = DTypeSize(dtype) == 2 ? 2 : sizeof(float);
   if (element_size == sizeof(float)) {  // the floats' own bytes are the encoding
@@ -40,7 +40,7 @@ absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(const v1::BackwardRequest
   borrow_owner.reset();
   const std::size_t hidden_bytes = hidden_states.size() * element_size;
   const std::size_t grad_bytes = grad_output.size() * element_size;
-  BufferPool::Buffer buffer = pool.Acquire(hidden_bytes + grad_bytes);
+  common::BufferPool::Buffer buffer = pool.Acquire(hidden_bytes + grad_bytes);
   EncodeFromFloat(hidden_states, dtype, buffer.data());
   EncodeFromFloat(grad_output, dtype, buffer.data() + hidden_bytes);
   const grpc::Slice payload = SliceOf(std::move(buffer));
@@ -50,14 +50,15 @@ absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(const v1::BackwardRequest
 
 absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequestBytes(
     const v1::BackwardRequest& request, absl::string_view hidden_states,
-    absl::string_view grad_output, BufferPool& pool, std::shared_ptr<const void> borrow_owner) {
+    absl::string_view grad_output, common::BufferPool& pool,
+    std::shared_ptr<const void> borrow_owner) {
   if (borrow_owner != nullptr) {
     grpc::Slice hidden = BorrowedSlice(hidden_states, borrow_owner);
     grpc::Slice grad = BorrowedSlice(grad_output, borrow_owner);
     borrow_owner.reset();
     return SerializeWithActivations(request, std::move(hidden), std::move(grad));
   }
-  BufferPool::Buffer buffer = pool.Acquire(hidden_states.size() + grad_output.size());
+  common::BufferPool::Buffer buffer = pool.Acquire(hidden_states.size() + grad_output.size());
   if (!hidden_states.empty()) {
     std::memcpy(buffer.data(), hidden_states.data(), hidden_states.size());
   }

@@ -3,7 +3,7 @@
 
 #include <utility>
 
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/status_macros.h"
 
 namespace attngrad::wire {
 
@@ -41,7 +41,7 @@ absl::StatusOr<grpc::ByteBuffer> SerializeWithPayloads(const google::protobuf::M
 }
 
 namespace {
-void DeleteBuffer(void* buffer) { delete static_cast<BufferPool::Buffer*>(buffer); }
+void DeleteBuffer(void* buffer) { delete static_cast<common::BufferPool::Buffer*>(buffer); }
 void DeleteOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
 }  // namespace
 
@@ -50,8 +50,8 @@ grpc::Slice BorrowedSlice(absl::string_view bytes, std::shared_ptr<const void> o
   return grpc::Slice(const_cast<char*>(bytes.data()), bytes.size(), DeleteOwner, kept);
 }
 
-grpc::Slice SliceOf(BufferPool::Buffer buffer) {
-  auto* owned = new BufferPool::Buffer(std::move(buffer));
+grpc::Slice SliceOf(common::BufferPool::Buffer buffer) {
+  auto* owned = new common::BufferPool::Buffer(std::move(buffer));
   return grpc::Slice(owned->data(), owned->size(), DeleteBuffer, owned);
 }
 

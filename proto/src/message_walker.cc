@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/status_macros.h"
 
 namespace attngrad::wire {
 

@@ -11,8 +11,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "attngrad/common/json_object.h"
+#include "attngrad/common/read_file.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 
 namespace attngrad::wire {
@@ -51,25 +53,6 @@ absl::StatusOr<std::vector<std::uint64_t>> UnsignedArray(const nlohmann::json& v
   return numbers;
 }
 
-absl::StatusOr<nlohmann::json> ParseJsonObject(absl::string_view text, absl::string_view where) {
-  nlohmann::json root = nlohmann::json::parse(text.begin(), text.end(), nullptr,
-                                              /*allow_exceptions=*/false);
-  if (root.is_discarded())
-    return absl::InvalidArgumentError(absl::StrCat(where, ": not valid JSON"));
-  if (!root.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": not a JSON object"));
-  }
-  return root;
-}
-
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  if (file.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
-  return text;
-}
-
 // A shard name from an index: a plain file name or a relative path that stays in the folder.
 bool IsSafeShardName(const std::string& name) {
   const std::filesystem::path path(name);
@@ -86,7 +69,7 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
                                                          std::uint64_t data_size,
                                                          absl::string_view where) {
   ATTNGRAD_ASSIGN_OR_RETURN(const nlohmann::json root,
-                            ParseJsonObject(json, absl::StrCat(where, ": header")));
+                            common::ParseJsonObject(json, absl::StrCat(where, ": header")));
   SafetensorsHeader header;
   for (const auto& [name, value] : root.items()) {
     if (name == "__metadata__") {
@@ -220,8 +203,8 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(absl::string_view
 // ---------------------------------------------------------------------------------------------
 
 absl::StatusOr<std::map<std::string, std::string>> ReadSafetensorsIndex(const std::string& path) {
-  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(path));
-  ATTNGRAD_ASSIGN_OR_RETURN(const nlohmann::json root, ParseJsonObject(text, path));
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, common::ReadFileToString(path));
+  ATTNGRAD_ASSIGN_OR_RETURN(const nlohmann::json root, common::ParseJsonObject(text, path));
   const auto weight_map = root.find("weight_map");
   if (weight_map == root.end() || !weight_map->is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": no \"weight_map\" object"));

@@ -12,9 +12,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/dtype_bits.h"
-#include "attngrad/wire/status_macros.h"
 
 namespace attngrad::wire {
 namespace {

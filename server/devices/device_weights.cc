@@ -9,9 +9,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/cuda_resources.h"
 #include "attngrad/finite_check.h"
-#include "attngrad/wire/status_macros.h"
 #include "devices/cuda_status.h"
 #include "devices/wire_convert.h"
 

@@ -13,7 +13,7 @@
 #include "attngrad/layer_weights.h"
 #include "attngrad/v1/attngrad.pb.h"
 #include "rpc/regions.h"
-#include "weights/layer_weights.h"
+#include "weights/served_weights.h"
 
 namespace attngrad::server {
 

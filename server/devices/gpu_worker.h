@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "attngrad/wire/buffer_pool.h"
+#include "attngrad/common/buffer_pool.h"
 #include "scheduling/device_worker.h"
 
 namespace attngrad::server {
@@ -36,7 +36,7 @@ struct GpuWorkers {
   // Opens same-host clients' CUDA IPC regions on these devices (devices/cuda_ipc_memory.h).
   std::shared_ptr<DeviceMemoryOpener> device_memory;
   // Page-locked memory that received batches are staged into on arrival (scheduling/staging.h).
-  std::shared_ptr<wire::BufferPool> arrival_staging;
+  std::shared_ptr<common::BufferPool> arrival_staging;
 };
 
 // One started worker per CUDA device index in `devices`. Each uploads every layer of `layers` to

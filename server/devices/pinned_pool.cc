@@ -1,12 +1,12 @@
-// MakePinnedBufferPool: wire::BufferPool over cudaHostAlloc / cudaFreeHost.
+// MakePinnedBufferPool: common::BufferPool over cudaHostAlloc / cudaFreeHost.
 #include "devices/pinned_pool.h"
 
 #include <cuda_runtime_api.h>
 
 namespace attngrad::server {
 
-std::shared_ptr<wire::BufferPool> MakePinnedBufferPool(std::size_t max_cached_bytes) {
-  wire::BufferPool::Allocator pinned;
+std::shared_ptr<common::BufferPool> MakePinnedBufferPool(std::size_t max_cached_bytes) {
+  common::BufferPool::Allocator pinned;
   pinned.allocate = [](std::size_t size) -> char* {
     void* memory = nullptr;
     if (cudaHostAlloc(&memory, size == 0 ? 1 : size, cudaHostAllocPortable) != cudaSuccess) {
@@ -16,7 +16,7 @@ std::shared_ptr<wire::BufferPool> MakePinnedBufferPool(std::size_t max_cached_by
     return static_cast<char*>(memory);
   };
   pinned.free = [](char* memory) { cudaFreeHost(memory); };
-  return wire::BufferPool::Create(max_cached_bytes, std::move(pinned));
+  return common::BufferPool::Create(max_cached_bytes, std::move(pinned));
 }
 
 }  // namespace attngrad::server

@@ -2,16 +2,15 @@
 #include "rpc/auth.h"
 
 #include <algorithm>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/read_file.h"
+#include "attngrad/common/status_macros.h"
 
 namespace attngrad::server {
 namespace {
@@ -122,13 +121,9 @@ absl::Status Authenticator::CheckPeer(absl::string_view peer) const {
 }
 
 absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    return absl::NotFoundError(absl::StrCat("--tokens_file: cannot read ", path));
-  }
-  std::ostringstream text;
-  text << file.rdbuf();
-  return FromText(text.str(), path);
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text,
+                            common::ReadFileToString(path, "--tokens_file"));
+  return FromText(text, path);
 }
 
 absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,

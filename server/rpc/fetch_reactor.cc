@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 #include "devices/device_weights.h"
 #include "rpc/gradient_service.h"

@@ -42,7 +42,7 @@ void FillAccumulationState(const WindowState& state, v1::AccumulationState* out)
 GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, ServiceLimits limits,
                                  Authenticator authenticator, std::string server_version,
                                  std::shared_ptr<DeviceMemoryOpener> device_memory,
-                                 std::shared_ptr<wire::BufferPool> arrival_staging)
+                                 std::shared_ptr<common::BufferPool> arrival_staging)
     : core_(core),
       metrics_(metrics),
       limits_(limits),
@@ -52,10 +52,10 @@ GradientService::GradientService(GradientCore* core, ServerMetrics* metrics, Ser
       memory_(limits.max_inflight_bytes, limits.inflight_share_per_client),
       regions_(std::move(device_memory)),
       arrival_staging_(std::move(arrival_staging)),
-      arrival_copy_threads_(arrival_staging_ == nullptr ? nullptr
-                                                        : std::make_unique<wire::ParallelTasks>(
-                                                              wire::ParallelTasks::CopyThreads())) {
-}
+      arrival_copy_threads_(
+          arrival_staging_ == nullptr
+              ? nullptr
+              : std::make_unique<common::ParallelTasks>(common::ParallelTasks::CopyThreads())) {}
 
 absl::StatusOr<Caller> GradientService::Admit(const grpc::CallbackServerContext& context,
                                               Operation operation, const char* method) {

@@ -8,11 +8,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/backward_paths.h"
 #include "attngrad/wire/byte_buffer.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
-#include "attngrad/wire/status_macros.h"
 #include "rpc/request_walker.h"
 
 namespace attngrad::server {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/status_macros.h"
 #include "rpc/auth.h"
 #include "rpc/regions.h"
 

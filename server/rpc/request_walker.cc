@@ -3,9 +3,9 @@
 
 #include <utility>
 
-#include "attngrad/wire/message_walker.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/backward_paths.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/wire/message_walker.h"
 
 namespace attngrad::server {
 

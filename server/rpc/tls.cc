@@ -14,16 +14,15 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
 #include <set>
-#include <sstream>
 
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
 
 #include "absl/strings/str_cat.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/read_file.h"
+#include "attngrad/common/status_macros.h"
 
 namespace attngrad::server {
 namespace {
@@ -96,14 +95,6 @@ absl::StatusOr<PrivateKey> ParsePrivateKey(const std::string& pem, const std::st
   return key;
 }
 
-std::string ReadWholeFile(const std::string& path, bool* ok) {
-  std::ifstream file(path, std::ios::binary);
-  *ok = static_cast<bool>(file);
-  std::ostringstream text;
-  if (*ok) text << file.rdbuf();
-  return text.str();
-}
-
 absl::Status WriteStagedFile(const std::string& path, const std::string& contents,
                              long long mtime) {
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -165,16 +156,13 @@ absl::Status ValidateTlsContents(const TlsContents& contents, const TlsFiles& fi
 
 absl::StatusOr<TlsContents> ReadTlsFiles(const TlsFiles& files) {
   TlsContents contents;
-  bool ok = false;
-  contents.certificate = ReadWholeFile(files.certificate, &ok);
-  if (!ok) return absl::NotFoundError(absl::StrCat("--tls_cert: cannot read ", files.certificate));
-  contents.private_key = ReadWholeFile(files.private_key, &ok);
-  if (!ok) return absl::NotFoundError(absl::StrCat("--tls_key: cannot read ", files.private_key));
+  ATTNGRAD_ASSIGN_OR_RETURN(contents.certificate,
+                            common::ReadFileToString(files.certificate, "--tls_cert"));
+  ATTNGRAD_ASSIGN_OR_RETURN(contents.private_key,
+                            common::ReadFileToString(files.private_key, "--tls_key"));
   if (!files.client_ca.empty()) {
-    contents.client_ca = ReadWholeFile(files.client_ca, &ok);
-    if (!ok) {
-      return absl::NotFoundError(absl::StrCat("--tls_client_ca: cannot read ", files.client_ca));
-    }
+    ATTNGRAD_ASSIGN_OR_RETURN(contents.client_ca,
+                              common::ReadFileToString(files.client_ca, "--tls_client_ca"));
   }
   return contents;
 }

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/tensor.h"
 
 namespace attngrad::server {

@@ -29,10 +29,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "scheduling/device_worker.h"
-#include "weights/layer_weights.h"
-#include "weights/model.h"
 #include "metrics/metrics.h"
+#include "scheduling/device_worker.h"
+#include "weights/model.h"
+#include "weights/served_weights.h"
 
 namespace attngrad::server {
 

@@ -1,4 +1,5 @@
-#include "scheduling/finite_check.h"
+// The host-side count of non-finite gradients and the in-band error of a non-finite batch.
+#include "scheduling/nonfinite_gradients.h"
 
 #include <cmath>
 #include <string>

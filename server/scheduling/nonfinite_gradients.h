@@ -3,14 +3,14 @@
 // device, attngrad/finite_check.h) and the in-band error both workers answer when any gradient
 // holds NaN or Inf. Such a batch is not added to its window's sums, so finite inputs that overflow
 // in the backward pass cannot poison them.
-#ifndef ATTNGRAD_SERVER_FINITE_CHECK_H_
-#define ATTNGRAD_SERVER_FINITE_CHECK_H_
+#ifndef ATTNGRAD_SERVER_SCHEDULING_NONFINITE_GRADIENTS_H_
+#define ATTNGRAD_SERVER_SCHEDULING_NONFINITE_GRADIENTS_H_
 
 #include <vector>
 
 #include "absl/status/status.h"
 #include "attngrad/finite_check.h"
-#include "weights/layer_weights.h"
+#include "weights/served_weights.h"
 
 namespace attngrad::server {
 
@@ -30,4 +30,4 @@ absl::Status NonFiniteGradientsStatus(const NonFiniteCounts& counts);
 
 }  // namespace attngrad::server
 
-#endif  // ATTNGRAD_SERVER_FINITE_CHECK_H_
+#endif  // ATTNGRAD_SERVER_SCHEDULING_NONFINITE_GRADIENTS_H_

@@ -7,7 +7,7 @@
 #include <tuple>
 #include <vector>
 
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/status_macros.h"
 
 namespace attngrad::server {
 
@@ -15,7 +15,7 @@ std::size_t StagingElements(const BatchJob& job) {
   return 2 * job.activations() + job.cos.size() + job.sin.size();
 }
 
-absl::Status CopyToStaging(const BatchJob& job, float* staging, wire::ParallelTasks* threads,
+absl::Status CopyToStaging(const BatchJob& job, float* staging, common::ParallelTasks* threads,
                            std::size_t part_bytes) {
   const std::size_t activations = job.activations();
   char* const hidden_region = reinterpret_cast<char*>(staging);
@@ -65,17 +65,18 @@ absl::Status CopyToStaging(const BatchJob& job, float* staging, wire::ParallelTa
   return absl::OkStatus();
 }
 
-absl::Status StageOnArrival(wire::BufferPool& pool, wire::ParallelTasks& threads, BatchJob& job) {
+absl::Status StageOnArrival(common::BufferPool& pool, common::ParallelTasks& threads,
+                            BatchJob& job) {
   if (job.hidden_states.cuda_device() >= 0 || job.grad_output.cuda_device() >= 0) {
     return absl::OkStatus();
   }
   const auto start = std::chrono::steady_clock::now();
   const std::size_t bytes = StagingElements(job) * sizeof(float);
-  wire::BufferPool::Buffer buffer = pool.Acquire(bytes);
+  common::BufferPool::Buffer buffer = pool.Acquire(bytes);
   if (buffer.data() == nullptr) return absl::OkStatus();  // the worker stages it
   // Page-locked memory from cudaHostAlloc is page-aligned: floats may be written there.
   ATTNGRAD_RETURN_IF_ERROR(CopyToStaging(job, reinterpret_cast<float*>(buffer.data()), &threads,
-                                         wire::ParallelTasks::kCopyPartBytes));
+                                         common::ParallelTasks::kCopyPartBytes));
   job.hidden_states.DropBytes();
   job.grad_output.DropBytes();
   job.staged_inputs = std::move(buffer);

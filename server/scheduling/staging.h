@@ -11,9 +11,9 @@
 #include <cstddef>
 
 #include "absl/status/status.h"
-#include "attngrad/wire/buffer_pool.h"
+#include "attngrad/common/buffer_pool.h"
+#include "attngrad/common/parallel_tasks.h"
 #include "scheduling/device_worker.h"
-#include "attngrad/wire/parallel_tasks.h"
 
 namespace attngrad::server {
 
@@ -24,7 +24,7 @@ std::size_t StagingElements(const BatchJob& job);
 // on `threads` (null: on the calling thread). An activation tensor in GPU memory (CUDA IPC) is
 // left out (its part of `staging` is not written). INVALID_ARGUMENT naming the first element that
 // is not finite (the first failing part in order).
-absl::Status CopyToStaging(const BatchJob& job, float* staging, wire::ParallelTasks* threads,
+absl::Status CopyToStaging(const BatchJob& job, float* staging, common::ParallelTasks* threads,
                            std::size_t part_bytes);
 
 // The job's inputs copied into a buffer of `pool` (page-locked memory) as BatchJob::staged_inputs,
@@ -32,7 +32,8 @@ absl::Status CopyToStaging(const BatchJob& job, float* staging, wire::ParallelTa
 // received bytes let go, and the seconds it took in job.stages.copy_in. Nothing is done for a job
 // with an activation in GPU memory, or when the pool cannot allocate the buffer (the worker stages
 // such a job). Errors as CopyToStaging's.
-absl::Status StageOnArrival(wire::BufferPool& pool, wire::ParallelTasks& threads, BatchJob& job);
+absl::Status StageOnArrival(common::BufferPool& pool, common::ParallelTasks& threads,
+                            BatchJob& job);
 
 }  // namespace attngrad::server
 

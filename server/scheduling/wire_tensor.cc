@@ -6,9 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "attngrad/common/status_macros.h"
 #include "attngrad/v1/tensor.pb.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 
 namespace attngrad::server {

@@ -1,14 +1,14 @@
 // One layer's six tensors found by name in a checkpoint, converted to fp32, and the layer's
 // configuration derived from their shapes and checked against all six.
-#include "weights/safetensors.h"
+#include "weights/checkpoint_layer.h"
 
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/safetensors.h"
-#include "attngrad/wire/status_macros.h"
 
 namespace attngrad::server {
 namespace {

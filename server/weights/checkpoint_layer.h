@@ -1,14 +1,14 @@
 // Loading one Gemma-3 attention layer from a Hugging Face safetensors checkpoint (a file, a sharded
 // checkpoint's index, or a folder holding either), read with the wire library's
 // attngrad/wire/safetensors.h.
-#ifndef ATTNGRAD_SERVER_WEIGHTS_SAFETENSORS_H_
-#define ATTNGRAD_SERVER_WEIGHTS_SAFETENSORS_H_
+#ifndef ATTNGRAD_SERVER_WEIGHTS_CHECKPOINT_LAYER_H_
+#define ATTNGRAD_SERVER_WEIGHTS_CHECKPOINT_LAYER_H_
 
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "attngrad/wire/safetensors.h"
-#include "weights/layer_weights.h"
+#include "weights/served_weights.h"
 
 namespace attngrad::server {
 
@@ -23,4 +23,4 @@ absl::StatusOr<LayerWeights> LoadCheckpointLayer(const wire::SafetensorsCheckpoi
 
 }  // namespace attngrad::server
 
-#endif  // ATTNGRAD_SERVER_WEIGHTS_SAFETENSORS_H_
+#endif  // ATTNGRAD_SERVER_WEIGHTS_CHECKPOINT_LAYER_H_

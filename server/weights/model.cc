@@ -4,31 +4,21 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/json_object.h"
+#include "attngrad/common/read_file.h"
+#include "attngrad/common/status_macros.h"
+#include "weights/checkpoint_layer.h"
 #include "weights/gemma3_models.h"
-#include "weights/safetensors.h"
 
 namespace attngrad::server {
 namespace {
 
 using Json = nlohmann::json;
-
-absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view where) {
-  Json root = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": not a JSON object"));
-  }
-  return root;
-}
 
 // A positive integer field (required).
 absl::StatusOr<int> PositiveInt(const Json& object, const char* key, absl::string_view where) {
@@ -131,14 +121,6 @@ absl::StatusOr<ModelConfig> ConfigFromJson(const Json& root, absl::string_view w
   return config;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return absl::NotFoundError(absl::StrCat(path, ": cannot be opened"));
-  std::ostringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
 }  // namespace
 
 LayerSettings ModelConfig::Layer(int index) const {
@@ -164,7 +146,7 @@ LayerSettings ModelConfig::Layer(int index) const {
 }
 
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json, absl::string_view where) {
-  ATTNGRAD_ASSIGN_OR_RETURN(const Json root, ParseJson(json, where));
+  ATTNGRAD_ASSIGN_OR_RETURN(const Json root, common::ParseJsonObject(json, where));
   return ConfigFromJson(root, where);
 }
 
@@ -188,17 +170,10 @@ absl::StatusOr<ModelConfig> NamedModelConfig(const std::string& name) {
   return config;
 }
 
-absl::StatusOr<LayerRange> ParseLayerRange(const std::string& text, int num_layers) {
-  LayerRange range{0, num_layers - 1};
-  if (text.empty()) return range;
-  const std::vector<std::string> parts = absl::StrSplit(text, '-');
-  bool ok = parts.size() == 1 || parts.size() == 2;
-  if (ok) ok = absl::SimpleAtoi(parts[0], &range.first);
-  if (ok) {
-    range.last = range.first;
-    if (parts.size() == 2) ok = absl::SimpleAtoi(parts[1], &range.last);
-  }
-  if (!ok || range.first < 0 || range.last < range.first || range.last >= num_layers) {
+absl::StatusOr<wire::LayerRange> ParseLayerRange(const std::string& text, int num_layers) {
+  if (text.empty()) return wire::LayerRange{0, num_layers - 1, ""};
+  const absl::StatusOr<wire::LayerRange> range = wire::ParseLayerSpan(text);
+  if (!range.ok() || range->last >= num_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--layers: \"", text, "\" is not a layer range A-B (or A) within 0-", num_layers - 1));
   }
@@ -208,9 +183,9 @@ absl::StatusOr<LayerRange> ParseLayerRange(const std::string& text, int num_laye
 absl::StatusOr<ServedModel> LoadModelDirectory(const std::string& directory,
                                                const std::string& layers) {
   const std::string config_path = (std::filesystem::path(directory) / "config.json").string();
-  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, ReadFile(config_path));
+  ATTNGRAD_ASSIGN_OR_RETURN(const std::string text, common::ReadFileToString(config_path));
   ATTNGRAD_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(text, config_path));
-  ATTNGRAD_ASSIGN_OR_RETURN(const LayerRange range,
+  ATTNGRAD_ASSIGN_OR_RETURN(const wire::LayerRange range,
                             ParseLayerRange(layers, config.num_hidden_layers));
   ATTNGRAD_ASSIGN_OR_RETURN(const wire::SafetensorsCheckpoint checkpoint,
                             wire::SafetensorsCheckpoint::Open(directory));
@@ -239,7 +214,7 @@ absl::StatusOr<ServedModel> LoadModelDirectory(const std::string& directory,
 absl::StatusOr<ServedModel> RandomModel(const std::string& name, std::uint64_t seed,
                                         const std::string& layers) {
   ATTNGRAD_ASSIGN_OR_RETURN(const ModelConfig config, NamedModelConfig(name));
-  ATTNGRAD_ASSIGN_OR_RETURN(const LayerRange range,
+  ATTNGRAD_ASSIGN_OR_RETURN(const wire::LayerRange range,
                             ParseLayerRange(layers, config.num_hidden_layers));
   ServedModel model;
   model.name = name;

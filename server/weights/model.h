@@ -15,7 +15,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attngrad/backward.h"
-#include "weights/layer_weights.h"
+#include "attngrad/wire/layer_range.h"
+#include "weights/served_weights.h"
 
 namespace attngrad::server {
 
@@ -57,12 +58,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json, absl::strin
 absl::StatusOr<ModelConfig> NamedModelConfig(const std::string& name);
 std::vector<std::string> NamedModels();
 
-// "A-B" (inclusive), "A" or "" (every layer) against a model of `num_layers`.
-struct LayerRange {
-  int first = 0;
-  int last = 0;  // inclusive
-};
-absl::StatusOr<LayerRange> ParseLayerRange(const std::string& text, int num_layers);
+// --layers: "A-B" (inclusive) or "A" (attngrad/wire/layer_range.h's span), or "" for every layer,
+// against a model of `num_layers`.
+absl::StatusOr<wire::LayerRange> ParseLayerRange(const std::string& text, int num_layers);
 
 struct ServedLayer {
   LayerSettings settings;

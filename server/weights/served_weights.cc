@@ -1,5 +1,5 @@
 // The weights' shape check and the deterministic random initialisation.
-#include "weights/layer_weights.h"
+#include "weights/served_weights.h"
 
 #include "absl/strings/str_cat.h"
 #include "attngrad/spec_random.h"

@@ -1,8 +1,8 @@
 // The six weights of one attention layer as fp32 host arrays (the master copy every device worker
 // uploads), how to draw them at random (SPEC section 3) and how to check them against a
 // configuration.
-#ifndef ATTNGRAD_SERVER_WEIGHTS_LAYER_WEIGHTS_H_
-#define ATTNGRAD_SERVER_WEIGHTS_LAYER_WEIGHTS_H_
+#ifndef ATTNGRAD_SERVER_WEIGHTS_SERVED_WEIGHTS_H_
+#define ATTNGRAD_SERVER_WEIGHTS_SERVED_WEIGHTS_H_
 
 #include <cstdint>
 #include <memory>
@@ -49,4 +49,4 @@ LayerWeights RandomLayerWeights(const LayerConfig& config, std::uint64_t seed);
 
 }  // namespace attngrad::server
 
-#endif  // ATTNGRAD_SERVER_WEIGHTS_LAYER_WEIGHTS_H_
+#endif  // ATTNGRAD_SERVER_WEIGHTS_SERVED_WEIGHTS_H_

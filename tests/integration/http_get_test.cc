@@ -1,6 +1,6 @@
-// attngrad/wire/http_get.h against a one-shot HTTP server on a loopback socket: the status and body
+// cli/http_get.h against a one-shot HTTP server on a loopback socket: the status and body
 // come back, the request is what a server expects, and bad replies or closed ports are errors.
-#include "attngrad/wire/http_get.h"
+#include "cli/http_get.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace attngrad::wire {
+namespace attngrad::cli {
 namespace {
 
 // Listens on 127.0.0.1 (a free port), accepts one connection, reads the request up to the blank
@@ -114,4 +114,4 @@ TEST(HttpGetTest, UrlEncode) {
 }
 
 }  // namespace
-}  // namespace attngrad::wire
+}  // namespace attngrad::cli

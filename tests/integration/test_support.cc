@@ -162,7 +162,7 @@ int PickPort() {
 }
 
 absl::StatusOr<HttpResponse> HttpGet(int port, const std::string& path, absl::Duration timeout) {
-  return wire::HttpGet(absl::StrCat("127.0.0.1:", port), path, timeout);
+  return cli::HttpGet(absl::StrCat("127.0.0.1:", port), path, timeout);
 }
 
 std::string ServerBinary() { return ATTNGRAD_SERVER_BINARY; }

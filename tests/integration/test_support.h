@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attngrad/client.h"
-#include "attngrad/wire/http_get.h"
+#include "cli/http_get.h"
 
 namespace attngrad::testing {
 
@@ -60,11 +60,11 @@ int PickPort();
 // `count` draws of N(0, scale²) from a generator seeded with `seed` (the same values every run).
 std::vector<float> NormalValues(std::size_t count, float scale, unsigned seed);
 
-// GET http://127.0.0.1:port<path> (attngrad/wire/http_get.h).
-using ::attngrad::wire::HttpResponse;
+// GET http://127.0.0.1:port<path> (cli/http_get.h).
+using ::attngrad::cli::HttpResponse;
 absl::StatusOr<HttpResponse> HttpGet(int port, const std::string& path,
                                      absl::Duration timeout = absl::Seconds(10));
-using ::attngrad::wire::UrlEncode;
+using ::attngrad::cli::UrlEncode;
 
 // The real attngrad-server on loopback ports with the CPU backend and random weights of seed 7.
 class TestServer {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "attngrad/common/buffer_pool.h"
 #include "attngrad/wire/backward_messages.h"
-#include "attngrad/wire/buffer_pool.h"
 #include "attngrad/wire/byte_buffer.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
@@ -84,7 +84,7 @@ v1::BackwardRequest FullRequest(int dtype, bool tables, const std::vector<float>
 
 TEST(BackwardMessagesTest, RequestIsProtobufsSerializationByteForByte) {
   const std::vector<float> hidden = Values(24, 1.5f), grad = Values(24, -0.75f);
-  auto pool = BufferPool::Create(1 << 20);
+  auto pool = common::BufferPool::Create(1 << 20);
   for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
     for (bool tables : {false, true}) {
       SCOPED_TRACE(DTypeName(dtype) + (tables ? " tables" : " positions"));
@@ -105,7 +105,7 @@ TEST(BackwardMessagesTest, RequestIsProtobufsSerializationByteForByte) {
 // the pool's buffer and drop the owner at once.
 TEST(BackwardMessagesTest, BorrowedRequestIsTheSameBytesAndKeepsItsOwner) {
   std::vector<float> hidden = Values(24, 1.5f), grad = Values(24, -0.75f);
-  auto pool = BufferPool::Create(1 << 20);
+  auto pool = common::BufferPool::Create(1 << 20);
   for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16}) {
     SCOPED_TRACE(DTypeName(dtype));
     const v1::BackwardRequest full = FullRequest(dtype, true, hidden, grad);
@@ -139,7 +139,7 @@ TEST(BackwardMessagesTest, BorrowedRequestIsTheSameBytesAndKeepsItsOwner) {
 // borrowed (the caller's memory sent as it is, the owner kept until the last slice goes).
 TEST(BackwardMessagesTest, EncodedActivationsAreTheSameRequestCopiedOrBorrowed) {
   const std::vector<float> hidden = Values(24, 1.5f), grad = Values(24, -0.75f);
-  auto pool = BufferPool::Create(1 << 20);
+  auto pool = common::BufferPool::Create(1 << 20);
   for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
     for (bool borrow : {false, true}) {
       SCOPED_TRACE(DTypeName(dtype) + (borrow ? " borrowed" : " copied"));
@@ -178,7 +178,7 @@ TEST(BackwardMessagesTest, RequestWithEmptyActivationsIsProtobufs) {
   fields.set_batch_id(1);
   fields.mutable_hidden_states()->set_dtype(v1::DTYPE_FLOAT32);
   fields.mutable_grad_output();  // present, all defaults
-  auto pool = BufferPool::Create(0);
+  auto pool = common::BufferPool::Create(0);
   absl::StatusOr<grpc::ByteBuffer> bytes = EncodeBackwardRequest(fields, {}, {}, 1, *pool);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_EQ(Flatten(*bytes), fields.SerializeAsString());
@@ -187,7 +187,7 @@ TEST(BackwardMessagesTest, RequestWithEmptyActivationsIsProtobufs) {
 TEST(BackwardMessagesTest, APathWithoutItsTensorIsAnError) {
   v1::BackwardRequest fields;  // no hidden_states, no grad_output
   fields.set_batch_id(1);
-  auto pool = BufferPool::Create(0);
+  auto pool = common::BufferPool::Create(0);
   const std::vector<float> values = Values(4, 1.f);
   EXPECT_EQ(EncodeBackwardRequest(fields, values, values, 1, *pool).status().code(),
             absl::StatusCode::kInternal);
@@ -324,25 +324,25 @@ TEST(BackwardMessagesTest, DecodePiecesHandlesElementsAcrossPieces) {
 }
 
 TEST(BufferPoolTest, AGivenBackBufferIsReusedWithinTheLimit) {
-  auto pool = BufferPool::Create(1000);
+  auto pool = common::BufferPool::Create(1000);
   const char* first = nullptr;
   {
-    BufferPool::Buffer buffer = pool->Acquire(600);
+    common::BufferPool::Buffer buffer = pool->Acquire(600);
     first = buffer.data();
     EXPECT_EQ(buffer.size(), 600u);
   }
   EXPECT_EQ(pool->cached_bytes(), 600u);
   {
-    BufferPool::Buffer again = pool->Acquire(500);  // 600 <= 2 * 500: reused
+    common::BufferPool::Buffer again = pool->Acquire(500);  // 600 <= 2 * 500: reused
     EXPECT_EQ(again.data(), first);
     EXPECT_EQ(again.size(), 500u);
     EXPECT_EQ(pool->cached_bytes(), 0u);
-    BufferPool::Buffer other = pool->Acquire(200);  // nothing cached: new
+    common::BufferPool::Buffer other = pool->Acquire(200);  // nothing cached: new
     EXPECT_NE(other.data(), first);
   }
   // 600 went back, then 200 (800 <= 1000); a 300-byte buffer would pass the limit.
   EXPECT_EQ(pool->cached_bytes(), 800u);
-  { BufferPool::Buffer big = pool->Acquire(1000); }  // 1800 > 1000: freed, not kept
+  { common::BufferPool::Buffer big = pool->Acquire(1000); }  // 1800 > 1000: freed, not kept
   EXPECT_EQ(pool->cached_bytes(), 800u);
   // A slice owning a buffer gives it back when gRPC (here: the last slice) lets go.
   {

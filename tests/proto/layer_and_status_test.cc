@@ -1,13 +1,13 @@
 // attngrad/wire/layer.h (wire and Hugging Face names of the six weights) and
-// attngrad/wire/status_macros.h.
+// attngrad/common/status_macros.h.
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/layer.h"
-#include "attngrad/wire/status_macros.h"
 
 namespace attngrad::wire {
 namespace {

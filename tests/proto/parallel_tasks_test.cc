@@ -1,7 +1,7 @@
-// wire::ParallelTasks (attngrad/wire/parallel_tasks.h): every part runs exactly once, also when
+// common::ParallelTasks (attngrad/common/parallel_tasks.h): every part runs exactly once, also when
 // several threads run jobs at once (the receiving threads' arrival copies share one set of
 // helpers), and a run returns only when its parts are done.
-#include "attngrad/wire/parallel_tasks.h"
+#include "attngrad/common/parallel_tasks.h"
 
 #include <atomic>
 #include <thread>
@@ -9,7 +9,7 @@
 
 #include "gtest/gtest.h"
 
-namespace attngrad::wire {
+namespace attngrad::common {
 namespace {
 
 TEST(ParallelTasksTest, EveryPartRunsOnceBeforeRunReturns) {
@@ -53,4 +53,4 @@ TEST(ParallelTasksTest, ConcurrentRunsEachGetExactlyTheirParts) {
 }
 
 }  // namespace
-}  // namespace attngrad::wire
+}  // namespace attngrad::common

@@ -15,7 +15,7 @@
 
 #include <gtest/gtest.h>
 
-#include "attngrad/wire/http_get.h"
+#include "cli/http_get.h"
 #include "metrics/http_request.h"
 #include "metrics/metrics_http_server.h"
 #include "prometheus/counter.h"
@@ -84,8 +84,8 @@ TEST(MetricsHttpServerTest, ScrapeSucceedsWhileASlowClientHoldsAConnection) {
   ASSERT_EQ(send(slow, "G", 1, 0), 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the server has accepted it
   const auto start = Clock::now();
-  absl::StatusOr<wire::HttpResponse> scrape =
-      wire::HttpGet(Address(**server), "/metrics", absl::Seconds(2));
+  absl::StatusOr<cli::HttpResponse> scrape =
+      cli::HttpGet(Address(**server), "/metrics", absl::Seconds(2));
   const double seconds = SecondsSince(start);
   ASSERT_TRUE(scrape.ok()) << scrape.status() << " after " << seconds << " s";
   EXPECT_EQ(scrape->status, 200);
@@ -109,8 +109,8 @@ TEST(MetricsHttpServerTest, ManySlowClientsDoNotBlockAScrape) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   for (int round = 0; round < 3; ++round) {
     const auto start = Clock::now();
-    absl::StatusOr<wire::HttpResponse> scrape =
-        wire::HttpGet(Address(**server), "/metrics", absl::Seconds(2));
+    absl::StatusOr<cli::HttpResponse> scrape =
+        cli::HttpGet(Address(**server), "/metrics", absl::Seconds(2));
     ASSERT_TRUE(scrape.ok()) << scrape.status();
     EXPECT_EQ(scrape->status, 200);
     EXPECT_LT(SecondsSince(start), 1.0);
@@ -178,10 +178,10 @@ TEST(MetricsHttpServerTest, ConnectionsBeyondTheCapAreAnswered503) {
 TEST(MetricsHttpServerTest, AnswersByMethodAndPath) {
   auto server = MetricsHttpServer::Start("127.0.0.1:0", TestRegistry());
   ASSERT_TRUE(server.ok()) << server.status();
-  absl::StatusOr<wire::HttpResponse> other = wire::HttpGet(Address(**server), "/other");
+  absl::StatusOr<cli::HttpResponse> other = cli::HttpGet(Address(**server), "/other");
   ASSERT_TRUE(other.ok()) << other.status();
   EXPECT_EQ(other->status, 404);
-  absl::StatusOr<wire::HttpResponse> query = wire::HttpGet(Address(**server), "/metrics?x=1");
+  absl::StatusOr<cli::HttpResponse> query = cli::HttpGet(Address(**server), "/metrics?x=1");
   ASSERT_TRUE(query.ok()) << query.status();
   EXPECT_EQ(query->status, 200);
 

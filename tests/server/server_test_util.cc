@@ -10,9 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/http_get.h"
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/tensor.h"
+#include "cli/http_get.h"
 
 namespace attngrad::server::testing {
 
@@ -294,8 +294,7 @@ std::unique_ptr<v1::AttentionGradient::Stub> ServerTest::NewStub() {
 }
 
 std::string HttpGet(int port, const std::string& path) {
-  absl::StatusOr<wire::HttpResponse> response =
-      wire::HttpGet(absl::StrCat("127.0.0.1:", port), path);
+  absl::StatusOr<cli::HttpResponse> response = cli::HttpGet(absl::StrCat("127.0.0.1:", port), path);
   EXPECT_TRUE(response.ok()) << response.status();
   return response.ok() ? response->body : std::string();
 }

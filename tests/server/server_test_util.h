@@ -16,8 +16,8 @@
 
 #include "attngrad/backward.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
-#include "weights/layer_weights.h"
 #include "server.h"
+#include "weights/served_weights.h"
 
 namespace attngrad::server::testing {
 
@@ -54,7 +54,7 @@ LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response);
 ::testing::AssertionResult Close(const LayerTensors& actual, const LayerTensors& expected,
                                  double relative, const std::string& what);
 
-// The body of an HTTP/1.0 GET of `path` on a loopback port (attngrad/wire/http_get.h); empty, with
+// The body of an HTTP/1.0 GET of `path` on a loopback port (cli/http_get.h); empty, with
 // a test failure, when the GET fails.
 std::string HttpGet(int port, const std::string& path);
 

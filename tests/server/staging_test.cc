@@ -1,5 +1,5 @@
 // The staging of a batch's inputs (scheduling/staging.h), which GPU servers do on arrival into
-// page-locked memory: here with an ordinary wire::BufferPool, since the copy does not depend on
+// page-locked memory: here with an ordinary common::BufferPool, since the copy does not depend on
 // where the pool's memory comes from. The layout is the one the GPU worker copies in
 // (hidden_states | grad_output, each in a float-sized slot per element, | cos | sin), values as
 // received (16-bit ones too), a value that is not finite is INVALID_ARGUMENT naming the element,
@@ -59,8 +59,8 @@ TEST(StagingTest, StagedInputsAreTheReceivedBytesInTheWorkersLayout) {
   for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT16}) {
     SmallJob small(dtype);
     ASSERT_EQ(StagingElements(small.job), 2u * 12 + 6 + 6);
-    auto pool = wire::BufferPool::Create(1 << 20);
-    wire::ParallelTasks threads(3);
+    auto pool = common::BufferPool::Create(1 << 20);
+    common::ParallelTasks threads(3);
     ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
     ASSERT_NE(small.job.staged_inputs.data(), nullptr);
     const char* staged = small.job.staged_inputs.data();
@@ -87,8 +87,8 @@ TEST(StagingTest, ANonFiniteValueIsInvalidArgumentNamingTheElement) {
   SmallJob small(v1::DTYPE_FLOAT32);
   small.grad[7] = std::numeric_limits<float>::quiet_NaN();
   small.job.grad_output = SmallJob::InPieces(small.grad, v1::DTYPE_FLOAT32, &small.grad_bytes);
-  auto pool = wire::BufferPool::Create(1 << 20);
-  wire::ParallelTasks threads(2);
+  auto pool = common::BufferPool::Create(1 << 20);
+  common::ParallelTasks threads(2);
   const absl::Status status = StageOnArrival(*pool, threads, small.job);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("grad_output.raw_data"), std::string::npos) << status;
@@ -109,8 +109,8 @@ TEST(StagingTest, EveryNonFiniteElementIsFoundWhereverThePiecesSplitIt) {
                                                    : -std::numeric_limits<float>::infinity();
         (in_grad ? small.job.grad_output : small.job.hidden_states) =
             SmallJob::InPieces(values, dtype, in_grad ? &small.grad_bytes : &small.hidden_bytes);
-        auto pool = wire::BufferPool::Create(1 << 20);
-        wire::ParallelTasks threads(2);
+        auto pool = common::BufferPool::Create(1 << 20);
+        common::ParallelTasks threads(2);
         const absl::Status status = StageOnArrival(*pool, threads, small.job);
         EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument)
             << "dtype " << dtype << " at " << at;
@@ -164,11 +164,11 @@ TEST(StagingTest, LargeOddPiecesAreCopiedAndCheckedExactly) {
 
 TEST(StagingTest, WithoutMemoryFromThePoolTheJobIsLeftToTheWorker) {
   SmallJob small(v1::DTYPE_FLOAT32);
-  wire::BufferPool::Allocator none;
+  common::BufferPool::Allocator none;
   none.allocate = [](std::size_t) -> char* { return nullptr; };
   none.free = [](char*) {};
-  auto pool = wire::BufferPool::Create(0, std::move(none));
-  wire::ParallelTasks threads(1);
+  auto pool = common::BufferPool::Create(0, std::move(none));
+  common::ParallelTasks threads(1);
   ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
   EXPECT_EQ(small.job.staged_inputs.data(), nullptr);
   EXPECT_EQ(small.job.hidden_states.size_bytes(), small.hidden_bytes.size());  // still received

@@ -9,7 +9,7 @@
 #include "attngrad/wire/safetensors.h"
 #include "attngrad/wire/tensor.h"
 #include "server_test_util.h"
-#include "weights/safetensors.h"
+#include "weights/checkpoint_layer.h"
 
 namespace attngrad::server::testing {
 namespace {

@@ -16,7 +16,7 @@
 // the result's vectors, or into the caller's memory (BackwardBatch::grad_hidden_states_out,
 // grad_hidden_states_16bit_out, weight_gradients_out; a float32 or 16-bit answer copied there with
 // non-temporal stores), in 4 MiB parts on up to 4 decode threads that the Client keeps for all its
-// streams (wire::ParallelTasks).
+// streams (common::ParallelTasks).
 #ifndef ATTNGRAD_CLIENT_H_
 #define ATTNGRAD_CLIENT_H_
 

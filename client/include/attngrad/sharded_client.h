@@ -26,28 +26,15 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attngrad/client.h"
+#include "attngrad/wire/layer_range.h"
 
 namespace attngrad {
 
-// One entry of a layer map: decoder layers first..last (inclusive) are served at `target`.
-// first = last = -1: every layer (a plain target).
-struct LayerRange {
-  int first = -1;
-  int last = -1;
-  std::string target;
-
-  bool all_layers() const { return first < 0; }
-  bool Contains(int layer) const { return all_layers() || (layer >= first && layer <= last); }
-  // "0-12=host-a:50051", or the bare target for every layer.
-  std::string ToString() const;
-};
-
-// Parses "A-B=host:port,C-D=host:port,..." (a single layer may be written "A=host:port"; spaces
-// around the pieces are ignored) or a plain "host:port". The ranges must not overlap; they are
-// returned sorted by first layer. INVALID_ARGUMENT naming the bad piece otherwise.
-absl::StatusOr<std::vector<LayerRange>> ParseLayerMap(absl::string_view text);
-// The map written back as ParseLayerMap reads it.
-std::string LayerMapString(const std::vector<LayerRange>& map);
+// A layer map's entries and its parser are proto/'s (attngrad/wire/layer_range.h: the grammar the
+// server's --layers and the Python client share): attngrad::LayerRange is wire::LayerRange.
+using wire::LayerMapString;
+using wire::LayerRange;
+using wire::ParseLayerMap;
 
 class ShardedClient;
 

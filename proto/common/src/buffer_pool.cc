@@ -1,11 +1,11 @@
 // BufferPool: given-back buffers kept by capacity, up to a byte limit.
-#include "attngrad/wire/buffer_pool.h"
+#include "attngrad/common/buffer_pool.h"
 
 #include <utility>
 
-#include "attngrad/wire/host_memory.h"
+#include "attngrad/common/host_memory.h"
 
-namespace attngrad::wire {
+namespace attngrad::common {
 
 BufferPool::Buffer::Buffer(std::shared_ptr<BufferPool> pool, char* memory, std::size_t capacity,
                            std::size_t size)
@@ -86,4 +86,4 @@ void BufferPool::GiveBack(char* memory, std::size_t capacity) {
   allocator_.free(memory);
 }
 
-}  // namespace attngrad::wire
+}  // namespace attngrad::common

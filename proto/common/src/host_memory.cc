@@ -1,5 +1,5 @@
 // Huge-page advice for big host buffers (Linux madvise; a no-op elsewhere).
-#include "attngrad/wire/host_memory.h"
+#include "attngrad/common/host_memory.h"
 
 #include <cstdint>
 
@@ -7,7 +7,7 @@
 #include <sys/mman.h>
 #endif
 
-namespace attngrad::wire {
+namespace attngrad::common {
 
 void AdviseHugePages(void* data, std::size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
@@ -30,4 +30,4 @@ void ResizeForOverwrite(std::vector<float>* values, std::size_t count) {
   values->resize(count);
 }
 
-}  // namespace attngrad::wire
+}  // namespace attngrad::common

@@ -1,9 +1,9 @@
 // ParallelTasks: parts handed out under a mutex (they are large: megabytes of copying each).
-#include "attngrad/wire/parallel_tasks.h"
+#include "attngrad/common/parallel_tasks.h"
 
 #include <algorithm>
 
-namespace attngrad::wire {
+namespace attngrad::common {
 
 ParallelTasks::ParallelTasks(int threads) {
   for (int i = 1; i < std::max(1, threads); ++i)
@@ -59,4 +59,4 @@ void ParallelTasks::Helper() {
   }
 }
 
-}  // namespace attngrad::wire
+}  // namespace attngrad::common

@@ -13,9 +13,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "attngrad/common/buffer_pool.h"
 #include "attngrad/v1/attngrad.pb.h"
 #include "attngrad/wire/backward_paths.h"
-#include "attngrad/wire/buffer_pool.h"
 #include "attngrad/wire/message_walker.h"
 
 namespace attngrad::wire {
@@ -31,7 +31,7 @@ namespace attngrad::wire {
 // unchanged until then. Otherwise (any other dtype) `borrow_owner` is dropped at once.
 absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(
     const v1::BackwardRequest& request, absl::Span<const float> hidden_states,
-    absl::Span<const float> grad_output, int dtype, BufferPool& pool,
+    absl::Span<const float> grad_output, int dtype, common::BufferPool& pool,
     std::shared_ptr<const void> borrow_owner = nullptr);
 
 // The same with hidden_states and grad_output already encoded in the request's dtype (their raw
@@ -40,7 +40,7 @@ absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequest(
 // until gRPC lets go of them), else copied once into one buffer of `pool`.
 absl::StatusOr<grpc::ByteBuffer> EncodeBackwardRequestBytes(
     const v1::BackwardRequest& request, absl::string_view hidden_states,
-    absl::string_view grad_output, BufferPool& pool,
+    absl::string_view grad_output, common::BufferPool& pool,
     std::shared_ptr<const void> borrow_owner = nullptr);
 
 // An answer: its fields but the tensors' raw_data, which are `payloads` (in

@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "attngrad/wire/buffer_pool.h"
+#include "attngrad/common/buffer_pool.h"
 #include "attngrad/wire/message_walker.h"
 
 namespace attngrad::wire {
@@ -36,7 +36,7 @@ absl::StatusOr<grpc::ByteBuffer> SerializeWithPayloads(const google::protobuf::M
                                                        absl::Span<const grpc::Slice> payloads);
 
 // A slice of the pool buffer's bytes that owns it (given back once gRPC has sent the bytes).
-grpc::Slice SliceOf(BufferPool::Buffer buffer);
+grpc::Slice SliceOf(common::BufferPool::Buffer buffer);
 
 // A slice of `bytes`, which someone else's memory holds (not copied): `owner` is kept until gRPC
 // lets go of the slice (every copy of it), so its destruction says that the bytes are no longer

@@ -4,8 +4,8 @@
 // more than copying it. A buffer given back to its pool is reused, already mapped. A pool may take
 // its memory from another allocator (the GPU server's page-locked memory, which the GPU copies to
 // and from directly: devices/pinned_pool.h), made once per buffer and reused the same way.
-#ifndef ATTNGRAD_WIRE_BUFFER_POOL_H_
-#define ATTNGRAD_WIRE_BUFFER_POOL_H_
+#ifndef ATTNGRAD_COMMON_BUFFER_POOL_H_
+#define ATTNGRAD_COMMON_BUFFER_POOL_H_
 
 #include <cstddef>
 #include <functional>
@@ -15,7 +15,7 @@
 
 #include "absl/synchronization/mutex.h"
 
-namespace attngrad::wire {
+namespace attngrad::common {
 
 class BufferPool : public std::enable_shared_from_this<BufferPool> {
  public:
@@ -75,6 +75,6 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   std::size_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-}  // namespace attngrad::wire
+}  // namespace attngrad::common
 
-#endif  // ATTNGRAD_WIRE_BUFFER_POOL_H_
+#endif  // ATTNGRAD_COMMON_BUFFER_POOL_H_

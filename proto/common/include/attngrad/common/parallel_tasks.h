@@ -3,8 +3,8 @@
 // page-locked staging, by the GPU worker or by the receiving threads on arrival), and so do the
 // client's decodes of large answers: one thread copies at a few GB/s, several reach the memory
 // bandwidth.
-#ifndef ATTNGRAD_WIRE_PARALLEL_TASKS_H_
-#define ATTNGRAD_WIRE_PARALLEL_TASKS_H_
+#ifndef ATTNGRAD_COMMON_PARALLEL_TASKS_H_
+#define ATTNGRAD_COMMON_PARALLEL_TASKS_H_
 
 #include <condition_variable>
 #include <cstddef>
@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-namespace attngrad::wire {
+namespace attngrad::common {
 
 class ParallelTasks {
  public:
@@ -56,6 +56,6 @@ class ParallelTasks {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace attngrad::wire
+}  // namespace attngrad::common
 
-#endif  // ATTNGRAD_WIRE_PARALLEL_TASKS_H_
+#endif  // ATTNGRAD_COMMON_PARALLEL_TASKS_H_

@@ -6,8 +6,8 @@
 //   ATTNGRAD_ASSIGN_OR_RETURN(values, file.ReadFloats(name));  // an existing variable
 //
 // The left-hand side of ATTNGRAD_ASSIGN_OR_RETURN cannot contain an unparenthesised comma.
-#ifndef ATTNGRAD_WIRE_STATUS_MACROS_H_
-#define ATTNGRAD_WIRE_STATUS_MACROS_H_
+#ifndef ATTNGRAD_COMMON_STATUS_MACROS_H_
+#define ATTNGRAD_COMMON_STATUS_MACROS_H_
 
 #include <utility>
 
@@ -44,4 +44,4 @@ const absl::Status& AsStatus(const absl::StatusOr<T>& status_or) {
 #define ATTNGRAD_STATUS_MACROS_CONCAT_(a, b) ATTNGRAD_STATUS_MACROS_CONCAT_INNER_(a, b)
 #define ATTNGRAD_STATUS_MACROS_CONCAT_INNER_(a, b) a##b
 
-#endif  // ATTNGRAD_WIRE_STATUS_MACROS_H_
+#endif  // ATTNGRAD_COMMON_STATUS_MACROS_H_
