@@ -290,7 +290,10 @@ class GpuOrderedCallsTest(unittest.TestCase):
         self.calls.wait_all()  # reported once
 
     def test_a_broken_stream_fails_every_call_on_it_and_the_next_call_opens_another(self):
-        first, second = self.submit(), self.submit()
+        kept = Kept()
+        alive = weakref.ref(kept)
+        first, second = self.submit(kept=[kept]), self.submit()
+        del kept
         _, answers = self.arrived()
         self.arrived()
         answers.put(grpc.StatusCode.UNAVAILABLE)
@@ -305,6 +308,11 @@ class GpuOrderedCallsTest(unittest.TestCase):
         self.compute(request, answers)
         self.assertEqual(third.result(timeout=5).batch_id, request.batch_id)
         self.assertTrue(self.gpu.run(TRAINER))
+        gc.collect()
+        self.assertIsNotNone(alive(), "an unanswered call's tensors went before close()")
+        self.calls.close(wait=2)
+        gc.collect()
+        self.assertIsNone(alive())
 
     def test_a_call_unanswered_past_its_timeout_gets_deadline_exceeded_and_done(self):
         self.submit(timeout=0.2)
@@ -464,6 +472,15 @@ class SelectionTest(unittest.TestCase):
         self.assertFalse(self.client(stream_memory_operations=False).orders_on_gpu(0))
         self.server_side.ordered = False
         self.assertFalse(self.client().orders_on_gpu(0))
+
+    def test_a_sharded_client_asks_the_server_of_the_layer(self):
+        from attngrad import sharded
+
+        gpu_ordered, host_ordered = self.client(), self.client(stream_memory_operations=False)
+        client = sharded.ShardedClient({(0, 3): gpu_ordered, (4, 7): host_ordered})
+        self.assertTrue(client.orders_on_gpu(0, layer=2))
+        self.assertFalse(client.orders_on_gpu(0, layer=5))
+        self.assertTrue(client.orders_on_gpu(), "not GPU-ordered on any of its servers")
 
 
 @unittest.skipIf(torch is None, "PyTorch is not installed for this interpreter")

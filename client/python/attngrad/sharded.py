@@ -11,6 +11,10 @@ target, "first-last": target, ...} whose targets are addresses or attngrad.Clien
 plain "host:port" (one server, every layer). Every layer-addressed call (backward, backward_many,
 fetch_gradients, fetch_layers, zero_gradients, load_weights) goes to the server of its layer; the
 servers need no coordination (each layer's weights, versions and windows live on one of them).
+
+The string form follows the grammar of the C++ parser (proto/include/attngrad/wire/layer_range.h):
+layers are ASCII digits below 2**31 and ASCII whitespace around the pieces is ignored;
+tests/fixtures/layer_maps.json holds the examples both parsers are tested on.
 """
 from __future__ import annotations
 
@@ -43,14 +47,27 @@ class LayerRange:
         return f"{span}={target}"
 
 
+_ASCII_WHITESPACE = " \t\n\r\f\v"
+_LAYER_LIMIT = 2**31  # layers are C ints on the server and in the C++ client
+
+
+def _parse_layer(text: str) -> Optional[int]:
+    """The layer number TEXT spells (ASCII digits only: no sign, no "_", no other digits); None
+    for anything else."""
+    text = text.strip(_ASCII_WHITESPACE)
+    if not text or any(not "0" <= character <= "9" for character in text):
+        return None
+    value = int(text)
+    return value if value < _LAYER_LIMIT else None
+
+
 def _parse_span(text: str, whole: str) -> Tuple[int, int]:
-    pieces = str(text).strip().split("-", 1)
-    try:
-        first, last = int(pieces[0]), int(pieces[-1])
-    except ValueError:
+    pieces = str(text).strip(_ASCII_WHITESPACE).split("-", 1)
+    first, last = _parse_layer(pieces[0]), _parse_layer(pieces[-1])
+    if first is None or last is None:
         raise ValueError(f"layer map {whole!r}: {text!r} is not a layer range FIRST-LAST "
-                         "(e.g. \"0-12=host-a:50051\")") from None
-    if first < 0 or last < first:
+                         "(e.g. \"0-12=host-a:50051\")")
+    if last < first:
         raise ValueError(f"layer map {whole!r}: {text!r} must be FIRST-LAST with "
                          "0 <= FIRST <= LAST")
     return first, last
@@ -63,7 +80,7 @@ def parse_layer_map(layer_map) -> List[LayerRange]:
         return [LayerRange(None, None, layer_map)]
     ranges: List[LayerRange] = []
     if isinstance(layer_map, str):
-        whole = layer_map.strip()
+        whole = layer_map.strip(_ASCII_WHITESPACE)
         if not whole:
             raise ValueError("layer map: empty")
         if "=" not in whole:
@@ -73,11 +90,12 @@ def parse_layer_map(layer_map) -> List[LayerRange]:
             return [LayerRange(None, None, whole)]
         for piece in whole.split(","):
             span, _, target = piece.partition("=")
-            if not target.strip():
-                raise ValueError(f"layer map {whole!r}: {piece.strip()!r} has no address "
-                                 "(expected FIRST-LAST=host:port)")
+            target = target.strip(_ASCII_WHITESPACE)
+            if not target:
+                raise ValueError(f"layer map {whole!r}: {piece.strip(_ASCII_WHITESPACE)!r} has no "
+                                 "address (expected FIRST-LAST=host:port)")
             first, last = _parse_span(span, whole)
-            ranges.append(LayerRange(first, last, target.strip()))
+            ranges.append(LayerRange(first, last, target))
     elif isinstance(layer_map, Mapping):
         whole = repr(dict(layer_map))
         for key, target in layer_map.items():
@@ -259,7 +277,9 @@ class ShardedClient:
                                                           layer=layer)
 
     def orders_on_gpu(self, device: Optional[int] = None, *, layer: Optional[int] = None) -> bool:
-        """Client.orders_on_gpu on the server of LAYER."""
+        """Client.orders_on_gpu on the server of LAYER (None: on any server)."""
+        if layer is None:
+            return any(client.orders_on_gpu(device) for client in self.clients)
         return self.client_for(layer).orders_on_gpu(device, layer=layer)
 
     def wait_submitted(self) -> None:

@@ -485,6 +485,9 @@ class GpuOrderedCalls:
         self._flags: Dict[int, _DeviceFlags] = {}
         self._current: Optional[_OrderedStream] = None
         self._outstanding: List[PendingBackward] = []
+        # The tensors of calls failed unanswered (a broken stream, a timeout): kept until close(),
+        # since the server may still compute such a call once the stream reaches it.
+        self._orphaned_tensors: List[Any] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -610,6 +613,7 @@ class GpuOrderedCalls:
                 self._current = None
             calls = list({id(call): call for call in ordered.due.values()}.values())
             ordered.due.clear()
+            self._orphaned_tensors += [call.kept for call in calls]
         ordered.stream.close(wait=0)  # cancelled, if it was not over
         for call in calls:
             self._abandon(call, error)
@@ -676,6 +680,8 @@ class GpuOrderedCalls:
         if ordered is not None:
             ordered.stream.close()
             ordered.thread.join(timeout=wait)
+        with self._lock:
+            self._orphaned_tensors = []
 
 
 def stream_handle_of(tensor) -> int:
