@@ -22,18 +22,18 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/status_macros.h"
 #include "devices/cpu_worker.h"
 #include "devices/gpu_worker.h"
-#include "scheduling/gradient_core.h"
+#include "metrics/metrics.h"
+#include "metrics/metrics_http_server.h"
 #include "rpc/auth.h"
 #include "rpc/gradient_service.h"
 #include "rpc/region_socket.h"
 #include "rpc/rpc_metrics_interceptor.h"
 #include "rpc/tls.h"
-#include "metrics/metrics.h"
-#include "metrics/metrics_http_server.h"
-#include "weights/safetensors.h"
+#include "scheduling/gradient_core.h"
+#include "weights/checkpoint_layer.h"
 
 #ifndef ATTNGRAD_VERSION
 #define ATTNGRAD_VERSION "unknown"
@@ -258,8 +258,8 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
 
   // Workers.
   std::vector<std::unique_ptr<DeviceWorker>> workers;
-  std::shared_ptr<DeviceMemoryOpener> device_memory;  // CUDA IPC regions: GPU servers only
-  std::shared_ptr<wire::BufferPool> arrival_staging;  // GPU servers with --stage_on_arrival
+  std::shared_ptr<DeviceMemoryOpener> device_memory;    // CUDA IPC regions: GPU servers only
+  std::shared_ptr<common::BufferPool> arrival_staging;  // GPU servers with --stage_on_arrival
   if (devices.cpu) {
     auto worker =
         std::make_unique<CpuWorker>(layer_slots, options.cpu_threads, server->metrics_.get());

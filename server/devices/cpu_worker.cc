@@ -9,7 +9,7 @@
 
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/tensor.h"
-#include "scheduling/finite_check.h"
+#include "scheduling/nonfinite_gradients.h"
 
 namespace attngrad::server {
 namespace {
@@ -122,7 +122,7 @@ void CpuWorker::Compute(BatchJob& job) {
   out.weight_gradients = DataOf(*gradients);
   const bool add = job.accumulate && !job.return_weight_gradients;
   // An ACCUMULATE batch is computed into scratch and added only once its gradients are known to be
-  // finite (finite_check.h), so a refused batch leaves the accumulators as they were.
+  // finite (nonfinite_gradients.h), so a refused batch leaves the accumulators as they were.
   job.status = KernelStatus(BackwardHost(config, job.batch, job.seq_len, job.scalars,
                                          /*accumulate=*/false, in, out, num_threads_),
                             "BackwardHost");

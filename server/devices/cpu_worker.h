@@ -42,7 +42,7 @@ class CpuWorker final : public DeviceWorker {
   std::vector<float> hidden_states_, grad_output_, grad_hidden_states_;
   LayerTensors returned_gradients_;  // RETURN
   // The answers' memory, reused once gRPC has sent them (see AnswerBuffer).
-  std::shared_ptr<wire::BufferPool> answer_pool_ = wire::BufferPool::Create(kAnswerPoolBytes);
+  std::shared_ptr<common::BufferPool> answer_pool_ = common::BufferPool::Create(kAnswerPoolBytes);
   long long memory_total_bytes_ = 0;
 };
 

@@ -55,11 +55,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attngrad/common/parallel_tasks.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/cuda_resources.h"
 #include "attngrad/prepared_weights.h"
-#include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/v1/tensor.pb.h"
+#include "attngrad/wire/dtype.h"
 #include "devices/cuda_ipc_memory.h"
 #include "devices/cuda_status.h"
 #include "devices/nccl_abort.h"
@@ -67,8 +68,7 @@
 #include "devices/pinned_pool.h"
 #include "devices/stream_memory_operations.h"
 #include "devices/wire_convert.h"
-#include "scheduling/finite_check.h"
-#include "attngrad/wire/parallel_tasks.h"
+#include "scheduling/nonfinite_gradients.h"
 #include "scheduling/staging.h"
 
 namespace attngrad::server {
@@ -208,7 +208,7 @@ class GpuWorker final : public DeviceWorker {
     // The staging layout (scheduling/staging.h), for a job not staged on arrival.
     cuda::PinnedBuffer<float> host_in;
     // A job's inputs staged on arrival, kept until its copy-in is done (the batch retires).
-    wire::BufferPool::Buffer staged_inputs;
+    common::BufferPool::Buffer staged_inputs;
     cuda::DeviceBuffer<float> device_in;      // hidden_states | grad_output | cos | sin, all fp32
     cuda::DeviceBuffer<float> device_raw;     // fp16/bf16 activations before widening (2 per float)
     cuda::DeviceBuffer<float> device_answer;  // a fp16/bf16 answer after narrowing (2 per float)
@@ -428,7 +428,7 @@ class GpuWorker final : public DeviceWorker {
     cudaStreamSynchronize(copy_out_stream_.get());
     slot->device_hidden_states = WireTensor();
     slot->device_grad_output = WireTensor();
-    slot->staged_inputs = wire::BufferPool::Buffer();
+    slot->staged_inputs = common::BufferPool::Buffer();
     slot->job->status = status;
     FinishJob(std::move(slot->job));
   }
@@ -521,7 +521,7 @@ class GpuWorker final : public DeviceWorker {
   // The slot's host staging (scheduling/staging.h), in parts on the copy threads.
   absl::Status StageInputs(Slot& slot, BatchJob& job) {
     return CopyToStaging(job, slot.host_in.get(), copy_threads_.get(),
-                         wire::ParallelTasks::kCopyPartBytes);
+                         common::ParallelTasks::kCopyPartBytes);
   }
 
   // Where the kernels read one activation tensor (`dtype`, `count` elements): fp32 in the client's
@@ -841,7 +841,7 @@ class GpuWorker final : public DeviceWorker {
     }
     slot.device_hidden_states = WireTensor();
     slot.device_grad_output = WireTensor();
-    slot.staged_inputs = wire::BufferPool::Buffer();
+    slot.staged_inputs = common::BufferPool::Buffer();
     FinishJob(std::move(slot.job));
   }
 
@@ -997,10 +997,10 @@ class GpuWorker final : public DeviceWorker {
   std::vector<std::unique_ptr<Gate>> free_gates_;
   int retired_since_gauges_ = 0;
   // The host copies (staging in, answers out), in parts on these threads.
-  std::unique_ptr<wire::ParallelTasks> copy_threads_ =
-      std::make_unique<wire::ParallelTasks>(wire::ParallelTasks::CopyThreads());
+  std::unique_ptr<common::ParallelTasks> copy_threads_ =
+      std::make_unique<common::ParallelTasks>(common::ParallelTasks::CopyThreads());
   // The answers' page-locked memory, reused once gRPC has sent them (see AnswerBuffer).
-  std::shared_ptr<wire::BufferPool> answer_pool_ = MakePinnedBufferPool(kPinnedAnswerPoolBytes);
+  std::shared_ptr<common::BufferPool> answer_pool_ = MakePinnedBufferPool(kPinnedAnswerPoolBytes);
 };
 
 }  // namespace

@@ -8,8 +8,8 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
 #include "rpc/gradient_service.h"
 #include "rpc/raw_request.h"
 #include "scheduling/staging.h"

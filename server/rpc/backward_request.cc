@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
 #include "attngrad/wire/tensor.h"
 #include "rpc/rotary.h"
 

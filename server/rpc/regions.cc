@@ -11,16 +11,15 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "attngrad/common/read_file.h"
+#include "attngrad/common/status_macros.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
 #include "rpc/auth.h"
 
 namespace attngrad::server {
@@ -31,13 +30,13 @@ namespace {
 // NOT_FOUND when there is no such process.
 absl::StatusOr<std::string> ProcessStartTime(std::int64_t pid) {
   if (pid <= 0) return absl::NotFoundError("no process");
-  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
-  if (!stat) return absl::NotFoundError("no process");
-  const std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const std::size_t name_end = text.rfind(')');  // the command name may hold spaces
+  const absl::StatusOr<std::string> text =
+      common::ReadFileToString(absl::StrCat("/proc/", pid, "/stat"));
+  if (!text.ok()) return absl::NotFoundError("no process");
+  const std::size_t name_end = text->rfind(')');  // the command name may hold spaces
   if (name_end == std::string::npos) return absl::NotFoundError("no process");
   const std::vector<std::string> fields =
-      absl::StrSplit(text.substr(name_end + 1), ' ', absl::SkipEmpty());
+      absl::StrSplit(text->substr(name_end + 1), ' ', absl::SkipEmpty());
   constexpr std::size_t kStartTime = 22 - 3;  // fields after the name start at field 3 (state)
   if (fields.size() <= kStartTime) return absl::NotFoundError("no process");
   return fields[kStartTime];

@@ -22,11 +22,11 @@
 
 #include "absl/status/status.h"
 #include "attngrad/backward.h"
-#include "attngrad/wire/buffer_pool.h"
+#include "attngrad/common/buffer_pool.h"
+#include "metrics/metrics.h"
 #include "scheduling/memory_budget.h"
 #include "scheduling/wire_tensor.h"
-#include "weights/layer_weights.h"
-#include "metrics/metrics.h"
+#include "weights/served_weights.h"
 
 namespace attngrad::server {
 
@@ -37,13 +37,13 @@ using LayerSlots = std::vector<std::shared_ptr<const LayerWeights>>;
 // The answer's tensors in the response dtype, as the worker wrote them: grad_hidden_states
 // [B,S,hidden], then (RETURN) the six weight gradients in kAllWeights order. Sent as it is (gRPC
 // slices of this memory); holds the batch's share of the in-flight memory budget until then. The
-// memory comes from the worker's answer pool (wire::BufferPool), to which it goes back once sent:
+// memory comes from the worker's answer pool (common::BufferPool), to which it goes back once sent:
 // a fresh 100 MB answer (RETURN's weight gradients) costs more in page faults than in copying.
 // Free answer memory a worker's pool keeps for reuse (beyond the in-flight budget).
 inline constexpr std::size_t kAnswerPoolBytes = std::size_t{1} << 30;
 
 struct AnswerBuffer {
-  wire::BufferPool::Buffer bytes;  // uninitialised until the worker writes it
+  common::BufferPool::Buffer bytes;  // uninitialised until the worker writes it
   std::size_t size = 0;
   MemoryBudget::Reservation reservation;
 };
@@ -102,7 +102,7 @@ struct BatchJob {
   // page-locked memory in the staging layout (scheduling/staging.h), from which the GPU copies
   // them; hidden_states and grad_output then keep their dtypes but no bytes. Empty otherwise (the
   // worker stages them itself).
-  wire::BufferPool::Buffer staged_inputs;
+  common::BufferPool::Buffer staged_inputs;
 
   // Filled by the worker.
   AnswerBuffer answer;

@@ -5,7 +5,8 @@ input dtype, against attngrad-server processes on the CPU backend:
   merged model info, every layer-addressed call reaching the server of its layer (each server's own
   instance id in the answers, its own accumulation windows), backward_many across both, and the
   refusals: servers of different models, a server lacking a mapped layer, a layer outside the map,
-  malformed maps.
+  malformed maps; the layer maps of tests/fixtures/layer_maps.json, which the C++ parser is tested
+  on too.
 - attngrad.Client(channels=N): backward_many's N streams on N distinct TCP connections (this
   process's sockets counted in /proc/net/tcp), channels=1 sharing one; sequential backward()
   calls share one kept-open stream (one connection), concurrent ones take a stream each, on up to
@@ -14,6 +15,7 @@ input dtype, against attngrad-server processes on the CPU backend:
   for bit (the server computes from exactly those values)."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -122,6 +124,31 @@ class LayerMapParsing(unittest.TestCase):
                 with self.assertRaises(ValueError) as caught:
                     attngrad.parse_layer_map(text)
                 self.assertIn(fragment, str(caught.exception))
+
+
+class LayerMapExamples(unittest.TestCase):
+    """tests/fixtures/layer_maps.json: the examples of the one layer-map grammar, shared with the
+    C++ parser's test (tests/proto/layer_range_test.cc)."""
+
+    @classmethod
+    def setUpClass(cls):
+        path = Path(__file__).resolve().parent.parent / "fixtures" / "layer_maps.json"
+        cls.examples = json.loads(path.read_text())
+
+    def test_valid_maps_parse_to_their_ranges(self):
+        self.assertTrue(self.examples["valid"])
+        for example in self.examples["valid"]:
+            with self.subTest(map=example["map"]):
+                ranges = attngrad.parse_layer_map(example["map"])
+                self.assertEqual([[r.first, r.last, r.target] for r in ranges], example["ranges"])
+                self.assertEqual(",".join(str(r) for r in ranges), example["written"])
+
+    def test_invalid_maps_are_refused(self):
+        self.assertTrue(self.examples["invalid"])
+        for text in self.examples["invalid"]:
+            with self.subTest(map=text):
+                with self.assertRaises(ValueError):
+                    attngrad.parse_layer_map(text)
 
 
 class ShardedAgainstTwoServers(unittest.TestCase):
