@@ -140,6 +140,54 @@ class StreamOrderedCallsTest(unittest.TestCase):
         finally:
             calls.close()
 
+    def test_on_queued_runs_before_the_sender_may_touch_the_call(self):
+        marks = []
+        pending = self.calls.submit("b1", 0, None, None, [], 5.0, _NoPhases(),
+                                    on_queued=lambda queued: marks.append(queued))
+        self.assertEqual(marks, [pending], "on_queued did not run in the submitting thread")
+        self.assertEqual(len(self.stream.waits), 1)
+        self.stream.run()
+        result = pending.result(timeout=5)
+        self.assertEqual((pending.ordering, result.ordering), ("host", "host"))
+
+    def test_before_send_is_told_the_call_is_ordered(self):
+        seen = []
+        pending = self.calls.submit("b1", 0, None, None, [], 5.0, _NoPhases(),
+                                    before_send=seen.append)
+        self.assertEqual(seen, [], "before_send ran before the stream reached the call")
+        self.stream.run()
+        pending.result(timeout=5)
+        self.assertEqual(seen, [True])
+
+    def test_wait_for_tasks_waits_for_the_tasks_queued_so_far(self):
+        outcomes = []
+
+        def failing():
+            raise RuntimeError("upload refused")
+
+        self.calls.submit_task(0, lambda: "uploaded", 5.0)
+        waiter = threading.Thread(target=lambda: outcomes.append(self.calls.wait_for_tasks()))
+        waiter.start()
+        time.sleep(0.05)
+        self.assertEqual(outcomes, [], "returned before the stream reached the task")
+        self.stream.run()
+        waiter.join(5)
+        self.assertEqual(outcomes, [True])
+        self.assertTrue(self.calls.wait_for_tasks(), "waited for a task twice")
+        self.calls.submit_task(0, failing, 5.0)
+        self.stream.run()
+        self.assertFalse(self.calls.wait_for_tasks())
+        with self.assertRaisesRegex(RuntimeError, "upload refused"):
+            self.calls.wait_all()
+
+    def test_an_error_already_raised_by_result_is_not_raised_again_by_wait_all(self):
+        self.refused.add("bad")
+        pending = self.submit("bad")
+        self.stream.run()
+        with self.assertRaisesRegex(RuntimeError, "server refused bad"):
+            pending.result(timeout=5)
+        self.calls.wait_all()
+
     def test_wraparound_order(self):
         self.assertTrue(stream_ordered._reached(5, 5))
         self.assertTrue(stream_ordered._reached(6, 5))
