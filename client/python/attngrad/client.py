@@ -1645,7 +1645,8 @@ class Client:
                             layer: Optional[int] = None):
         """Runs TASK() in the thread of submit_backward()'s calls, in order with them, once the
         current stream of TENSOR's CUDA device has done what was launched on it so far (the
-        stream does not wait for the task). Returns a stream_ordered.PendingCall, or None when
+        stream does not wait for the task; a GPU-ordered call waits, before it is sent, for the
+        tasks queued before it). Returns a stream_ordered.PendingCall, or None when
         calls cannot be ordered by the stream (the caller then runs the task itself). LAYER: the
         layer the task is for (a ShardedClient picks its server by it)."""
         if not cuda_regions.is_cuda_tensor(tensor) or self._cuda_ipc_refused is not None:
