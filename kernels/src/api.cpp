@@ -1,8 +1,10 @@
-// The C ABI of attngrad.h over the C++ API of backward.h, and the small value types' methods.
+// The C ABI of attngrad.h over the C++ API of backward.h, the small value types' methods and the
+// argument checks every backend shares (backward.h, forward.h).
 #include <cmath>
 
 #include "attngrad/attngrad.h"
 #include "attngrad/backward.h"
+#include "attngrad/forward.h"
 #include "validate.h"
 
 namespace attngrad {
@@ -24,6 +26,22 @@ bool BackwardInputs::AnyNull() const {
   return !grad_output || !hidden_states || !cos || !sin;
 }
 
+bool ForwardInputs::AnyNull() const {
+  for (const float* weight : weights) {
+    if (weight == nullptr) return true;
+  }
+  return !hidden_states || !cos || !sin;
+}
+
+ForwardInputs ForwardInputs::Of(const BackwardInputs& in) {
+  ForwardInputs forward;
+  forward.hidden_states = in.hidden_states;
+  forward.cos = in.cos;
+  forward.sin = in.sin;
+  forward.weights = in.weights;
+  return forward;
+}
+
 bool BackwardOutputs::AnyNull() const {
   for (const float* gradient : weight_gradients) {
     if (gradient == nullptr) return true;
@@ -41,18 +59,12 @@ TensorSizes SizesOf(const LayerConfig& config, int batch, int seq_len) {
   return TensorSizes{tokens * hidden, tokens * static_cast<std::size_t>(config.head_dim)};
 }
 
-Status CheckBackwardArguments(const LayerConfig& config, int batch, int seq_len,
-                              const Scalars& scalars, const BackwardInputs& in,
-                              const BackwardOutputs& out) {
+namespace {
+
+// The checks of the configuration, the shape and the scalars, which every entry point makes
+// first.
+Status CheckShape(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars) {
   constexpr attngrad_status kInvalid = ATTNGRAD_INVALID_ARGUMENT;
-  // One static message per weight, in Weight's order.
-  constexpr const char* kNullWeight[kNumWeights] = {
-      "weights[q_proj] is null", "weights[k_proj] is null", "weights[v_proj] is null",
-      "weights[o_proj] is null", "weights[q_norm] is null", "weights[k_norm] is null"};
-  constexpr const char* kNullGradient[kNumWeights] = {
-      "weight_gradients[q_proj] is null", "weight_gradients[k_proj] is null",
-      "weight_gradients[v_proj] is null", "weight_gradients[o_proj] is null",
-      "weight_gradients[q_norm] is null", "weight_gradients[k_norm] is null"};
   if (!config.IsValid()) {
     return {kInvalid,
             "LayerConfig is invalid (sizes must be positive, num_heads a multiple of num_kv_heads, "
@@ -66,19 +78,56 @@ Status CheckBackwardArguments(const LayerConfig& config, int batch, int seq_len,
   if (!scalars.IsValid()) {
     return {kInvalid, "scalars must be finite, with eps > 0 and sliding_window >= 0"};
   }
-  if (in.grad_output == nullptr) return {kInvalid, "grad_output is null"};
+  return {};
+}
+
+// The inputs the forward reads (the backward's, less grad_output) are set.
+Status CheckForwardInputs(const ForwardInputs& in) {
+  constexpr attngrad_status kInvalid = ATTNGRAD_INVALID_ARGUMENT;
+  // One static message per weight, in Weight's order.
+  constexpr const char* kNullWeight[kNumWeights] = {
+      "weights[q_proj] is null", "weights[k_proj] is null", "weights[v_proj] is null",
+      "weights[o_proj] is null", "weights[q_norm] is null", "weights[k_norm] is null"};
   if (in.hidden_states == nullptr) return {kInvalid, "hidden_states is null"};
   if (in.cos == nullptr) return {kInvalid, "cos is null"};
   if (in.sin == nullptr) return {kInvalid, "sin is null"};
   for (Weight weight : kAllWeights) {
     if (in.weights[weight] == nullptr) return {kInvalid, kNullWeight[IndexOf(weight)]};
   }
+  return {};
+}
+
+}  // namespace
+
+Status CheckBackwardArguments(const LayerConfig& config, int batch, int seq_len,
+                              const Scalars& scalars, const BackwardInputs& in,
+                              const BackwardOutputs& out) {
+  constexpr attngrad_status kInvalid = ATTNGRAD_INVALID_ARGUMENT;
+  constexpr const char* kNullGradient[kNumWeights] = {
+      "weight_gradients[q_proj] is null", "weight_gradients[k_proj] is null",
+      "weight_gradients[v_proj] is null", "weight_gradients[o_proj] is null",
+      "weight_gradients[q_norm] is null", "weight_gradients[k_norm] is null"};
+  Status status = CheckShape(config, batch, seq_len, scalars);
+  if (!status.ok()) return status;
+  if (in.grad_output == nullptr) return {kInvalid, "grad_output is null"};
+  status = CheckForwardInputs(ForwardInputs::Of(in));
+  if (!status.ok()) return status;
   if (out.grad_hidden_states == nullptr) return {kInvalid, "grad_hidden_states is null"};
   for (Weight weight : kAllWeights) {
     if (out.weight_gradients[weight] == nullptr) {
       return {kInvalid, kNullGradient[IndexOf(weight)]};
     }
   }
+  return {};
+}
+
+Status CheckForwardArguments(const LayerConfig& config, int batch, int seq_len,
+                             const Scalars& scalars, const ForwardInputs& in, const float* output) {
+  Status status = CheckShape(config, batch, seq_len, scalars);
+  if (!status.ok()) return status;
+  status = CheckForwardInputs(in);
+  if (!status.ok()) return status;
+  if (output == nullptr) return {ATTNGRAD_INVALID_ARGUMENT, "output is null"};
   return {};
 }
 

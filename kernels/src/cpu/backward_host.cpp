@@ -1,4 +1,5 @@
-// The CPU reference backend: all of SPEC section 2 (steps 1-9) in fp32 storage, with the
+// The CPU reference backend: all of SPEC section 2 (steps 1-9), and the layer's forward output
+// A Wo^T (ForwardHost, forward.h) from the same forward recomputation, in fp32 storage, with the
 // projections in OpenBLAS (gemm_host), the attention rows accumulated in double and spread over
 // threads, and every reduction in a fixed order, so the result is deterministic and independent of
 // the thread count. It is the oracle of the GPU backend and the engine of the server on machines
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "attngrad/backward.h"
+#include "attngrad/forward.h"
 #include "cpu/gemm_host.h"
 #include "cpu/parallel.h"
 #include "validate.h"
@@ -229,65 +231,115 @@ void RopeNormBackward(const Problem& p, int heads, const float* normalized, cons
   }
 }
 
+// Steps 1-4 recomputed from the inputs: A, and everything the backward reads afterwards.
+struct ForwardState {
+  std::vector<float> q, k, v;               // step 1: the projections [T, q_out] / [T, kv_out]
+  std::vector<float> q_hat, k_hat;          // steps 2-3: x * r, kept for the RMSNorm backward
+  std::vector<float> q_inv_rms, k_inv_rms;  // r = 1/rms per token and head
+  std::vector<float> q_rot, k_rot;          // q', k': the attention's operands
+  std::vector<float> attention_out;         // step 4: A [T, q_out]
+  std::vector<double> lse;                  // the log-sum-exp of each attention row
+};
+
+Problem ProblemOf(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                  int num_threads) {
+  return Problem{config,  batch,
+                 seq_len, static_cast<long long>(batch) * seq_len,
+                 scalars, cpu::ResolveThreadCount(num_threads)};
+}
+
+// The forward of SPEC section 2 (steps 1-4), shared by ForwardHost and BackwardHost.
+ForwardState RecomputeForward(const Problem& p, const ForwardInputs& in) {
+  const LayerConfig& config = p.config;
+  const int tokens = static_cast<int>(p.tokens);
+  const int hidden = config.hidden_size, q_width = config.q_out(), kv_width = config.kv_out();
+  const std::size_t q_elems = static_cast<std::size_t>(tokens) * q_width;
+  const std::size_t kv_elems = static_cast<std::size_t>(tokens) * kv_width;
+  ForwardState f;
+
+  // Step 1: the projections.
+  f.q.resize(q_elems);
+  f.k.resize(kv_elems);
+  f.v.resize(kv_elems);
+  GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, q_width, hidden, 1.f, in.hidden_states,
+               hidden, in.weights[Weight::kQProj], hidden, 0.f, f.q.data(), q_width, p.threads);
+  GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, kv_width, hidden, 1.f, in.hidden_states,
+               hidden, in.weights[Weight::kKProj], hidden, 0.f, f.k.data(), kv_width, p.threads);
+  GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, kv_width, hidden, 1.f, in.hidden_states,
+               hidden, in.weights[Weight::kVProj], hidden, 0.f, f.v.data(), kv_width, p.threads);
+
+  // Steps 2-3: RMSNorm + RoPE (q and k keep x_hat and 1/rms for the backward).
+  f.q_hat.resize(q_elems);
+  f.k_hat.resize(kv_elems);
+  f.q_rot.resize(q_elems);
+  f.k_rot.resize(kv_elems);
+  f.q_inv_rms.resize(static_cast<std::size_t>(tokens) * config.num_heads);
+  f.k_inv_rms.resize(static_cast<std::size_t>(tokens) * config.num_kv_heads);
+  NormRopeForward(p, config.num_heads, f.q.data(), in.weights[Weight::kQNorm], in.cos, in.sin,
+                  f.q_hat.data(), f.q_inv_rms.data(), f.q_rot.data());
+  NormRopeForward(p, config.num_kv_heads, f.k.data(), in.weights[Weight::kKNorm], in.cos, in.sin,
+                  f.k_hat.data(), f.k_inv_rms.data(), f.k_rot.data());
+
+  // Step 4: attention forward (A and the row log-sum-exp).
+  f.attention_out.resize(q_elems);
+  f.lse.resize(static_cast<std::size_t>(p.batch) * config.num_heads * p.seq_len);
+  AttentionForward(p, f.q_rot.data(), f.k_rot.data(), f.v.data(), f.attention_out.data(), f.lse);
+  return f;
+}
+
 }  // namespace
+
+Status ForwardHost(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                   const ForwardInputs& in, float* output, int num_threads) {
+  const Status status = CheckForwardArguments(config, batch, seq_len, scalars, in, output);
+  if (!status.ok()) return status;
+  const Problem p = ProblemOf(config, batch, seq_len, scalars, num_threads);
+  const ForwardState f = RecomputeForward(p, in);
+  // The layer output Y = A Wo^T.
+  const int q_width = config.q_out();
+  GemmRowMajor(Transpose::kNo, Transpose::kYes, static_cast<int>(p.tokens), config.hidden_size,
+               q_width, 1.f, f.attention_out.data(), q_width, in.weights[Weight::kOProj], q_width,
+               0.f, output, config.hidden_size, p.threads);
+  return Status{};
+}
 
 Status BackwardHost(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
                     bool accumulate, const BackwardInputs& in, const BackwardOutputs& out,
                     int num_threads) {
   const Status status = CheckBackwardArguments(config, batch, seq_len, scalars, in, out);
   if (!status.ok()) return status;
-  const Problem p{config,  batch,
-                  seq_len, static_cast<long long>(batch) * seq_len,
-                  scalars, cpu::ResolveThreadCount(num_threads)};
+  const Problem p = ProblemOf(config, batch, seq_len, scalars, num_threads);
   const int tokens = static_cast<int>(p.tokens);
   const int hidden = config.hidden_size, q_width = config.q_out(), kv_width = config.kv_out();
   const std::size_t q_elems = static_cast<std::size_t>(tokens) * q_width;
   const std::size_t kv_elems = static_cast<std::size_t>(tokens) * kv_width;
   const float weight_beta = accumulate ? 1.f : 0.f;
 
-  // Step 1: recompute the projections.
-  std::vector<float> q(q_elems), k(kv_elems), v(kv_elems);
-  GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, q_width, hidden, 1.f, in.hidden_states,
-               hidden, in.weights[Weight::kQProj], hidden, 0.f, q.data(), q_width, p.threads);
-  GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, kv_width, hidden, 1.f, in.hidden_states,
-               hidden, in.weights[Weight::kKProj], hidden, 0.f, k.data(), kv_width, p.threads);
-  GemmRowMajor(Transpose::kNo, Transpose::kYes, tokens, kv_width, hidden, 1.f, in.hidden_states,
-               hidden, in.weights[Weight::kVProj], hidden, 0.f, v.data(), kv_width, p.threads);
-
-  // Steps 2-3: RMSNorm + RoPE (q and k keep x_hat and 1/rms for the backward).
-  std::vector<float> q_hat(q_elems), k_hat(kv_elems), q_rot(q_elems), k_rot(kv_elems);
-  std::vector<float> q_inv_rms(static_cast<std::size_t>(tokens) * config.num_heads);
-  std::vector<float> k_inv_rms(static_cast<std::size_t>(tokens) * config.num_kv_heads);
-  NormRopeForward(p, config.num_heads, q.data(), in.weights[Weight::kQNorm], in.cos, in.sin,
-                  q_hat.data(), q_inv_rms.data(), q_rot.data());
-  NormRopeForward(p, config.num_kv_heads, k.data(), in.weights[Weight::kKNorm], in.cos, in.sin,
-                  k_hat.data(), k_inv_rms.data(), k_rot.data());
-
-  // Step 4: attention forward (A and the row log-sum-exp).
-  std::vector<float> attention_out(q_elems);
-  std::vector<double> lse(static_cast<std::size_t>(batch) * config.num_heads * seq_len);
-  AttentionForward(p, q_rot.data(), k_rot.data(), v.data(), attention_out.data(), lse);
+  // Steps 1-4: the forward recomputed.
+  ForwardState f = RecomputeForward(p, ForwardInputs::Of(in));
+  const float* attention_out = f.attention_out.data();
 
   // Step 5: dWo = dY^T A, dA = dY Wo.
   GemmRowMajor(Transpose::kYes, Transpose::kNo, hidden, q_width, tokens, 1.f, in.grad_output,
-               hidden, attention_out.data(), q_width, weight_beta,
-               out.weight_gradients[Weight::kOProj], q_width, p.threads);
+               hidden, attention_out, q_width, weight_beta, out.weight_gradients[Weight::kOProj],
+               q_width, p.threads);
   std::vector<float> grad_attention(q_elems);
   GemmRowMajor(Transpose::kNo, Transpose::kNo, tokens, q_width, hidden, 1.f, in.grad_output, hidden,
                in.weights[Weight::kOProj], q_width, 0.f, grad_attention.data(), q_width, p.threads);
 
   // Step 6: attention backward. dq' and dk' reuse the storage of q and k (no longer needed).
-  float* grad_q = q.data();
-  float* grad_k = k.data();
+  float* grad_q = f.q.data();
+  float* grad_k = f.k.data();
   std::vector<float> grad_v_storage(kv_elems);
   float* grad_v = grad_v_storage.data();
-  AttentionBackward(p, q_rot.data(), k_rot.data(), v.data(), attention_out.data(),
-                    grad_attention.data(), lse, grad_q, grad_k, grad_v);
+  AttentionBackward(p, f.q_rot.data(), f.k_rot.data(), f.v.data(), attention_out,
+                    grad_attention.data(), f.lse, grad_q, grad_k, grad_v);
 
   // Steps 7-8: RoPE + RMSNorm backward, norm-weight gradients.
-  RopeNormBackward(p, config.num_heads, q_hat.data(), q_inv_rms.data(), in.weights[Weight::kQNorm],
-                   in.cos, in.sin, grad_q, out.weight_gradients[Weight::kQNorm], accumulate);
-  RopeNormBackward(p, config.num_kv_heads, k_hat.data(), k_inv_rms.data(),
+  RopeNormBackward(p, config.num_heads, f.q_hat.data(), f.q_inv_rms.data(),
+                   in.weights[Weight::kQNorm], in.cos, in.sin, grad_q,
+                   out.weight_gradients[Weight::kQNorm], accumulate);
+  RopeNormBackward(p, config.num_kv_heads, f.k_hat.data(), f.k_inv_rms.data(),
                    in.weights[Weight::kKNorm], in.cos, in.sin, grad_k,
                    out.weight_gradients[Weight::kKNorm], accumulate);
 

@@ -16,6 +16,14 @@
 // with the overloads of prepared_weights.h: there the FP16 mode reads the projection weights' fp16
 // copies a PreparedWeights holds and converts only X and dY (the same values, so the same bits).
 //
+// The forward entry points of forward.h (ForwardDevice / ForwardWorkspaceSize, both overloads) run
+// the same forward stages in the same arithmetic per mode, all on the caller's stream, then one
+// more product:
+//   convert (FP16 mode)  X, Wq|Wk|Wv, Wo -> fp16 operands (none of the weights when prepared)
+//   qkv GEMM, rmsnorm_rope, attention_forward (without Delta)       (steps 1-4)
+//   o_proj GEMM          Y = A Wo^T                                  (the layer output)
+// with a workspace of the forward's tensors only (Pass::kForward).
+//
 // Two streams forked from and joined back to the caller's stream with events: the critical path
 // on a lane of the greatest priority, the independent work beside it on a side stream of the
 // default priority (it overlaps the attention at small sizes, where one GEMM does not fill the
@@ -39,6 +47,7 @@
 #include <cstring>
 
 #include "attngrad/backward.h"
+#include "attngrad/forward.h"
 #include "attngrad/prepared_weights.h"
 #include "cuda/attention.h"
 #include "cuda/device_context.h"
@@ -90,8 +99,12 @@ AttentionProblem ProblemOf(const LayerConfig& config, int batch, int seq_len,
   return problem;
 }
 
+// Which entry point a plan serves: the forward (A Wo^T) or the backward, which needs the forward's
+// tensors and its own.
+enum class Pass { kForward, kBackward };
+
 // Byte offsets (from the 256-aligned start of the workspace) of every intermediate tensor.
-// Tensors a mode does not use get zero bytes.
+// Tensors a mode or a pass does not use get zero bytes (and offset 0: never read nor written).
 struct WorkspaceLayout {
   std::size_t x_half = 0, grad_y_half = 0, w_qkv_half = 0, w_o_half = 0, gradient_scale = 0;
   std::size_t qkv = 0, attention_operands = 0, inv_rms = 0;
@@ -104,7 +117,8 @@ struct WorkspaceLayout {
 
   // weights_prepared: the fp16 weights come from a PreparedWeights (no room for them here).
   WorkspaceLayout(const LayerConfig& config, int batch, int seq_len, const ModeChoice& mode,
-                  bool weights_prepared) {
+                  bool weights_prepared, Pass pass) {
+    const bool backward = pass == Pass::kBackward;
     const std::size_t tokens = static_cast<std::size_t>(batch) * seq_len;
     const std::size_t hidden = config.hidden_size;
     const std::size_t q_width = config.q_out();
@@ -119,30 +133,32 @@ struct WorkspaceLayout {
     };
     if (mode.half()) {
       x_half = carve(tokens * hidden * sizeof(__half));
-      grad_y_half = carve(tokens * hidden * sizeof(__half));
+      if (backward) grad_y_half = carve(tokens * hidden * sizeof(__half));
       if (!weights_prepared) {
         w_qkv_half = carve(qkv_width * hidden * sizeof(__half));
         w_o_half = carve(hidden * q_width * sizeof(__half));
       }
       attention_out_half = carve(tokens * q_width * sizeof(__half));
-      gradient_scale = carve(sizeof(GradientScale));
+      if (backward) gradient_scale = carve(sizeof(GradientScale));
     }
     qkv = carve(tokens * qkv_width * sizeof(float));
     attention_operands = carve(tokens * qkv_width * operand_bytes);
     inv_rms = carve(tokens * (config.num_heads + config.num_kv_heads) * sizeof(float));
     if (!mode.half()) attention_out = carve(tokens * q_width * sizeof(float));  // FP16: fp16 A only
     lse = carve(tokens * config.num_heads * sizeof(float));
-    grad_attention = carve(tokens * q_width * operand_bytes);
-    grad_q_rot = carve(tokens * q_width * sizeof(float));
-    grad_k_rot = carve(tokens * kv_width * sizeof(float));
-    grad_v = carve(tokens * kv_width * sizeof(float));
-    grad_qkv = carve(tokens * qkv_width * operand_bytes);
-    partials = carve(RopeRmsNormBackwardPartialsBytes(static_cast<int>(tokens), config.head_dim));
-    attention_workspace_bytes =
-        AttentionBackwardWorkspaceSize(ProblemOf(config, batch, seq_len, Scalars{}, mode));
-    attention_workspace = carve(attention_workspace_bytes);
+    if (backward) {
+      grad_attention = carve(tokens * q_width * operand_bytes);
+      grad_q_rot = carve(tokens * q_width * sizeof(float));
+      grad_k_rot = carve(tokens * kv_width * sizeof(float));
+      grad_v = carve(tokens * kv_width * sizeof(float));
+      grad_qkv = carve(tokens * qkv_width * operand_bytes);
+      partials = carve(RopeRmsNormBackwardPartialsBytes(static_cast<int>(tokens), config.head_dim));
+      attention_workspace_bytes =
+          AttentionBackwardWorkspaceSize(ProblemOf(config, batch, seq_len, Scalars{}, mode));
+      attention_workspace = carve(attention_workspace_bytes);
+    }
     gemm_workspace = carve(kGemmWorkspaceBytes);
-    side_gemm_workspace = carve(kGemmWorkspaceBytes);
+    if (backward) side_gemm_workspace = carve(kGemmWorkspaceBytes);  // the forward has one stream
     total = cursor + kAlignment;
   }
 };
@@ -154,6 +170,7 @@ constexpr Weight kQkvWeights[3] = {Weight::kQProj, Weight::kKProj, Weight::kVPro
 // anything is enqueued: the widths of the products, the attention problem, the head layout of the
 // element-wise stages and the workspace layout.
 struct PipelinePlan {
+  Pass pass;
   ModeChoice mode;
   int tokens, hidden, q_width, kv_width, qkv_width;
   int qkv_rows[3];            // rows of Wq, Wk, Wv: their widths in a qkv row
@@ -164,8 +181,9 @@ struct PipelinePlan {
   WorkspaceLayout layout;
 
   PipelinePlan(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
-               const ModeChoice& choice, bool weights_prepared)
-      : mode(choice),
+               const ModeChoice& choice, bool weights_prepared, Pass which)
+      : pass(which),
+        mode(choice),
         tokens(batch * seq_len),
         hidden(config.hidden_size),
         q_width(config.q_out()),
@@ -175,7 +193,7 @@ struct PipelinePlan {
         qkv_first_row{0, q_width, q_width + kv_width},
         operand_bytes(choice.half() ? sizeof(__half) : sizeof(float)),
         attention(ProblemOf(config, batch, seq_len, scalars, choice)),
-        layout(config, batch, seq_len, choice, weights_prepared) {
+        layout(config, batch, seq_len, choice, weights_prepared, which) {
     heads.tokens = tokens;
     heads.num_heads = config.num_heads;
     heads.num_kv_heads = config.num_kv_heads;
@@ -185,7 +203,7 @@ struct PipelinePlan {
 
 // The tensors of one call: the intermediate ones carved from the caller's workspace at the plan's
 // offsets, and the operands the products read (fp16 copies in FP16 mode, the caller's fp32
-// tensors otherwise).
+// tensors otherwise). A forward call sets only those of steps 1-4.
 struct PipelineBuffers {
   // FP16 mode only (null otherwise).
   __half* x_half = nullptr;
@@ -205,37 +223,34 @@ struct PipelineBuffers {
   const void* k = nullptr;
   const void* v = nullptr;  // fp32 modes: straight from qkv
   float* inv_rms = nullptr;
-  void* grad_attention = nullptr;      // dA [T, q_width]
   float* attention_out = nullptr;      // A in fp32 (fp32 modes only)
   void* attention_out_half = nullptr;  // A in fp16 (FP16 mode only)
   float* lse = nullptr;
+  void* gemm_workspace = nullptr;  // cuBLASLt's, for the lane's GEMMs (every call's)
+  // Steps 5-9 (the backward only; null in a forward call).
+  void* grad_attention = nullptr;       // dA [T, q_width]
   void* attention_workspace = nullptr;  // Delta (written by the forward) and dK/dV partials
-  // Steps 6-9.
   float* grad_q_rot = nullptr;
   float* grad_k_rot = nullptr;
   float* grad_v = nullptr;
   void* grad_qkv = nullptr;             // dq, dk, dv [T, qkv_width]
   float* partials = nullptr;            // the norm-weight gradients' per-block sums
-  void* gemm_workspace = nullptr;       // cuBLASLt's, for the lane's GEMMs
-  void* side_gemm_workspace = nullptr;  // and for the side stream's
+  void* side_gemm_workspace = nullptr;  // cuBLASLt's, for the side stream's GEMMs
 
-  // `prepared`: the fp16 weights to read in FP16 mode (null: converted into the workspace).
-  PipelineBuffers(const PipelinePlan& plan, const BackwardInputs& in, void* workspace,
-                  const PreparedWeights* prepared) {
+  // `grad_output`: dY (the backward), or null (the forward: no backward tensor is set). `prepared`:
+  // the fp16 weights to read in FP16 mode (null: converted into the workspace).
+  PipelineBuffers(const PipelinePlan& plan, const ForwardInputs& in, const float* grad_output,
+                  void* workspace, const PreparedWeights* prepared) {
     auto* base =
         reinterpret_cast<unsigned char*>(RoundUp(reinterpret_cast<std::uintptr_t>(workspace)));
     auto at = [base](std::size_t offset) { return static_cast<void*>(base + offset); };
     const WorkspaceLayout& layout = plan.layout;
     x = in.hidden_states;
-    grad_y = in.grad_output;
     w_o = in.weights[Weight::kOProj];
     for (int i = 0; i < 3; ++i) w_qkv[i] = in.weights[kQkvWeights[i]];
     if (plan.mode.half()) {
       x_half = static_cast<__half*>(at(layout.x_half));
-      grad_y_half = static_cast<__half*>(at(layout.grad_y_half));
-      gradient_scale = static_cast<GradientScale*>(at(layout.gradient_scale));
       x = x_half;
-      grad_y = grad_y_half;
       const __half* qkv_weights = nullptr;
       if (prepared != nullptr) {
         qkv_weights = static_cast<const __half*>(prepared->half_qkv());
@@ -260,15 +275,28 @@ struct PipelineBuffers {
     v = plan.mode.half() ? Offset(plan, attention_operands, plan.q_width + plan.kv_width)
                          : static_cast<const void*>(qkv + plan.q_width + plan.kv_width);
     inv_rms = static_cast<float*>(at(layout.inv_rms));
-    grad_attention = at(layout.grad_attention);
     lse = static_cast<float*>(at(layout.lse));
+    gemm_workspace = at(layout.gemm_workspace);
+    if (plan.pass == Pass::kBackward) SetBackwardTensors(plan, grad_output, base);
+  }
+
+  // The tensors of steps 5-9 (the backward's own).
+  void SetBackwardTensors(const PipelinePlan& plan, const float* grad_output, unsigned char* base) {
+    auto at = [base](std::size_t offset) { return static_cast<void*>(base + offset); };
+    const WorkspaceLayout& layout = plan.layout;
+    grad_y = grad_output;
+    if (plan.mode.half()) {
+      grad_y_half = static_cast<__half*>(at(layout.grad_y_half));
+      gradient_scale = static_cast<GradientScale*>(at(layout.gradient_scale));
+      grad_y = grad_y_half;
+    }
+    grad_attention = at(layout.grad_attention);
     attention_workspace = at(layout.attention_workspace);
     grad_q_rot = static_cast<float*>(at(layout.grad_q_rot));
     grad_k_rot = static_cast<float*>(at(layout.grad_k_rot));
     grad_v = static_cast<float*>(at(layout.grad_v));
     grad_qkv = at(layout.grad_qkv);
     partials = static_cast<float*>(at(layout.partials));
-    gemm_workspace = at(layout.gemm_workspace);
     side_gemm_workspace = at(layout.side_gemm_workspace);
   }
 
@@ -291,14 +319,16 @@ Status StepStatus(attngrad_status code, const char* what) {
 
 // One call being enqueued: its plan, buffers and arguments, the streams it runs on and the
 // events that order them. `lane` carries the critical path and `side` the work beside it; with a
-// serialising StageObserver both are the caller's stream and the events are not used.
+// serialising StageObserver, and in a forward call, both are the caller's stream and the events are
+// not used.
 struct PipelineCall {
   const PipelinePlan& plan;
   const PipelineBuffers& buffers;
   const Scalars& scalars;
   bool accumulate;
-  const BackwardInputs& in;
-  const BackwardOutputs& out;
+  const ForwardInputs& in;
+  const float* grad_output;    // null in a forward call
+  const BackwardOutputs& out;  // all null in a forward call
   DeviceContext* context;
   SideStream* streams;  // null: everything on the caller's stream
   cudaStream_t caller, lane, side;
@@ -347,6 +377,30 @@ struct PipelineCall {
 // ---- One function per stage of SPEC section 2, in the order they are enqueued
 // ---------------------
 
+// FP16 mode, the segments of the lane's conversion: X and, unless the weights are prepared,
+// Wq|Wk|Wv and, with `with_output_weight` (the forward, which has no side stream), Wo. Returns
+// their count (at most 5).
+int HiddenAndWeightSegments(const PipelineCall& call, bool with_output_weight,
+                            ConvertSegment* segments) {
+  const PipelinePlan& plan = call.plan;
+  const PipelineBuffers& buffers = call.buffers;
+  const std::size_t activations = static_cast<std::size_t>(plan.tokens) * plan.hidden;
+  int count = 0;
+  segments[count++] = {call.in.hidden_states, buffers.x_half, activations, 1.f};
+  if (buffers.w_qkv_half == nullptr) return count;  // prepared
+  for (int i = 0; i < 3; ++i) {
+    segments[count++] = {
+        call.in.weights[kQkvWeights[i]],
+        buffers.w_qkv_half + static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden,
+        static_cast<std::size_t>(plan.qkv_rows[i]) * plan.hidden, 1.f};
+  }
+  if (with_output_weight) {
+    segments[count++] = {call.in.weights[Weight::kOProj], buffers.w_o_half,
+                         static_cast<std::size_t>(plan.hidden) * plan.q_width, 1.f};
+  }
+  return count;
+}
+
 // FP16 mode: X, dY (with its power of two s), Wq|Wk|Wv and Wo -> fp16 operands. The side stream
 // converts dY and Wo for its grad_attn GEMM while the lane converts X and Wq|Wk|Wv for the qkv
 // GEMM. (Converting X and Wq|Wk|Wv first, alone, measured 6-14 us slower at small T on the
@@ -358,7 +412,7 @@ Status ConvertOperands(const PipelineCall& call) {
   const std::size_t activations = static_cast<std::size_t>(plan.tokens) * plan.hidden;
   const bool convert_weights = buffers.w_qkv_half != nullptr;
   const ConvertSegment side_segments[] = {
-      {call.in.grad_output, buffers.grad_y_half, activations, 1.f, buffers.gradient_scale},
+      {call.grad_output, buffers.grad_y_half, activations, 1.f, buffers.gradient_scale},
       {call.in.weights[Weight::kOProj], buffers.w_o_half,
        static_cast<std::size_t>(plan.hidden) * plan.q_width, 1.f},
   };
@@ -368,16 +422,22 @@ Status ConvertOperands(const PipelineCall& call) {
   ATTNGRAD_RETURN_IF_ERROR(StepStatus(RescaleToHalf(side_segments[0], call.side),
                                       "rescale of grad_output to fp16 failed"));
   call.StageDone("convert_side", call.side);
-  ConvertSegment lane_segments[4] = {{call.in.hidden_states, buffers.x_half, activations, 1.f}};
-  for (int i = 0; i < 3 && convert_weights; ++i) {
-    lane_segments[1 + i] = {
-        call.in.weights[kQkvWeights[i]],
-        buffers.w_qkv_half + static_cast<std::size_t>(plan.qkv_first_row[i]) * plan.hidden,
-        static_cast<std::size_t>(plan.qkv_rows[i]) * plan.hidden, 1.f};
-  }
+  ConvertSegment lane_segments[5];
+  const int lane_count = HiddenAndWeightSegments(call, /*with_output_weight=*/false, lane_segments);
+  ATTNGRAD_RETURN_IF_ERROR(StepStatus(ConvertToHalf(lane_segments, lane_count, call.lane),
+                                      "conversion of hidden_states and q/k/v_proj to fp16 failed"));
+  call.StageDone("convert", call.lane);
+  return {};
+}
+
+// FP16 mode of the forward: X and (unless prepared) the four projection weights -> fp16 operands,
+// in one launch on the caller's stream (the same values as the backward's conversion).
+Status ConvertForwardOperands(const PipelineCall& call) {
+  ConvertSegment segments[5];
+  const int count = HiddenAndWeightSegments(call, /*with_output_weight=*/true, segments);
   ATTNGRAD_RETURN_IF_ERROR(
-      StepStatus(ConvertToHalf(lane_segments, convert_weights ? 4 : 1, call.lane),
-                 "conversion of hidden_states and q/k/v_proj to fp16 failed"));
+      StepStatus(ConvertToHalf(segments, count, call.lane),
+                 "conversion of hidden_states and the projection weights to fp16 failed"));
   call.StageDone("convert", call.lane);
   return {};
 }
@@ -443,10 +503,23 @@ Status GradAttentionGemm(const PipelineCall& call) {
   return {};
 }
 
-// Step 4: A and the log-sum-exp, and the backward's Delta = rowsum(dA * A) from A in registers
-// (so the forward waits for dA; the grad_attn GEMM is the smaller product, done first). A in fp32
-// only where the grad_o GEMM reads it (fp32 modes); the FP16 mode's backward takes Delta from the
-// forward and its GEMM reads the fp16 copy.
+// Step 4 on the lane: A and the log-sum-exp; with `fused_delta` (the backward), also Delta. A in
+// fp32 only where a GEMM reads it in fp32 (fp32 modes); in FP16 mode the GEMMs read the fp16 copy.
+Status AttentionForwardOnLane(const PipelineCall& call, const FusedDelta* fused_delta) {
+  const PipelinePlan& plan = call.plan;
+  const PipelineBuffers& buffers = call.buffers;
+  ATTNGRAD_RETURN_IF_ERROR(
+      StepStatus(AttentionForward(plan.attention, buffers.q, plan.qkv_width, buffers.k, buffers.v,
+                                  plan.qkv_width, buffers.attention_out, buffers.attention_out_half,
+                                  buffers.lse, call.lane, fused_delta),
+                 "attention forward failed"));
+  call.StageDone("attention_forward", call.lane);
+  return {};
+}
+
+// Step 4 of the backward: A and the log-sum-exp, and the backward's Delta = rowsum(dA * A) from A
+// in registers (so the forward waits for dA; the grad_attn GEMM is the smaller product, done
+// first). The FP16 mode's backward takes Delta from the forward.
 Status AttentionForwardStage(const PipelineCall& call) {
   const PipelinePlan& plan = call.plan;
   const PipelineBuffers& buffers = call.buffers;
@@ -455,13 +528,31 @@ Status AttentionForwardStage(const PipelineCall& call) {
   fused_delta.grad_out = buffers.grad_attention;
   fused_delta.ldo = plan.q_width;
   fused_delta.backward_workspace = buffers.attention_workspace;
-  ATTNGRAD_RETURN_IF_ERROR(
-      StepStatus(AttentionForward(plan.attention, buffers.q, plan.qkv_width, buffers.k, buffers.v,
-                                  plan.qkv_width, buffers.attention_out, buffers.attention_out_half,
-                                  buffers.lse, call.lane, &fused_delta),
-                 "attention forward failed"));
-  call.StageDone("attention_forward", call.lane);
+  ATTNGRAD_RETURN_IF_ERROR(AttentionForwardOnLane(call, &fused_delta));
   return call.Order(ForkJoinEvent::kAttentionForwardDone, call.lane, call.side);
+}
+
+// The forward's layer output Y[T, hidden] = A Wo^T on the lane. Column-major: Y^T = Wo (T-op) *
+// A^T; A and Wo in fp16 in FP16 mode (as the grad_o and grad_attn GEMMs read them), else fp32.
+Status OutputProjectionGemm(const PipelineCall& call, float* output) {
+  const PipelinePlan& plan = call.plan;
+  const PipelineBuffers& buffers = call.buffers;
+  GemmSpec spec;
+  spec.transpose_a = true;
+  spec.m = plan.hidden;
+  spec.n = plan.tokens;
+  spec.k = plan.q_width;
+  spec.a = buffers.w_o;
+  spec.lda = plan.q_width;
+  spec.b = plan.mode.half() ? static_cast<const void*>(buffers.attention_out_half)
+                            : buffers.attention_out;
+  spec.ldb = plan.q_width;
+  spec.d = output;
+  spec.ldd = plan.hidden;
+  spec.arithmetic = plan.mode.gemm;
+  ATTNGRAD_RETURN_IF_ERROR(call.LaneGemm(spec, "o_proj GEMM (A Wo^T) failed"));
+  call.StageDone("o_proj_gemm", call.lane);
+  return {};
 }
 
 // Step 6, one of its two independent halves (AttentionBackwardPart) on `stream`.
@@ -609,10 +700,8 @@ bool Supported(const LayerConfig& config) {
 
 bool Aligned16(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
 
-// The checks of a call's arguments before anything is enqueued (the workspace's: CheckWorkspace);
-// the first that fails is named.
-Status CheckCall(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
-                 Precision precision, const BackwardInputs& in, const BackwardOutputs& out) {
+// The checks a GPU call makes first: the precision mode, and a configuration the kernels support.
+Status CheckPrecisionAndConfig(Precision precision, const LayerConfig& config) {
   if (!IsValidPrecision(static_cast<int>(precision))) {
     return {ATTNGRAD_INVALID_ARGUMENT, "precision is not one of AUTO, FP32, TF32, FP16"};
   }
@@ -622,8 +711,11 @@ Status CheckCall(const LayerConfig& config, int batch, int seq_len, const Scalar
                              : "LayerConfig is invalid (sizes must be positive, num_heads a "
                                "multiple of num_kv_heads, head_dim even)"};
   }
-  ATTNGRAD_RETURN_IF_ERROR(CheckBackwardArguments(config, batch, seq_len, scalars, in, out));
-  // The element-wise kernels read 16 bytes at a time from these (cudaMalloc gives 256).
+  return {};
+}
+
+// The element-wise kernels read 16 bytes at a time from these (cudaMalloc gives 256).
+Status CheckAlignment(const ForwardInputs& in) {
   if (!Aligned16(in.cos)) return {ATTNGRAD_INVALID_ARGUMENT, "cos is not 16-byte aligned"};
   if (!Aligned16(in.sin)) return {ATTNGRAD_INVALID_ARGUMENT, "sin is not 16-byte aligned"};
   if (!Aligned16(in.weights[Weight::kQNorm])) {
@@ -635,10 +727,27 @@ Status CheckCall(const LayerConfig& config, int batch, int seq_len, const Scalar
   return {};
 }
 
-// A call with prepared weights: they are ready, of the call's configuration, and `in.weights` are
-// the weights they were prepared from.
+// The checks of a backward call's arguments before anything is enqueued (the workspace's:
+// CheckWorkspace); the first that fails is named.
+Status CheckCall(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                 Precision precision, const BackwardInputs& in, const BackwardOutputs& out) {
+  ATTNGRAD_RETURN_IF_ERROR(CheckPrecisionAndConfig(precision, config));
+  ATTNGRAD_RETURN_IF_ERROR(CheckBackwardArguments(config, batch, seq_len, scalars, in, out));
+  return CheckAlignment(ForwardInputs::Of(in));
+}
+
+// The same for a forward call.
+Status CheckForwardCall(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                        Precision precision, const ForwardInputs& in, const float* output) {
+  ATTNGRAD_RETURN_IF_ERROR(CheckPrecisionAndConfig(precision, config));
+  ATTNGRAD_RETURN_IF_ERROR(CheckForwardArguments(config, batch, seq_len, scalars, in, output));
+  return CheckAlignment(in);
+}
+
+// A call with prepared weights: they are ready, of the call's configuration, and `weights` (the
+// call's in.weights) are the weights they were prepared from.
 Status CheckPrepared(const PreparedWeights& prepared, const LayerConfig& config,
-                     const BackwardInputs& in) {
+                     const PerWeight<const float*>& weights) {
   if (!prepared.ready()) {
     return {ATTNGRAD_INVALID_ARGUMENT,
             "the PreparedWeights are empty (not prepared, or moved from)"};
@@ -650,7 +759,7 @@ Status CheckPrepared(const PreparedWeights& prepared, const LayerConfig& config,
             "the LayerConfig is not the one the PreparedWeights were prepared for"};
   }
   for (Weight weight : kAllWeights) {
-    if (in.weights[weight] != prepared.source()[weight]) {
+    if (weights[weight] != prepared.source()[weight]) {
       return {ATTNGRAD_INVALID_ARGUMENT,
               "in.weights are not the weights the PreparedWeights were prepared from"};
     }
@@ -658,14 +767,29 @@ Status CheckPrepared(const PreparedWeights& prepared, const LayerConfig& config,
   return {};
 }
 
-// The workspace must hold `needed` bytes (WorkspaceLayout::total, what DeviceWorkspaceSize says).
-Status CheckWorkspace(const void* workspace, std::size_t workspace_size, std::size_t needed) {
+// The workspace must hold `needed` bytes (WorkspaceLayout::total, what DeviceWorkspaceSize or, for
+// the forward, ForwardWorkspaceSize says).
+Status CheckWorkspace(const void* workspace, std::size_t workspace_size, std::size_t needed,
+                      Pass pass) {
   if (workspace == nullptr) return {ATTNGRAD_WORKSPACE_TOO_SMALL, "workspace is null"};
   if (workspace_size < needed) {
     return {ATTNGRAD_WORKSPACE_TOO_SMALL,
-            "workspace_size is smaller than DeviceWorkspaceSize for this shape and precision"};
+            pass == Pass::kBackward
+                ? "workspace_size is smaller than DeviceWorkspaceSize for this shape and precision"
+                : "workspace_size is smaller than ForwardWorkspaceSize for this shape and "
+                  "precision"};
   }
   return {};
+}
+
+// The cuBLASLt context of the calling thread's current device.
+Status CurrentDeviceContext(DeviceContext** context) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    return {ATTNGRAD_CUDA_ERROR, "cudaGetDevice failed"};
+  }
+  return StepStatus(DeviceContextRegistry::Instance().Get(device, context),
+                    "creating the device's cuBLASLt context failed");
 }
 
 }  // namespace
@@ -684,20 +808,16 @@ Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
                            StageObserver* observer, SideStream* given_side,
                            const PreparedWeights* prepared) {
   ATTNGRAD_RETURN_IF_ERROR(CheckCall(config, batch, seq_len, scalars, precision, in, out));
-  if (prepared != nullptr) ATTNGRAD_RETURN_IF_ERROR(CheckPrepared(*prepared, config, in));
+  if (prepared != nullptr) ATTNGRAD_RETURN_IF_ERROR(CheckPrepared(*prepared, config, in.weights));
   const PipelinePlan plan(config, batch, seq_len, scalars,
                           ChoiceOf(ResolvePrecision(precision, batch, seq_len)),
-                          /*weights_prepared=*/prepared != nullptr);
-  ATTNGRAD_RETURN_IF_ERROR(CheckWorkspace(workspace, workspace_size, plan.layout.total));
-  const PipelineBuffers buffers(plan, in, workspace, prepared);
-
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    return {ATTNGRAD_CUDA_ERROR, "cudaGetDevice failed"};
-  }
+                          /*weights_prepared=*/prepared != nullptr, Pass::kBackward);
+  ATTNGRAD_RETURN_IF_ERROR(
+      CheckWorkspace(workspace, workspace_size, plan.layout.total, Pass::kBackward));
+  const ForwardInputs forward_in = ForwardInputs::Of(in);
+  const PipelineBuffers buffers(plan, forward_in, in.grad_output, workspace, prepared);
   DeviceContext* context = nullptr;
-  ATTNGRAD_RETURN_IF_ERROR(StepStatus(DeviceContextRegistry::Instance().Get(device, &context),
-                                      "creating the device's cuBLASLt context failed"));
+  ATTNGRAD_RETURN_IF_ERROR(CurrentDeviceContext(&context));
   SideStreamLease side_lease(context);
   // Null with a serialising observer: everything on the caller's stream.
   SideStream* streams = nullptr;
@@ -712,7 +832,8 @@ Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
                           buffers,
                           scalars,
                           accumulate,
-                          in,
+                          forward_in,
+                          in.grad_output,
                           out,
                           context,
                           streams,
@@ -740,19 +861,61 @@ Status RunBackwardPipeline(const LayerConfig& config, int batch, int seq_len,
   return call.Order(ForkJoinEvent::kLaneDone, call.lane, call.caller);
 }
 
+namespace {
+
+// The forward entry point's pipeline, all on the caller's stream (no side stream, no events): the
+// backward's forward stages (conversion, qkv GEMM, rmsnorm_rope, attention forward without the
+// fused Delta), then the o_proj GEMM of A into `output`.
+Status RunForwardPipeline(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                          Precision precision, const ForwardInputs& in, float* output,
+                          void* workspace, std::size_t workspace_size, cudaStream_t stream,
+                          const PreparedWeights* prepared) {
+  ATTNGRAD_RETURN_IF_ERROR(
+      CheckForwardCall(config, batch, seq_len, scalars, precision, in, output));
+  if (prepared != nullptr) ATTNGRAD_RETURN_IF_ERROR(CheckPrepared(*prepared, config, in.weights));
+  const PipelinePlan plan(config, batch, seq_len, scalars,
+                          ChoiceOf(ResolvePrecision(precision, batch, seq_len)),
+                          /*weights_prepared=*/prepared != nullptr, Pass::kForward);
+  ATTNGRAD_RETURN_IF_ERROR(
+      CheckWorkspace(workspace, workspace_size, plan.layout.total, Pass::kForward));
+  const PipelineBuffers buffers(plan, in, /*grad_output=*/nullptr, workspace, prepared);
+  DeviceContext* context = nullptr;
+  ATTNGRAD_RETURN_IF_ERROR(CurrentDeviceContext(&context));
+  const BackwardOutputs no_gradients;
+  const PipelineCall call{plan,
+                          buffers,
+                          scalars,
+                          /*accumulate=*/false,
+                          in,
+                          /*grad_output=*/nullptr,
+                          no_gradients,
+                          context,
+                          /*streams=*/nullptr,
+                          stream,
+                          stream,
+                          stream,
+                          /*observer=*/nullptr};
+  if (plan.mode.half()) ATTNGRAD_RETURN_IF_ERROR(ConvertForwardOperands(call));
+  ATTNGRAD_RETURN_IF_ERROR(ProjectQkv(call));
+  ATTNGRAD_RETURN_IF_ERROR(NormalizeAndRotate(call));
+  ATTNGRAD_RETURN_IF_ERROR(AttentionForwardOnLane(call, /*fused_delta=*/nullptr));
+  return OutputProjectionGemm(call, output);
+}
+
+}  // namespace
 }  // namespace cuda
 
 namespace cuda {
 namespace {
 
 std::size_t WorkspaceSize(const LayerConfig& config, int batch, int seq_len, Precision precision,
-                          bool weights_prepared) {
+                          bool weights_prepared, Pass pass) {
   if (!IsValidPrecision(static_cast<int>(precision)) || !Supported(config) || batch < 1 ||
       seq_len < 1 || static_cast<long long>(batch) * seq_len > kMaxTokens) {
     return 0;
   }
   const ModeChoice mode = ChoiceOf(ResolvePrecision(precision, batch, seq_len));
-  return WorkspaceLayout(config, batch, seq_len, mode, weights_prepared).total;
+  return WorkspaceLayout(config, batch, seq_len, mode, weights_prepared, pass).total;
 }
 
 }  // namespace
@@ -760,14 +923,28 @@ std::size_t WorkspaceSize(const LayerConfig& config, int batch, int seq_len, Pre
 
 std::size_t DeviceWorkspaceSize(const LayerConfig& config, int batch, int seq_len,
                                 Precision precision) {
-  return cuda::WorkspaceSize(config, batch, seq_len, precision, /*weights_prepared=*/false);
+  return cuda::WorkspaceSize(config, batch, seq_len, precision, /*weights_prepared=*/false,
+                             cuda::Pass::kBackward);
 }
 
 std::size_t DeviceWorkspaceSize(const PreparedWeights& weights, int batch, int seq_len,
                                 Precision precision) {
   if (!weights.ready()) return 0;
   return cuda::WorkspaceSize(weights.config(), batch, seq_len, precision,
-                             /*weights_prepared=*/true);
+                             /*weights_prepared=*/true, cuda::Pass::kBackward);
+}
+
+std::size_t ForwardWorkspaceSize(const LayerConfig& config, int batch, int seq_len,
+                                 Precision precision) {
+  return cuda::WorkspaceSize(config, batch, seq_len, precision, /*weights_prepared=*/false,
+                             cuda::Pass::kForward);
+}
+
+std::size_t ForwardWorkspaceSize(const PreparedWeights& weights, int batch, int seq_len,
+                                 Precision precision) {
+  if (!weights.ready()) return 0;
+  return cuda::WorkspaceSize(weights.config(), batch, seq_len, precision,
+                             /*weights_prepared=*/true, cuda::Pass::kForward);
 }
 
 namespace cuda {
@@ -823,11 +1000,15 @@ Status Backward(const LayerConfig& config, int batch, int seq_len, const Scalars
                 std::size_t workspace_size, cudaStream_t caller_stream) {
   // Checked before the graph cache sees the call (a bad call is never remembered).
   Status checked = CheckCall(config, batch, seq_len, scalars, precision, in, out);
-  if (checked.ok() && prepared != nullptr) checked = CheckPrepared(*prepared, config, in);
+  if (checked.ok() && prepared != nullptr) {
+    checked = CheckPrepared(*prepared, config, in.weights);
+  }
   if (checked.ok()) {
-    checked = CheckWorkspace(
-        workspace, workspace_size,
-        WorkspaceSize(config, batch, seq_len, precision, /*weights_prepared=*/prepared != nullptr));
+    checked =
+        CheckWorkspace(workspace, workspace_size,
+                       WorkspaceSize(config, batch, seq_len, precision,
+                                     /*weights_prepared=*/prepared != nullptr, Pass::kBackward),
+                       Pass::kBackward);
   }
   if (!checked.ok()) return checked;
   // The graph cache's enqueue callback returns a code; the message of a failure is kept here.
@@ -850,11 +1031,8 @@ Status Backward(const LayerConfig& config, int batch, int seq_len, const Scalars
     return result(enqueue(caller_stream, nullptr), "");
   }
   if (capture != cudaStreamCaptureStatusNone) return result(enqueue(caller_stream, nullptr), "");
-  int device = 0;
   DeviceContext* context = nullptr;
-  if (cudaGetDevice(&device) != cudaSuccess) return {ATTNGRAD_CUDA_ERROR, "cudaGetDevice failed"};
-  const attngrad_status got = DeviceContextRegistry::Instance().Get(device, &context);
-  if (got != ATTNGRAD_OK) return {got, "creating the device's cuBLASLt context failed"};
+  ATTNGRAD_RETURN_IF_ERROR(CurrentDeviceContext(&context));
   return result(
       context->pipeline_graphs().Run(KeyOf(config, batch, seq_len, scalars, precision, accumulate,
                                            in, out, workspace, workspace_size, prepared),
@@ -880,6 +1058,22 @@ Status BackwardDevice(const PreparedWeights& weights, int batch, int seq_len,
                       std::size_t workspace_size, void* stream) {
   return cuda::Backward(weights.config(), batch, seq_len, scalars, precision, accumulate, &weights,
                         in, out, workspace, workspace_size, static_cast<cudaStream_t>(stream));
+}
+
+Status ForwardDevice(const LayerConfig& config, int batch, int seq_len, const Scalars& scalars,
+                     Precision precision, const ForwardInputs& in, float* output, void* workspace,
+                     std::size_t workspace_size, void* stream) {
+  return cuda::RunForwardPipeline(config, batch, seq_len, scalars, precision, in, output, workspace,
+                                  workspace_size, static_cast<cudaStream_t>(stream),
+                                  /*prepared=*/nullptr);
+}
+
+Status ForwardDevice(const PreparedWeights& weights, int batch, int seq_len, const Scalars& scalars,
+                     Precision precision, const ForwardInputs& in, float* output, void* workspace,
+                     std::size_t workspace_size, void* stream) {
+  return cuda::RunForwardPipeline(weights.config(), batch, seq_len, scalars, precision, in, output,
+                                  workspace, workspace_size, static_cast<cudaStream_t>(stream),
+                                  &weights);
 }
 
 int DeviceCount() {
