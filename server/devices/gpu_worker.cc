@@ -491,6 +491,8 @@ class GpuWorker final : public DeviceWorker {
       parked = parked_.erase(parked);
       if (state == cudaSuccess) {
         free_gates_.push_back(std::move(opened.gate));
+        // Its stages count from here: the time before was the client's stream's, not the server's.
+        opened.job->submitted = std::chrono::steady_clock::now();
         LaunchInSlot(std::move(opened.job), in_flight);
         continue;
       }
