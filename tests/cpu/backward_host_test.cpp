@@ -25,19 +25,6 @@ using attngrad::Scalars;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// A seed from a case name (FNV-1a), the same on every platform.
-std::uint64_t SeedOf(const std::string& name) {
-  std::uint64_t h = 1469598103934665603ULL;
-  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ULL;
-  return h;
-}
-
-Scalars DefaultScalarsFor(int head_dim) {
-  Scalars s;
-  s.scaling = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
-  return s;
-}
-
 struct SmallCase {
   std::string name;
   LayerConfig config;
@@ -102,24 +89,6 @@ std::vector<SmallCase> SmallCases() {
       {"SlidingWindowWiderThanSequence_B2_S9", small, 2, 9, wide_window, {}, 0},
       {"HeadDim256_Window3_B2_S7", LayerConfig{64, 2, 1, 256}, 2, 7, head_dim_256, {}, 0},
   };
-}
-
-// The tolerance for a case whose largest score (step 4, before the cap) is MAX_ABS_SCORE. The
-// scores are fp32 numbers: one rounding of a score of magnitude m moves it by up to m·2^-24, and
-// softmax turns that absolute error into the same relative error of P, and so of every gradient
-// that P feeds. Large scores (the LargeScores case: scaling 60, up to several hundred) therefore
-// amplify fp32 rounding beyond the default bar, and by how much depends on the order in which the
-// BLAS kernel the CPU selects sums the dot products. The bar is the default one plus two such
-// roundings of the largest score, which no kernel choice exceeds, whatever the CPU.
-Tolerance ConditionedTolerance(double max_abs_score) {
-  constexpr double kUnitRoundoff = 0x1p-24;
-  const double score_error = 2.0 * kUnitRoundoff * max_abs_score;
-  Tolerance tolerance;
-  const double scale = 1.0 + score_error / tolerance.rel_norm;
-  tolerance.rel_norm *= scale;
-  tolerance.rtol *= scale;
-  tolerance.atol_rms *= scale;
-  return tolerance;
 }
 
 class SmallConfigTest : public ::testing::TestWithParam<SmallCase> {};

@@ -126,6 +126,62 @@ attngrad_status RunHost(const Problem& problem, bool accumulate, Gradients<float
       .code;
 }
 
+attngrad::Status RunForwardHost(const Problem& problem, std::vector<float>& output,
+                                int num_threads) {
+  return attngrad::ForwardHost(problem.config, problem.batch, problem.seq_len, problem.scalars,
+                               attngrad::ForwardInputs::Of(problem.Inputs()), output.data(),
+                               num_threads);
+}
+
+std::uint64_t SeedOf(const std::string& name) {
+  std::uint64_t h = 1469598103934665603ULL;
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ULL;
+  return h;
+}
+
+attngrad::Scalars DefaultScalarsFor(int head_dim) {
+  attngrad::Scalars s;
+  s.scaling = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  return s;
+}
+
+Tolerance ConditionedTolerance(double max_abs_score) {
+  constexpr double kUnitRoundoff = 0x1p-24;
+  const double score_error = 2.0 * kUnitRoundoff * max_abs_score;
+  Tolerance tolerance;
+  const double scale = 1.0 + score_error / tolerance.rel_norm;
+  tolerance.rel_norm *= scale;
+  tolerance.rtol *= scale;
+  tolerance.atol_rms *= scale;
+  return tolerance;
+}
+
+::testing::AssertionResult MeetsSpecBar(const std::string& what, const std::vector<float>& got,
+                                        const std::vector<double>& ref, double atol) {
+  if (got.size() != ref.size()) {
+    return ::testing::AssertionFailure()
+           << what << ": " << got.size() << " elements, expected " << ref.size();
+  }
+  std::size_t misses = 0;
+  double worst = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double g = static_cast<double>(got[i]);
+    if (!std::isfinite(g)) {
+      return ::testing::AssertionFailure() << what << "[" << i << "] = " << g << " is not finite";
+    }
+    const double error = std::fabs(g - ref[i]);
+    worst = std::max(worst, error);
+    if (error > atol + 1e-3 * std::fabs(ref[i])) ++misses;
+  }
+  if (misses * 100 > ref.size()) {
+    return ::testing::AssertionFailure() << what << ": " << misses << " of " << ref.size()
+                                         << " elements miss SPEC section 4's bar (more than 1%); "
+                                            "worst |error| "
+                                         << worst;
+  }
+  return ::testing::AssertionSuccess();
+}
+
 template <typename T>
 ::testing::AssertionResult Matches(const std::string& what, const std::vector<T>& got,
                                    const std::vector<double>& ref, const Tolerance& tolerance,
