@@ -65,6 +65,7 @@ DeviceDescription CpuWorker::Describe() const {
 void CpuWorker::Run() {
   while (std::optional<Item> item = Pop(/*wait=*/true)) {
     if (item->job != nullptr) {
+      if (FinishIfCancelled(item->job)) continue;
       Compute(*item->job);
       FinishJob(std::move(item->job));
     } else {
