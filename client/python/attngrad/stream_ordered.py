@@ -359,10 +359,12 @@ class TorchDevices:
     def flag_memory(device: int, byte_size: int):
         """(memory, its address): BYTE_SIZE zeroed bytes on DEVICE, the zeros written (on a side
         stream, waited for) before any call names them: the server must not take a stale word for
-        a READY."""
+        a READY. The side stream is not the current one, which may be waiting for a call."""
         import torch
 
         side = torch.cuda.Stream(device=device)
+        while side.cuda_stream == torch.cuda.current_stream(device).cuda_stream:
+            side = torch.cuda.Stream(device=device)  # PyTorch's pool handed out the current one
         with torch.cuda.device(device), torch.cuda.stream(side):
             memory = torch.zeros(byte_size // 4, dtype=torch.int32, device=f"cuda:{device}")
         side.synchronize()
