@@ -29,7 +29,7 @@
 #include "metrics/metrics_http_server.h"
 #include "rpc/auth.h"
 #include "rpc/gradient_service.h"
-#include "rpc/region_socket.h"
+#include "rpc/region_socket_listener.h"
 #include "rpc/rpc_metrics_interceptor.h"
 #include "rpc/tls.h"
 #include "scheduling/gradient_core.h"

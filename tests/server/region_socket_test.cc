@@ -20,7 +20,7 @@
 #include "attngrad/shared_memory_region.h"
 #include "attngrad/wire/region_socket.h"
 #include "child_process.h"
-#include "rpc/region_socket.h"
+#include "rpc/region_socket_listener.h"
 #include "server.h"
 #include "server_test_util.h"
 

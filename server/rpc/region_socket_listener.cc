@@ -1,5 +1,5 @@
 // RegionSocketListener: the Unix socket on which clients pass sealed memfds (rpc/region_socket.h).
-#include "rpc/region_socket.h"
+#include "rpc/region_socket_listener.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -4,8 +4,8 @@
 // kRegionRequestTimeout to send it). The socket file is made mode 0600 in a directory only the
 // server's user may enter (the default one) or wherever --region_socket names, and a peer whose
 // uid (SO_PEERCRED) is neither the server's nor root is refused.
-#ifndef ATTNGRAD_SERVER_RPC_REGION_SOCKET_H_
-#define ATTNGRAD_SERVER_RPC_REGION_SOCKET_H_
+#ifndef ATTNGRAD_SERVER_RPC_REGION_SOCKET_LISTENER_H_
+#define ATTNGRAD_SERVER_RPC_REGION_SOCKET_LISTENER_H_
 
 #include <sys/types.h>
 
@@ -91,4 +91,4 @@ std::string RegionSocketPath(const std::string& flag, int port);
 
 }  // namespace attngrad::server
 
-#endif  // ATTNGRAD_SERVER_RPC_REGION_SOCKET_H_
+#endif  // ATTNGRAD_SERVER_RPC_REGION_SOCKET_LISTENER_H_
