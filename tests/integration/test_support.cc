@@ -15,14 +15,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <random>
-#include <sstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "attngrad/client.h"
+#include "attngrad/common/read_file.h"
 #include "test_certificates.h"
 
 extern char** environ;
@@ -52,10 +51,7 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
 }
 
 std::string ReadFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
+  return common::ReadFileToString(path).value_or("");
 }
 
 int ExitCode(int status) {

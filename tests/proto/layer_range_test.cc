@@ -3,23 +3,21 @@
 // are refused; and the span alone, as the server's --layers uses it.
 #include "attngrad/wire/layer_range.h"
 
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "attngrad/common/read_file.h"
+
 namespace attngrad::wire {
 namespace {
 
 nlohmann::json LayerMapExamples() {
-  const std::string path = std::string(ATTNGRAD_FIXTURE_DIR) + "/layer_maps.json";
-  std::ifstream file(path);
-  EXPECT_TRUE(file) << "cannot read " << path;
-  std::stringstream text;
-  text << file.rdbuf();
-  return nlohmann::json::parse(text.str());
+  const absl::StatusOr<std::string> text =
+      common::ReadFileToString(std::string(ATTNGRAD_FIXTURE_DIR) + "/layer_maps.json");
+  EXPECT_TRUE(text.ok()) << text.status();
+  return nlohmann::json::parse(text.value_or("{}"));
 }
 
 // A fixture layer as the parser gives it: null (every layer) is -1.

@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <sstream>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
@@ -16,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/common/read_file.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/layer.h"
 #include "attngrad/wire/tensor.h"
@@ -32,11 +32,9 @@ constexpr char kTrainerToken[] = "trainer-token-0123456789abcdef";
 constexpr char kOtherTrainerToken[] = "trainer-token-fedcba9876543210";
 constexpr char kAdminToken[] = "admin-token-0123456789abcdef0123";
 
+// The file's bytes; "" when it cannot be read.
 std::string ReadFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::ostringstream text;
-  text << file.rdbuf();
-  return text.str();
+  return common::ReadFileToString(path).value_or("");
 }
 
 void WriteFile(const std::string& path, const std::string& contents) {

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "attngrad/common/read_file.h"
 #include "attngrad/wire/safetensors.h"
 #include "attngrad/wire/tensor.h"
 #include "server_test_util.h"
@@ -228,8 +229,7 @@ TEST_F(ServerSafetensorsTest, LoaderReadsShardsAndReportsProblems) {
   // A truncated file and a corrupt header.
   const std::string broken = path_ + ".broken";
   {
-    std::ifstream in(path_, std::ios::binary);
-    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string bytes = common::ReadFileToString(path_).value();
     std::ofstream(broken, std::ios::binary) << bytes.substr(0, bytes.size() - 10);
   }
   EXPECT_FALSE(LoadSafetensorsLayer(broken, kLayer).ok());
