@@ -3,8 +3,9 @@
 # file and exported targets, and attngrad.pc for the C ABI.
 #
 #   attngrad::kernels  libattngrad.so, the C ABI (attngrad/attngrad.h) and the C++ API
-#   attngrad::client   the C++ client (attngrad/client.h; a static library with attngrad::wire and
-#                      attngrad::proto); only where the server was built (ATTNGRAD_BUILD_SERVER)
+#   attngrad::client   the C++ client (attngrad/client.h; a static library with attngrad::wire,
+#                      attngrad::common and attngrad::proto); only where the server was built
+#                      (ATTNGRAD_BUILD_SERVER)
 #
 # The config finds the client's dependencies itself (gRPC, protobuf, Abseil, Threads), so a consumer
 # calls find_package(attngrad) alone. libattngrad.so carries its own (OpenBLAS, the CUDA runtime) as
