@@ -1,5 +1,6 @@
-// CPU worker: synchronous BackwardHost per batch. The activations are decoded from the received
-// bytes (fp16/bf16 widened) on this thread, and the answer encoded in the response dtype here.
+// CPU worker: synchronous BackwardHost (or, FORWARD batches, ForwardHost) per batch. The
+// activations are decoded from the received bytes (fp16/bf16 widened) on this thread, and the
+// answer encoded in the response dtype here.
 #include "devices/cpu_worker.h"
 
 #include <unistd.h>
@@ -7,6 +8,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "attngrad/common/status_macros.h"
+#include "attngrad/forward.h"
 #include "attngrad/wire/dtype.h"
 #include "attngrad/wire/tensor.h"
 #include "scheduling/nonfinite_gradients.h"
@@ -77,41 +80,74 @@ void CpuWorker::Run() {
 void CpuWorker::Compute(BatchJob& job) {
   const auto start = std::chrono::steady_clock::now();
   job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
-  const std::size_t slot = static_cast<std::size_t>(job.layer_slot);
-  const LayerWeights& weights = *layers_[slot];
-  const LayerConfig& config = weights.config;
+  job.status = DecodeInputs(job);
+  if (job.status.ok()) job.status = job.forward() ? ComputeForward(job) : ComputeBackward(job);
+  job.stages.compute = SecondsSince(start);
+  UpdateMemoryUsed();
+}
+
+absl::Status CpuWorker::DecodeInputs(BatchJob& job) {
   const std::size_t activations = job.activations();
   hidden_states_.resize(activations);
-  grad_output_.resize(activations);
-  job.status =
+  absl::Status status =
       job.hidden_states.DecodeFinite(0, absl::MakeSpan(hidden_states_), "hidden_states.raw_data");
-  if (job.status.ok()) {
-    job.status =
-        job.grad_output.DecodeFinite(0, absl::MakeSpan(grad_output_), "grad_output.raw_data");
+  if (status.ok() && !job.forward()) {  // a FORWARD batch has no grad_output
+    grad_output_.resize(activations);
+    status = job.grad_output.DecodeFinite(0, absl::MakeSpan(grad_output_), "grad_output.raw_data");
   }
   // The received bytes are no longer needed.
   job.hidden_states = WireTensor();
   job.grad_output = WireTensor();
   job.request_reservation.Release();
-  if (!job.status.ok()) return;
-  grad_hidden_states_.assign(activations, 0.f);
-  if (scratch_[slot][Weight::kQProj].empty())
-    scratch_[slot] = ZeroWeights<std::vector<float>>(config);
-  LayerTensors* gradients = &scratch_[slot];
-  AccumulatorSet* accumulator_set = nullptr;
-  if (job.return_weight_gradients) {
-    if (returned_gradients_[Weight::kQProj].size() != WeightElements(config, Weight::kQProj) ||
-        returned_gradients_[Weight::kQNorm].size() != WeightElements(config, Weight::kQNorm)) {
-      returned_gradients_ = ZeroWeights<std::vector<float>>(config);
-    } else {
-      for (std::vector<float>& tensor : returned_gradients_) {
-        std::fill(tensor.begin(), tensor.end(), 0.f);
-      }
+  return status;
+}
+
+absl::Status CpuWorker::ComputeForward(BatchJob& job) {
+  const LayerWeights& weights = *layers_[static_cast<std::size_t>(job.layer_slot)];
+  ForwardInputs in;
+  in.hidden_states = hidden_states_.data();
+  in.cos = job.cos.data();
+  in.sin = job.sin.data();
+  in.weights = DataOf(weights.values);
+  output_.resize(job.activations());
+  ATTNGRAD_RETURN_IF_ERROR(KernelStatus(ForwardHost(weights.config, job.batch, job.seq_len,
+                                                    job.scalars, in, output_.data(), num_threads_),
+                                        "ForwardHost"));
+  ATTNGRAD_RETURN_IF_ERROR(NonFiniteOutputStatus(CountNonFiniteValues(output_)));
+  // The answer: the output alone, in the response dtype.
+  job.answer.size = job.AnswerBytes();
+  job.answer.bytes = answer_pool_->Acquire(job.answer.size);
+  wire::EncodeFromFloat(output_, job.response_dtype, job.answer.bytes.data());
+  return absl::OkStatus();
+}
+
+LayerTensors* CpuWorker::WeightGradientsOf(BatchJob& job, const LayerConfig& config) {
+  const std::size_t slot = static_cast<std::size_t>(job.layer_slot);
+  if (!job.return_weight_gradients) {  // scratch: dropped, or added once known to be finite
+    if (scratch_[slot][Weight::kQProj].empty()) {
+      scratch_[slot] = ZeroWeights<std::vector<float>>(config);
     }
-    gradients = &returned_gradients_;
-  } else if (job.accumulate) {
-    accumulator_set = &AccumulatorSetAt(job.layer_slot, job.accumulator_set);
+    return &scratch_[slot];
   }
+  if (returned_gradients_[Weight::kQProj].size() != WeightElements(config, Weight::kQProj) ||
+      returned_gradients_[Weight::kQNorm].size() != WeightElements(config, Weight::kQNorm)) {
+    returned_gradients_ = ZeroWeights<std::vector<float>>(config);
+  } else {
+    for (std::vector<float>& tensor : returned_gradients_) {
+      std::fill(tensor.begin(), tensor.end(), 0.f);
+    }
+  }
+  return &returned_gradients_;
+}
+
+absl::Status CpuWorker::ComputeBackward(BatchJob& job) {
+  const LayerWeights& weights = *layers_[static_cast<std::size_t>(job.layer_slot)];
+  const LayerConfig& config = weights.config;
+  grad_hidden_states_.assign(job.activations(), 0.f);
+  LayerTensors* gradients = WeightGradientsOf(job, config);
+  const bool add = job.accumulate && !job.return_weight_gradients;
+  AccumulatorSet* accumulator_set =
+      add ? &AccumulatorSetAt(job.layer_slot, job.accumulator_set) : nullptr;
   BackwardInputs in;
   in.weights = DataOf(weights.values);
   in.grad_output = grad_output_.data();
@@ -121,38 +157,39 @@ void CpuWorker::Compute(BatchJob& job) {
   BackwardOutputs out;
   out.grad_hidden_states = grad_hidden_states_.data();
   out.weight_gradients = DataOf(*gradients);
-  const bool add = job.accumulate && !job.return_weight_gradients;
   // An ACCUMULATE batch is computed into scratch and added only once its gradients are known to be
   // finite (nonfinite_gradients.h), so a refused batch leaves the accumulators as they were.
-  job.status = KernelStatus(BackwardHost(config, job.batch, job.seq_len, job.scalars,
-                                         /*accumulate=*/false, in, out, num_threads_),
-                            "BackwardHost");
-  if (job.status.ok()) {
-    NonFiniteCounts counts = CountNonFiniteHost(grad_hidden_states_, *gradients);
-    if (add) CountOverflowingSumsHost(accumulator_set->gradients, *gradients, &counts);
-    job.status = NonFiniteGradientsStatus(counts);
-  }
-  if (job.status.ok() && add) {
+  ATTNGRAD_RETURN_IF_ERROR(KernelStatus(BackwardHost(config, job.batch, job.seq_len, job.scalars,
+                                                     /*accumulate=*/false, in, out, num_threads_),
+                                        "BackwardHost"));
+  NonFiniteCounts counts = CountNonFiniteHost(grad_hidden_states_, *gradients);
+  if (add) CountOverflowingSumsHost(accumulator_set->gradients, *gradients, &counts);
+  ATTNGRAD_RETURN_IF_ERROR(NonFiniteGradientsStatus(counts));
+  if (add) {
     AddTo(accumulator_set->gradients, *gradients);
     ++accumulator_set->batches;
     accumulator_set->tokens += job.tokens();
   }
-  if (job.status.ok()) {
-    // The answer, in the response dtype.
-    job.answer.size = job.AnswerBytes();
-    job.answer.bytes = answer_pool_->Acquire(job.answer.size);
-    char* answer = job.answer.bytes.data();
-    const std::size_t element_size = wire::DTypeSize(job.response_dtype);
-    wire::EncodeFromFloat(grad_hidden_states_, job.response_dtype, answer);
-    if (job.return_weight_gradients) {
-      const PackedWeightLayout layout(config);
-      for (Weight weight : kAllWeights) {
-        wire::EncodeFromFloat(returned_gradients_[weight], job.response_dtype,
-                              answer + (activations + layout.offsets[weight]) * element_size);
-      }
-    }
+  EncodeBackwardAnswer(job, config);
+  return absl::OkStatus();
+}
+
+void CpuWorker::EncodeBackwardAnswer(BatchJob& job, const LayerConfig& config) {
+  // grad_hidden_states, then (RETURN) the weight gradients, in the response dtype.
+  job.answer.size = job.AnswerBytes();
+  job.answer.bytes = answer_pool_->Acquire(job.answer.size);
+  char* answer = job.answer.bytes.data();
+  const std::size_t element_size = wire::DTypeSize(job.response_dtype);
+  wire::EncodeFromFloat(grad_hidden_states_, job.response_dtype, answer);
+  if (!job.return_weight_gradients) return;
+  const PackedWeightLayout layout(config);
+  for (Weight weight : kAllWeights) {
+    wire::EncodeFromFloat(returned_gradients_[weight], job.response_dtype,
+                          answer + (job.activations() + layout.offsets[weight]) * element_size);
   }
-  job.stages.compute = SecondsSince(start);
+}
+
+void CpuWorker::UpdateMemoryUsed() {
   // "Device memory used" of the CPU backend: this process's resident set.
   std::FILE* statm = std::fopen("/proc/self/statm", "r");
   long long total_pages = 0, resident_pages = 0;

@@ -1,6 +1,7 @@
-// The CPU device worker: attngrad::BackwardHost on host memory. Its resident weights are the shared
-// fp32 master copies themselves (every served layer; nothing to upload); its accumulator sets are
-// host arrays per layer, allocated when a batch or a control first addresses them.
+// The CPU device worker: attngrad::BackwardHost (FORWARD batches: attngrad::ForwardHost) on host
+// memory. Its resident weights are the shared fp32 master copies themselves (every served layer;
+// nothing to upload); its accumulator sets are host arrays per layer, allocated when a batch or a
+// control first addresses them.
 #ifndef ATTNGRAD_SERVER_CPU_WORKER_H_
 #define ATTNGRAD_SERVER_CPU_WORKER_H_
 
@@ -22,7 +23,17 @@ class CpuWorker final : public DeviceWorker {
  private:
   absl::Status Initialize() override;
   void Run() override;
+  // The batch's stages: its inputs decoded (and checked finite) into hidden_states_ /
+  // grad_output_, then the forward or the backward, whose answer is encoded into job.answer.
   void Compute(BatchJob& job);
+  absl::Status DecodeInputs(BatchJob& job);
+  absl::Status ComputeForward(BatchJob& job);
+  absl::Status ComputeBackward(BatchJob& job);
+  // Where a backward batch's weight gradients go: returned_gradients_ (RETURN, zeroed) or the
+  // layer's scratch.
+  LayerTensors* WeightGradientsOf(BatchJob& job, const LayerConfig& config);
+  void EncodeBackwardAnswer(BatchJob& job, const LayerConfig& config);
+  void UpdateMemoryUsed();
   void Control(WorkerControl& control);
 
   struct AccumulatorSet {
@@ -40,6 +51,7 @@ class CpuWorker final : public DeviceWorker {
   // The batch being computed: its activations decoded to fp32, its outputs before they are
   // encoded into the answer (kept between batches, grown as they need).
   std::vector<float> hidden_states_, grad_output_, grad_hidden_states_;
+  std::vector<float> output_;        // FORWARD
   LayerTensors returned_gradients_;  // RETURN
   // The answers' memory, reused once gRPC has sent them (see AnswerBuffer).
   std::shared_ptr<common::BufferPool> answer_pool_ = common::BufferPool::Create(kAnswerPoolBytes);

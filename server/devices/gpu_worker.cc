@@ -58,6 +58,7 @@
 #include "attngrad/common/parallel_tasks.h"
 #include "attngrad/common/status_macros.h"
 #include "attngrad/cuda_resources.h"
+#include "attngrad/forward.h"
 #include "attngrad/prepared_weights.h"
 #include "attngrad/v1/tensor.pb.h"
 #include "attngrad/wire/dtype.h"
@@ -570,76 +571,114 @@ class GpuWorker final : public DeviceWorker {
     return dtype == v1::DTYPE_BFLOAT16 ? HalfFormat::kBFloat16 : HalfFormat::kFloat16;
   }
 
-  // Stages the slot's batch and queues its copy-in, compute and copy-out.
+  // Where the kernels read a batch's inputs on the device (QueueCopyIn): fp32 each, in the slot's
+  // device_in or in the client's GPU memory. grad_output is null for a FORWARD batch.
+  struct DeviceInputs {
+    const float* hidden_states = nullptr;
+    const float* grad_output = nullptr;
+    const float* cos = nullptr;
+    const float* sin = nullptr;
+  };
+
+  // Where the compute left a batch's fp32 results (QueueBackward / QueueForward): the answer's
+  // [B,S,hidden] tensor (grad_hidden_states, or a FORWARD batch's output) and, for a backward
+  // batch, the weight gradients. Either may already be the client's GPU memory (an fp32
+  // destination), which QueueCopyOut then leaves alone.
+  struct DeviceResults {
+    float* activations = nullptr;
+    float* weight_gradients = nullptr;  // null for a FORWARD batch
+  };
+
+  // Stages the slot's batch and queues its copy-in, compute and copy-out: the steps below, in
+  // order, each of which may fail the batch (LaunchInSlot then waits until nothing of it runs).
   absl::Status Launch(Slot& slot) {
     BatchJob& job = *slot.job;
     ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.layer_slot)];
-    const auto start = std::chrono::steady_clock::now();
-    job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
+    job.stages.queue = SecondsSince(job.submitted);
+    ATTNGRAD_RETURN_IF_ERROR(PrepareSlot(slot, layer));
+    ATTNGRAD_ASSIGN_OR_RETURN(const DeviceInputs inputs, QueueCopyIn(slot));
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        const DeviceResults results,
+        job.forward() ? QueueForward(slot, layer, inputs) : QueueBackward(slot, layer, inputs));
+    return QueueCopyOut(slot, layer, results);
+  }
+
+  // Elements of the answer's tensors in fp32: the [B,S,hidden] tensor and, RETURN, the weight
+  // gradients.
+  static std::size_t OutputElements(const BatchJob& job, const ResidentLayer& layer) {
+    return job.activations() + (job.return_weight_gradients ? layer.layout.total_elements : 0);
+  }
+
+  // The workspace the batch's computation needs, with the layer's fp16 copies when it has them.
+  static std::size_t WorkspaceSizeOf(const BatchJob& job, const ResidentLayer& layer) {
+    if (job.forward()) {
+      return layer.prepared.ready()
+                 ? ForwardWorkspaceSize(layer.prepared, job.batch, job.seq_len, job.precision)
+                 : ForwardWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
+    }
+    return layer.prepared.ready()
+               ? DeviceWorkspaceSize(layer.prepared, job.batch, job.seq_len, job.precision)
+               : DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
+  }
+
+  // The memory the batch needs, before anything of it is queued: the answer's page-locked buffer,
+  // the slot's buffers and the shared workspace grown to its size, and the layer's weights checked
+  // to be usable.
+  absl::Status PrepareSlot(Slot& slot, const ResidentLayer& layer) {
+    BatchJob& job = *slot.job;
     const std::size_t activations = job.activations();
-    // The rotary tables: staged with the activations, or read where they are in the client's GPU
-    // memory (fp32, CUDA IPC), which the job keeps open until it is finished.
-    const bool rotary_on_device = job.device_cos.cuda_device() >= 0;
-    const std::size_t rotary =
-        rotary_on_device ? job.device_cos.size_bytes() / sizeof(float) : job.cos.size();
     const std::size_t input_elements = StagingElements(job);
-    const std::size_t output_elements =
-        activations + (job.return_weight_gradients ? layer.layout.total_elements : 0);
     const bool half_inputs = job.hidden_states.dtype() != v1::DTYPE_FLOAT32 ||
-                             job.grad_output.dtype() != v1::DTYPE_FLOAT32;
-    const bool half_answer = job.response_dtype != v1::DTYPE_FLOAT32;
-    const bool staged = job.staged_inputs.data() != nullptr;
-    absl::Status status =
-        staged ? absl::OkStatus()
-               : EnsureCapacity(&slot.host_in, input_elements, "cudaMallocHost(host_in)");
+                             (!job.forward() && job.grad_output.dtype() != v1::DTYPE_FLOAT32);
+    if (job.staged_inputs.data() == nullptr) {
+      ATTNGRAD_RETURN_IF_ERROR(
+          EnsureCapacity(&slot.host_in, input_elements, "cudaMallocHost(host_in)"));
+    }
     // The answer's page-locked memory, which the GPU copies it into and gRPC sends from.
-    if (status.ok()) {
-      job.answer.size = job.AnswerBytes();
-      job.answer.bytes = answer_pool_->Acquire(job.answer.size);
-      if (job.answer.bytes.data() == nullptr) {
-        status = absl::ResourceExhaustedError(
-            absl::StrCat("no page-locked host memory on ", device(), " for the answer (",
-                         job.answer.size, " bytes): send fewer or smaller batches at once"));
-      }
+    job.answer.size = job.AnswerBytes();
+    job.answer.bytes = answer_pool_->Acquire(job.answer.size);
+    if (job.answer.bytes.data() == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no page-locked host memory on ", device(), " for the answer (",
+                       job.answer.size, " bytes): send fewer or smaller batches at once"));
     }
-    if (status.ok()) {
-      status = EnsureCapacity(&slot.device_in, input_elements, "cudaMalloc(device_in)");
+    ATTNGRAD_RETURN_IF_ERROR(
+        EnsureCapacity(&slot.device_in, input_elements, "cudaMalloc(device_in)"));
+    if (half_inputs) {  // 2 * activations 16-bit values
+      ATTNGRAD_RETURN_IF_ERROR(
+          EnsureCapacity(&slot.device_raw, activations, "cudaMalloc(device_raw)"));
     }
-    if (status.ok() && half_inputs) {  // 2 * activations 16-bit values
-      status = EnsureCapacity(&slot.device_raw, activations, "cudaMalloc(device_raw)");
+    if (job.response_dtype != v1::DTYPE_FLOAT32) {  // OutputElements 16-bit values
+      ATTNGRAD_RETURN_IF_ERROR(EnsureCapacity(
+          &slot.device_answer, (OutputElements(job, layer) + 1) / 2, "cudaMalloc(device_answer)"));
     }
-    if (status.ok() && half_answer) {  // output_elements 16-bit values
-      status = EnsureCapacity(&slot.device_answer, (output_elements + 1) / 2,
-                              "cudaMalloc(device_answer)");
-    }
-    if (status.ok()) {
-      status =
-          EnsureCapacity(&slot.device_grad_hidden, activations, "cudaMalloc(device_grad_hidden)");
-    }
+    ATTNGRAD_RETURN_IF_ERROR(
+        EnsureCapacity(&slot.device_grad_hidden, activations, "cudaMalloc(device_grad_hidden)"));
     // Weights that did not finish uploading (or preparing) are never used.
-    if (status.ok() && layer.resident != layer.weights) {
-      status = absl::FailedPreconditionError(
+    if (layer.resident != layer.weights) {
+      return absl::FailedPreconditionError(
           absl::StrCat("the weights of this layer on ", device(), " are not usable: ",
                        layer.upload_status.ok() ? "their upload is incomplete"
                                                 : std::string(layer.upload_status.message()),
                        " (upload them again with LoadWeights)"));
     }
-    const std::size_t workspace_size =
-        layer.prepared.ready()
-            ? DeviceWorkspaceSize(layer.prepared, job.batch, job.seq_len, job.precision)
-            : DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
-    if (status.ok() && workspace_size > workspace_.size()) {
-      // The workspace is shared by every batch on the compute stream: wait until it is unused.
-      status = CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize");
-      if (status.ok()) {
-        status = EnsureCapacity(&workspace_, workspace_size, "cudaMalloc(workspace)");
-      }
-    }
-    if (!status.ok()) return status;
+    const std::size_t workspace_size = WorkspaceSizeOf(job, layer);
+    if (workspace_size <= workspace_.size()) return absl::OkStatus();
+    // The workspace is shared by every batch on the compute stream: wait until it is unused.
+    ATTNGRAD_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamSynchronize(compute_stream_.get()), "cudaStreamSynchronize"));
+    return EnsureCapacity(&workspace_, workspace_size, "cudaMalloc(workspace)");
+  }
 
+  // The batch's host inputs staged (on arrival already, or here), the received bytes let go, and
+  // the copy-in queued: the activations to device_in (widened there when fp16/bf16) unless they are
+  // in the client's GPU memory, then the rotary tables unless they are too.
+  absl::StatusOr<DeviceInputs> QueueCopyIn(Slot& slot) {
+    BatchJob& job = *slot.job;
+    const std::size_t activations = job.activations();
     const auto copy_start = std::chrono::steady_clock::now();
-    // On arrival already (its seconds in stages.copy_in), or here.
-    double host_copy_in_seconds = job.stages.copy_in;
+    const bool staged = job.staged_inputs.data() != nullptr;
+    absl::Status status = absl::OkStatus();
     if (staged) {
       slot.staged_inputs = std::move(job.staged_inputs);
     } else {
@@ -656,68 +695,97 @@ class GpuWorker final : public DeviceWorker {
     job.grad_output = WireTensor();
     job.request_reservation.Release();
     if (!status.ok()) return status;
-    if (!staged) host_copy_in_seconds += SecondsSince(copy_start);
-    slot.host_copy_in_seconds = host_copy_in_seconds;
-    float* const host_in =
-        staged ? reinterpret_cast<float*>(slot.staged_inputs.data()) : slot.host_in.get();
-    char* const host_out = job.answer.bytes.data();
+    // On arrival already (its seconds in stages.copy_in), or here as well.
+    slot.host_copy_in_seconds = job.stages.copy_in + (staged ? 0.0 : SecondsSince(copy_start));
+    const float* const host_in =
+        staged ? reinterpret_cast<const float*>(slot.staged_inputs.data()) : slot.host_in.get();
 
     const cudaStream_t copy_in = copy_in_stream_.get();
-    const cudaStream_t compute = compute_stream_.get();
-    const cudaStream_t copy_out = copy_out_stream_.get();
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_start.get(), copy_in));
     std::uint16_t* const device_raw = reinterpret_cast<std::uint16_t*>(slot.device_raw.get());
+    DeviceInputs inputs;
     ATTNGRAD_ASSIGN_OR_RETURN(
-        const float* hidden_states,
+        inputs.hidden_states,
         ActivationsOnDevice(slot.device_hidden_states, hidden_dtype, host_in, activations,
                             slot.device_in.get(), device_raw, copy_in));
-    ATTNGRAD_ASSIGN_OR_RETURN(
-        const float* grad_output,
-        ActivationsOnDevice(slot.device_grad_output, grad_dtype, host_in + activations, activations,
-                            slot.device_in.get() + activations,
-                            device_raw == nullptr ? nullptr : device_raw + activations, copy_in));
-    if (!rotary_on_device) {
-      ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.device_in.get() + 2 * activations,
-                                           host_in + 2 * activations, 2 * rotary * sizeof(float),
-                                           cudaMemcpyHostToDevice, copy_in));
+    if (!job.forward()) {
+      ATTNGRAD_ASSIGN_OR_RETURN(
+          inputs.grad_output,
+          ActivationsOnDevice(slot.device_grad_output, grad_dtype, host_in + activations,
+                              activations, slot.device_in.get() + activations,
+                              device_raw == nullptr ? nullptr : device_raw + activations, copy_in));
     }
+    ATTNGRAD_ASSIGN_OR_RETURN(std::tie(inputs.cos, inputs.sin),
+                              QueueRotaryCopyIn(slot, host_in, copy_in));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_in_done.get(), copy_in));
+    return inputs;
+  }
 
+  // Where the kernels read the rotary tables: in the client's GPU memory (fp32, CUDA IPC), which
+  // the job keeps open until it is finished, or in device_in after the activations (the staging
+  // layout's place), copied there on `copy_in`.
+  absl::StatusOr<std::pair<const float*, const float*>> QueueRotaryCopyIn(const Slot& slot,
+                                                                          const float* host_in,
+                                                                          cudaStream_t copy_in) {
+    const BatchJob& job = *slot.job;
+    if (job.device_cos.cuda_device() >= 0) {
+      return std::pair(reinterpret_cast<const float*>(job.device_cos.device_data()),
+                       reinterpret_cast<const float*>(job.device_sin.device_data()));
+    }
+    const std::size_t first = StagedActivationTensors(job) * job.activations();
+    const std::size_t rotary = job.cos.size();
+    float* const device = slot.device_in.get() + first;
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(device, host_in + first, 2 * rotary * sizeof(float),
+                                         cudaMemcpyHostToDevice, copy_in));
+    return std::pair<const float*, const float*>(device, device + rotary);
+  }
+
+  // Where the answer's [B,S,hidden] tensor is computed: straight into the client's GPU memory when
+  // it goes there as fp32 (CUDA IPC), else into the slot (narrowed into the client's memory, or
+  // copied out, by QueueCopyOut).
+  static float* ActivationsResult(Slot& slot) {
+    const BatchJob& job = *slot.job;
+    const BatchJob::DeviceDestination& destination = job.grad_hidden_states_destination;
+    if (destination.data != nullptr && job.response_dtype == v1::DTYPE_FLOAT32) {
+      return reinterpret_cast<float*>(destination.data);
+    }
+    return slot.device_grad_hidden.get();
+  }
+
+  // Queues a backward batch on the compute stream behind its copy-in: BackwardDevice, then the
+  // finite check (which, ACCUMULATE, adds the weight gradients to the client's set when finite).
+  absl::StatusOr<DeviceResults> QueueBackward(Slot& slot, ResidentLayer& layer,
+                                              const DeviceInputs& inputs) {
+    BatchJob& job = *slot.job;
+    const cudaStream_t compute = compute_stream_.get();
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(compute, slot.copy_in_done.get(), 0));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_start.get(), compute));
-    const float* device_in = slot.device_in.get();
     BackwardInputs in;
-    in.hidden_states = hidden_states;
-    in.grad_output = grad_output;
-    in.cos = rotary_on_device ? reinterpret_cast<const float*>(job.device_cos.device_data())
-                              : device_in + 2 * activations;
-    in.sin = rotary_on_device ? reinterpret_cast<const float*>(job.device_sin.device_data())
-                              : device_in + 2 * activations + rotary;
+    in.hidden_states = inputs.hidden_states;
+    in.grad_output = inputs.grad_output;
+    in.cos = inputs.cos;
+    in.sin = inputs.sin;
     in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
     const bool add = job.accumulate && !job.return_weight_gradients;
     // Every batch computes its weight gradients into the slot (or, RETURN as fp32 into a client's
     // GPU memory, straight there); an ACCUMULATE batch's are added to its accumulator set after
     // the finite check, on the device (QueueFiniteCheck).
     const BatchJob::DeviceDestination& weights_destination = job.weight_gradients_destination;
-    const bool weights_on_device = weights_destination.data != nullptr;
-    float* const gradients = weights_on_device && !half_answer
-                                 ? reinterpret_cast<float*>(weights_destination.data)
-                                 : slot.device_weight_gradients.get();
+    DeviceResults results;
+    results.weight_gradients =
+        weights_destination.data != nullptr && job.response_dtype == v1::DTYPE_FLOAT32
+            ? reinterpret_cast<float*>(weights_destination.data)
+            : slot.device_weight_gradients.get();
+    results.activations = ActivationsResult(slot);
     AccumulatorSet* accumulator_set = nullptr;
     if (add) {
       ATTNGRAD_RETURN_IF_ERROR(AccumulatorSetAt(layer, job.accumulator_set, &accumulator_set));
     }
-    // grad_hidden_states: computed straight into the client's GPU memory when it goes there as
-    // fp32 (CUDA IPC), else into the slot (narrowed into the client's memory, or copied out).
-    const BatchJob::DeviceDestination& destination = job.grad_hidden_states_destination;
-    const bool answer_on_device = destination.data != nullptr;
-    float* const grad_hidden_states = answer_on_device && !half_answer
-                                          ? reinterpret_cast<float*>(destination.data)
-                                          : slot.device_grad_hidden.get();
     BackwardOutputs out;
-    out.grad_hidden_states = grad_hidden_states;
-    out.weight_gradients = layer.layout.Pointers(gradients);
-    // With the layer's fp16 copies (of the resident version, checked in Launch) when it has them.
+    out.grad_hidden_states = results.activations;
+    out.weight_gradients = layer.layout.Pointers(results.weight_gradients);
+    // With the layer's fp16 copies (of the resident version, checked in PrepareSlot) when it has
+    // them.
     const Status computed =
         layer.prepared.ready()
             ? BackwardDevice(layer.prepared, job.batch, job.seq_len, job.scalars, job.precision,
@@ -727,52 +795,81 @@ class GpuWorker final : public DeviceWorker {
                              /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(),
                              compute);
     // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
-    status = KernelStatus(computed, "BackwardDevice");
-    if (!status.ok()) return status;
-    ATTNGRAD_RETURN_IF_ERROR(
-        QueueFiniteCheck(slot, layer, grad_hidden_states, gradients, activations,
-                         add ? accumulator_set->buffer.get() : nullptr, compute));
+    ATTNGRAD_RETURN_IF_ERROR(KernelStatus(computed, "BackwardDevice"));
+    ATTNGRAD_RETURN_IF_ERROR(QueueFiniteCheck(
+        slot, layer, results.activations, results.weight_gradients, job.activations(),
+        add ? accumulator_set->buffer.get() : nullptr, compute));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done.get(), compute));
+    return results;
+  }
 
+  // Queues a FORWARD batch on the compute stream behind its copy-in: ForwardDevice (with the
+  // layer's fp16 copies when it has them, as the backward), then the count of the output's
+  // non-finite values into the slot's counts ([0]; Retire turns it into the answer).
+  absl::StatusOr<DeviceResults> QueueForward(Slot& slot, const ResidentLayer& layer,
+                                             const DeviceInputs& inputs) {
+    BatchJob& job = *slot.job;
+    const cudaStream_t compute = compute_stream_.get();
+    ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(compute, slot.copy_in_done.get(), 0));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_start.get(), compute));
+    ForwardInputs in;
+    in.hidden_states = inputs.hidden_states;
+    in.cos = inputs.cos;
+    in.sin = inputs.sin;
+    in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
+    DeviceResults results;
+    results.activations = ActivationsResult(slot);
+    const Status computed =
+        layer.prepared.ready()
+            ? ForwardDevice(layer.prepared, job.batch, job.seq_len, job.scalars, job.precision, in,
+                            results.activations, workspace_.get(), workspace_.size(), compute)
+            : ForwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision, in,
+                            results.activations, workspace_.get(), workspace_.size(), compute);
+    ATTNGRAD_RETURN_IF_ERROR(KernelStatus(computed, "ForwardDevice"));
+    ATTNGRAD_CUDA_RETURN(
+        cudaMemsetAsync(slot.device_non_finite.get(), 0, slot.device_non_finite.bytes(), compute));
+    // The output alone: a layer of zero sizes has six empty weight tensors, which are not read
+    // (their pointers only need to be non-null).
+    const LayerConfig no_weights{0, 0, 0, 0};
+    PerWeight<const float*> empty;
+    for (Weight weight : kAllWeights) empty[weight] = results.activations;
+    ATTNGRAD_RETURN_IF_ERROR(
+        KernelStatus(CountNonFiniteDevice(no_weights, results.activations, job.activations(), empty,
+                                          slot.device_non_finite.get(), compute),
+                     "CountNonFiniteDevice"));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.compute_done.get(), compute));
+    return results;
+  }
+
+  // Queues the copy-out behind the compute: the finite check's counts, then the answer's tensors
+  // that are not in the client's GPU memory yet (fp32 copied; fp16/bf16 narrowed on the device,
+  // into the client's memory or the slot's device_answer, and copied from there) into the answer
+  // buffer, then a stream-ordered batch's `done` word.
+  absl::Status QueueCopyOut(Slot& slot, const ResidentLayer& layer, const DeviceResults& results) {
+    BatchJob& job = *slot.job;
+    const std::size_t activations = job.activations();
+    const cudaStream_t copy_out = copy_out_stream_.get();
+    char* const host_out = job.answer.bytes.data();
+    const bool activations_on_device = job.grad_hidden_states_destination.data != nullptr;
+    const bool weights_on_device = job.weight_gradients_destination.data != nullptr;
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out, slot.compute_done.get(), 0));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_start.get(), copy_out));
     ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_non_finite.get(), slot.device_non_finite.get(),
                                          slot.device_non_finite.bytes(), cudaMemcpyDeviceToHost,
                                          copy_out));
-    if (!half_answer) {
-      if (!answer_on_device) {
-        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(host_out, slot.device_grad_hidden.get(),
+    if (job.response_dtype == v1::DTYPE_FLOAT32) {
+      if (!activations_on_device) {
+        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(host_out, results.activations,
                                              activations * sizeof(float), cudaMemcpyDeviceToHost,
                                              copy_out));
       }
       if (job.return_weight_gradients && !weights_on_device) {
         ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
-            host_out + activations * sizeof(float), slot.device_weight_gradients.get(),
+            host_out + activations * sizeof(float), results.weight_gradients,
             layer.layout.total_elements * sizeof(float), cudaMemcpyDeviceToHost, copy_out));
       }
     } else {
-      // Narrowed on the device (the weight gradients' layout is the answer's order), then copied.
-      const HalfFormat format = HalfFormatOf(job.response_dtype);
-      std::uint16_t* const answer = reinterpret_cast<std::uint16_t*>(slot.device_answer.get());
-      ATTNGRAD_CUDA_RETURN(NarrowFromFloat(
-          slot.device_grad_hidden.get(), format, activations,
-          answer_on_device ? reinterpret_cast<std::uint16_t*>(destination.data) : answer,
-          copy_out));
-      if (job.return_weight_gradients) {
-        ATTNGRAD_CUDA_RETURN(NarrowFromFloat(
-            slot.device_weight_gradients.get(), format, layer.layout.total_elements,
-            weights_on_device ? reinterpret_cast<std::uint16_t*>(weights_destination.data)
-                              : answer + activations,
-            copy_out));
-      }
-      // Without the parts that went into the client's GPU memory.
-      const std::size_t first = answer_on_device ? activations : 0;
-      const std::size_t end = weights_on_device ? activations : output_elements;
-      if (end > first) {
-        ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(reinterpret_cast<std::uint16_t*>(host_out) + first,
-                                             answer + first, (end - first) * sizeof(std::uint16_t),
-                                             cudaMemcpyDeviceToHost, copy_out));
-      }
+      ATTNGRAD_RETURN_IF_ERROR(QueueNarrowedCopyOut(slot, layer, results));
     }
     // A stream-ordered batch: the client's stream goes on once the outputs are in its memory.
     if (job.stream_gate.done != nullptr) {
@@ -781,6 +878,42 @@ class GpuWorker final : public DeviceWorker {
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
+  }
+
+  // A fp16/bf16 answer: narrowed on the device (the weight gradients' layout is the answer's
+  // order) into the client's GPU memory or device_answer, then the parts in device_answer copied
+  // into the answer buffer.
+  absl::Status QueueNarrowedCopyOut(Slot& slot, const ResidentLayer& layer,
+                                    const DeviceResults& results) {
+    BatchJob& job = *slot.job;
+    const std::size_t activations = job.activations();
+    const cudaStream_t copy_out = copy_out_stream_.get();
+    const BatchJob::DeviceDestination& destination = job.grad_hidden_states_destination;
+    const BatchJob::DeviceDestination& weights_destination = job.weight_gradients_destination;
+    const HalfFormat format = HalfFormatOf(job.response_dtype);
+    std::uint16_t* const answer = reinterpret_cast<std::uint16_t*>(slot.device_answer.get());
+    ATTNGRAD_CUDA_RETURN(NarrowFromFloat(
+        results.activations, format, activations,
+        destination.data != nullptr ? reinterpret_cast<std::uint16_t*>(destination.data) : answer,
+        copy_out));
+    if (job.return_weight_gradients) {
+      ATTNGRAD_CUDA_RETURN(
+          NarrowFromFloat(results.weight_gradients, format, layer.layout.total_elements,
+                          weights_destination.data != nullptr
+                              ? reinterpret_cast<std::uint16_t*>(weights_destination.data)
+                              : answer + activations,
+                          copy_out));
+    }
+    // Without the parts that went into the client's GPU memory.
+    const std::size_t first = destination.data != nullptr ? activations : 0;
+    const std::size_t end =
+        weights_destination.data != nullptr ? activations : OutputElements(job, layer);
+    if (end <= first) return absl::OkStatus();
+    return CudaStatus(
+        cudaMemcpyAsync(reinterpret_cast<std::uint16_t*>(job.answer.bytes.data()) + first,
+                        answer + first, (end - first) * sizeof(std::uint16_t),
+                        cudaMemcpyDeviceToHost, copy_out),
+        "cudaMemcpyAsync(answer)");
   }
 
   // On the compute stream after the batch: counts the non-finite values of its grad_hidden_states
@@ -825,7 +958,9 @@ class GpuWorker final : public DeviceWorker {
       NonFiniteCounts counts;
       std::copy(slot.host_non_finite.get(), slot.host_non_finite.get() + counts.size(),
                 counts.begin());
-      job.status = NonFiniteGradientsStatus(counts);  // not accumulated then (QueueFiniteCheck)
+      // Not accumulated then (QueueFiniteCheck); a FORWARD batch counted its output alone.
+      job.status =
+          job.forward() ? NonFiniteOutputStatus(counts[0]) : NonFiniteGradientsStatus(counts);
     }
     if (job.status.ok()) {
       // The answer is in job.answer already (the GPU copied it there, in the response dtype and

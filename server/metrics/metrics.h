@@ -25,7 +25,8 @@ class ServerMetrics {
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
-  // One finished batch on `device` ("cpu", "cuda:0", ...); mode "return" or "accumulate".
+  // One finished batch on `device` ("cpu", "cuda:0", ...); mode "return" or "accumulate" (a
+  // backward batch) or "forward" (a FORWARD batch: the layer's output).
   void ObserveBatch(const std::string& mode, const std::string& device, long long tokens,
                     const StageSeconds& stages);
   // One finished RPC (method "Backward", "GetModelInfo", ..., or "unknown" for a path the service

@@ -320,14 +320,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     ATTNGRAD_RETURN_IF_ERROR(
         ReadActivationsFromRegions(service_->regions(), client_id_, &received));
     // The output slices, kept before the request moves into the job.
-    const std::optional<v1::RegionSlice> grad_hidden_states_slice =
-        request.has_grad_hidden_states_region()
-            ? std::optional<v1::RegionSlice>(request.grad_hidden_states_region())
-            : std::nullopt;
-    const std::optional<v1::RegionSlice> weight_gradients_slice =
-        request.has_weight_gradients_region()
-            ? std::optional<v1::RegionSlice>(request.weight_gradients_region())
-            : std::nullopt;
+    const OutputSlices output_slices = OutputSlices::Of(request);
     const std::optional<v1::StreamOrder> stream_order =
         request.has_stream_order() ? std::optional<v1::StreamOrder>(request.stream_order())
                                    : std::nullopt;
@@ -336,13 +329,8 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
                                                    core.settings(slot), service_->limits().batch));
     PreparedBatch batch;
     batch.job = std::move(parsed.job);
-    ATTNGRAD_ASSIGN_OR_RETURN(
-        batch.outputs,
-        ResolveOutputRegions(
-            service_->regions(), client_id_,
-            grad_hidden_states_slice.has_value() ? &*grad_hidden_states_slice : nullptr,
-            weight_gradients_slice.has_value() ? &*weight_gradients_slice : nullptr,
-            batch.job.get()));
+    ATTNGRAD_ASSIGN_OR_RETURN(batch.outputs, ResolveOutputRegions(service_->regions(), client_id_,
+                                                                  output_slices, batch.job.get()));
     if (stream_order.has_value()) {
       ATTNGRAD_RETURN_IF_ERROR(ResolveStreamOrder(service_->regions(), client_id_, *stream_order,
                                                   service_->limits().stream_order_timeout,

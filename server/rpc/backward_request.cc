@@ -43,13 +43,54 @@ absl::Status DecodeFinite(const v1::Tensor& tensor, const std::string& field,
   return wire::CheckFinite(out, field);
 }
 
-}  // namespace
+// The refusal of a field that only a backward batch may carry, in a FORWARD batch.
+absl::Status NotInForward(const char* field, const char* why) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": not allowed in a FORWARD batch (computation = COMPUTATION_FORWARD), which ", why,
+      "; leave it unset"));
+}
 
-absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest received,
-                                                    const LayerConfig& config,
-                                                    const LayerSettings& settings,
-                                                    const BatchLimits& limits) {
-  const v1::BackwardRequest& request = received.message;
+// What the request asks for (`computation`), checked together with the fields that only one
+// computation has: a FORWARD batch reads hidden_states alone, answers with `output` and adds
+// nothing to the accumulators; output_region belongs to FORWARD batches only.
+absl::StatusOr<Computation> ComputationOf(const v1::BackwardRequest& request) {
+  if (!v1::Computation_IsValid(request.computation())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("computation: unknown value ", request.computation(),
+                     "; expected COMPUTATION_BACKWARD (0) or COMPUTATION_FORWARD (1)"));
+  }
+  if (request.computation() == v1::COMPUTATION_BACKWARD) {
+    if (request.has_output_region()) {
+      return absl::InvalidArgumentError(
+          "output_region: only for FORWARD batches (computation = COMPUTATION_FORWARD); a "
+          "backward batch's grad_hidden_states goes to grad_hidden_states_region");
+    }
+    return Computation::kBackward;
+  }
+  if (request.has_grad_output()) {
+    return NotInForward("grad_output", "computes the layer's output from hidden_states alone");
+  }
+  if (request.has_grad_output_region()) {
+    return NotInForward("grad_output_region",
+                        "computes the layer's output from hidden_states alone");
+  }
+  if (request.mode() == v1::GRADIENT_MODE_ACCUMULATE) {
+    return NotInForward("mode: GRADIENT_MODE_ACCUMULATE",
+                        "computes no weight gradients (mode must be unset or RETURN)");
+  }
+  if (request.has_grad_hidden_states_region()) {
+    return NotInForward("grad_hidden_states_region",
+                        "answers with `output` (write it into a region with output_region)");
+  }
+  if (request.has_weight_gradients_region()) {
+    return NotInForward("weight_gradients_region", "computes no weight gradients");
+  }
+  return Computation::kForward;
+}
+
+// The request's options: mode, computation, precision, response dtype and window, checked.
+absl::StatusOr<ParsedBackward> ParseOptions(const v1::BackwardRequest& request,
+                                            Computation* computation) {
   ParsedBackward parsed;
   if (!v1::GradientMode_IsValid(request.mode())) {
     return absl::InvalidArgumentError(
@@ -57,6 +98,7 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
                      "; expected GRADIENT_MODE_RETURN (1) or GRADIENT_MODE_ACCUMULATE (2)"));
   }
   parsed.accumulate = request.mode() == v1::GRADIENT_MODE_ACCUMULATE;
+  ATTNGRAD_ASSIGN_OR_RETURN(*computation, ComputationOf(request));
   if (!v1::Precision_IsValid(request.precision())) {
     return absl::InvalidArgumentError(absl::StrCat("precision: unknown value ", request.precision(),
                                                    "; expected AUTO, FP32, TF32 or FP16"));
@@ -76,8 +118,15 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
         "accumulation_window_id: only meaningful with mode GRADIENT_MODE_ACCUMULATE; leave it 0 "
         "for RETURN");
   }
+  return parsed;
+}
 
-  // Activations.
+// The batch's B and S from hidden_states (and, backward, grad_output of the same shape), within
+// the server's token limit.
+absl::StatusOr<std::pair<std::int64_t, std::int64_t>> CheckActivations(
+    const ReceivedBackwardRequest& received, const LayerConfig& config, const BatchLimits& limits,
+    bool forward) {
+  const v1::BackwardRequest& request = received.message;
   const std::int64_t hidden = config.hidden_size;
   if (!request.has_hidden_states()) {
     return absl::InvalidArgumentError(
@@ -108,6 +157,7 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
         " per request, and sum the weight gradients (or use "
         "ACCUMULATE)"));
   }
+  if (forward) return std::pair(batch, seq_len);  // ComputationOf refused a grad_output
   const std::vector<std::int64_t> activation_shape = {batch, seq_len, hidden};
   if (!request.has_grad_output()) {
     return absl::InvalidArgumentError(absl::StrCat("grad_output: missing; expected a ",
@@ -117,11 +167,40 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
       wire::CheckTensor(request.grad_output().dtype(), request.grad_output().shape(),
                         received.grad_output.size_bytes(), "grad_output", activation_shape)
           .status());
+  return std::pair(batch, seq_len);
+}
 
-  // Rotary inputs.
-  const std::int64_t head_dim = config.head_dim;
-  const std::vector<std::int64_t> rotary_shape = {batch, seq_len, head_dim};
-  double theta = 0;
+// B*S or S position ids and a usable RoPE base; the base (the layer's when the request's is 0).
+absl::StatusOr<double> CheckPositions(const v1::RotaryPositions& positions,
+                                      const LayerConfig& config, const LayerSettings& settings,
+                                      std::int64_t batch, std::int64_t seq_len) {
+  const std::int64_t count = positions.position_ids_size();
+  if (count != batch * seq_len && count != seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat("positions.position_ids: got ", count,
+                                                   " values, expected B*S = ", batch * seq_len,
+                                                   " or S = ", seq_len));
+  }
+  const double theta = positions.rope_theta() == 0 ? settings.rope_theta : positions.rope_theta();
+  if (!std::isfinite(theta) || !(theta > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("positions.rope_theta: ", positions.rope_theta(),
+                     " must be finite and > 0 (0 = the layer's RoPE base)"));
+  }
+  // Ids within +-2^40 (std::llabs(INT64_MIN) overflowed and passed) and a theta whose tables
+  // are finite (a subnormal theta overflowed theta^(-2i/head_dim) into NaN tables).
+  ATTNGRAD_RETURN_IF_ERROR(CheckRotaryInputs(
+      absl::MakeConstSpan(positions.position_ids().data(), positions.position_ids_size()),
+      config.head_dim, theta, settings.rope_scaling_factor));
+  return theta;
+}
+
+// The rotary inputs checked against [B,S,head_dim]: the tables (in the message or, rpc/regions.h
+// read them, in GPU memory), or positions; the RoPE base of positions (0 for tables).
+absl::StatusOr<double> CheckRotary(const ReceivedBackwardRequest& received,
+                                   const LayerConfig& config, const LayerSettings& settings,
+                                   std::int64_t batch, std::int64_t seq_len) {
+  const v1::BackwardRequest& request = received.message;
+  const std::vector<std::int64_t> rotary_shape = {batch, seq_len, config.head_dim};
   switch (request.rotary_case()) {
     case v1::BackwardRequest::kRotaryTables:
       if (!request.rotary_tables().has_cos() || !request.rotary_tables().has_sin()) {
@@ -134,42 +213,25 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
                                                           received.cos, "cos", rotary_shape));
         ATTNGRAD_RETURN_IF_ERROR(CheckRotaryTableInRegion(request.rotary_tables().sin(),
                                                           received.sin, "sin", rotary_shape));
-        break;
+        return 0.0;
       }
       ATTNGRAD_RETURN_IF_ERROR(
           wire::CheckTensor(request.rotary_tables().cos(), "rotary_tables.cos", rotary_shape));
       ATTNGRAD_RETURN_IF_ERROR(
           wire::CheckTensor(request.rotary_tables().sin(), "rotary_tables.sin", rotary_shape));
-      break;
-    case v1::BackwardRequest::kPositions: {
-      const auto& positions = request.positions();
-      const std::int64_t count = positions.position_ids_size();
-      if (count != tokens && count != seq_len) {
-        return absl::InvalidArgumentError(absl::StrCat("positions.position_ids: got ", count,
-                                                       " values, expected B*S = ", tokens,
-                                                       " or S = ", seq_len));
-      }
-      theta = positions.rope_theta() == 0 ? settings.rope_theta : positions.rope_theta();
-      if (!std::isfinite(theta) || !(theta > 0)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("positions.rope_theta: ", positions.rope_theta(),
-                         " must be finite and > 0 (0 = the layer's RoPE base)"));
-      }
-      // Ids within +-2^40 (std::llabs(INT64_MIN) overflowed and passed) and a theta whose tables
-      // are finite (a subnormal theta overflowed theta^(-2i/head_dim) into NaN tables).
-      ATTNGRAD_RETURN_IF_ERROR(CheckRotaryInputs(
-          absl::MakeConstSpan(positions.position_ids().data(), positions.position_ids_size()),
-          config.head_dim, theta, settings.rope_scaling_factor));
-      break;
-    }
+      return 0.0;
+    case v1::BackwardRequest::kPositions:
+      return CheckPositions(request.positions(), config, settings, batch, seq_len);
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("rotary: neither rotary_tables (cos/sin ", wire::ShapeString(rotary_shape),
                        ") nor positions (position_ids, rope_theta) is set"));
   }
+}
 
-  // Scalars.
-  // The layer's defaults (config.json), overridden by the request; softcap <= 0 = none.
+// The layer's scalars (config.json), overridden by the request's; softcap <= 0 = none.
+absl::StatusOr<Scalars> ScalarsOf(const v1::BackwardRequest& request,
+                                  const LayerSettings& settings) {
   Scalars scalars = settings.scalars;
   if (request.has_scaling()) scalars.scaling = request.scaling();
   if (request.has_softcap()) scalars.softcap = std::max(0.f, request.softcap());
@@ -184,60 +246,93 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
     }
     scalars.sliding_window = request.sliding_window();
   }
+  return scalars;
+}
 
-  // The response must fit in one message.
+// The response must fit in one message: the [B,S,hidden] tensor and, RETURN, the weight gradients.
+absl::Status CheckResponseSize(const LayerConfig& config, std::int64_t tokens,
+                               bool weight_gradients, int response_dtype,
+                               const BatchLimits& limits) {
+  const std::int64_t hidden = config.hidden_size;
   const std::int64_t response_elements =
-      tokens * hidden +
-      (parsed.accumulate
-           ? 0
-           : 2 * static_cast<std::int64_t>(config.q_out()) * hidden +
-                 2 * static_cast<std::int64_t>(config.kv_out()) * hidden + 2 * head_dim);
+      tokens * hidden + (weight_gradients
+                             ? 2 * static_cast<std::int64_t>(config.q_out()) * hidden +
+                                   2 * static_cast<std::int64_t>(config.kv_out()) * hidden +
+                                   2 * static_cast<std::int64_t>(config.head_dim)
+                             : 0);
   const std::int64_t response_bytes =
       response_elements * static_cast<std::int64_t>(wire::DTypeSize(response_dtype)) + 4096;
-  if (response_bytes > limits.max_message_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "hidden_states: the response would be about ", response_bytes,
-        " bytes, over the message limit of ", limits.max_message_bytes,
-        " bytes; split the batch along B (exact: sequences are independent), ask for a 16-bit "
-        "response_dtype, or use ACCUMULATE"));
+  if (response_bytes <= limits.max_message_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "hidden_states: the response would be about ", response_bytes,
+      " bytes, over the message limit of ", limits.max_message_bytes,
+      " bytes; split the batch along B (exact: sequences are independent), ask for a 16-bit "
+      "response_dtype, or use ACCUMULATE"));
+}
+
+// The rotary tables of a job whose tables are not in GPU memory: decoded from the request (and
+// checked finite), or built from its positions with the RoPE base `theta`.
+absl::Status FillRotaryTables(const v1::BackwardRequest& request, const LayerSettings& settings,
+                              double theta, BatchJob& job) {
+  const std::size_t rotary =
+      static_cast<std::size_t>(job.tokens()) * static_cast<std::size_t>(job.config.head_dim);
+  job.cos.resize(rotary);
+  job.sin.resize(rotary);
+  if (request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
+    ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().cos(),
+                                          "rotary_tables.cos.raw_data", absl::MakeSpan(job.cos)));
+    return DecodeFinite(request.rotary_tables().sin(), "rotary_tables.sin.raw_data",
+                        absl::MakeSpan(job.sin));
   }
+  const auto& ids = request.positions().position_ids();
+  BuildRotaryTables(absl::MakeConstSpan(ids.data(), ids.size()), job.batch, job.seq_len,
+                    job.config.head_dim, theta, absl::MakeSpan(job.cos), absl::MakeSpan(job.sin),
+                    settings.rope_scaling_factor);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest received,
+                                                    const LayerConfig& config,
+                                                    const LayerSettings& settings,
+                                                    const BatchLimits& limits) {
+  const v1::BackwardRequest& request = received.message;
+  Computation computation = Computation::kBackward;
+  ATTNGRAD_ASSIGN_OR_RETURN(ParsedBackward parsed, ParseOptions(request, &computation));
+  const bool forward = computation == Computation::kForward;
+  ATTNGRAD_ASSIGN_OR_RETURN(const auto shape, CheckActivations(received, config, limits, forward));
+  const auto [batch, seq_len] = shape;
+  ATTNGRAD_ASSIGN_OR_RETURN(const double theta,
+                            CheckRotary(received, config, settings, batch, seq_len));
+  ATTNGRAD_ASSIGN_OR_RETURN(const Scalars scalars, ScalarsOf(request, settings));
+  const bool weight_gradients = !parsed.accumulate && !forward;  // RETURN's answer has them
+  ATTNGRAD_RETURN_IF_ERROR(
+      CheckResponseSize(config, batch * seq_len, weight_gradients, parsed.response_dtype, limits));
 
   // The activations stay as they arrived (the worker copies them once, checking every value is
   // finite); the rotary tables are decoded (and checked) here.
   auto job = std::make_unique<BatchJob>();
+  job->computation = computation;
   job->batch = static_cast<int>(batch);
   job->seq_len = static_cast<int>(seq_len);
   job->config = config;
-  job->response_dtype = response_dtype;
+  job->response_dtype = parsed.response_dtype;
   job->scalars = scalars;
   job->precision = request.precision() == v1::PRECISION_UNSPECIFIED
                        ? Precision::kAuto
                        : static_cast<Precision>(static_cast<int>(request.precision()) - 1);
   job->accumulate = parsed.accumulate;
-  job->return_weight_gradients = !parsed.accumulate;
-  const std::size_t rotary = static_cast<std::size_t>(tokens * head_dim);
+  job->return_weight_gradients = weight_gradients;
   received.hidden_states.set_dtype(request.hidden_states().dtype());
-  received.grad_output.set_dtype(request.grad_output().dtype());
+  if (!forward) received.grad_output.set_dtype(request.grad_output().dtype());
   job->hidden_states = std::move(received.hidden_states);
   job->grad_output = std::move(received.grad_output);
   if (received.cos.cuda_device() >= 0) {  // the kernels read them in the client's GPU memory
     job->device_cos = std::move(received.cos);
     job->device_sin = std::move(received.sin);
-    parsed.job = std::move(job);
-    return parsed;
-  }
-  job->cos.resize(rotary);
-  job->sin.resize(rotary);
-  if (request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
-    ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().cos(),
-                                          "rotary_tables.cos.raw_data", absl::MakeSpan(job->cos)));
-    ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().sin(),
-                                          "rotary_tables.sin.raw_data", absl::MakeSpan(job->sin)));
   } else {
-    const auto& ids = request.positions().position_ids();
-    BuildRotaryTables(absl::MakeConstSpan(ids.data(), ids.size()), job->batch, job->seq_len,
-                      config.head_dim, theta, absl::MakeSpan(job->cos), absl::MakeSpan(job->sin),
-                      settings.rope_scaling_factor);
+    ATTNGRAD_RETURN_IF_ERROR(FillRotaryTables(request, settings, theta, *job));
   }
   parsed.job = std::move(job);
   return parsed;

@@ -68,8 +68,9 @@ grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJ
   const LayerConfig& config = job.config;
   const int dtype = job.response_dtype;
   const std::size_t element_size = wire::DTypeSize(dtype);
+  // The answer buffer's [B,S,hidden] tensor: grad_hidden_states, or a FORWARD batch's output.
   SetShape({job.batch, job.seq_len, config.hidden_size}, dtype,
-           response.mutable_grad_hidden_states());
+           job.forward() ? response.mutable_output() : response.mutable_grad_hidden_states());
   if (job.return_weight_gradients) {
     for (Weight weight : kAllWeights) {
       SetShape(WeightShape(config, weight), dtype,
@@ -87,21 +88,23 @@ grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJ
   // The message's own fields, with each tensor's raw_data a slice of the answer buffer.
   auto* answer = new AnswerBuffer(std::move(job.answer));
   const grpc::Slice whole(answer->bytes.data(), answer->size, DeleteAnswer, answer);
-  // The answer buffer holds the tensors in BackwardResponseTensorPaths' order.
+  // The answer buffer holds the tensors in BackwardResponseTensorPaths' order (a FORWARD batch's:
+  // the output alone).
   const std::vector<wire::FieldPath>& all_paths = wire::BackwardResponseTensorPaths();
   std::vector<wire::FieldPath> paths;
   std::vector<grpc::Slice> payloads;
   std::size_t offset = 0;
-  auto add = [&](std::size_t index, std::size_t elements, bool send = true) {
+  auto add = [&](const wire::FieldPath& path, std::size_t elements, bool send) {
     const std::size_t bytes = elements * element_size;
-    paths.push_back(all_paths[index]);
+    paths.push_back(path);
     payloads.push_back(send ? whole.sub(offset, offset + bytes) : grpc::Slice());
     offset += bytes;
   };
-  add(0, job.activations(), !grad_hidden_states_in_region);
+  const wire::FieldPath output_path = {v1::BackwardResponse::kOutputFieldNumber};
+  add(job.forward() ? output_path : all_paths[0], job.activations(), !grad_hidden_states_in_region);
   if (job.return_weight_gradients) {
     for (std::size_t w = 0; w < kAllWeights.size(); ++w) {
-      add(w + 1, WeightElements(config, kAllWeights[w]), !weight_gradients_in_region);
+      add(all_paths[w + 1], WeightElements(config, kAllWeights[w]), !weight_gradients_in_region);
     }
   }
   absl::StatusOr<grpc::ByteBuffer> bytes = wire::SerializeWithPayloads(response, paths, payloads);

@@ -31,12 +31,13 @@ absl::Status ParseCallRequest(const grpc::ByteBuffer& bytes, const char* method,
                               google::protobuf::Message* request);
 
 // The response of a finished job: `response`'s fields (batch id, versions, ...) plus the job's
-// outputs (grad_hidden_states, RETURN weight gradients, in the job's response dtype, and its
-// timings), serialized without copying the outputs: their bytes go out as slices of the job's
-// answer buffer (BatchJob::answer), which the returned buffer keeps alive until gRPC has sent it.
-// Byte for byte protobuf's serialization of the whole response (wire::SerializeWithPayloads).
-// With `grad_hidden_states_in_region` / `weight_gradients_in_region` (those outputs were written
-// into a region: rpc/regions.h) those tensors have their dtype and shape only.
+// outputs (grad_hidden_states, RETURN weight gradients, or a FORWARD batch's output, in the job's
+// response dtype, and its timings), serialized without copying the outputs: their bytes go out as
+// slices of the job's answer buffer (BatchJob::answer), which the returned buffer keeps alive until
+// gRPC has sent it. Byte for byte protobuf's serialization of the whole response
+// (wire::SerializeWithPayloads). With `grad_hidden_states_in_region` (grad_hidden_states or,
+// FORWARD, the output) / `weight_gradients_in_region` (those outputs were written into a region:
+// rpc/regions.h) those tensors have their dtype and shape only.
 grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job,
                                            bool grad_hidden_states_in_region = false,
                                            bool weight_gradients_in_region = false);

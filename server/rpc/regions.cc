@@ -384,18 +384,38 @@ absl::Status ResolveOutput(const RegionRegistry& regions, const std::string& cli
 
 }  // namespace
 
+OutputSlices OutputSlices::Of(const v1::BackwardRequest& request) {
+  OutputSlices slices;
+  if (request.has_grad_hidden_states_region()) {
+    slices.grad_hidden_states = request.grad_hidden_states_region();
+  }
+  if (request.has_weight_gradients_region()) {
+    slices.weight_gradients = request.weight_gradients_region();
+  }
+  if (request.has_output_region()) slices.output = request.output_region();
+  return slices;
+}
+
 absl::StatusOr<OutputRegions> ResolveOutputRegions(const RegionRegistry& regions,
                                                    const std::string& client_id,
-                                                   const v1::RegionSlice* grad_hidden_states,
-                                                   const v1::RegionSlice* weight_gradients,
-                                                   BatchJob* job) {
+                                                   const OutputSlices& slices, BatchJob* job) {
   OutputRegions outputs;
-  if (grad_hidden_states != nullptr) {
-    ATTNGRAD_RETURN_IF_ERROR(ResolveOutput(
-        regions, client_id, *grad_hidden_states, job->activations(), "grad_hidden_states_region",
-        *job, &outputs.grad_hidden_states, &job->grad_hidden_states_destination));
+  if (slices.output.has_value() && !job->forward()) {
+    return absl::InvalidArgumentError(
+        "output_region: only for FORWARD batches (computation = COMPUTATION_FORWARD)");
+  }
+  // The answer's [B,S,hidden] tensor: grad_hidden_states, or a FORWARD batch's output.
+  const std::optional<v1::RegionSlice>& activations_slice =
+      job->forward() ? slices.output : slices.grad_hidden_states;
+  if (activations_slice.has_value()) {
+    ATTNGRAD_RETURN_IF_ERROR(
+        ResolveOutput(regions, client_id, *activations_slice, job->activations(),
+                      job->forward() ? "output_region" : "grad_hidden_states_region", *job,
+                      &outputs.grad_hidden_states, &job->grad_hidden_states_destination));
     outputs.grad_hidden_states_elsewhere = true;
   }
+  const v1::RegionSlice* weight_gradients =
+      slices.weight_gradients.has_value() ? &*slices.weight_gradients : nullptr;
   if (weight_gradients != nullptr) {
     if (!job->return_weight_gradients) {
       return absl::InvalidArgumentError(
@@ -437,7 +457,7 @@ absl::Status ResolveStreamOrder(const RegionRegistry& regions, const std::string
   if (job->cuda_device() < 0) {
     return absl::InvalidArgumentError(
         "stream_order: only for batches that name CUDA IPC regions (hidden_states_region, "
-        "grad_output_region or grad_hidden_states_region in GPU memory)");
+        "grad_output_region, grad_hidden_states_region or output_region in GPU memory)");
   }
   ATTNGRAD_ASSIGN_OR_RETURN(RegionBytes ready, ResolveOrderWord(regions, client_id, order.ready(),
                                                                 "stream_order.ready", *job));

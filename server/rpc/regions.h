@@ -148,25 +148,34 @@ class RegionRegistry {
 absl::Status ReadActivationsFromRegions(const RegionRegistry& regions, const std::string& client_id,
                                         ReceivedBackwardRequest* request);
 
+// The output slices a request names (unset: not asked), kept apart from the request, which moves
+// into the job before they are resolved.
+struct OutputSlices {
+  std::optional<v1::RegionSlice> grad_hidden_states;  // grad_hidden_states_region
+  std::optional<v1::RegionSlice> weight_gradients;    // weight_gradients_region
+  std::optional<v1::RegionSlice> output;              // output_region (FORWARD batches)
+  static OutputSlices Of(const v1::BackwardRequest& request);
+};
+
 // Where a batch's outputs go when its request names grad_hidden_states_region /
-// weight_gradients_region: host memory, copied there from the answer buffer once the batch is done
-// (CopyOutputsToRegions), or GPU memory, which the job's destinations
-// (BatchJob::DeviceDestination) name for the GPU worker to write.
+// weight_gradients_region / output_region: host memory, copied there from the answer buffer once
+// the batch is done (CopyOutputsToRegions), or GPU memory, which the job's destinations
+// (BatchJob::DeviceDestination) name for the GPU worker to write. A FORWARD batch's output takes
+// grad_hidden_states' place (the answer buffer's [B,S,hidden] tensor).
 struct OutputRegions {
-  std::optional<RegionBytes> grad_hidden_states;  // host memory
+  std::optional<RegionBytes> grad_hidden_states;  // host memory (FORWARD: the output)
   std::optional<RegionBytes> weight_gradients;    // host memory
   bool grad_hidden_states_elsewhere = false;      // not in the response: in a region
   bool weight_gradients_elsewhere = false;
 };
 
-// Resolves the output slices of a parsed batch (null: not asked) against the job's shapes and
-// response dtype: INVALID_ARGUMENT naming the field for a bad reference, for
-// weight_gradients_region with ACCUMULATE, or for GPU memory of another GPU than the job's.
+// Resolves the output slices of a parsed batch against the job's shapes and response dtype:
+// INVALID_ARGUMENT naming the field for a bad reference, for weight_gradients_region with
+// ACCUMULATE, for output_region in a backward batch (ParseBackwardRequest refuses it first), or
+// for GPU memory of another GPU than the job's.
 absl::StatusOr<OutputRegions> ResolveOutputRegions(const RegionRegistry& regions,
                                                    const std::string& client_id,
-                                                   const v1::RegionSlice* grad_hidden_states,
-                                                   const v1::RegionSlice* weight_gradients,
-                                                   BatchJob* job);
+                                                   const OutputSlices& slices, BatchJob* job);
 
 // Resolves a parsed batch's stream_order into job->stream_gate (its deadline `timeout` from now):
 // both words 4 bytes of the client's GPU memory on the batch's GPU, which must itself read or write

@@ -134,8 +134,10 @@ void DeviceWorker::FinishJob(std::unique_ptr<BatchJob> job) {
   }
   job->stages.total = SecondsSince(job->submitted);
   if (job->status.ok()) {
-    metrics_->ObserveBatch(job->return_weight_gradients ? "return" : "accumulate", device_,
-                           job->tokens(), job->stages);
+    const char* mode = job->forward()                 ? "forward"
+                       : job->return_weight_gradients ? "return"
+                                                      : "accumulate";
+    metrics_->ObserveBatch(mode, device_, job->tokens(), job->stages);
   }
   auto on_done = std::move(job->on_done);
   on_done(std::move(job));

@@ -49,10 +49,20 @@ struct AnswerBuffer {
   MemoryBudget::Reservation reservation;
 };
 
+// What a batch computes (attngrad.v1.Computation).
+enum class Computation {
+  kBackward,  // grad_hidden_states and the weight gradients from hidden_states and grad_output
+  kForward,   // the layer's output A Wo^T from hidden_states alone (attngrad/forward.h)
+};
+
 // One batch, owned by whoever holds the pointer: its activations as they arrived (copied once by
 // the worker, to where the computation reads them), fp32 rotary tables, and the answer the worker
 // writes in the response dtype.
 struct BatchJob {
+  // kForward: grad_output is empty, accumulate and return_weight_gradients are false, and the
+  // answer's [B,S,hidden] tensor (the answer buffer's first, grad_hidden_states_destination) is
+  // the layer's output instead of grad_hidden_states.
+  Computation computation = Computation::kBackward;
   int batch = 0;
   int seq_len = 0;
   int layer_slot = 0;  // which served layer (LayerSlots index)
@@ -73,8 +83,9 @@ struct BatchJob {
   int response_dtype = 1;             // attngrad.v1.DType of the answer (FLOAT32 = 1)
   // Same-host zero-copy over CUDA IPC (rpc/regions.h): hidden_states / grad_output may be GPU
   // memory (WireTensor::OnDevice), read there by the GPU worker of their device; and
-  // grad_hidden_states may go to GPU memory instead of the answer buffer (response_dtype,
-  // activations() elements), written there by that worker before the job is finished.
+  // grad_hidden_states (FORWARD: the output) may go to GPU memory instead of the answer buffer
+  // (response_dtype, activations() elements), written there by that worker before the job is
+  // finished.
   struct DeviceDestination {
     char* data = nullptr;  // null: grad_hidden_states is in the answer buffer
     std::size_t size = 0;
@@ -129,7 +140,9 @@ struct BatchJob {
   std::size_t activations() const {
     return static_cast<std::size_t>(tokens()) * static_cast<std::size_t>(config.hidden_size);
   }
-  // Bytes of the answer: grad_hidden_states and, RETURN, the weight gradients, in response_dtype.
+  bool forward() const { return computation == Computation::kForward; }
+  // Bytes of the answer: grad_hidden_states (FORWARD: the output) and, RETURN, the weight
+  // gradients, in response_dtype.
   std::size_t AnswerBytes() const;
   // The CUDA device of the job's GPU memory (CUDA IPC tensors or destination), which the job must
   // run on; -1 when it has none. The parser makes sure that they are all on one device.

@@ -18,6 +18,18 @@ unsigned long long CountNonFinite(const std::vector<float>& values) {
 
 }  // namespace
 
+unsigned long long CountNonFiniteValues(const std::vector<float>& values) {
+  return CountNonFinite(values);
+}
+
+absl::Status NonFiniteOutputStatus(unsigned long long non_finite) {
+  if (non_finite == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "output: ", non_finite,
+      " values of the layer's output are not finite (NaN or infinite): its inputs are finite but "
+      "overflow fp32 in the forward pass (scale hidden_states down)"));
+}
+
 NonFiniteCounts CountNonFiniteHost(const std::vector<float>& grad_hidden_states,
                                    const LayerTensors& weight_gradients) {
   NonFiniteCounts counts{};

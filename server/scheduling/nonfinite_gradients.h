@@ -28,6 +28,12 @@ void CountOverflowingSumsHost(const LayerTensors& sums, const LayerTensors& grad
 // nothing of the batch was accumulated.
 absl::Status NonFiniteGradientsStatus(const NonFiniteCounts& counts);
 
+// OK when a FORWARD batch's output has no NaN or infinite value (`non_finite` of them); else
+// INVALID_ARGUMENT naming `output`, how many, and why (finite inputs that overflow fp32).
+absl::Status NonFiniteOutputStatus(unsigned long long non_finite);
+// The NaN and infinite values of `values` (a FORWARD batch's output, on the host).
+unsigned long long CountNonFiniteValues(const std::vector<float>& values);
+
 }  // namespace attngrad::server
 
 #endif  // ATTNGRAD_SERVER_SCHEDULING_NONFINITE_GRADIENTS_H_

@@ -11,8 +11,10 @@
 
 namespace attngrad::server {
 
+std::size_t StagedActivationTensors(const BatchJob& job) { return job.forward() ? 1 : 2; }
+
 std::size_t StagingElements(const BatchJob& job) {
-  return 2 * job.activations() + job.cos.size() + job.sin.size();
+  return StagedActivationTensors(job) * job.activations() + job.cos.size() + job.sin.size();
 }
 
 absl::Status CopyToStaging(const BatchJob& job, float* staging, common::ParallelTasks* threads,
@@ -20,7 +22,7 @@ absl::Status CopyToStaging(const BatchJob& job, float* staging, common::Parallel
   const std::size_t activations = job.activations();
   char* const hidden_region = reinterpret_cast<char*>(staging);
   char* const grad_region = reinterpret_cast<char*>(staging + activations);
-  float* const cos_region = staging + 2 * activations;
+  float* const cos_region = staging + StagedActivationTensors(job) * activations;
   float* const sin_region = cos_region + job.cos.size();
   struct Part {
     const WireTensor* tensor = nullptr;  // null: a rotary table
@@ -34,6 +36,7 @@ absl::Status CopyToStaging(const BatchJob& job, float* staging, common::Parallel
        {std::tuple(&job.hidden_states, "hidden_states.raw_data", hidden_region),
         std::tuple(&job.grad_output, "grad_output.raw_data", grad_region)}) {
     if (tensor->cuda_device() >= 0) continue;  // GPU memory: read there by the worker
+    if (tensor == &job.grad_output && job.forward()) continue;  // none in a FORWARD batch
     const std::size_t element_size = std::max<std::size_t>(1, tensor->element_size());
     const std::size_t per_part = std::max<std::size_t>(1, part_bytes / element_size);
     for (std::size_t first = 0; first < activations; first += per_part) {

@@ -1,10 +1,11 @@
 // The host staging of a batch's inputs for a GPU: the activations as received (fp32, fp16 or
 // bf16; each value checked to be finite on the way) and the fp32 rotary tables, copied into one
 // buffer laid out as the GPU copies it in, in floats: hidden_states | grad_output (a fp16/bf16
-// tensor fills the first half of its part) | cos | sin. The GPU worker stages there itself
-// (into its slots' page-locked buffers, on its copy threads), or a GPU server's receiving thread
-// has done it on arrival (StageOnArrival, into BatchJob::staged_inputs), so that the copies of
-// several streams run at once, beside the worker instead of in front of it.
+// tensor fills the first half of its part; a FORWARD batch has no grad_output part) | cos | sin.
+// The GPU worker stages there itself (into its slots' page-locked buffers, on its copy threads), or
+// a GPU server's receiving thread has done it on arrival (StageOnArrival, into
+// BatchJob::staged_inputs), so that the copies of several streams run at once, beside the worker
+// instead of in front of it.
 #ifndef ATTNGRAD_SERVER_STAGING_H_
 #define ATTNGRAD_SERVER_STAGING_H_
 
@@ -17,6 +18,9 @@
 
 namespace attngrad::server {
 
+// Activation tensors of the staging layout of `job`: 2 (hidden_states, grad_output), or 1 for a
+// FORWARD batch (hidden_states); the rotary tables start at this many times job.activations().
+std::size_t StagedActivationTensors(const BatchJob& job);
 // Floats of the staging layout of `job`.
 std::size_t StagingElements(const BatchJob& job);
 

@@ -72,6 +72,29 @@ v1::BackwardRequest MakeRequest(const LayerConfig& config, const Batch& batch,
   return request;
 }
 
+v1::BackwardRequest MakeForwardRequest(const LayerConfig& config, const Batch& batch,
+                                       std::uint64_t batch_id) {
+  v1::BackwardRequest request = MakeRequest(config, batch, batch_id, v1::GRADIENT_MODE_RETURN);
+  request.clear_mode();
+  request.clear_grad_output();
+  request.set_computation(v1::COMPUTATION_FORWARD);
+  return request;
+}
+
+std::vector<float> ForwardReference(const LayerWeights& weights, const Batch& batch) {
+  Scalars scalars;  // the server's defaults: scaling 1/sqrt(head_dim), softcap 50, eps 1e-6
+  scalars.scaling = 1.0f / std::sqrt(static_cast<float>(weights.config.head_dim));
+  ForwardInputs in;
+  in.weights = DataOf(weights.values);
+  in.hidden_states = batch.hidden_states.data();
+  in.cos = batch.cos.data();
+  in.sin = batch.sin.data();
+  std::vector<float> output(batch.hidden_states.size(), 0.f);
+  EXPECT_EQ(ForwardHost(weights.config, batch.batch, batch.seq_len, scalars, in, output.data()).code,
+            ATTNGRAD_OK);
+  return output;
+}
+
 Gradients Reference(const LayerWeights& weights, const Batch& batch) {
   Scalars scalars;  // the server's defaults: scaling 1/sqrt(head_dim), softcap 50, eps 1e-6
   scalars.scaling = 1.0f / std::sqrt(static_cast<float>(weights.config.head_dim));

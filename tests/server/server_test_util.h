@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "attngrad/backward.h"
+#include "attngrad/forward.h"
 #include "attngrad/v1/attngrad.grpc.pb.h"
 #include "server.h"
 #include "weights/served_weights.h"
@@ -35,6 +36,13 @@ std::vector<float> ToFloats(const v1::Tensor& tensor);  // any wire dtype
 // A request carrying the batch as fp32 tensors with explicit rotary tables.
 v1::BackwardRequest MakeRequest(const LayerConfig& config, const Batch& batch,
                                 std::uint64_t batch_id, v1::GradientMode mode);
+
+// A FORWARD request (computation = COMPUTATION_FORWARD) carrying the batch's hidden_states and
+// rotary tables as fp32 tensors, no grad_output, mode unset.
+v1::BackwardRequest MakeForwardRequest(const LayerConfig& config, const Batch& batch,
+                                       std::uint64_t batch_id);
+// ForwardHost on the batch: the layer's output [B,S,hidden] with the server's default scalars.
+std::vector<float> ForwardReference(const LayerWeights& weights, const Batch& batch);
 
 struct Gradients {
   std::vector<float> grad_hidden_states;
