@@ -10,16 +10,15 @@ save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N o
   local compile tf32   torch.compile of the model, TF32
   local bf16 autocast  for honesty (no target)
   offload auto         offload(model) with transport="auto" (CUDA IPC on the same GPU), RETURN,
-                       server precision AUTO, the rest of the model in TF32; calls ordered by the
-                       trainer's stream on the server's GPU where it offers that
-                       (stream_ordered_batches), changed weights uploaded by the client's sender
-                       thread
-  offload auto host-ordered
-                       the same with ATTNGRAD_GPU_ORDERED=0: the client's sender thread sends each
-                       call once the trainer's stream has reached it (and the backward uploads
-                       changed weights itself)
+                       server precision AUTO, the rest of the model in TF32; the client's sender
+                       thread sends each call once the trainer's stream has reached it (and the
+                       backward uploads changed weights itself)
+  offload auto gpu-ordered
+                       the same with ATTNGRAD_GPU_ORDERED=1: each call sent at once and ordered by
+                       the trainer's stream on the server's GPU (stream_order), changed weights
+                       uploaded by the client's sender thread
   offload auto sender uploads
-                       host-ordered with ATTNGRAD_SENDER_UPLOADS=1: changed weights uploaded by
+                       the default with ATTNGRAD_SENDER_UPLOADS=1: changed weights uploaded by
                        the client's sender thread, queued by the forward
   offload auto lazy registration
                        the same with Client.register_existing_segments = False: each allocation
@@ -67,7 +66,7 @@ from check_offload import Server, build_model, loss_of, write_checkpoint  # noqa
 
 LOCAL_VARIANTS = ("local eager fp32", "local sdpa tf32", "local compile tf32",
                   "local bf16 autocast")
-OFFLOAD_VARIANTS = ("offload auto", "offload auto host-ordered", "offload auto sender uploads",
+OFFLOAD_VARIANTS = ("offload auto", "offload auto gpu-ordered", "offload auto sender uploads",
                     "offload auto lazy registration", "offload auto waited", "offload bytes")
 
 
@@ -190,8 +189,7 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
                   transport=None):
     model = copy.deepcopy(base_model)
     transport = transport or ("bytes" if name == "offload bytes" else "auto")
-    host_ordered = "host-ordered" in name or "sender uploads" in name
-    set_environment("ATTNGRAD_GPU_ORDERED", "0" if host_ordered else None)
+    set_environment("ATTNGRAD_GPU_ORDERED", "1" if "gpu-ordered" in name else None)
     set_environment("ATTNGRAD_SENDER_UPLOADS", "1" if "sender uploads" in name else None)
     handle = attngrad_torch.offload(model, target, mode=mode, precision=args.precision,
                                     transport=transport, timeout=args.timeout,
@@ -362,7 +360,7 @@ def bench_spec_layer(args, device):
         cos, sin = attngrad_torch.rotary_tables(torch.arange(seq_len, device=device))
         set_tf32(False)
         rows = []
-        variants = (("auto", True, None), ("auto host-ordered", True, "0"),
+        variants = (("auto", True, None), ("auto gpu-ordered", True, "1"),
                     ("auto waited", False, None), ("bytes", False, None))
         for name, ordered, gpu_ordered in variants:
             set_environment("ATTNGRAD_GPU_ORDERED", gpu_ordered)

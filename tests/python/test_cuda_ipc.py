@@ -353,12 +353,12 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         # Work queued before the call (a long matmul chain writing the inputs) and after it
         # (a kernel reading the answer): the stream's flags order both around the server's,
         # whether the server's GPU waits for them ("gpu") or this process's sender ("host").
-        self.assertTrue(self.client.orders_on_gpu(GPU), "a GPU server orders batches on its GPU")
         hidden, grad, positions = self.inputs(2, 64, 15)
         expected = self.client.backward(hidden, grad, position_ids=positions, mode="return",
                                         precision="fp32", transport="cuda_ipc")
         for ordering, switch in (("gpu", "1"), ("host", "0")):
             with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_GPU_ORDERED": switch}):
+                self.assertEqual(self.client.orders_on_gpu(GPU), ordering == "gpu")
                 scratch = torch.randn(2048, 2048, device=self.device)
                 for _ in range(20):
                     scratch = torch.tanh(scratch @ scratch / 2048 ** 0.5)  # bounded: finite
@@ -392,6 +392,8 @@ class CudaIpcAgainstServer(t.ServerTestCase):
 
         safety = threading.Timer(4 * STREAM_ORDER_TIMEOUT, release)  # never hang the test
         safety.start()
+        switch = unittest.mock.patch.dict(os.environ, {"ATTNGRAD_GPU_ORDERED": "1"})
+        switch.start()
         try:
             with torch.cuda.stream(stream):
                 cuda_regions.default_driver().stream_wait_value32(stream.cuda_stream,
@@ -417,6 +419,7 @@ class CudaIpcAgainstServer(t.ServerTestCase):
             stream.synchronize()
             self.assert_same_bits(answer, other.grad_hidden_states, "the next call")
         finally:
+            switch.stop()
             safety.cancel()
             release()
             blocked.close()

@@ -430,7 +430,8 @@ class SlotsTest(unittest.TestCase):
 
 class SelectionTest(unittest.TestCase):
     """Client.orders_on_gpu: GPU ordering where the driver has stream memory operations, the
-    server reports stream_ordered_batches for the batch's GPU and ATTNGRAD_GPU_ORDERED is not 0."""
+    server reports stream_ordered_batches for the batch's GPU and ATTNGRAD_GPU_ORDERED is 1 (off
+    by default until it has run on a GPU)."""
 
     def setUp(self):
         self.server_side = StandInServer()
@@ -465,22 +466,27 @@ class SelectionTest(unittest.TestCase):
             self.assertIsNone(client._gpu_ordered_calls(1))
 
     def test_host_ordered_when_turned_off_unreported_or_without_the_driver(self):
-        with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_GPU_ORDERED": "0"}):
-            client = self.client()
-            self.assertFalse(client.orders_on_gpu(0))
-            self.assertIsNone(client._gpu_ordered_calls(0))
-        self.assertFalse(self.client(stream_memory_operations=False).orders_on_gpu(0))
-        self.server_side.ordered = False
-        self.assertFalse(self.client().orders_on_gpu(0))
+        for switch in ("0", None):  # turned off, or not asked for
+            with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_GPU_ORDERED": switch or ""}):
+                if switch is None:
+                    del os.environ["ATTNGRAD_GPU_ORDERED"]  # patch.dict puts it back after
+                client = self.client()
+                self.assertFalse(client.orders_on_gpu(0), f"ATTNGRAD_GPU_ORDERED={switch}")
+                self.assertIsNone(client._gpu_ordered_calls(0))
+        with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_GPU_ORDERED": "1"}):
+            self.assertFalse(self.client(stream_memory_operations=False).orders_on_gpu(0))
+            self.server_side.ordered = False
+            self.assertFalse(self.client().orders_on_gpu(0))
 
     def test_a_sharded_client_asks_the_server_of_the_layer(self):
         from attngrad import sharded
 
         gpu_ordered, host_ordered = self.client(), self.client(stream_memory_operations=False)
         client = sharded.ShardedClient({(0, 3): gpu_ordered, (4, 7): host_ordered})
-        self.assertTrue(client.orders_on_gpu(0, layer=2))
-        self.assertFalse(client.orders_on_gpu(0, layer=5))
-        self.assertTrue(client.orders_on_gpu(), "not GPU-ordered on any of its servers")
+        with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_GPU_ORDERED": "1"}):
+            self.assertTrue(client.orders_on_gpu(0, layer=2))
+            self.assertFalse(client.orders_on_gpu(0, layer=5))
+            self.assertTrue(client.orders_on_gpu(), "not GPU-ordered on any of its servers")
 
 
 @unittest.skipIf(torch is None, "PyTorch is not installed for this interpreter")

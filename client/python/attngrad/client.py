@@ -1679,10 +1679,10 @@ class Client:
         (None: on any GPU of the server) by the trainer's stream (stream_ordered.GpuOrderedCalls):
         where the CUDA driver has stream memory operations, the server reports
         DeviceInfo.stream_ordered_batches for that GPU, it can open this process's GPU memory
-        (as far as known) and $ATTNGRAD_GPU_ORDERED is not "0". Otherwise calls on the stream are
-        ordered by this process's sender thread. LAYER: for a ShardedClient, the layer whose
-        server is asked."""
-        if os.environ.get("ATTNGRAD_GPU_ORDERED") == "0" or self._cuda_ipc_refused is not None:
+        (as far as known) and $ATTNGRAD_GPU_ORDERED is "1". Otherwise calls on the stream are
+        ordered by this process's sender thread. Off unless asked for: it has not yet been run on
+        a GPU. LAYER: for a ShardedClient, the layer whose server is asked."""
+        if os.environ.get("ATTNGRAD_GPU_ORDERED") != "1" or self._cuda_ipc_refused is not None:
             return False
         if self._stream_ordered_calls() is None:
             return False
