@@ -489,6 +489,34 @@ class SelectionTest(unittest.TestCase):
             self.assertTrue(client.orders_on_gpu(), "not GPU-ordered on any of its servers")
 
 
+class RestartedServerTest(unittest.TestCase):
+    """A queued call refused for a region the server does not know (the server restarted) makes
+    Client.wait_submitted drop the client's registrations, so that the next calls register
+    anew."""
+
+    class RefusedCalls:
+        def wait_all(self):
+            raise errors.InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT, "hidden_states_region.region_id: 7 is not a "
+                "region of this client (RegisterRegion)", method="Backward")
+
+    def test_wait_submitted_forgets_the_registrations_of_a_restarted_server(self):
+        client = client_module.Client("127.0.0.1:1", timeout=1)  # never called
+        try:
+            client._cuda_regions = registrations = object()
+            client._gpu_ordered = self.RefusedCalls()
+            with self.assertRaises(errors.InvalidArgumentError):
+                client.wait_submitted()
+            self.assertIsNone(client._cuda_regions)
+            client._cuda_regions = registrations
+            client._gpu_ordered = None
+            client.wait_submitted()  # nothing refused: the registrations stay
+            self.assertIs(client._cuda_regions, registrations)
+        finally:
+            client._cuda_regions = client._gpu_ordered = None
+            client.close()
+
+
 @unittest.skipIf(torch is None, "PyTorch is not installed for this interpreter")
 class SenderUploadsTest(unittest.TestCase):
     """attngrad.torch uploads changed weights from the sender by default where calls are

@@ -1662,7 +1662,8 @@ class Client:
 
     def wait_submitted(self) -> None:
         """Waits for every submit_backward() call and submit_after_stream() task of this client
-        so far, host- and GPU-ordered; raises the first one's error."""
+        so far, host- and GPU-ordered; raises the first one's error. A queued call refused for a
+        region the server does not know (it restarted) makes the next calls register anew."""
         first_error = None
         for calls in (self._stream_ordered, self._gpu_ordered):
             if calls is None:
@@ -1671,6 +1672,10 @@ class Client:
                 calls.wait_all()
             except BaseException as error:  # noqa: B902 - raised below, after the others
                 first_error = first_error or error
+        if isinstance(first_error, errors.InvalidArgumentError) and \
+                _names_an_unknown_region(first_error):
+            with self._regions_lock:
+                self._cuda_regions = None  # its registrations died with the old server
         if first_error is not None:
             raise first_error
 
