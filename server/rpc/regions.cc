@@ -414,16 +414,14 @@ absl::StatusOr<OutputRegions> ResolveOutputRegions(const RegionRegistry& regions
                       &outputs.grad_hidden_states, &job->grad_hidden_states_destination));
     outputs.grad_hidden_states_elsewhere = true;
   }
-  const v1::RegionSlice* weight_gradients =
-      slices.weight_gradients.has_value() ? &*slices.weight_gradients : nullptr;
-  if (weight_gradients != nullptr) {
+  if (slices.weight_gradients.has_value()) {
     if (!job->return_weight_gradients) {
       return absl::InvalidArgumentError(
           "weight_gradients_region: only with mode GRADIENT_MODE_RETURN (ACCUMULATE adds the "
           "weight gradients on the server)");
     }
     ATTNGRAD_RETURN_IF_ERROR(
-        ResolveOutput(regions, client_id, *weight_gradients,
+        ResolveOutput(regions, client_id, *slices.weight_gradients,
                       PackedWeightLayout(job->config).total_elements, "weight_gradients_region",
                       *job, &outputs.weight_gradients, &job->weight_gradients_destination));
     outputs.weight_gradients_elsewhere = true;
