@@ -68,7 +68,6 @@ DeviceDescription CpuWorker::Describe() const {
 void CpuWorker::Run() {
   while (std::optional<Item> item = Pop(/*wait=*/true)) {
     if (item->job != nullptr) {
-      if (FinishIfCancelled(item->job)) continue;
       Compute(*item->job);
       FinishJob(std::move(item->job));
     } else {

@@ -409,7 +409,6 @@ class GpuWorker final : public DeviceWorker {
   // Launches `job` in a free slot (retiring the oldest batch when none is free), or finishes it
   // with the error that stopped its launch.
   void LaunchInSlot(std::unique_ptr<BatchJob> job, std::deque<Slot*>& in_flight) {
-    if (FinishIfCancelled(job)) return;
     if (in_flight.size() == slots_.size()) RetireOldest(in_flight);
     Slot* slot = nullptr;
     for (Slot& candidate : slots_) {
@@ -484,9 +483,7 @@ class GpuWorker final : public DeviceWorker {
   void LaunchOpenedGates(std::deque<Slot*>& in_flight) {
     for (auto parked = parked_.begin(); parked != parked_.end();) {
       const cudaError_t state = cudaEventQuery(parked->gate->opened.get());
-      const bool cancelled =
-          parked->job->stream_cancelled != nullptr && parked->job->stream_cancelled->load();
-      if (state == cudaErrorNotReady && !cancelled &&
+      if (state == cudaErrorNotReady &&
           std::chrono::steady_clock::now() < parked->job->stream_gate.deadline) {
         ++parked;
         continue;
@@ -505,7 +502,6 @@ class GpuWorker final : public DeviceWorker {
         if (OpenGateOurselves(job.stream_gate)) {
           free_gates_.push_back(std::move(opened.gate));  // reusable once the write lands
         }
-        if (FinishIfCancelled(opened.job)) continue;
         job.status = absl::DeadlineExceededError(
             "stream_order.ready: the client's CUDA stream did not reach the batch before its "
             "deadline (--stream_order_timeout_seconds after it arrived); it was not computed");

@@ -118,14 +118,6 @@ std::optional<DeviceWorker::Item> DeviceWorker::PopLocked() {
   return item;
 }
 
-bool DeviceWorker::FinishIfCancelled(std::unique_ptr<BatchJob>& job) {
-  if (job->stream_cancelled == nullptr || !job->stream_cancelled->load()) return false;
-  job->status = absl::CancelledError(
-      "the batch's Backward stream was cancelled before the batch was computed; it was not");
-  FinishJob(std::move(job));
-  return true;
-}
-
 void DeviceWorker::FinishJob(std::unique_ptr<BatchJob> job) {
   {
     std::lock_guard<std::mutex> lock(mutex_);

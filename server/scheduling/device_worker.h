@@ -7,7 +7,6 @@
 #ifndef ATTNGRAD_SERVER_DEVICE_WORKER_H_
 #define ATTNGRAD_SERVER_DEVICE_WORKER_H_
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -108,10 +107,6 @@ struct BatchJob {
     std::shared_ptr<const void> ready_owner, done_owner;  // keep the memory open
   };
   StreamGate stream_gate;
-  // Set (to true) once the stream that sent the batch was cancelled: nobody waits for its answer
-  // any more, so a worker that has not started it finishes it CANCELLED instead of computing it
-  // (it is not accumulated: a retry on a new stream counts). Null: never cancelled.
-  std::shared_ptr<const std::atomic<bool>> stream_cancelled;
   // The budget reservation of the received request, given back when the worker has copied it.
   MemoryBudget::Reservation request_reservation;
   // GPU servers: the host inputs copied on arrival, by the thread that received them, into
@@ -219,9 +214,6 @@ class DeviceWorker {
   std::optional<Item> PopWithin(std::chrono::microseconds timeout);
   // Records metrics and hands the job back (status set by the caller).
   void FinishJob(std::unique_ptr<BatchJob> job);
-  // Finishes `job` CANCELLED when its stream was cancelled (BatchJob::stream_cancelled): true
-  // then, and the job is gone; false (the job kept) otherwise.
-  bool FinishIfCancelled(std::unique_ptr<BatchJob>& job);
   static void FinishControl(WorkerControl& control, absl::Status status,
                             AccumulatorSnapshot snapshot);
 

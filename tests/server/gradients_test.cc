@@ -225,30 +225,5 @@ TEST_F(ServerGradientsTest, CancelledStreamLeavesAccumulatorsConsistent) {
   EXPECT_TRUE(Close(full.gradients, SumOfReferences(batches), Tolerance(1e-5), "after retry"));
 }
 
-// The batches a cancelled stream left queued are not computed: nobody waits for their answers.
-// A stream has up to --queue_depth (4) batches in the server; once the first is answered and the
-// stream cancelled, the one computing finishes and the queued ones are dropped, so the fetch that
-// follows (which runs after every batch queued before it) sees at most two of the five.
-TEST_F(ServerGradientsTest, ACancelledStreamsQueuedBatchesAreNotComputed) {
-  if (TestOnGpu()) GTEST_SKIP() << "the GPU pipeline launches queued batches at once";
-  std::vector<v1::BackwardRequest> requests;
-  for (int i = 0; i < 8; ++i) {
-    requests.push_back(MakeRequest(config(), MakeBatch(config(), 1, 192, 900 + i), 40 + i,
-                                   v1::GRADIENT_MODE_ACCUMULATE));
-  }
-  grpc::ClientContext context;
-  auto stream = stub().Backward(&context);
-  for (const v1::BackwardRequest& request : requests) stream->Write(request);
-  v1::BackwardResponse response;
-  ASSERT_TRUE(stream->Read(&response));
-  ASSERT_FALSE(response.has_error()) << response.error().message();
-  context.TryCancel();
-  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  const Fetched fetched = FetchAll(/*zero=*/false);
-  ASSERT_TRUE(fetched.status.ok());
-  EXPECT_GE(fetched.state.batches(), 1);
-  EXPECT_LE(fetched.state.batches(), 2) << "queued batches of the cancelled stream were computed";
-}
-
 }  // namespace
 }  // namespace attngrad::server::testing

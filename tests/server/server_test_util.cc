@@ -90,8 +90,9 @@ std::vector<float> ForwardReference(const LayerWeights& weights, const Batch& ba
   in.cos = batch.cos.data();
   in.sin = batch.sin.data();
   std::vector<float> output(batch.hidden_states.size(), 0.f);
-  EXPECT_EQ(ForwardHost(weights.config, batch.batch, batch.seq_len, scalars, in, output.data()).code,
-            ATTNGRAD_OK);
+  EXPECT_EQ(
+      ForwardHost(weights.config, batch.batch, batch.seq_len, scalars, in, output.data()).code,
+      ATTNGRAD_OK);
   return output;
 }
 
