@@ -372,9 +372,10 @@ class RemoteGemma3Attention(nn.Module):
       stream_ordered: True (default): CUDA IPC backward calls are queued on the trainer's CUDA
         stream (Client.submit_backward): backward() goes on launching kernels while the server
         computes, and the stream waits for the answer; the calls' errors are raised at the end of
-        loss.backward(). With ATTNGRAD_SENDER_UPLOADS=1 changed weights are also uploaded by the
-        client's sender thread while the forward runs. False: each call is answered before
-        backward() goes on.
+        loss.backward(). Changed weights are then uploaded by the client's sender thread while
+        the forward runs where the calls are GPU-ordered (Client.orders_on_gpu,
+        ATTNGRAD_GPU_ORDERED=1), or with ATTNGRAD_SENDER_UPLOADS=1. False: each call is answered
+        before backward() goes on.
     forward(hidden_states [B,S,hidden], cos [B,S,D] or [S,D], sin) -> [B,S,hidden].
     """
 
