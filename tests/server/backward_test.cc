@@ -99,17 +99,12 @@ TEST_F(ServerBackwardTest, ManyBatchesOnOneStreamAreAllAnswered) {
     expected.push_back(Reference(weights(), batch));
     requests.push_back(MakeRequest(config(), batch, 1000 + i, v1::GRADIENT_MODE_ACCUMULATE));
   }
-  const std::vector<v1::BackwardResponse> responses = RunStream(stub(), requests);
-  ASSERT_EQ(responses.size(), requests.size());
-  std::vector<bool> seen(requests.size(), false);
-  for (const v1::BackwardResponse& response : responses) {
-    ASSERT_FALSE(response.has_error()) << response.error().message();
-    const std::size_t index = response.batch_id() - 1000;
-    ASSERT_LT(index, requests.size());
-    EXPECT_FALSE(seen[index]);
-    seen[index] = true;
-    EXPECT_TRUE(Close(ToFloats(response.grad_hidden_states()), expected[index].grad_hidden_states,
-                      Tolerance(1e-5), "grad_hidden_states"));
+  const std::vector<v1::BackwardResponse> responses =
+      ByBatchId(RunStream(stub(), requests), 1000, requests.size());
+  if (HasFailure()) return;
+  for (std::size_t index = 0; index < responses.size(); ++index) {
+    EXPECT_TRUE(Close(ToFloats(responses[index].grad_hidden_states()),
+                      expected[index].grad_hidden_states, Tolerance(1e-5), "grad_hidden_states"));
   }
 }
 

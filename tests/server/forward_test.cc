@@ -249,15 +249,11 @@ TEST_F(ServerForwardTest, InterleavedWithBackwardBatchesOnOneStream) {
                       i % 4 == 1 ? v1::GRADIENT_MODE_ACCUMULATE : v1::GRADIENT_MODE_RETURN));
     }
   }
-  const std::vector<v1::BackwardResponse> responses = RunStream(stub(), requests);
-  ASSERT_EQ(responses.size(), requests.size());
-  std::vector<bool> seen(requests.size(), false);
-  for (const v1::BackwardResponse& response : responses) {
-    ASSERT_FALSE(response.has_error()) << response.error().message();
-    const std::size_t index = response.batch_id() - 1000;
-    ASSERT_LT(index, requests.size());
-    EXPECT_FALSE(seen[index]);
-    seen[index] = true;
+  const std::vector<v1::BackwardResponse> responses =
+      ByBatchId(RunStream(stub(), requests), 1000, requests.size());
+  if (HasFailure()) return;
+  for (std::size_t index = 0; index < responses.size(); ++index) {
+    const v1::BackwardResponse& response = responses[index];
     if (index % 2 == 0) {
       EXPECT_FALSE(response.has_grad_hidden_states());
       EXPECT_TRUE(Close(ToFloats(response.output()), ForwardReference(weights(), batches[index]),

@@ -163,6 +163,28 @@ LayerTensors ResponseWeightGradients(const v1::BackwardResponse& response) {
   return ::testing::AssertionSuccess();
 }
 
+std::vector<v1::BackwardResponse> ByBatchId(const std::vector<v1::BackwardResponse>& responses,
+                                            std::uint64_t first_id, std::size_t count) {
+  EXPECT_EQ(responses.size(), count);
+  std::vector<v1::BackwardResponse> ordered(count);
+  std::vector<bool> seen(count, false);
+  for (const v1::BackwardResponse& response : responses) {
+    EXPECT_FALSE(response.has_error()) << response.error().message();
+    const std::uint64_t index = response.batch_id() - first_id;
+    if (response.batch_id() < first_id || index >= count) {
+      ADD_FAILURE() << "an answer to unknown batch id " << response.batch_id();
+      continue;
+    }
+    EXPECT_FALSE(seen[index]) << "batch " << response.batch_id() << " answered twice";
+    seen[index] = true;
+    ordered[index] = response;
+  }
+  for (std::size_t index = 0; index < count; ++index) {
+    EXPECT_TRUE(seen[index]) << "batch " << first_id + index << " was not answered";
+  }
+  return ordered;
+}
+
 std::vector<v1::BackwardResponse> RunStream(v1::AttentionGradient::Stub& stub,
                                             const std::vector<v1::BackwardRequest>& requests,
                                             grpc::Status* status) {

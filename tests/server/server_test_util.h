@@ -86,6 +86,10 @@ double Tolerance(double cpu_tolerance);
 std::vector<v1::BackwardResponse> RunStream(v1::AttentionGradient::Stub& stub,
                                             const std::vector<v1::BackwardRequest>& requests,
                                             grpc::Status* status = nullptr);
+// The responses to requests with batch ids first_id, first_id + 1, ... (`count` of them), by batch
+// id: each must be answered exactly once and without an error (a test failure names what was not).
+std::vector<v1::BackwardResponse> ByBatchId(const std::vector<v1::BackwardResponse>& responses,
+                                            std::uint64_t first_id, std::size_t count);
 // Sends one request on its own stream and returns the one response.
 v1::BackwardResponse RunOne(v1::AttentionGradient::Stub& stub, const v1::BackwardRequest& request);
 
