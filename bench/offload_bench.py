@@ -17,6 +17,11 @@ save_pretrained and served by attngrad-server --weights=DIR) and each B x S, N o
                        the same with ATTNGRAD_GPU_ORDERED=1: each call sent at once and ordered by
                        the trainer's stream on the server's GPU (stream_order), changed weights
                        uploaded by the client's sender thread
+  offload auto gpu-ordered server forward
+                       GPU-ordered, and the layers' forward computed by the server too
+                       (offload(server_forward=True)): the trainer runs no attention kernel
+  offload auto server forward
+                       the host-ordered default with the forward on the server
   offload auto sender uploads
                        the default with ATTNGRAD_SENDER_UPLOADS=1: changed weights uploaded by
                        the client's sender thread, queued by the forward
@@ -66,8 +71,10 @@ from check_offload import Server, build_model, loss_of, write_checkpoint  # noqa
 
 LOCAL_VARIANTS = ("local eager fp32", "local sdpa tf32", "local compile tf32",
                   "local bf16 autocast")
-OFFLOAD_VARIANTS = ("offload auto", "offload auto gpu-ordered", "offload auto sender uploads",
-                    "offload auto lazy registration", "offload auto waited", "offload bytes")
+OFFLOAD_VARIANTS = ("offload auto", "offload auto gpu-ordered",
+                    "offload auto gpu-ordered server forward", "offload auto server forward",
+                    "offload auto sender uploads", "offload auto lazy registration",
+                    "offload auto waited", "offload bytes")
 
 
 def set_tf32(enabled: bool) -> None:
@@ -193,7 +200,8 @@ def run_offloaded(name, base_model, batches, target, args, *, mode="return", mic
     set_environment("ATTNGRAD_SENDER_UPLOADS", "1" if "sender uploads" in name else None)
     handle = attngrad_torch.offload(model, target, mode=mode, precision=args.precision,
                                     transport=transport, timeout=args.timeout,
-                                    phase_timings=True, stream_ordered="waited" not in name)
+                                    phase_timings=True, stream_ordered="waited" not in name,
+                                    server_forward="server forward" in name)
     for client in getattr(handle.client, "clients", [handle.client]):
         client.register_existing_segments = "lazy registration" not in name
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -361,12 +369,14 @@ def bench_spec_layer(args, device):
         set_tf32(False)
         rows = []
         variants = (("auto", True, None), ("auto gpu-ordered", True, "1"),
+                    ("auto gpu-ordered server forward", True, "1"),
                     ("auto waited", False, None), ("bytes", False, None))
         for name, ordered, gpu_ordered in variants:
             set_environment("ATTNGRAD_GPU_ORDERED", gpu_ordered)
             client = attngrad.Client(server.target, timeout=args.timeout, phase_timings=True)
-            layer = attngrad_torch.RemoteGemma3Attention(client, transport=name.split()[0],
-                                                         stream_ordered=ordered).to(device)
+            layer = attngrad_torch.RemoteGemma3Attention(
+                client, transport=name.split()[0], stream_ordered=ordered,
+                server_forward="server forward" in name).to(device)
             rows.append((f"RemoteGemma3Attention {name}",
                          time_layer(lambda: layer(hidden.requires_grad_(), cos, sin), layer,
                                     args.steps)))

@@ -90,6 +90,36 @@ class Reference:
         return grad_hidden, grads
 
 
+def forward_reference(hidden, cos, sin, weights, scaling=SCALING, softcap=SOFTCAP, eps=EPS):
+    """The layer's output A·Woᵀ [B,S,3072] of SPEC section 2 in float64 (NumPy): the reference
+    of a FORWARD batch."""
+    hidden = np.asarray(hidden, np.float64)
+    batch, seq_len, _ = hidden.shape
+    cos = np.asarray(cos, np.float64).reshape(-1, 1, seq_len, HEAD_DIM)
+    sin = np.asarray(sin, np.float64).reshape(-1, 1, seq_len, HEAD_DIM)
+    w = {name: np.asarray(value, np.float64) for name, value in weights.items()}
+
+    def heads(x, count):  # [B,count,S,D]
+        return x.reshape(batch, seq_len, count, HEAD_DIM).transpose(0, 2, 1, 3)
+
+    def norm_rope(x, weight):
+        normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + weight)
+        half = HEAD_DIM // 2
+        rotated = np.concatenate([-normed[..., half:], normed[..., :half]], axis=-1)
+        return normed * cos + rotated * sin
+
+    q = norm_rope(heads(hidden @ w["q_proj"].T, NUM_HEADS), w["q_norm"])
+    k = np.repeat(norm_rope(heads(hidden @ w["k_proj"].T, NUM_KV_HEADS), w["k_norm"]),
+                  NUM_HEADS // NUM_KV_HEADS, axis=1)
+    v = np.repeat(heads(hidden @ w["v_proj"].T, NUM_KV_HEADS), NUM_HEADS // NUM_KV_HEADS, axis=1)
+    scores = softcap * np.tanh(q @ k.transpose(0, 1, 3, 2) * scaling / softcap)
+    scores = np.where(np.triu(np.ones((seq_len, seq_len), bool), 1), -np.inf, scores)
+    probabilities = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probabilities /= probabilities.sum(axis=-1, keepdims=True)
+    attention = (probabilities @ v).transpose(0, 2, 1, 3).reshape(batch, seq_len, -1)
+    return attention @ w["o_proj"].T
+
+
 def within_spec(output, reference, atol: float = 0.0067, rtol: float = 1e-3,
                 fraction: float = 0.99):
     """(passes, matched fraction) under SPEC section 4: >= FRACTION of elements with

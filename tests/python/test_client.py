@@ -101,6 +101,38 @@ class ClientAgainstServer(t.ServerTestCase):
         # A split is exact: the CPU backend is deterministic, the sums differ only by fp32 rounding.
         np.testing.assert_allclose(result.grad_hidden_states, ref_hidden, rtol=1e-4, atol=1e-5)
 
+    # -- forward ---------------------------------------------------------------------------------
+
+    def test_forward_split_along_batch_matches_float64(self):
+        hidden, _, cos, sin = t.random_batch(self.rng, 3, 8)
+        version = self.current_version()
+        result = self.client.forward(hidden, cos, sin, precision="fp32",
+                                     expected_weights_version=version)
+        self.assertEqual(len(result.batch_ids), 2, "a [3,8] batch should go as 2 requests")
+        self.assertEqual(result.output.shape, (3, 8, 3072))
+        self.assertIsNone(result.grad_hidden_states)
+        self.assertIsNone(result.weight_gradients)
+        self.assertEqual(result.weights_version, version)
+        reference = t.forward_reference(hidden, cos, sin, self.weights)
+        self.assert_matches(result.output, reference, "output")
+        np.testing.assert_allclose(result.output, reference, rtol=1e-3, atol=1e-5)
+
+    def test_forward_scalars_and_a_stale_version(self):
+        hidden, _, cos, sin = t.random_batch(self.rng, 1, 6)
+        result = self.client.forward(hidden, cos[0], sin[0], scaling=0.07, softcap=20.0)
+        reference = t.forward_reference(hidden, cos, sin, self.weights, scaling=0.07,
+                                        softcap=20.0)
+        self.assert_matches(result.output, reference, "output")
+        default = t.forward_reference(hidden, cos, sin, self.weights)
+        self.assertGreater(np.abs(default - reference).max(), 1e-4, "the scalars must matter")
+        with self.assertRaises(attngrad.FailedPreconditionError):
+            self.client.forward(hidden, cos, sin,
+                                expected_weights_version=self.current_version() + 1000)
+        with self.assertRaises(ValueError):
+            self.client.forward(hidden, cos, sin, mode="accumulate")
+        with self.assertRaises(ValueError):
+            self.client.forward(hidden, cos, sin, transport="shm")
+
     def test_backward_position_ids_and_scalars(self):
         hidden, grad, _, _ = t.random_batch(self.rng, 1, 8)
         positions = np.arange(5, 13)

@@ -375,6 +375,26 @@ class CudaIpcAgainstServer(t.ServerTestCase):
             for name, value in expected.weight_gradients.items():
                 self.assert_same_bits(weights[name], value, f"{name}, {ordering}-ordered")
 
+    def test_forward_on_the_gpu_equals_the_bytes_path_in_every_ordering(self):
+        hidden, _, positions = self.inputs(3, 96, 17)  # [3,96] goes as two requests along B
+        expected = self.client.forward(hidden.cpu(), position_ids=positions, precision="fp32")
+        got = self.client.forward(hidden, position_ids=positions, precision="fp32")
+        self.assertEqual((got.transport, got.output.device), ("cuda_ipc", self.device))
+        self.assert_same_bits(got.output.cpu(), expected.output, "forward over CUDA IPC")
+        for ordering, switch in (("gpu", "1"), ("host", "0")):
+            with unittest.mock.patch.dict(os.environ, {"ATTNGRAD_GPU_ORDERED": switch}):
+                scratch = torch.randn(2048, 2048, device=self.device)
+                for _ in range(20):
+                    scratch = torch.tanh(scratch @ scratch / 2048 ** 0.5)  # bounded: finite
+                late_hidden = hidden * 1.0 + scratch[0, 0] * 0.0  # written after the chain
+                pending = self.client.submit_forward(late_hidden, position_ids=positions,
+                                                     precision="fp32")
+                output = pending.output * 1.0  # read in stream order, after it
+                self.client.wait_submitted()
+            self.assertEqual(pending.result().ordering, ordering)
+            self.assertIsNone(pending.grad_hidden_states)
+            self.assert_same_bits(output.cpu(), expected.output, f"forward, {ordering}-ordered")
+
     def test_a_stream_that_never_reaches_its_call_stalls_no_one_and_times_out(self):
         # A trainer whose stream is blocked before a GPU-ordered call: the server parks the batch
         # on a gate of its own and serves another client meanwhile; after
@@ -430,17 +450,21 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         hidden, _, positions = self.inputs(1, 48, 16)
         cos, sin = attngrad_torch.rotary_tables(positions.to(self.device))
         losses = {}
-        # (stream-ordered, $ATTNGRAD_SENDER_UPLOADS, $ATTNGRAD_GPU_ORDERED): waited; host-ordered
-        # with uploads by the backward or by the sender; GPU-ordered (uploads by the sender).
-        variants = ((False, "0", "0"), (True, "0", "0"), (True, "1", "0"), (True, None, "1"))
-        for ordered, sender_uploads, gpu_ordered in variants:
+        # (stream-ordered, $ATTNGRAD_SENDER_UPLOADS, $ATTNGRAD_GPU_ORDERED, server forward):
+        # waited; host-ordered with uploads by the backward or by the sender; GPU-ordered
+        # (uploads by the sender); the forward on the server, waited, host- and GPU-ordered.
+        variants = ((False, "0", "0", False), (True, "0", "0", False), (True, "1", "0", False),
+                    (True, None, "1", False), (False, "0", "0", True), (True, "0", "0", True),
+                    (True, None, "1", True))
+        for ordered, sender_uploads, gpu_ordered, server_forward in variants:
             torch.manual_seed(7)
             switches = {"ATTNGRAD_GPU_ORDERED": gpu_ordered}
             if sender_uploads is not None:
                 switches["ATTNGRAD_SENDER_UPLOADS"] = sender_uploads
             with unittest.mock.patch.dict(os.environ, switches):
                 layer = attngrad_torch.RemoteGemma3Attention(
-                    self.client, precision="fp32", stream_ordered=ordered).to(self.device)
+                    self.client, precision="fp32", stream_ordered=ordered,
+                    server_forward=server_forward).to(self.device)
                 optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
                 curve = []
                 for _ in range(3):
@@ -452,9 +476,14 @@ class CudaIpcAgainstServer(t.ServerTestCase):
                 if ordered:
                     self.assertEqual(layer.last_result.ordering,
                                      "gpu" if gpu_ordered == "1" else "host")
-            losses[variants.index((ordered, sender_uploads, gpu_ordered))] = curve
+            losses[variants.index((ordered, sender_uploads, gpu_ordered, server_forward))] = curve
         for index in (1, 2, 3):
             self.assertEqual(losses[0], losses[index], f"variant {variants[index]}")
+        for index in (5, 6):  # the server's forward is deterministic: the same in every ordering
+            self.assertEqual(losses[4], losses[index], f"variant {variants[index]}")
+        # ... and agrees with the local fp32 forward within fp32 rounding.
+        for local, remote in zip(losses[0], losses[4]):
+            self.assertLess(abs(local - remote), 1e-5 * abs(local) + 1e-7)
 
     def test_one_registration_per_allocation_reused_by_later_calls_and_closed(self):
         client = attngrad.Client(self.server.target, client_id="cache")

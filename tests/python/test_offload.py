@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import unittest
+import unittest.mock
 
 import attngrad_testing as t
 
@@ -121,10 +122,20 @@ class OffloadBase(unittest.TestCase):
         self.check_step(self.two_servers, "accumulate")
 
     def test_training_steps_follow_the_local_loss_curve(self):
+        self.check_loss_curve(server_forward=False)
+
+    def test_training_steps_with_the_forward_on_the_servers_follow_the_local_curve(self):
+        with unittest.mock.patch.object(attngrad_torch, "_remote_forward",
+                                        wraps=attngrad_torch._remote_forward) as spied:
+            self.check_loss_curve(server_forward=True)
+        self.assertEqual(spied.call_count, 4 * 2, "each layer's forward of each step")
+
+    def check_loss_curve(self, server_forward):
         local = self.make_model()
         remote = copy.deepcopy(local)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (local, remote)]
-        handle = attngrad_torch.offload(remote, self.two_servers, timeout=120, precision="fp32")
+        handle = attngrad_torch.offload(remote, self.two_servers, timeout=120, precision="fp32",
+                                        server_forward=server_forward)
         try:
             versions = []
             for step in range(4):

@@ -93,6 +93,46 @@ class TorchBridgeAgainstServer(t.ServerTestCase):
         state = module.fetch_gradients()
         self.assertEqual((state.tokens, state.weights_version), (8, module.weights_version))
 
+    def test_server_forward_matches_autograd_and_the_local_forward(self):
+        hidden, grad, cos, sin = self.inputs(3, 8)  # split in two requests along B
+        local = self.bridge.RemoteGemma3Attention(self.client, mode="return", precision="fp32",
+                                                  server_forward=False)
+        remote = self.bridge.RemoteGemma3Attention(self.client, mode="return", precision="fp32",
+                                                   server_forward=True)
+        remote.load_state_dict(local.state_dict())
+        answers = []
+        for module, calls in ((local, 0), (remote, 1)):
+            source = hidden.detach().clone().requires_grad_()
+            with unittest.mock.patch.object(self.client, "submit_forward",
+                                            wraps=self.client.submit_forward) as spied:
+                out = module(source, cos, sin)
+            self.assertEqual(spied.call_count, calls, "the server computed the forward")
+            out.backward(grad)
+            answers.append((out.detach(), source.grad))
+        self.assertEqual(remote.last_result.weights_version, remote.weights_version)
+        ref_out, ref_hidden, ref_weights = self.reference(remote, hidden, grad, cos, sin)
+        self.assert_matches(answers[1][0], ref_out, "server forward output")
+        np.testing.assert_allclose(answers[1][0].numpy(), answers[0][0].numpy(), rtol=1e-4,
+                                   atol=1e-5)
+        self.assertTrue(torch.equal(answers[0][1], answers[1][1]),
+                        "the backward does not depend on where the forward ran")
+        for name, parameter in remote.weights().items():
+            self.assert_matches(parameter.grad, ref_weights[name], f"grad {name}")
+
+    def test_server_forward_sees_each_optimizer_step(self):
+        module = self.bridge.RemoteGemma3Attention(self.client, mode="accumulate",
+                                                   precision="fp32", server_forward=True)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        for _ in range(2):
+            hidden, grad, cos, sin = self.inputs(1, 8)
+            out = module(hidden, cos, sin)
+            ref_out, _, _ = self.reference(module, hidden, grad, cos, sin)
+            self.assert_matches(out, ref_out, "output after a step")
+            out.backward(grad)
+            module.fetch_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+
     def test_the_forward_makes_no_remote_call_and_the_backward_uploads(self):
         module = self.bridge.RemoteGemma3Attention(self.client, mode="return", precision="fp32")
         before = self.client.info().layers[0].weights_version

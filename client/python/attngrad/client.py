@@ -237,7 +237,9 @@ class BackwardResult:
       process's GPU memory), "shm" (a shared-memory region) or "bytes" (the connection).
     ordering: a submit_backward() call queued on the trainer's CUDA stream: "gpu" (the server's
       GPU waited for the stream's inputs: stream_ordered.GpuOrderedCalls) or "host" (this
-      process's sender thread did: stream_ordered.StreamOrderedCalls); "" otherwise."""
+      process's sender thread did: stream_ordered.StreamOrderedCalls); "" otherwise.
+    output: the answer of a forward() / submit_forward() call: the layer's output [B,S,hidden]
+      (grad_hidden_states and weight_gradients are None then); None for a backward."""
     batch_id: int
     grad_hidden_states: Any
     weight_gradients: Optional[Dict[str, Any]]
@@ -251,6 +253,7 @@ class BackwardResult:
     client_phases: Optional[Dict[str, float]] = None
     transport: str = "bytes"
     ordering: str = ""
+    output: Any = None
 
 
 @dataclasses.dataclass
@@ -277,8 +280,12 @@ class _Batch:
                  rope_theta, mode: int, precision: int, scaling, softcap, eps,
                  expected_weights_version: int, accumulation_window_id: int, wire_dtype: str,
                  response_dtype: str, sequences_per_part: int, like, layer=None,
-                 sliding_window=None, input_dtype: Optional[str] = None):
+                 sliding_window=None, input_dtype: Optional[str] = None,
+                 computation: int = pb.COMPUTATION_BACKWARD):
         self.batch_id = batch_id
+        # FORWARD: the layer's output from hidden_states alone (grad_output is None).
+        self.computation = computation
+        self.forward = computation == pb.COMPUTATION_FORWARD
         self.hidden_states = hidden_states
         self.grad_output = grad_output
         self.cos, self.sin = cos, sin
@@ -313,24 +320,15 @@ class _Batch:
             batch_id=part_id, mode=self.mode, precision=self.precision,
             expected_weights_version=self.expected_weights_version,
             accumulation_window_id=self.accumulation_window_id,
-            response_dtype=_DTYPE_ENUM[self.response_dtype])
+            response_dtype=_DTYPE_ENUM[self.response_dtype], computation=self.computation)
         if self.region is not None:
-            # Same-host zero-copy: the activations are in the region (written by _RegionLayout),
-            # the answer goes there too; the message names them.
-            hidden_slice, grad_slice, answer_slice = self.region.slices(part_index)
-            wire.describe(message.hidden_states, self.hidden_states[b0:b1], self.input_dtype)
-            wire.describe(message.grad_output, self.grad_output[b0:b1], self.input_dtype)
-            message.hidden_states_region.CopyFrom(hidden_slice)
-            message.grad_output_region.CopyFrom(grad_slice)
-            message.grad_hidden_states_region.CopyFrom(answer_slice)
-            weights_slice = self.region.weights_slice(part_index) if self.region.on_device else None
-            if weights_slice is not None:
-                message.weight_gradients_region.CopyFrom(weights_slice)
+            self._name_slices(wire, part_index)
         else:
             wire.add(message.hidden_states, _HIDDEN_STATES_PATH, self.hidden_states[b0:b1],
                      self.input_dtype)
-            wire.add(message.grad_output, _GRAD_OUTPUT_PATH, self.grad_output[b0:b1],
-                     self.input_dtype)
+            if not self.forward:
+                wire.add(message.grad_output, _GRAD_OUTPUT_PATH, self.grad_output[b0:b1],
+                         self.input_dtype)
         rotary = self.region.rotary_slices(part_index) if self.region is not None else None
         if rotary is not None:
             # CUDA IPC: the tables are in the caller's GPU memory too (float32).
@@ -357,6 +355,24 @@ class _Batch:
             message.sliding_window = int(self.sliding_window)
         return wire
 
+    def _name_slices(self, wire: "_WireRequest", part_index: int) -> None:
+        """Same-host zero-copy: the activations are in the region (written by _RegionLayout, or
+        the caller's CUDA tensors), the answer goes there too; the request names them."""
+        message = wire.head
+        _, (b0, b1) = self.parts[part_index]
+        hidden_slice, grad_slice, answer_slice = self.region.slices(part_index)
+        wire.describe(message.hidden_states, self.hidden_states[b0:b1], self.input_dtype)
+        message.hidden_states_region.CopyFrom(hidden_slice)
+        if self.forward:
+            message.output_region.CopyFrom(answer_slice)
+            return
+        wire.describe(message.grad_output, self.grad_output[b0:b1], self.input_dtype)
+        message.grad_output_region.CopyFrom(grad_slice)
+        message.grad_hidden_states_region.CopyFrom(answer_slice)
+        weights_slice = self.region.weights_slice(part_index) if self.region.on_device else None
+        if weights_slice is not None:
+            message.weight_gradients_region.CopyFrom(weights_slice)
+
     def add(self, response) -> None:
         self._responses[response.batch_id] = response
 
@@ -364,37 +380,47 @@ class _Batch:
     def complete(self) -> bool:
         return len(self._responses) == len(self.parts)
 
+    def _answer(self, responses) -> Any:
+        """The [B,S,hidden] answer: grad_hidden_states, or a FORWARD batch's output."""
+        if self.region is not None and self.region.on_device:
+            # CUDA IPC: the server wrote the answer into the client's tensor.
+            return self.region.grad_hidden_states
+        field = "output" if self.forward else "grad_hidden_states"
+        answers = [_decode(getattr(r, field), field,
+                           self.region.answer(index) if self.region is not None
+                           else _raw_of(r, field))
+                   for index, r in enumerate(responses)]
+        for (part_id, (b0, b1)), answer in zip(self.parts, answers):
+            expected = (b1 - b0,) + self.shape[1:]
+            if answer.shape != expected:
+                raise errors.AttngradError(
+                    grpc.StatusCode.INTERNAL,
+                    f"{field} has shape {list(answer.shape)}, expected {list(expected)}",
+                    batch_id=part_id, method="Backward")
+        return answers[0] if len(answers) == 1 else np.concatenate(answers, axis=0)
+
+    def _weight_gradients(self, responses) -> Optional[Dict[str, Any]]:
+        """RETURN: the six weight gradients summed over the parts; None otherwise."""
+        if self.forward:
+            return None
+        if self.region is not None and self.region.on_device:
+            return self.region.weight_gradients()  # CUDA IPC RETURN: summed on the GPU
+        if self.mode == pb.GRADIENT_MODE_ACCUMULATE:
+            return None
+        weight_gradients = {}
+        for name in WEIGHT_NAMES:
+            parts = [_decode(getattr(r.weight_gradients, name), f"weight_gradients.{name}",
+                             _raw_of(r, name)) for r in responses]
+            total = parts[0]
+            for extra in parts[1:]:
+                total = total + extra  # float32 sums, in part order
+            weight_gradients[name] = total
+        return weight_gradients
+
     def result(self) -> BackwardResult:
         responses = [self._responses[part_id] for part_id, _ in self.parts]
-        if self.region is not None and self.region.on_device:
-            # CUDA IPC: the server wrote grad_hidden_states into the client's tensor.
-            grad_hidden = self.region.grad_hidden_states
-        else:
-            grads = [_decode(r.grad_hidden_states, "grad_hidden_states",
-                             self.region.answer(index) if self.region is not None
-                             else _raw_of(r, "grad_hidden_states"))
-                     for index, r in enumerate(responses)]
-            for (part_id, (b0, b1)), grad in zip(self.parts, grads):
-                expected = (b1 - b0,) + self.shape[1:]
-                if grad.shape != expected:
-                    raise errors.AttngradError(
-                        grpc.StatusCode.INTERNAL,
-                        f"grad_hidden_states has shape {list(grad.shape)}, expected "
-                        f"{list(expected)}",
-                        batch_id=part_id, method="Backward")
-            grad_hidden = grads[0] if len(grads) == 1 else np.concatenate(grads, axis=0)
-        weight_gradients = None
-        if self.region is not None and self.region.on_device:
-            weight_gradients = self.region.weight_gradients()  # CUDA IPC RETURN: summed on the GPU
-        elif self.mode != pb.GRADIENT_MODE_ACCUMULATE:
-            weight_gradients = {}
-            for name in WEIGHT_NAMES:
-                parts = [_decode(getattr(r.weight_gradients, name), f"weight_gradients.{name}",
-                                 _raw_of(r, name)) for r in responses]
-                total = parts[0]
-                for extra in parts[1:]:
-                    total = total + extra  # float32 sums, in part order
-                weight_gradients[name] = total
+        answer = self._answer(responses)
+        weight_gradients = self._weight_gradients(responses)
         versions = {r.weights_version for r in responses}
         if len(versions) != 1:  # only possible when weights changed mid-batch without a pin
             raise errors.FailedPreconditionError(
@@ -403,7 +429,8 @@ class _Batch:
                 f"versions {sorted(versions)}; pass expected_weights_version to pin one",
                 batch_id=self.batch_id, method="Backward")
         result = BackwardResult(
-            batch_id=self.batch_id, grad_hidden_states=grad_hidden,
+            batch_id=self.batch_id, grad_hidden_states=None if self.forward else answer,
+            output=answer if self.forward else None,
             weight_gradients=weight_gradients, weights_version=versions.pop(),
             server_instance_id=responses[0].server_instance_id,
             accumulation_window_id=responses[0].accumulation_window_id,
@@ -503,6 +530,17 @@ class _CudaIpcRefused(Exception):
     or a server on the CPU)."""
 
 
+def _part_slice(located, bounds: Tuple[int, int]):
+    """The RegionSlice of sequences [b0, b1) of a tensor LOCATED at ((region, offset, size),
+    bytes per sequence) in a CUDA IPC region; None for None (a tensor the batch has not)."""
+    if located is None:
+        return None
+    (region, offset, _), per_sequence = located
+    b0, b1 = bounds
+    return pb.RegionSlice(region_id=region, offset=offset + b0 * per_sequence,
+                          byte_size=(b1 - b0) * per_sequence)
+
+
 class _CudaLayout:
     """Where each part of a zero_copy batch of CUDA tensors lies (CUDA IPC regions,
     cuda_regions.py): the caller's hidden_states and grad_output, and the answer tensor the server
@@ -515,8 +553,10 @@ class _CudaLayout:
         # reference back would make a cycle that keeps every call's tensors alive until the
         # garbage collector runs (torch's allocator could not reuse their memory meanwhile).
         self._parts = parts
-        self.grad_hidden_states = answer
-        self._tensors = [(cache.slice_of(tensor), tensor[0].numel() * tensor.element_size())
+        self.grad_hidden_states = answer  # or a FORWARD batch's output
+        # GRAD None: a FORWARD batch (its slice is None too).
+        self._tensors = [None if tensor is None else
+                         (cache.slice_of(tensor), tensor[0].numel() * tensor.element_size())
                          for tensor in (hidden, grad, answer)]
         # ROTARY: (cos, sin), contiguous float32 [B,S,head_dim] CUDA tensors, or None (bytes).
         self._rotary = None if rotary is None else [
@@ -529,19 +569,15 @@ class _CudaLayout:
         self._weights_slice = cache.slice_of(weights) if weights is not None else None
 
     def slices(self, part_index: int):
-        _, (b0, b1) = self._parts[part_index]
-        return tuple(pb.RegionSlice(region_id=region, offset=offset + b0 * per_sequence,
-                                    byte_size=(b1 - b0) * per_sequence)
-                     for (region, offset, _), per_sequence in self._tensors)
+        _, bounds = self._parts[part_index]
+        return tuple(_part_slice(located, bounds) for located in self._tensors)
 
     def rotary_slices(self, part_index: int):
         """(cos slice, sin slice) of a part, or None when the tables go as bytes."""
         if self._rotary is None:
             return None
-        _, (b0, b1) = self._parts[part_index]
-        return tuple(pb.RegionSlice(region_id=region, offset=offset + b0 * per_sequence,
-                                    byte_size=(b1 - b0) * per_sequence)
-                     for (region, offset, _), per_sequence in self._rotary)
+        _, bounds = self._parts[part_index]
+        return tuple(_part_slice(located, bounds) for located in self._rotary)
 
     def weights_slice(self, part_index: int):
         if self._weights_slice is None:
@@ -664,7 +700,9 @@ def _decode(message, field: str, raw=None) -> np.ndarray:
 
 
 # Field numbers of the response's tensors, whose raw_data _parse_backward_response keeps as views.
-_RESPONSE_TENSOR_FIELD = pb.BackwardResponse.GRAD_HIDDEN_STATES_FIELD_NUMBER
+_RESPONSE_TENSOR_FIELDS = {
+    pb.BackwardResponse.GRAD_HIDDEN_STATES_FIELD_NUMBER: "grad_hidden_states",
+    pb.BackwardResponse.OUTPUT_FIELD_NUMBER: "output"}
 _RESPONSE_WEIGHTS_FIELD = pb.BackwardResponse.WEIGHT_GRADIENTS_FIELD_NUMBER
 _WEIGHT_BY_FIELD = {getattr(pb.WeightGradients, f"{name.upper()}_FIELD_NUMBER"): name
                     for name in WEIGHT_NAMES}
@@ -708,8 +746,8 @@ def _strip_raw(view: memoryview):
 
 class _ParsedResponse:
     """A BackwardResponse whose tensors' raw_data stay views of the received bytes (zero-copy):
-    attributes are the message's; raw[name] is the raw_data of grad_hidden_states or of a weight
-    gradient (q_proj ... k_norm)."""
+    attributes are the message's; raw[name] is the raw_data of grad_hidden_states, output or a
+    weight gradient (q_proj ... k_norm)."""
 
     __slots__ = ("message", "raw")
 
@@ -725,10 +763,10 @@ def _parse_backward_response(data: bytes) -> _ParsedResponse:
     view = memoryview(data)
     pieces, raw = [], {}
     for number, wire_type, start, value_start, end in _fields(view):
-        if number == _RESPONSE_TENSOR_FIELD and wire_type == 2:
+        if number in _RESPONSE_TENSOR_FIELDS and wire_type == 2:
             tensor, raw_data = _strip_raw(view[value_start:end])
             if raw_data is not None:
-                raw["grad_hidden_states"] = raw_data
+                raw[_RESPONSE_TENSOR_FIELDS[number]] = raw_data
             pieces += [_length_delimited_header(number, len(tensor)), tensor]
         elif number == _RESPONSE_WEIGHTS_FIELD and wire_type == 2:
             weights = []
@@ -770,11 +808,12 @@ def _torch_from_numpy(array: np.ndarray, device, dtype):
 
 
 def _to_torch_like(result: BackwardResult, like) -> None:
-    if tensors.is_torch_tensor(result.grad_hidden_states):  # CUDA IPC: already the caller's kind
-        result.grad_hidden_states = result.grad_hidden_states.to(like.dtype)
+    name = "output" if result.output is not None else "grad_hidden_states"
+    answer = getattr(result, name)
+    if tensors.is_torch_tensor(answer):  # CUDA IPC: already the caller's kind
+        setattr(result, name, answer.to(like.dtype))
         return
-    result.grad_hidden_states = _torch_from_numpy(result.grad_hidden_states, like.device,
-                                                  like.dtype)
+    setattr(result, name, _torch_from_numpy(answer, like.device, like.dtype))
     if result.weight_gradients is not None:
         result.weight_gradients = {name: _torch_from_numpy(value, like.device, None)
                                    for name, value in result.weight_gradients.items()}
@@ -1150,12 +1189,48 @@ class _GpuOrderedBatch:
         result = self._batch.result()
         self._phases.mark("decode")
         result.client_phases = self._phases.seconds
-        result.grad_hidden_states = result.weight_gradients = None  # in the PendingBackward
+        stream_ordered.clear_answer(result)  # in the PendingBackward
         result.ordering = "gpu"
         return result
 
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["AttentionGradient"].full_name
+
+
+def _rotary_inputs(cos, sin, position_ids, batch: int, seq_len: int, wire: str,
+                   keep_on_device: bool):
+    """(cos, sin, position ids, request bytes per sequence) of a batch: the checked tables
+    ([B,S,head_dim], broadcast over B; CUDA tensors stay where they are with KEEP_ON_DEVICE) and
+    None, or None, None and the checked position ids."""
+    if (cos is None) != (sin is None):
+        raise ValueError("pass both cos and sin, or neither (and position_ids)")
+    if cos is None:
+        if position_ids is None:
+            raise ValueError("pass cos and sin, or position_ids (with rope_theta)")
+        ids = np.asarray(tensors.to_numpy(position_ids), dtype=np.int64)
+        if ids.shape not in ((seq_len,), (batch, seq_len)):
+            raise ValueError(f"position_ids must be [S] or [B,S] = [{batch},{seq_len}], got "
+                             f"{list(ids.shape)}")
+        return None, None, ids, 10 * seq_len
+    if position_ids is not None:
+        raise ValueError("pass either cos/sin or position_ids, not both")
+    if keep_on_device and cuda_regions.is_cuda_tensor(cos):
+        cos_array, sin_array = cos, sin  # registered where they are (_CudaLayout)
+    else:
+        cos_array, sin_array = tensors.to_numpy(cos), tensors.to_numpy(sin)
+    if cos_array.ndim == 2:
+        cos_array, sin_array = cos_array[None], sin_array[None]
+    for name, table in (("cos", cos_array), ("sin", sin_array)):
+        if table.ndim != 3 or table.shape[1] != seq_len or table.shape[0] not in (1, batch):
+            raise ValueError(f"{name} must be [B,S,head_dim] = [{batch},{seq_len},head_dim] (or "
+                             f"[S,head_dim]), got {list(table.shape)}")
+    if cos_array.shape[0] != batch and isinstance(cos_array, np.ndarray):
+        cos_array = np.broadcast_to(cos_array, (batch,) + cos_array.shape[1:])
+        sin_array = np.broadcast_to(sin_array, (batch,) + sin_array.shape[1:])
+    elif cos_array.shape[0] != batch:
+        cos_array = cos_array.expand(batch, -1, -1)
+        sin_array = sin_array.expand(batch, -1, -1)
+    return cos_array, sin_array, None, 2 * seq_len * cos_array.shape[2] * tensors.itemsize(wire)
 
 
 def _weight_gradient_bytes(hidden_size: int, info: "ModelInfo", dtype_name: str) -> int:
@@ -1543,6 +1618,22 @@ class Client:
             raises; BackwardResult.transport says which one carried the batch.
           zero_copy: the former switch: True = "auto", False = "bytes".
         """
+        return self._compute(hidden_states, grad_output, cos, sin, kwargs)
+
+    def forward(self, hidden_states, cos=None, sin=None, **kwargs) -> BackwardResult:
+        """The layer's forward output A·Woᵀ ([B,S,hidden], SPEC.md section 2 steps 1-4 and the
+        o_proj product) computed by the server with its resident weights: BackwardResult.output
+        (a tensor on hidden_states' device for a tensor; else NumPy). Nothing is accumulated.
+        Same arguments as backward() without grad_output, mode, accumulation_window_id and
+        batch_id; transport "shm" is not offered (CPU inputs go as bytes)."""
+        if kwargs.get("transport") == "shm":
+            raise ValueError("forward() takes transport 'auto', 'cuda_ipc' or 'bytes', not 'shm'")
+        return self._compute(hidden_states, None, cos, sin, kwargs, pb.COMPUTATION_FORWARD)
+
+    def _compute(self, hidden_states, grad_output, cos, sin, kwargs,
+                 computation: int = pb.COMPUTATION_BACKWARD) -> BackwardResult:
+        """backward() or forward(): one batch over the transport KWARGS ask for."""
+        kwargs = dict(kwargs, computation=computation)
         timeout = kwargs.pop("timeout", None)
         transport = self._requested_transport(kwargs.pop("transport", "auto"),
                                               kwargs.pop("zero_copy", None))
@@ -1559,7 +1650,7 @@ class Client:
             transport = "bytes"
         batch = self._prepare(hidden_states, grad_output, cos, sin, **kwargs)
         phases.mark("prepare")
-        if transport in ("auto", "shm"):
+        if transport in ("auto", "shm") and not batch.forward:
             result = self._backward_in_shared_memory(batch, transport, timeout, phases)
             if result is not None:
                 return result
@@ -1585,6 +1676,23 @@ class Client:
         launched before each of them is done; the stream's later work may still be running).
         Answered-now calls: in this thread (False). Do not change the inputs until the call is
         answered."""
+        return self._submit(hidden_states, grad_output, cos, sin, on_result, kwargs)
+
+    def submit_forward(self, hidden_states, cos=None, sin=None, *,
+                       on_result=None, **kwargs) -> stream_ordered.PendingBackward:
+        """forward() queued on the current CUDA stream of hidden_states' device, as
+        submit_backward() queues a backward: the PendingBackward's `output` is a tensor that
+        kernels launched afterwards on that stream see written by the server. Same arguments as
+        forward() (expected_weights_version may be a callable, as for submit_backward)."""
+        if kwargs.get("transport") == "shm":
+            raise ValueError("submit_forward() takes transport 'auto', 'cuda_ipc' or 'bytes'")
+        return self._submit(hidden_states, None, cos, sin, on_result, kwargs,
+                            pb.COMPUTATION_FORWARD)
+
+    def _submit(self, hidden_states, grad_output, cos, sin, on_result, kwargs,
+                computation: int = pb.COMPUTATION_BACKWARD) -> stream_ordered.PendingBackward:
+        """submit_backward() or submit_forward()."""
+        kwargs = dict(kwargs)
         timeout = kwargs.pop("timeout", None)
         transport = self._requested_transport(kwargs.get("transport", "auto"),
                                               kwargs.get("zero_copy"))
@@ -1597,12 +1705,14 @@ class Client:
             phases = _Phases() if self.phase_timings else _NO_PHASES
             arguments = {k: v for k, v in kwargs.items() if k not in ("transport", "zero_copy")}
             prepared = self._try_cuda_ipc(transport, lambda: self._prepare_on_gpu(
-                hidden_states, grad_output, cos, sin, arguments, phases))
+                hidden_states, grad_output, cos, sin, dict(arguments, computation=computation),
+                phases))
             if prepared is None:  # refused: auto goes as bytes from now on
                 kwargs["transport"] = "bytes"
         if prepared is None:
             kwargs["expected_weights_version"] = version(False) if callable(version) else version
-            result = self.backward(hidden_states, grad_output, cos, sin, timeout=timeout, **kwargs)
+            result = self._compute(hidden_states, grad_output, cos, sin,
+                                   dict(kwargs, timeout=timeout), computation)
             return stream_ordered.PendingBackward.completed(result, on_result)
         batch, kept = prepared
         if callable(version):
@@ -1622,8 +1732,12 @@ class Client:
         def on_queued(pending):
             # After the stream's wait: the kernels these launch see the answer. The answer is
             # assembled in another thread, which must launch nothing on the GPU (no `like`).
-            pending.grad_hidden_states = batch.region.grad_hidden_states.to(hidden_states.dtype)
-            pending.weight_gradients = batch.region.weight_gradients()
+            answer = batch.region.grad_hidden_states.to(hidden_states.dtype)
+            if batch.forward:
+                pending.output, pending.grad_hidden_states = answer, None
+            else:
+                pending.grad_hidden_states = answer
+                pending.weight_gradients = batch.region.weight_gradients()
             batch.like = None
 
         def answered(result):
@@ -1887,8 +2001,9 @@ class Client:
         the server reads or writes, to keep alive until it has answered."""
         import torch
 
-        if not cuda_regions.is_cuda_tensor(grad_output) or \
-                grad_output.device != hidden_states.device:
+        forward = kwargs.get("computation") == pb.COMPUTATION_FORWARD
+        if not forward and (not cuda_regions.is_cuda_tensor(grad_output)
+                            or grad_output.device != hidden_states.device):
             raise ValueError("zero_copy with CUDA tensors: grad_output must be on hidden_states' "
                              f"device {hidden_states.device}, got {grad_output.device}")
         input_dtype = kwargs.pop("input_dtype", None)
@@ -1898,7 +2013,8 @@ class Client:
         answer_dtype = tensors.wire_dtype_name(kwargs.pop("response_dtype", "float32"))
         # Converted (and made contiguous) on the GPU when they are not already.
         hidden = hidden_states.to(cuda_regions.torch_dtype(inputs)).contiguous()
-        grad = grad_output.to(cuda_regions.torch_dtype(inputs)).contiguous()
+        grad = None if forward else \
+            grad_output.to(cuda_regions.torch_dtype(inputs)).contiguous()
         answer = torch.empty(tuple(hidden.shape), dtype=cuda_regions.torch_dtype(answer_dtype),
                              device=hidden.device)
         batch = self._prepare(hidden, grad, cos, sin, input_dtype=inputs,
@@ -1906,7 +2022,7 @@ class Client:
         batch.like = hidden_states
         phases.mark("prepare")
         weights = shapes = None
-        if batch.mode != pb.GRADIENT_MODE_ACCUMULATE:
+        if batch.mode != pb.GRADIENT_MODE_ACCUMULATE and not forward:
             # The weight gradients go into this process's GPU memory too: one row per part.
             shapes = _weight_shapes(self._limits or self.info())
             weights = torch.empty((len(batch.parts), sum(int(np.prod(s)) for s in shapes)),
@@ -2045,17 +2161,20 @@ class Client:
                  accumulation_window_id: int = 0, batch_id: Optional[int] = None,
                  wire_dtype="float32", response_dtype="float32", layer: Optional[int] = None,
                  sliding_window: Optional[int] = None, input_dtype=None,
-                 keep_on_device: bool = False) -> _Batch:
+                 keep_on_device: bool = False,
+                 computation: int = pb.COMPUTATION_BACKWARD) -> _Batch:
+        """The checked _Batch of a call. COMPUTATION FORWARD: GRAD_OUTPUT is None."""
         like = hidden_states if tensors.is_torch_tensor(hidden_states) else None
+        forward = computation == pb.COMPUTATION_FORWARD
         if keep_on_device:  # CUDA IPC: the tensors stay where they are (_CudaLayout)
             hidden, grad = hidden_states, grad_output
         else:
             hidden = tensors.to_numpy(hidden_states)
-            grad = tensors.to_numpy(grad_output)
+            grad = None if forward else tensors.to_numpy(grad_output)
         if hidden.ndim != 3:
             raise ValueError(f"hidden_states must be [B,S,hidden_size], got shape "
                              f"{list(hidden.shape)}")
-        if grad.shape != hidden.shape:
+        if not forward and grad.shape != hidden.shape:
             raise ValueError(f"grad_output must have hidden_states' shape {list(hidden.shape)}, "
                              f"got {list(grad.shape)}")
         batch, seq_len = hidden.shape[:2]
@@ -2064,44 +2183,17 @@ class Client:
         wire = tensors.wire_dtype_name(wire_dtype)
         inputs_wire = wire if input_dtype is None else tensors.wire_dtype_name(input_dtype)
         answer = tensors.wire_dtype_name(response_dtype)
-        per_sequence_bytes = 2 * seq_len * hidden.shape[2] * tensors.itemsize(inputs_wire)
+        inputs_per_sequence = 1 if forward else 2
+        per_sequence_bytes = inputs_per_sequence * seq_len * hidden.shape[2] * \
+            tensors.itemsize(inputs_wire)
         response_per_sequence = seq_len * hidden.shape[2] * tensors.itemsize(answer)
-        if (cos is None) != (sin is None):
-            raise ValueError("pass both cos and sin, or neither (and position_ids)")
-        if cos is not None:
-            if position_ids is not None:
-                raise ValueError("pass either cos/sin or position_ids, not both")
-            if keep_on_device and cuda_regions.is_cuda_tensor(cos):
-                cos_array, sin_array = cos, sin  # registered where they are (_CudaLayout)
-            else:
-                cos_array, sin_array = tensors.to_numpy(cos), tensors.to_numpy(sin)
-            if cos_array.ndim == 2:
-                cos_array, sin_array = cos_array[None], sin_array[None]
-            for name, table in (("cos", cos_array), ("sin", sin_array)):
-                if table.ndim != 3 or table.shape[1] != seq_len or table.shape[0] not in (1, batch):
-                    raise ValueError(f"{name} must be [B,S,head_dim] = "
-                                     f"[{batch},{seq_len},head_dim] (or [S,head_dim]), got "
-                                     f"{list(table.shape)}")
-            if cos_array.shape[0] != batch and isinstance(cos_array, np.ndarray):
-                cos_array = np.broadcast_to(cos_array, (batch,) + cos_array.shape[1:])
-                sin_array = np.broadcast_to(sin_array, (batch,) + sin_array.shape[1:])
-            elif cos_array.shape[0] != batch:
-                cos_array = cos_array.expand(batch, -1, -1)
-                sin_array = sin_array.expand(batch, -1, -1)
-            per_sequence_bytes += 2 * seq_len * cos_array.shape[2] * tensors.itemsize(wire)
-            ids = None
-        else:
-            if position_ids is None:
-                raise ValueError("pass cos and sin, or position_ids (with rope_theta)")
-            cos_array = sin_array = None
-            ids = np.asarray(tensors.to_numpy(position_ids), dtype=np.int64)
-            if ids.shape not in ((seq_len,), (batch, seq_len)):
-                raise ValueError(f"position_ids must be [S] or [B,S] = [{batch},{seq_len}], got "
-                                 f"{list(ids.shape)}")
-            per_sequence_bytes += 10 * seq_len
+        cos_array, sin_array, ids, rotary_bytes = _rotary_inputs(
+            cos, sin, position_ids, batch, seq_len, wire, keep_on_device)
         mode_value = _enum(_MODE_ENUM, mode, "mode")
+        if forward and mode_value != pb.GRADIENT_MODE_RETURN:
+            raise ValueError("forward(): nothing is accumulated; leave mode unset")
         # RETURN answers carry the six weight gradients too: a fixed ~100 MB at the real config.
-        response_fixed = 0 if mode_value == pb.GRADIENT_MODE_ACCUMULATE else \
+        response_fixed = 0 if mode_value == pb.GRADIENT_MODE_ACCUMULATE or forward else \
             _weight_gradient_bytes(hidden.shape[2], self._limits or self.info(), answer)
         return _Batch(
             batch_id=int(batch_id) if batch_id is not None else next(self._batch_ids),
@@ -2113,9 +2205,9 @@ class Client:
             input_dtype=inputs_wire,
             response_dtype=answer,
             sequences_per_part=sequences_per_part(
-                self._limits or self.info(), batch, seq_len, per_sequence_bytes,
+                self._limits or self.info(), batch, seq_len, per_sequence_bytes + rotary_bytes,
                 response_per_sequence, response_fixed),
-            like=like, layer=layer, sliding_window=sliding_window)
+            like=like, layer=layer, sliding_window=sliding_window, computation=computation)
 
     def _run(self, batches: Iterable[_Batch], *,
              timeout: Optional[float]) -> Iterator[BackwardResult]:

@@ -271,6 +271,15 @@ class ShardedClient:
         return self.client_for(kwargs.get("layer")).submit_backward(
             hidden_states, grad_output, cos, sin, **kwargs)
 
+    def forward(self, hidden_states, cos=None, sin=None, **kwargs):
+        """Client.forward on the server of kwargs['layer']."""
+        return self.client_for(kwargs.get("layer")).forward(hidden_states, cos, sin, **kwargs)
+
+    def submit_forward(self, hidden_states, cos=None, sin=None, **kwargs):
+        """Client.submit_forward on the server of kwargs['layer']."""
+        return self.client_for(kwargs.get("layer")).submit_forward(hidden_states, cos, sin,
+                                                                   **kwargs)
+
     def submit_after_stream(self, tensor, task, *, timeout=None, layer=None):
         """Client.submit_after_stream on the server of LAYER."""
         return self.client_for(layer).submit_after_stream(tensor, task, timeout=timeout,

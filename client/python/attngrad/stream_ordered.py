@@ -95,21 +95,29 @@ class PendingBackward(PendingCall):
     stream it was queued on) and, once the sender has it, its BackwardResult (whose own tensor
     fields are None: the answer is in these) or error. ORDERING: who ordered the call after the
     stream's earlier work: "gpu" (the server's GPU, GpuOrderedCalls), "host" (this process's
-    sender thread, StreamOrderedCalls) or "" (answered before the call returned)."""
+    sender thread, StreamOrderedCalls) or "" (answered before the call returned). A queued
+    forward (Client.submit_forward) has its answer in OUTPUT instead (the others are None)."""
 
     def __init__(self, grad_hidden_states, weight_gradients, on_result: Optional[Callable] = None,
                  ordering: str = ""):
         super().__init__(on_result)
         self.grad_hidden_states = grad_hidden_states
         self.weight_gradients = weight_gradients
+        self.output = None
         self.ordering = ordering
 
     @classmethod
     def completed(cls, result, on_result: Optional[Callable] = None) -> "PendingBackward":
         """A call answered synchronously (another transport): RESULT is its BackwardResult."""
         pending = cls(result.grad_hidden_states, result.weight_gradients, on_result)
+        pending.output = result.output
         pending.finish(result, None)
         return pending
+
+
+def clear_answer(result) -> None:
+    """Drops RESULT's tensors, which a queued call's PendingBackward holds instead."""
+    result.grad_hidden_states = result.weight_gradients = result.output = None
 
 
 def _wait_for(outstanding: Sequence[PendingCall]) -> None:
@@ -228,7 +236,7 @@ class StreamOrderedCalls:
                 before_send(True)
             phases.mark("synchronize")
             result = self._send(batch, timeout, phases)
-            result.grad_hidden_states = result.weight_gradients = None  # in PENDING
+            clear_answer(result)  # in PENDING
             result.ordering = "host"
             return result
 

@@ -127,7 +127,8 @@ class _Binding:
     def __init__(self, client, *, config, mode: str, precision: str, scaling: float, softcap: float,
                  eps: float, wire_dtype: str, layer: Optional[int] = None,
                  sliding_window: Optional[int] = None, input_dtype: Optional[str] = None,
-                 transport: str = "auto", stream_ordered: bool = True):
+                 transport: str = "auto", stream_ordered: bool = True,
+                 server_forward: Optional[bool] = None):
         if transport not in client_module.TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(client_module.TRANSPORTS)}, "
                              f"got {transport!r}")
@@ -136,6 +137,9 @@ class _Binding:
         # CUDA IPC calls queued on the trainer's stream (Client.submit_backward) instead of
         # answered before backward() goes on.
         self.stream_ordered = bool(stream_ordered)
+        # The forward computed by the server too (Client.forward / submit_forward), not locally.
+        self.server_forward = os.environ.get("ATTNGRAD_SERVER_FORWARD") == "1" \
+            if server_forward is None else bool(server_forward)
         self._sender_uploads: Optional[bool] = None  # decided at the first use (sender_uploads)
         self.config = config
         self.mode = mode
@@ -178,34 +182,14 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
     dtypes and devices). WEIGHTS: the weights version to pin (an int) or the forward's
     _PinnedWeights. Shared by every autograd Function of this module."""
     batch, seq_len = hidden_states.shape[:2]
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]
-    if cos.shape[0] != batch:
-        cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
-    extra = {}
-    if binding.layer is not None:
-        extra["layer"] = binding.layer
-    if binding.sliding_window is not None:
-        extra["sliding_window"] = binding.sliding_window
-    if binding.input_dtype is not None:
-        extra["input_dtype"] = binding.input_dtype
-    elif hidden_states.dtype in (torch.bfloat16, torch.float16):
-        # The activations travel in the model's own dtype (half the bytes of float32).
-        extra["input_dtype"] = str(hidden_states.dtype).replace("torch.", "")
-    arguments = dict(mode=binding.mode, precision=binding.precision, scaling=binding.scaling,
-                     softcap=binding.softcap, eps=binding.eps, wire_dtype=binding.wire_dtype,
-                     transport=binding.transport, **extra)
-    if binding.stream_ordered and hasattr(binding.client, "submit_backward"):
-        if isinstance(weights, int) or not binding.sender_uploads:
-            arguments["expected_weights_version"] = weights if isinstance(weights, int) else \
-                weights.version()
-        else:
-            arguments["expected_weights_version"] = \
-                lambda ordered: weights.version(synchronize=not ordered)
+    cos, sin = _tables_for(batch, cos, sin)
+    arguments = _call_arguments(binding, hidden_states)
+    arguments["mode"] = binding.mode
+    if _queued_on_stream(binding, "submit_backward"):
+        arguments["expected_weights_version"] = _version_to_pin(binding, weights, queued=True)
         answer = _submit_on_stream(binding, hidden_states, grad_output, cos, sin, arguments)
     else:
-        arguments["expected_weights_version"] = weights if isinstance(weights, int) else \
-            weights.version()
+        arguments["expected_weights_version"] = _version_to_pin(binding, weights, queued=False)
         answer = binding.client.backward(hidden_states, grad_output, cos, sin, **arguments)
         _record_result(binding, answer)
     grad_hidden = answer.grad_hidden_states.to(hidden_states.dtype)
@@ -219,6 +203,68 @@ def _remote_backward(binding: _Binding, hidden_states, cos, sin, grad_output, we
                 dtype, device = weight_meta[i]
                 weight_grads[i] = answer.weight_gradients[name].to(device=device, dtype=dtype)
     return grad_hidden, weight_grads
+
+
+def _remote_forward(binding: _Binding, hidden_states, cos, sin, weights) -> torch.Tensor:
+    """The layer's output computed by the server with the forward's weights (WEIGHTS, as for
+    _remote_backward), in hidden_states' dtype. Queued on the trainer's stream where the backward
+    would be (Client.submit_forward): the output tensor is returned at once, and a failed call is
+    raised by the end of the loss.backward() that follows (Client.wait_submitted)."""
+    cos, sin = _tables_for(hidden_states.shape[0], cos, sin)
+    arguments = _call_arguments(binding, hidden_states)
+    if "input_dtype" in arguments:
+        arguments["response_dtype"] = arguments["input_dtype"]  # the model's own dtype
+    if _queued_on_stream(binding, "submit_forward"):
+        arguments["expected_weights_version"] = _version_to_pin(binding, weights, queued=True)
+        pending = binding.client.submit_forward(hidden_states, cos, sin, **arguments)
+        if pending.done():
+            pending.result()  # answered already (another transport): report it now
+        output = pending.output
+    else:
+        arguments["expected_weights_version"] = _version_to_pin(binding, weights, queued=False)
+        output = binding.client.forward(hidden_states, cos, sin, **arguments).output
+    return output.to(hidden_states.dtype)
+
+
+def _tables_for(batch: int, cos, sin):
+    """COS, SIN as [B,S,D] views (a [S,D] or [1,S,D] table is broadcast over the batch)."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    if cos.shape[0] != batch:
+        cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+    return cos, sin
+
+
+def _call_arguments(binding: _Binding, hidden_states) -> Dict:
+    """The keyword arguments of a forward or backward call that the binding fixes."""
+    extra = {}
+    if binding.layer is not None:
+        extra["layer"] = binding.layer
+    if binding.sliding_window is not None:
+        extra["sliding_window"] = binding.sliding_window
+    if binding.input_dtype is not None:
+        extra["input_dtype"] = binding.input_dtype
+    elif hidden_states.dtype in (torch.bfloat16, torch.float16):
+        # The activations travel in the model's own dtype (half the bytes of float32).
+        extra["input_dtype"] = str(hidden_states.dtype).replace("torch.", "")
+    return dict(precision=binding.precision, scaling=binding.scaling, softcap=binding.softcap,
+                eps=binding.eps, wire_dtype=binding.wire_dtype, transport=binding.transport,
+                **extra)
+
+
+def _queued_on_stream(binding: _Binding, method: str) -> bool:
+    return binding.stream_ordered and hasattr(binding.client, method)
+
+
+def _version_to_pin(binding: _Binding, weights, queued: bool):
+    """A call's expected_weights_version: WEIGHTS itself (an int), or the server's version of the
+    forward's _PinnedWeights, uploaded now or, for a call QUEUED on the stream with sender
+    uploads, a callable the client calls once the queued uploads have run."""
+    if isinstance(weights, int):
+        return weights
+    if queued and binding.sender_uploads:
+        return lambda ordered: weights.version(synchronize=not ordered)
+    return weights.version()
 
 
 def _submit_on_stream(binding: _Binding, hidden_states, grad_output, cos, sin, arguments):
@@ -307,6 +353,15 @@ def _weights_fingerprint(weights: Dict[str, torch.Tensor]) -> Tuple:
     return tuple((w.data_ptr(), w._version, w.dtype, tuple(w.shape)) for w in weights.values())
 
 
+def _keep_for_backward(ctx, binding: _Binding, weights, hidden_states, cos, sin, parameters):
+    """What RemoteAttentionBackward.backward reads: the binding, the forward's weights, the six
+    PARAMETERS' dtypes and devices, and the saved inputs."""
+    ctx.binding = binding
+    ctx.weights = weights
+    ctx.weight_meta = [(w.dtype, w.device) for w in parameters]
+    ctx.save_for_backward(hidden_states, cos, sin)
+
+
 class RemoteAttentionBackward(torch.autograd.Function):
     """apply(hidden_states, cos, sin, q_w, k_w, v_w, o_w, q_norm_w, k_norm_w, binding, weights):
     forward = gemma3_attention computed locally without saving activations; backward = the
@@ -316,11 +371,8 @@ class RemoteAttentionBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
                 k_norm_weight, binding: _Binding, weights):
-        ctx.binding = binding
-        ctx.weights = weights
-        ctx.weight_meta = [(w.dtype, w.device) for w in (q_weight, k_weight, v_weight, o_weight,
-                                                         q_norm_weight, k_norm_weight)]
-        ctx.save_for_backward(hidden_states, cos, sin)
+        _keep_for_backward(ctx, binding, weights, hidden_states, cos, sin,
+                           (q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight))
         config = binding.config
         compute = torch.float32
         output = gemma3_attention(
@@ -339,6 +391,18 @@ class RemoteAttentionBackward(torch.autograd.Function):
             ctx.weight_meta, ctx.needs_input_grad[3:9])
         grad_hidden = grad_hidden if ctx.needs_input_grad[0] else None
         return (grad_hidden, None, None, *weight_grads, None, None)
+
+
+class RemoteAttention(RemoteAttentionBackward):
+    """apply(...) as RemoteAttentionBackward's, with the forward computed by the server too
+    (_remote_forward): the trainer runs no attention kernel at all."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
+                k_norm_weight, binding: _Binding, weights):
+        _keep_for_backward(ctx, binding, weights, hidden_states, cos, sin,
+                           (q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight))
+        return _remote_forward(binding, hidden_states, cos, sin, weights)
 
 
 class _Norm(nn.Module):
@@ -376,6 +440,10 @@ class RemoteGemma3Attention(nn.Module):
         the forward runs where the calls are GPU-ordered (Client.orders_on_gpu,
         ATTNGRAD_GPU_ORDERED=1), or with ATTNGRAD_SENDER_UPLOADS=1. False: each call is answered
         before backward() goes on.
+      server_forward: the forward is computed by the server too (Client.forward, queued on the
+        trainer's stream like the backward), not locally. None (default): on where
+        $ATTNGRAD_SERVER_FORWARD is "1". The server's precision applies to the forward as to
+        the backward.
     forward(hidden_states [B,S,hidden], cos [B,S,D] or [S,D], sin) -> [B,S,hidden].
     """
 
@@ -383,7 +451,8 @@ class RemoteGemma3Attention(nn.Module):
                  scaling: Optional[float] = None, softcap: Optional[float] = None,
                  eps: Optional[float] = None, wire_dtype: str = "float32", init: str = "random",
                  device=None, dtype=torch.float32, transport: str = "auto",
-                 zero_copy: Optional[bool] = None, stream_ordered: bool = True):
+                 zero_copy: Optional[bool] = None, stream_ordered: bool = True,
+                 server_forward: Optional[bool] = None):
         super().__init__()
         if mode not in ("return", "accumulate"):
             raise ValueError(f"mode must be 'return' or 'accumulate', got {mode!r}")
@@ -408,7 +477,7 @@ class RemoteGemma3Attention(nn.Module):
             softcap=info.default_softcap if softcap is None else softcap,
             eps=info.default_eps if eps is None else eps, wire_dtype=wire_dtype,
             transport=transport if zero_copy is None else ("auto" if zero_copy else "bytes"),
-            stream_ordered=stream_ordered)
+            stream_ordered=stream_ordered, server_forward=server_forward)
         self._uploaded: Optional[Tuple] = None
         self.upload_queued_for: Optional[Tuple] = None  # the fingerprint a queued upload sends
         self.weights_version: Optional[int] = None
@@ -470,7 +539,9 @@ class RemoteGemma3Attention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         w = self.weights()
-        return RemoteAttentionBackward.apply(
+        function = RemoteAttention if self._binding.server_forward and torch.is_grad_enabled() \
+            else RemoteAttentionBackward
+        return function.apply(
             hidden_states, cos, sin, w["q_proj"], w["k_proj"], w["v_proj"], w["o_proj"],
             w["q_norm"], w["k_norm"], self._binding,
             _PinnedWeights(self, self._binding, hidden_states))
@@ -707,6 +778,12 @@ class _OffloadedLayer:
                                  "the offloaded backward covers the tokens of this call only "
                                  "(train with use_cache=False)")
         cos, sin = position_embeddings
+        if self._forward_on_server(arguments):
+            # transformers' Gemma3Attention returns (output, attention weights); none are made.
+            return RemoteAttention.apply(
+                hidden_states, cos, sin, weights["q_proj"], weights["k_proj"], weights["v_proj"],
+                weights["o_proj"], weights["q_norm"], weights["k_norm"], self.binding,
+                _PinnedWeights(self, self.binding, hidden_states)), None
         call = _Call(self, bound)
         output = _OffloadedAttention.apply(
             hidden_states, cos, sin, weights["q_proj"], weights["k_proj"], weights["v_proj"],
@@ -715,6 +792,21 @@ class _OffloadedLayer:
         if call.rest is None:
             return output
         return (output,) + call.rest
+
+    def _forward_on_server(self, arguments) -> bool:
+        """Whether this call's forward is the server's (_Binding.server_forward): not where the
+        module's own forward does more than the layer's output (a KV cache to fill, attention
+        weights asked for, dropout in training)."""
+        if not self.binding.server_forward:
+            return False
+        extra = arguments.get("kwargs", {})
+        if any(arguments.get(name, extra.get(name)) is not None
+               for name in ("past_key_values", "past_key_value")):
+            return False
+        if arguments.get("output_attentions", extra.get("output_attentions")):
+            return False
+        dropout = float(getattr(self.module, "attention_dropout", 0.0) or 0.0)
+        return not (self.module.training and dropout > 0.0)
 
 
 class _Call:
@@ -745,11 +837,8 @@ class _OffloadedAttention(RemoteAttentionBackward):
     @staticmethod
     def forward(ctx, hidden_states, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
                 k_norm_weight, call: _Call, weights: _PinnedWeights):
-        ctx.binding = call.layer.binding
-        ctx.weights = weights
-        ctx.weight_meta = [(w.dtype, w.device) for w in (q_weight, k_weight, v_weight, o_weight,
-                                                         q_norm_weight, k_norm_weight)]
-        ctx.save_for_backward(hidden_states, cos, sin)
+        _keep_for_backward(ctx, call.layer.binding, weights, hidden_states, cos, sin,
+                           (q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight))
         return call.run(hidden_states)
 
 
@@ -874,13 +963,15 @@ class OffloadHandle:
 def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision: str = "auto",
             wire_dtype: str = "float32", input_dtype: Optional[str] = None,
             upload_weights: bool = True, layers=None, transport: str = "auto",
-            stream_ordered: bool = True, **client_kwargs) -> OffloadHandle:
+            stream_ordered: bool = True, server_forward: Optional[bool] = None,
+            **client_kwargs) -> OffloadHandle:
     """Moves the attention backward of every layer of a transformers Gemma-3 model
     (Gemma3ForCausalLM, Gemma3TextModel, or anything whose attention modules carry q_proj ... k_norm
     and layer_idx) to the attngrad server(s), in one call.
 
     The forward is the module's own, unchanged (same outputs; run without recording a graph, so
-    none of the attention's activations are kept); the backward of each attention call is computed
+    none of the attention's activations are kept), or with server_forward the server's; the
+    backward of each attention call is computed
     by the server of its layer (layer = the module's layer_idx) and gives the grad of
     hidden_states and, in mode="return", the gradients of q/k/v/o_proj.weight and
     q_norm/k_norm.weight, added into their .grad by autograd like any layer's. mode="accumulate"
@@ -907,6 +998,10 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
         handle.last_results()[layer].transport says which carried each layer's latest backward.
       stream_ordered: True (default): queue the CUDA IPC backward calls on the trainer's CUDA
         stream instead of waiting for each answer (see RemoteGemma3Attention).
+      server_forward: the layers' forward computed by the servers too (see RemoteGemma3Attention;
+        None: $ATTNGRAD_SERVER_FORWARD == "1"). A call that needs more than the layer's output
+        (a KV cache, output_attentions, attention dropout in training) runs the module's own
+        forward all the same; the attention weights are returned as None.
       **client_kwargs: attngrad.Client's arguments when client_or_map is an address or map.
     Returns an OffloadHandle (remove() undoes it)."""
     if mode not in ("return", "accumulate"):
@@ -943,7 +1038,8 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
             binding = _Binding(client, config=layer_info, mode=mode, precision=precision,
                                scaling=scaling, softcap=softcap, eps=eps, wire_dtype=wire_dtype,
                                layer=index, sliding_window=window, input_dtype=input_dtype,
-                               transport=transport, stream_ordered=stream_ordered)
+                               transport=transport, stream_ordered=stream_ordered,
+                               server_forward=server_forward)
             offloaded[index] = _OffloadedLayer(module, index, binding, upload_weights)
         if mode == "accumulate":
             for index in offloaded:
