@@ -220,5 +220,60 @@ class TorchBridgeAgainstServer(t.ServerTestCase):
         self.assertIn("went down", run.stdout)
 
 
+class _QueuingClient:
+    """A client whose submit_after_stream records the layer of each queued task."""
+
+    def __init__(self):
+        self.queued = []
+
+    def submit_after_stream(self, tensor, task, *, timeout=None, layer=None):
+        self.queued.append(layer)
+        return object()
+
+
+class _FakeLayer:
+    """What _PinnedWeights asks of an offloaded layer: a fingerprint that changes with an
+    optimizer step, and the fingerprint uploaded last."""
+
+    def __init__(self, index, client):
+        self.binding = unittest.mock.Mock(sender_uploads=True, client=client, layer=index)
+        self.step = 0
+        self.uploaded = None
+        self.upload_queued_for = None
+        self.upload_group = None
+
+    def fingerprint(self):
+        return (self.binding.layer, self.step)
+
+    def needs_upload(self, fingerprint):
+        return fingerprint != self.uploaded
+
+    def sync_weights(self, synchronize=True):
+        return 1
+
+
+@unittest.skipIf(torch is None, "PyTorch is not installed for this interpreter")
+class SenderUploadsOfAGroup(unittest.TestCase):
+    def test_the_first_forward_after_a_step_queues_every_later_layers_upload(self):
+        import attngrad.torch as bridge
+        client = _QueuingClient()
+        group = [_FakeLayer(index, client) for index in range(3)]
+        for layer in group:
+            layer.upload_group = group
+        sample = torch.zeros(1)
+        for step in range(2):
+            for layer in group:
+                layer.step = step
+            bridge._PinnedWeights(group[0], group[0].binding, sample)
+            self.assertEqual(client.queued, [0, 1, 2], f"step {step}: the first layer's forward")
+            for layer in group[1:]:  # the rest of the model's forward
+                bridge._PinnedWeights(layer, layer.binding, sample)
+            self.assertEqual(client.queued, [0, 1, 2], f"step {step}")
+            client.queued.clear()
+        group[2].step = 5  # changed in place after its upload was queued: queued again
+        bridge._PinnedWeights(group[2], group[2].binding, sample)
+        self.assertEqual(client.queued, [2])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -42,7 +42,7 @@ import inspect
 import math
 import os
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -323,18 +323,31 @@ class _PinnedWeights:
     has passed this point (the optimizer step's writes are done), while the GPU computes the
     forward. Otherwise the backward uploads them. OWNER has
     fingerprint(), needs_upload(fingerprint), sync_weights(synchronize=...) -> the server's
-    version, and upload_queued_for (the fingerprint of a queued upload)."""
+    version, upload_queued_for (the fingerprint of a queued upload) and upload_group (the
+    layers offloaded together, in forward order; or None). The first forward after an optimizer
+    step queues the changed weights of every later layer of its group too, so that the later
+    layers' calls wait for no upload of their own."""
 
     def __init__(self, owner, binding: "_Binding", sample):
         self.owner = owner
         self.fingerprint = owner.fingerprint()
-        if binding.sender_uploads and owner.upload_queued_for != self.fingerprint and \
-                owner.needs_upload(self.fingerprint):
-            queue = getattr(binding.client, "submit_after_stream", None)
-            if queue is not None and queue(
-                    sample, lambda: owner.sync_weights(synchronize=False),
-                    layer=binding.layer) is not None:
-                owner.upload_queued_for = self.fingerprint
+        if not binding.sender_uploads:
+            return
+        _queue_upload(owner, binding, sample, self.fingerprint)
+        group = getattr(owner, "upload_group", None) or ()
+        for later in group[group.index(owner) + 1:] if owner in group else ():
+            _queue_upload(later, later.binding, sample, later.fingerprint())
+
+
+def _queue_upload(owner, binding: "_Binding", sample, fingerprint: Tuple) -> None:
+    """Queues OWNER's upload in the client's sender thread (Client.submit_after_stream, in the
+    order of SAMPLE's stream) unless its weights are uploaded or queued as FINGERPRINT already."""
+    if owner.upload_queued_for == fingerprint or not owner.needs_upload(fingerprint):
+        return
+    queue = getattr(binding.client, "submit_after_stream", None)
+    if queue is not None and queue(sample, lambda: owner.sync_weights(synchronize=False),
+                                   layer=binding.layer) is not None:
+        owner.upload_queued_for = fingerprint
 
     def version(self, synchronize: bool = True) -> int:
         """The server's version of exactly the forward's weights (uploaded now if they changed
@@ -716,6 +729,7 @@ class _OffloadedLayer:
         self.weights_version: Optional[int] = None
         self._uploaded: Optional[Tuple] = None
         self.upload_queued_for: Optional[Tuple] = None  # the fingerprint a queued upload sends
+        self.upload_group: Optional[List["_OffloadedLayer"]] = None  # set by offload()
         self.original_forward = module.forward
         self.had_instance_forward = "forward" in module.__dict__
         self.signature = inspect.signature(self.original_forward)
@@ -1048,7 +1062,9 @@ def offload(model: nn.Module, client_or_map, *, mode: str = "return", precision:
         if owns_client:
             client.close()
         raise
+    group = list(offloaded.values())  # in layer order: the order of the model's forward
     for index, layer in offloaded.items():
+        layer.upload_group = group
         layer.module.forward = layer.forward
         layer.module.__dict__["_attngrad_offload"] = layer
     return OffloadHandle(client, offloaded, mode, owns_client)
