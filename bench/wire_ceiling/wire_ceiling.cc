@@ -28,7 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "attngrad/wire/dtype.h"
-#include "attngrad/wire/status_macros.h"
+#include "attngrad/common/status_macros.h"
 #include "ceiling_client.h"
 #include "ceiling_server.h"
 #include "nlohmann/json.hpp"
