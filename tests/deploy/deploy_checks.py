@@ -980,16 +980,17 @@ MODELS = ROOT / "proto" / "models" / "gemma3.json"
 
 
 def parse_ranges(text, where):
-    """[(first, last)] of "0-12,13-25" (a failed check naming WHERE, and [], otherwise)."""
-    ranges = []
+    """[(first, last)] of "0-12,13-25" in the client's layer-map grammar (a failed check naming
+    WHERE, and [], otherwise)."""
+    sys.path.insert(0, str(ROOT / "client" / "python"))
+    from attngrad.sharded import parse_layer_spans
+
     try:
-        for piece in text.split(","):
-            first, _, last = piece.strip().partition("-")
-            ranges.append((int(first), int(last or first)))
-    except ValueError:
-        check(False, f"{where}: ATTNGRAD_LAYER_RANGES={text!r} is not a list of ranges A-B,C-D")
+        return parse_layer_spans(text)
+    except ValueError as error:
+        check(False, f"{where}: ATTNGRAD_LAYER_RANGES={text!r} is not a list of ranges A-B,C-D "
+                     f"({error})")
         return []
-    return ranges
 
 
 def sharded_layout():

@@ -73,6 +73,12 @@ def _parse_span(text: str, whole: str) -> Tuple[int, int]:
     return first, last
 
 
+def parse_layer_spans(text: str) -> List[Tuple[int, int]]:
+    """[(first, last)] of "0-12,13-25": a layer map's spans without addresses, as the deployment's
+    ATTNGRAD_LAYER_RANGES lists them; ValueError naming the bad piece."""
+    return [_parse_span(piece, text) for piece in str(text).split(",")]
+
+
 def parse_layer_map(layer_map) -> List[LayerRange]:
     """The ranges of LAYER_MAP (see the module's docstring), sorted by first layer; ValueError
     naming the bad piece for a malformed or overlapping map."""
