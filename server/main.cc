@@ -14,6 +14,8 @@
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <memory>
+#include <string>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -201,9 +203,8 @@ std::string VersionText() {
                       kAssertions, "\n");
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The usage message, --help's and --version's texts, then the flags parsed.
+void ParseFlags(int argc, char** argv) {
   // absl prints "<program>: " before this message: it starts with what the program does.
   absl::SetProgramUsageMessage(
       "gradients of a Gemma-3 attention layer over gRPC.\n"
@@ -221,21 +222,25 @@ int main(int argc, char** argv) {
   usage_config.version_string = VersionText;
   absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
+}
 
-  // The stop signals run OnStopSignal, which wakes main() below. Threads started before main()
-  // (OpenBLAS starts its pool when the library loads) do not block them, so a SIGTERM may land on
-  // one of those: with a handler installed that is harmless (with the default action, it killed the
-  // process whenever main() was not yet waiting). The threads we start inherit a mask that blocks
-  // them (no EINTR in gRPC's or the workers' threads); main() unblocks them once serving.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
+// Routes SIGTERM and SIGINT to the stop pipe and blocks them in this thread (so in every thread it
+// starts); false (with the error printed) when the pipe cannot be made.
+//
+// The stop signals run OnStopSignal, which wakes main(). Threads started before main() (OpenBLAS
+// starts its pool when the library loads) do not block them, so a SIGTERM may land on one of
+// those: with a handler installed that is harmless (with the default action, it killed the process
+// whenever main() was not yet waiting). The threads we start inherit a mask that blocks them (no
+// EINTR in gRPC's or the workers' threads); main() unblocks them once serving.
+bool InstallStopSignals(sigset_t* stop_signals) {
+  sigemptyset(stop_signals);
+  sigaddset(stop_signals, SIGTERM);
+  sigaddset(stop_signals, SIGINT);
   // Reads in main() (after poll), non-blocking writes in the handler and the shutdown thread.
   if (pipe2(stop_pipe, O_CLOEXEC) != 0 ||
       fcntl(stop_pipe[1], F_SETFL, fcntl(stop_pipe[1], F_GETFL) | O_NONBLOCK) != 0) {
     std::perror("attngrad-server: stop pipe");
-    return 1;
+    return false;
   }
   struct sigaction action = {};
   action.sa_handler = OnStopSignal;
@@ -246,8 +251,11 @@ int main(int argc, char** argv) {
   // SIGHUP (a closed terminal, or an operator expecting a reload) does not end the server: the TLS
   // files are reloaded when they change, without a signal.
   signal(SIGHUP, SIG_IGN);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  pthread_sigmask(SIG_BLOCK, stop_signals, nullptr);
+  return true;
+}
 
+attngrad::server::ServerOptions OptionsFromFlags() {
   attngrad::server::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
@@ -278,32 +286,31 @@ int main(int argc, char** argv) {
   options.region_socket = absl::GetFlag(FLAGS_region_socket);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   options.nccl = absl::GetFlag(FLAGS_nccl);
-  const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
-  if (grace_seconds < 0) {
-    std::cerr << "attngrad-server: --shutdown_grace_seconds must be >= 0\n";
-    return 2;
-  }
+  return options;
+}
 
-  std::cerr << "attngrad-server: " << attngrad::server::RaiseOpenFileLimit() << std::endl;
-  absl::StatusOr<std::unique_ptr<attngrad::server::GradientServer>> server =
-      attngrad::server::GradientServer::Start(options);
-  if (!server.ok()) {
-    std::cerr << "attngrad-server: " << server.status() << "\n";
-    return 1;
-  }
-  // The "serving" line, which tools and tests wait for, comes last.
-  std::cerr << "attngrad-server: " << (*server)->model_summary() << std::endl;
-  std::cerr << "attngrad-server: " << (*server)->gradient_sum() << std::endl;
-  for (const std::string& line : (*server)->security_summary()) {
+// The start-up log; the "serving" line, which tools and tests wait for, comes last.
+void LogServing(const attngrad::server::GradientServer& server) {
+  std::cerr << "attngrad-server: " << server.model_summary() << std::endl;
+  std::cerr << "attngrad-server: " << server.gradient_sum() << std::endl;
+  for (const std::string& line : server.security_summary()) {
     std::cerr << "attngrad-server: " << line << std::endl;
   }
-  std::cerr << "attngrad-server: serving on port " << (*server)->port()
-            << ((*server)->metrics_port() != 0
-                    ? absl::StrCat(", metrics on port ", (*server)->metrics_port())
+  std::cerr << "attngrad-server: serving on port " << server.port()
+            << (server.metrics_port() != 0
+                    ? absl::StrCat(", metrics on port ", server.metrics_port())
                     : std::string(", metrics off"))
-            << ", instance " << (*server)->instance_id() << std::endl;
+            << ", instance " << server.instance_id() << std::endl;
+}
 
-  // Wait for a stop signal (one that came during start-up is already in the pipe).
+// Waits for a stop signal (one that came during start-up is already in the pipe), then shuts the
+// server down within the grace period; the process's exit code (or it _exit()s on a hard stop).
+//
+// The shutdown runs on its own thread; this one keeps reading the pipe (a later signal, or the
+// shutdown thread's 0 byte when it is done) until the hard deadline. The shutdown thread starts
+// with the stop signals blocked, like every thread but this one.
+int ServeUntilStopped(std::unique_ptr<attngrad::server::GradientServer> server,
+                      const sigset_t& stop_signals, int grace_seconds) {
   pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
   const int first_signal = ReadStopPipe(-1);
   const auto hard_deadline =
@@ -311,13 +318,10 @@ int main(int argc, char** argv) {
   std::cerr << "attngrad-server: signal " << first_signal << ", shutting down (grace "
             << grace_seconds << " s; SIGINT to stop at once)" << std::endl;
 
-  // The shutdown runs on its own thread; this one keeps reading the pipe (a later signal, or the
-  // shutdown thread's 0 byte when it is done) until the hard deadline. The shutdown thread starts
-  // with the stop signals blocked, like every thread but this one.
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   std::thread shutdown_thread([&server, grace_seconds] {
-    (*server)->Shutdown(absl::Seconds(grace_seconds));
-    server->reset();
+    server->Shutdown(absl::Seconds(grace_seconds));
+    server.reset();
     WriteStopPipe(0);
   });
   pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
@@ -346,4 +350,28 @@ int main(int argc, char** argv) {
   shutdown_thread.join();
   std::cerr << "attngrad-server: stopped" << std::endl;
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ParseFlags(argc, argv);
+  sigset_t stop_signals;
+  if (!InstallStopSignals(&stop_signals)) return 1;
+  const attngrad::server::ServerOptions options = OptionsFromFlags();
+  const int grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  if (grace_seconds < 0) {
+    std::cerr << "attngrad-server: --shutdown_grace_seconds must be >= 0\n";
+    return 2;
+  }
+
+  std::cerr << "attngrad-server: " << attngrad::server::RaiseOpenFileLimit() << std::endl;
+  absl::StatusOr<std::unique_ptr<attngrad::server::GradientServer>> server =
+      attngrad::server::GradientServer::Start(options);
+  if (!server.ok()) {
+    std::cerr << "attngrad-server: " << server.status() << "\n";
+    return 1;
+  }
+  LogServing(**server);
+  return ServeUntilStopped(*std::move(server), stop_signals, grace_seconds);
 }

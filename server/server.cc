@@ -190,8 +190,10 @@ absl::StatusOr<DeviceSelection> ParseDevices(const std::string& devices, int gpu
   return selection;
 }
 
-absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
-    const ServerOptions& options) {
+namespace {
+
+// The numeric flags' ranges, checked before anything starts.
+absl::Status CheckLimitFlags(const ServerOptions& options) {
   if (options.max_batch_tokens < 1) {
     return absl::InvalidArgumentError("--max_batch_tokens must be >= 1");
   }
@@ -223,6 +225,116 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   if (options.max_clients_with_sums < 1) {
     return absl::InvalidArgumentError("--max_clients_with_sums must be >= 1");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<NcclMode> ParseNcclMode(const std::string& nccl) {
+  if (nccl == "auto") return NcclMode::kAuto;
+  if (nccl == "on") return NcclMode::kOn;
+  if (nccl == "off") return NcclMode::kOff;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--nccl: '", nccl, "' is not one of auto, on, off"));
+}
+
+// The started workers of --devices: one per GPU, or the CPU backend's one worker. The CPU's come
+// in the GPU workers' shape: one device (nothing to sum across devices), no CUDA IPC memory, no
+// arrival staging.
+absl::StatusOr<GpuWorkers> StartWorkers(const ServerOptions& options,
+                                        const DeviceSelection& devices,
+                                        const LayerSlots& layer_slots, NcclMode nccl_mode,
+                                        ServerMetrics* metrics) {
+  if (!devices.cpu) {
+    return CreateGpuWorkers(devices.gpus, layer_slots, options.queue_depth, nccl_mode, metrics);
+  }
+  auto worker = std::make_unique<CpuWorker>(layer_slots, options.cpu_threads, metrics);
+  ATTNGRAD_RETURN_IF_ERROR(worker->Start());
+  GpuWorkers cpu;
+  cpu.workers.push_back(std::move(worker));
+  cpu.sum.description = "gradients: one device (cpu), nothing to sum across devices";
+  return cpu;
+}
+
+ServiceLimits ServiceLimitsOf(const ServerOptions& options) {
+  ServiceLimits limits;
+  limits.batch.max_batch_tokens = options.max_batch_tokens;
+  limits.batch.max_message_bytes = options.max_message_bytes;
+  limits.streams.max_streams = options.max_concurrent_streams;
+  limits.streams.max_streams_per_client = options.max_streams_per_client;
+  limits.streams.idle_timeout = std::chrono::seconds(options.stream_idle_timeout_seconds);
+  limits.stream_window = options.queue_depth;
+  limits.max_inflight_bytes = options.max_inflight_bytes;
+  limits.inflight_share_per_client = options.max_inflight_share_per_client;
+  limits.stream_order_timeout = std::chrono::seconds(options.stream_order_timeout_seconds);
+  return limits;
+}
+
+// The start-up log's line about authentication: bearer tokens, loopback only, or OFF said loudly.
+std::string AuthenticationSummary(const Authenticator& authenticator,
+                                  const ServerOptions& options) {
+  if (authenticator.enabled()) {
+    return absl::StrCat("authentication: bearer tokens from ", options.tokens_file, " (",
+                        authenticator.token_count(), " tokens; roles trainer and admin)",
+                        options.tls_cert.empty()
+                            ? "; WARNING: without --tls_cert the tokens cross the network "
+                              "in plaintext"
+                            : "");
+  }
+  if (authenticator.loopback_only()) {
+    return "protected mode: no --tokens_file, so only clients on this host (loopback, Unix "
+           "sockets) are served and every other caller is refused (PERMISSION_DENIED); give "
+           "--tokens_file, or --allow_unauthenticated to serve everyone";
+  }
+  return "WARNING: authentication is OFF (no --tokens_file, --allow_unauthenticated): any client "
+         "that reaches the gRPC port may replace the weights, zero or fetch any client's sums "
+         "(clients name themselves with the attngrad-client-id metadata)";
+}
+
+std::string MetricsListenSummary(const std::string& metrics_listen) {
+  return absl::StrCat(
+      "/metrics: plaintext HTTP, no authentication, on ", metrics_listen,
+      absl::StartsWith(metrics_listen, "127.") || absl::StartsWith(metrics_listen, "localhost:")
+          ? " (loopback only)"
+          : " (keep it on a private network)");
+}
+
+std::string GrpcListenSummary(const std::string& listen) {
+  return absl::StrCat("gRPC listens on ", listen,
+                      absl::StartsWith(listen, "0.0.0.0:") || absl::StartsWith(listen, "[::]:")
+                          ? " (every interface)"
+                          : "");
+}
+
+// The gRPC server of `service` on --listen, with health checks and reflection; `port` is the bound
+// port (0 when binding failed). Null when it could not start.
+std::unique_ptr<grpc::Server> BuildGrpcServer(const ServerOptions& options,
+                                              std::shared_ptr<grpc::ServerCredentials> credentials,
+                                              grpc::Service* service, ServerMetrics* metrics,
+                                              int* port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, std::move(credentials), port);
+  builder.RegisterService(service);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  // Compressed messages are refused (UNIMPLEMENTED): gRPC would inflate one in full before any
+  // memory budget sees it, so a few kB of gzip could take gigabytes.
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  AddConnectionLimits(options, builder);
+  // The RPC metrics of every call, including the ones gRPC itself ends (rpc_metrics_interceptor.h).
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<RpcMetricsInterceptorFactory>(metrics));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  return builder.BuildAndStart();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
+    const ServerOptions& options) {
+  ATTNGRAD_RETURN_IF_ERROR(CheckLimitFlags(options));
   std::unique_ptr<GradientServer> server(new GradientServer());
   server->metrics_ = std::make_unique<ServerMetrics>(ATTNGRAD_VERSION);
   ATTNGRAD_ASSIGN_OR_RETURN(
@@ -235,84 +347,32 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
   }
   if (options.queue_depth < 1) return absl::InvalidArgumentError("--queue_depth must be >= 1");
   if (options.cpu_threads < 0) return absl::InvalidArgumentError("--cpu_threads must be >= 0");
-  NcclMode nccl_mode;
-  if (options.nccl == "auto") {
-    nccl_mode = NcclMode::kAuto;
-  } else if (options.nccl == "on") {
-    nccl_mode = NcclMode::kOn;
-  } else if (options.nccl == "off") {
-    nccl_mode = NcclMode::kOff;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--nccl: '", options.nccl, "' is not one of auto, on, off"));
-  }
-
+  ATTNGRAD_ASSIGN_OR_RETURN(const NcclMode nccl_mode, ParseNcclMode(options.nccl));
   ATTNGRAD_ASSIGN_OR_RETURN(const DeviceSelection devices,
                             ParseDevices(options.devices, DeviceCount()));
 
   // Weights: every layer the server holds.
   ATTNGRAD_ASSIGN_OR_RETURN(const ServedModel model, LoadServedModel(options));
   const LayerSlots layer_slots = GradientCore::LayerSlotsOf(model);
-
   server->model_summary_ = ModelSummary(model);
 
   // Workers.
-  std::vector<std::unique_ptr<DeviceWorker>> workers;
-  std::shared_ptr<DeviceMemoryOpener> device_memory;    // CUDA IPC regions: GPU servers only
-  std::shared_ptr<common::BufferPool> arrival_staging;  // GPU servers with --stage_on_arrival
-  if (devices.cpu) {
-    auto worker =
-        std::make_unique<CpuWorker>(layer_slots, options.cpu_threads, server->metrics_.get());
-    ATTNGRAD_RETURN_IF_ERROR(worker->Start());
-    workers.push_back(std::move(worker));
-    server->gradient_sum_ = "gradients: one device (cpu), nothing to sum across devices";
-  } else {
-    ATTNGRAD_ASSIGN_OR_RETURN(GpuWorkers gpu_workers,
-                              CreateGpuWorkers(devices.gpus, layer_slots, options.queue_depth,
-                                               nccl_mode, server->metrics_.get()));
-    workers = std::move(gpu_workers.workers);
-    device_memory = std::move(gpu_workers.device_memory);
-    if (options.stage_on_arrival) arrival_staging = std::move(gpu_workers.arrival_staging);
-    server->uses_nccl_ = gpu_workers.sum.nccl;
-    server->nccl_version_ = gpu_workers.sum.nccl_version;
-    server->gradient_sum_ = gpu_workers.sum.description;
-  }
+  ATTNGRAD_ASSIGN_OR_RETURN(GpuWorkers workers, StartWorkers(options, devices, layer_slots,
+                                                             nccl_mode, server->metrics_.get()));
+  if (!options.stage_on_arrival) workers.arrival_staging.reset();
+  server->uses_nccl_ = workers.sum.nccl;
+  server->nccl_version_ = workers.sum.nccl_version;
+  server->gradient_sum_ = workers.sum.description;
   server->metrics_->SetGradientSumPath(server->uses_nccl_ ? "nccl" : "host", server->nccl_version_);
-  server->core_ = std::make_unique<GradientCore>(model, std::move(workers), server->metrics_.get(),
-                                                 options.max_clients_with_sums);
+  server->core_ = std::make_unique<GradientCore>(
+      model, std::move(workers.workers), server->metrics_.get(), options.max_clients_with_sums);
 
-  ServiceLimits limits;
-  limits.batch.max_batch_tokens = options.max_batch_tokens;
-  limits.batch.max_message_bytes = options.max_message_bytes;
-  limits.streams.max_streams = options.max_concurrent_streams;
-  limits.streams.max_streams_per_client = options.max_streams_per_client;
-  limits.streams.idle_timeout = std::chrono::seconds(options.stream_idle_timeout_seconds);
-  limits.stream_window = options.queue_depth;
-  limits.max_inflight_bytes = options.max_inflight_bytes;
-  limits.inflight_share_per_client = options.max_inflight_share_per_client;
-  limits.stream_order_timeout = std::chrono::seconds(options.stream_order_timeout_seconds);
   server->security_summary_.push_back(transport.description);
-  if (authenticator.enabled()) {
-    server->security_summary_.push_back(absl::StrCat(
-        "authentication: bearer tokens from ", options.tokens_file, " (",
-        authenticator.token_count(), " tokens; roles trainer and admin)",
-        options.tls_cert.empty() ? "; WARNING: without --tls_cert the tokens cross the network "
-                                   "in plaintext"
-                                 : ""));
-  } else if (authenticator.loopback_only()) {
-    server->security_summary_.push_back(
-        "protected mode: no --tokens_file, so only clients on this host (loopback, Unix sockets) "
-        "are served and every other caller is refused (PERMISSION_DENIED); give --tokens_file, or "
-        "--allow_unauthenticated to serve everyone");
-  } else {
-    server->security_summary_.push_back(
-        "WARNING: authentication is OFF (no --tokens_file, --allow_unauthenticated): any client "
-        "that reaches the gRPC port may replace the weights, zero or fetch any client's sums "
-        "(clients name themselves with the attngrad-client-id metadata)");
-  }
+  server->security_summary_.push_back(AuthenticationSummary(authenticator, options));
   server->service_ = std::make_unique<GradientService>(
-      server->core_.get(), server->metrics_.get(), limits, std::move(authenticator),
-      ATTNGRAD_VERSION, std::move(device_memory), std::move(arrival_staging));
+      server->core_.get(), server->metrics_.get(), ServiceLimitsOf(options),
+      std::move(authenticator), ATTNGRAD_VERSION, std::move(workers.device_memory),
+      std::move(workers.arrival_staging));
 
   // Metrics.
   if (!options.metrics_listen.empty()) {
@@ -320,43 +380,18 @@ absl::StatusOr<std::unique_ptr<GradientServer>> GradientServer::Start(
         server->metrics_http_,
         MetricsHttpServer::Start(options.metrics_listen, server->metrics_->registry()));
     server->metrics_port_ = server->metrics_http_->port();
-    server->security_summary_.push_back(
-        absl::StrCat("/metrics: plaintext HTTP, no authentication, on ", options.metrics_listen,
-                     absl::StartsWith(options.metrics_listen, "127.") ||
-                             absl::StartsWith(options.metrics_listen, "localhost:")
-                         ? " (loopback only)"
-                         : " (keep it on a private network)"));
+    server->security_summary_.push_back(MetricsListenSummary(options.metrics_listen));
   }
 
   // gRPC.
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, transport.credentials, &server->port_);
-  builder.RegisterService(server->service_.get());
-  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
-  // Compressed messages are refused (UNIMPLEMENTED): gRPC would inflate one in full before any
-  // memory budget sees it, so a few kB of gzip could take gigabytes.
-  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
-  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
-  AddConnectionLimits(options, builder);
-  // The RPC metrics of every call, including the ones gRPC itself ends (rpc_metrics_interceptor.h).
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<RpcMetricsInterceptorFactory>(server->metrics_.get()));
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  server->server_ = builder.BuildAndStart();
+  server->server_ = BuildGrpcServer(options, transport.credentials, server->service_.get(),
+                                    server->metrics_.get(), &server->port_);
   if (server->server_ == nullptr || server->port_ == 0) {
     server->server_.reset();
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", options.listen));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
-  server->security_summary_.push_back(absl::StrCat(
-      "gRPC listens on ", options.listen,
-      absl::StartsWith(options.listen, "0.0.0.0:") || absl::StartsWith(options.listen, "[::]:")
-          ? " (every interface)"
-          : ""));
+  server->security_summary_.push_back(GrpcListenSummary(options.listen));
   ATTNGRAD_ASSIGN_OR_RETURN(std::string region_summary,
                             StartRegionSocket(options.region_socket, *server));
   server->security_summary_.push_back(std::move(region_summary));

@@ -11,96 +11,69 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return bounds;
 }
 
+// One metric family registered by name and help text (the exposition lists the families in the
+// order they are registered).
+prometheus::Family<prometheus::Histogram>& HistogramFamily(prometheus::Registry& registry,
+                                                           const char* name, const char* help) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry);
+}
+prometheus::Family<prometheus::Counter>& CounterFamily(prometheus::Registry& registry,
+                                                       const char* name, const char* help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(registry);
+}
+prometheus::Family<prometheus::Gauge>& GaugeFamily(prometheus::Registry& registry, const char* name,
+                                                   const char* help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry);
+}
+
 }  // namespace
 
 ServerMetrics::ServerMetrics(const std::string& version)
     : registry_(std::make_shared<prometheus::Registry>()) {
-  using prometheus::BuildCounter;
-  using prometheus::BuildGauge;
-  using prometheus::BuildHistogram;
+  prometheus::Registry& registry = *registry_;
   batch_duration_ =
-      &BuildHistogram()
-           .Name("attngrad_batch_duration_seconds")
-           .Help("End-to-end time of one batch in the server (queue to response ready)")
-           .Register(*registry_);
-  stage_duration_ = &BuildHistogram()
-                         .Name("attngrad_stage_duration_seconds")
-                         .Help("Time of one batch in each stage: queue, copy_in, compute, copy_out")
-                         .Register(*registry_);
-  rpc_duration_ = &BuildHistogram()
-                       .Name("attngrad_rpc_duration_seconds")
-                       .Help("Duration of each RPC (streams: from start to finish)")
-                       .Register(*registry_);
-  batches_ =
-      &BuildCounter().Name("attngrad_batches_total").Help("Batches computed").Register(*registry_);
-  tokens_ = &BuildCounter()
-                 .Name("attngrad_tokens_total")
-                 .Help("Tokens (B*S) computed")
-                 .Register(*registry_);
-  received_bytes_ = &BuildCounter()
-                         .Name("attngrad_received_bytes_total")
-                         .Help("Tensor payload bytes received")
-                         .Register(*registry_);
-  sent_bytes_ = &BuildCounter()
-                     .Name("attngrad_sent_bytes_total")
-                     .Help("Tensor payload bytes sent")
-                     .Register(*registry_);
-  errors_ = &BuildCounter()
-                 .Name("attngrad_errors_total")
-                 .Help("Errors returned, by method and gRPC code (in-band batch errors included)")
-                 .Register(*registry_);
-  inflight_ = &BuildGauge()
-                   .Name("attngrad_inflight_batches")
-                   .Help("Batches queued or being computed on a device")
-                   .Register(*registry_);
-  queue_depth_ = &BuildGauge()
-                      .Name("attngrad_queue_depth")
-                      .Help("Batches waiting in a device's queue")
-                      .Register(*registry_);
-  queue_capacity_ = &BuildGauge()
-                         .Name("attngrad_queue_capacity")
-                         .Help("Batches a device works on at once (--queue_depth)")
-                         .Register(*registry_);
-  memory_used_ = &BuildGauge()
-                      .Name("attngrad_device_memory_used_bytes")
-                      .Help("Device memory in use")
-                      .Register(*registry_);
-  memory_total_ = &BuildGauge()
-                       .Name("attngrad_device_memory_total_bytes")
-                       .Help("Device memory in total")
-                       .Register(*registry_);
-  weights_version_ = &BuildGauge()
-                          .Name("attngrad_weights_version")
-                          .Help("Version of the weights in use")
-                          .Register(*registry_)
-                          .Add({});
-  accumulated_batches_ = &BuildGauge()
-                              .Name("attngrad_accumulated_batches")
-                              .Help("Batches accumulated in the current window")
-                              .Register(*registry_)
+      &HistogramFamily(registry, "attngrad_batch_duration_seconds",
+                       "End-to-end time of one batch in the server (queue to response ready)");
+  stage_duration_ =
+      &HistogramFamily(registry, "attngrad_stage_duration_seconds",
+                       "Time of one batch in each stage: queue, copy_in, compute, copy_out");
+  rpc_duration_ = &HistogramFamily(registry, "attngrad_rpc_duration_seconds",
+                                   "Duration of each RPC (streams: from start to finish)");
+  batches_ = &CounterFamily(registry, "attngrad_batches_total", "Batches computed");
+  tokens_ = &CounterFamily(registry, "attngrad_tokens_total", "Tokens (B*S) computed");
+  received_bytes_ =
+      &CounterFamily(registry, "attngrad_received_bytes_total", "Tensor payload bytes received");
+  sent_bytes_ = &CounterFamily(registry, "attngrad_sent_bytes_total", "Tensor payload bytes sent");
+  errors_ =
+      &CounterFamily(registry, "attngrad_errors_total",
+                     "Errors returned, by method and gRPC code (in-band batch errors included)");
+  inflight_ = &GaugeFamily(registry, "attngrad_inflight_batches",
+                           "Batches queued or being computed on a device");
+  queue_depth_ =
+      &GaugeFamily(registry, "attngrad_queue_depth", "Batches waiting in a device's queue");
+  queue_capacity_ = &GaugeFamily(registry, "attngrad_queue_capacity",
+                                 "Batches a device works on at once (--queue_depth)");
+  memory_used_ =
+      &GaugeFamily(registry, "attngrad_device_memory_used_bytes", "Device memory in use");
+  memory_total_ =
+      &GaugeFamily(registry, "attngrad_device_memory_total_bytes", "Device memory in total");
+  weights_version_ =
+      &GaugeFamily(registry, "attngrad_weights_version", "Version of the weights in use").Add({});
+  accumulated_batches_ = &GaugeFamily(registry, "attngrad_accumulated_batches",
+                                      "Batches accumulated in the current window")
                               .Add({});
-  accumulated_tokens_ = &BuildGauge()
-                             .Name("attngrad_accumulated_tokens")
-                             .Help("Tokens accumulated in the current window")
-                             .Register(*registry_)
+  accumulated_tokens_ = &GaugeFamily(registry, "attngrad_accumulated_tokens",
+                                     "Tokens accumulated in the current window")
                              .Add({});
-  accumulation_window_id_ = &BuildGauge()
-                                 .Name("attngrad_accumulation_window_id")
-                                 .Help("Id of the current accumulation window")
-                                 .Register(*registry_)
+  accumulation_window_id_ = &GaugeFamily(registry, "attngrad_accumulation_window_id",
+                                         "Id of the current accumulation window")
                                  .Add({});
-  auto& tls_reloads = BuildCounter()
-                          .Name("attngrad_tls_reloads_total")
-                          .Help(
-                              "Changed TLS files: applied, or rejected by the checks (the last "
-                              "good credentials kept)")
-                          .Register(*registry_);
+  auto& tls_reloads = CounterFamily(registry, "attngrad_tls_reloads_total",
+                                    "Changed TLS files: applied, or rejected by the checks (the "
+                                    "last good credentials kept)");
   tls_reloads_applied_ = &tls_reloads.Add({{"result", "applied"}});
   tls_reloads_rejected_ = &tls_reloads.Add({{"result", "rejected"}});
-  BuildGauge()
-      .Name("attngrad_build_info")
-      .Help("Build information (value 1)")
-      .Register(*registry_)
+  GaugeFamily(registry, "attngrad_build_info", "Build information (value 1)")
       .Add({{"version", version}})
       .Set(1);
 }
