@@ -191,6 +191,147 @@ class InputLoan {
   bool released_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// What Submit derives from a batch before it sends it: its sizes, how its inputs and rotary
+// positions are given, and how it is cut into parts.
+struct PreparedBatch {
+  int64_t B = 0, S = 0, H = 0, D = 0;
+  bool tables = false;             // cos/sin tables, else position ids
+  std::vector<int64_t> positions;  // the position ids (0..S-1 when neither ids nor tables are set)
+  bool per_sequence_positions = false;  // B*S position ids, a row per sequence
+  v1::DType input_dtype = v1::DTYPE_FLOAT32;
+  bool inputs_16bit = false;     // the *_16bit spans hold the inputs
+  int64_t response_element = 4;  // bytes of one element of the answer's tensors
+  bool weights_out = false;      // the caller's weight_gradients_out are set
+  SplitPlan plan;
+
+  int64_t parts() const { return static_cast<int64_t>(plan.size()); }
+};
+
+// The inputs' dtype against the spans that hold them: a known dtype, 16-bit spans only for a
+// 16-bit dtype, and one pair of spans.
+absl::Status CheckInputForm(const BackwardBatch& batch, const PreparedBatch& prepared) {
+  const int64_t input_element = wire::DTypeSize(prepared.input_dtype);
+  if (input_element == 0 || !wire::IsSupportedDType(prepared.input_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("input_dtype: unknown dtype ",
+                                                   static_cast<int>(batch.input_dtype),
+                                                   " (float32, float16 or bfloat16)"));
+  }
+  if (prepared.inputs_16bit && input_element != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden_states_16bit / grad_output_16bit: input_dtype must be float16 or bfloat16 (the "
+        "spans' 16-bit elements), got ",
+        wire::DTypeName(prepared.input_dtype)));
+  }
+  if (prepared.inputs_16bit && (!batch.hidden_states.empty() || !batch.grad_output.empty())) {
+    return absl::InvalidArgumentError(
+        "hidden_states / grad_output and hidden_states_16bit / grad_output_16bit: set one pair, "
+        "not both");
+  }
+  return absl::OkStatus();
+}
+
+// The request and response sizes of one part of the batch, for PlanSplit.
+MessageSizes MessageSizesOf(const BackwardBatch& batch, const PreparedBatch& prepared,
+                            const LayerConfig& config) {
+  const int64_t S = prepared.S, H = prepared.H, D = prepared.D;
+  const int64_t input_element = wire::DTypeSize(prepared.input_dtype);
+  MessageSizes sizes;
+  sizes.request_fixed = 4096 + (prepared.tables || prepared.per_sequence_positions ? 0 : 10 * S);
+  sizes.request_per_sequence =
+      S * H * input_element * 2 +
+      (prepared.tables ? S * D * 4 * 2 : (prepared.per_sequence_positions ? 10 * S : 0)) + 64;
+  sizes.response_fixed = 4096;
+  if (batch.mode != v1::GRADIENT_MODE_ACCUMULATE) {
+    sizes.response_fixed +=
+        (2 * int64_t{config.q_out()} * H + 2 * int64_t{config.kv_out()} * H + 2 * D) *
+        prepared.response_element;
+  }
+  sizes.response_per_sequence = S * H * prepared.response_element;
+  return sizes;
+}
+
+// Splitting slices the inputs, so they must be complete (a single request is checked by the
+// server, whose message names the field).
+absl::Status CheckSplitInputs(const BackwardBatch& batch, const PreparedBatch& prepared) {
+  const int64_t B = prepared.B, S = prepared.S, H = prepared.H, D = prepared.D;
+  auto check = [&](std::size_t size, int64_t expected, absl::string_view name) {
+    if (static_cast<int64_t>(size) == expected) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected ", expected,
+                                                   " elements for shape [", B, ",", S, ",",
+                                                   expected / (B * S), "], got ", size));
+  };
+  const bool inputs_16bit = prepared.inputs_16bit;
+  const std::size_t hidden_count =
+      inputs_16bit ? batch.hidden_states_16bit.size() : batch.hidden_states.size();
+  const std::size_t grad_count =
+      inputs_16bit ? batch.grad_output_16bit.size() : batch.grad_output.size();
+  const absl::string_view suffix = inputs_16bit ? "_16bit" : "";
+  const bool tables = prepared.tables;
+  for (absl::Status s : {check(hidden_count, B * S * H, absl::StrCat("hidden_states", suffix)),
+                         check(grad_count, B * S * H, absl::StrCat("grad_output", suffix)),
+                         tables ? check(batch.cos.size(), B * S * D, "cos") : absl::OkStatus(),
+                         tables ? check(batch.sin.size(), B * S * D, "sin") : absl::OkStatus()}) {
+    if (!s.ok()) return s;
+  }
+  const int64_t positions = static_cast<int64_t>(prepared.positions.size());
+  if (!tables && positions != S && positions != B * S) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("position_ids: expected ", S, " or ", B * S, " values, got ", positions));
+  }
+  return absl::OkStatus();
+}
+
+// The caller's grad_hidden_states outputs: fp32 or 16-bit (in a 16-bit response_dtype), one or
+// neither, of the batch's full size.
+absl::Status CheckGradHiddenOutputs(const BackwardBatch& batch, const PreparedBatch& prepared) {
+  const int64_t B = prepared.B, S = prepared.S, H = prepared.H;
+  if (!batch.grad_hidden_states_out.empty() &&
+      static_cast<int64_t>(batch.grad_hidden_states_out.size()) != B * S * H) {
+    return absl::InvalidArgumentError(absl::StrCat("grad_hidden_states_out: expected ", B * S * H,
+                                                   " floats for shape [", B, ",", S, ",", H,
+                                                   "], got ", batch.grad_hidden_states_out.size()));
+  }
+  if (batch.grad_hidden_states_16bit_out.empty()) return absl::OkStatus();
+  if (!batch.grad_hidden_states_out.empty()) {
+    return absl::InvalidArgumentError(
+        "grad_hidden_states_out and grad_hidden_states_16bit_out: set one or neither");
+  }
+  if (prepared.response_element != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad_hidden_states_16bit_out: response_dtype must be float16 or bfloat16 "
+                     "(the span's 16-bit elements), got ",
+                     wire::DTypeName(batch.response_dtype)));
+  }
+  if (static_cast<int64_t>(batch.grad_hidden_states_16bit_out.size()) != B * S * H) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad_hidden_states_16bit_out: expected ", B * S * H, " elements for shape [",
+                     B, ",", S, ",", H, "], got ", batch.grad_hidden_states_16bit_out.size()));
+  }
+  return absl::OkStatus();
+}
+
+// The caller's weight_gradients_out, when set: all six, of their weights' shapes, in RETURN mode.
+absl::Status CheckWeightGradientOutputs(const BackwardBatch& batch, const PreparedBatch& prepared,
+                                        const LayerConfig& config) {
+  if (!prepared.weights_out) return absl::OkStatus();
+  if (batch.mode != v1::GRADIENT_MODE_RETURN) {
+    return absl::InvalidArgumentError(
+        "weight_gradients_out: only with mode GRADIENT_MODE_RETURN (ACCUMULATE adds the weight "
+        "gradients on the server)");
+  }
+  for (Weight weight : kAllWeights) {
+    const std::vector<int64_t> shape = WeightShape(config, weight);
+    const std::size_t expected = WeightElements(config, weight);
+    if (batch.weight_gradients_out[weight].size() != expected) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weight_gradients_out.", WeightModuleName(weight), ": expected ", expected,
+                       " floats for shape [", absl::StrJoin(shape, ","), "], got ",
+                       batch.weight_gradients_out[weight].size(), " (set all six or none)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 class BackwardStream::Impl {
@@ -263,9 +404,26 @@ class BackwardStream::Impl {
   // let go of the batch's borrowed inputs, unless the stream has ended (no byte is read then).
   BackwardResult TakeCompleted(std::deque<BackwardResult>::iterator it,
                                absl::ReleasableMutexLock* lock) ABSL_UNLOCK_FUNCTION(mu_);
+  // Submit's steps: the batch checked and planned; its pending entry; the entry and its parts
+  // registered once the stream has room; each part's request encoded and written.
+  absl::StatusOr<PreparedBatch> PrepareBatch(const BackwardBatch& batch) const;
+  static std::unique_ptr<Pending> NewPending(const BackwardBatch& batch,
+                                             const PreparedBatch& prepared, uint64_t batch_id);
+  absl::Status AddPending(uint64_t batch_id, const SplitPlan& plan,
+                          std::unique_ptr<Pending> pending, std::shared_ptr<InputLoan> loan);
+  absl::StatusOr<grpc::ByteBuffer> EncodePart(const BackwardBatch& batch,
+                                              const PreparedBatch& prepared, uint64_t batch_id,
+                                              int64_t index,
+                                              const std::shared_ptr<const void>& loan_token);
+  absl::Status WriteParts(const BackwardBatch& batch, const PreparedBatch& prepared,
+                          uint64_t batch_id, const std::shared_ptr<const void>& loan_token);
   void ReadLoop();
   void HandleResponse(const ReceivedAnswer& answer);
   absl::Status MergePart(const ReceivedAnswer& answer, const Part& part, Pending* pending);
+  // A RETURN-mode answer's six weight gradients: checked, and added to `decodes` (decoded into
+  // the caller's weight_gradients_out or the result, or added to them for a later part).
+  absl::Status AddWeightGradientDecodes(const ReceivedAnswer& answer, const Part& part,
+                                        Pending* pending, std::vector<AnswerDecode>* decodes);
   absl::Status BrokenStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::shared_ptr<Client::Impl> client_;
@@ -299,12 +457,14 @@ absl::Status BackwardStream::Impl::BrokenStatusLocked() const {
   return absl::FailedPreconditionError("Backward stream: already finished");
 }
 
-absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch) {
-  if (absl::Status restart = client_->RestartStatus(); !restart.ok()) return restart;
+absl::StatusOr<PreparedBatch> BackwardStream::Impl::PrepareBatch(const BackwardBatch& batch) const {
   const v1::GetModelInfoResponse info = client_->cached_info();
-  const ClientOptions& options = client_->options();
-  const int64_t B = batch.batch, S = batch.seq_len, H = layer_config_.hidden_size,
-                D = layer_config_.head_dim;
+  PreparedBatch prepared;
+  prepared.B = batch.batch;
+  prepared.S = batch.seq_len;
+  prepared.H = layer_config_.hidden_size;
+  prepared.D = layer_config_.head_dim;
+  const int64_t B = prepared.B, S = prepared.S;
   if (B < 1 || S < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch and seq_len must be >= 1, got batch=", B, " seq_len=", S));
@@ -315,228 +475,152 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
                      " >= 2^63: ids with the top bit set are reserved "
                      "for the parts of split batches"));
   }
-  const bool tables = !batch.cos.empty() || !batch.sin.empty();
-  std::vector<int64_t> positions = batch.position_ids;
-  if (!tables && positions.empty()) {
-    for (int64_t s = 0; s < S; ++s) positions.push_back(s);
+  prepared.tables = !batch.cos.empty() || !batch.sin.empty();
+  prepared.positions = batch.position_ids;
+  if (!prepared.tables && prepared.positions.empty()) {
+    for (int64_t s = 0; s < S; ++s) prepared.positions.push_back(s);
   }
-  const bool per_sequence_positions =
-      !tables && static_cast<int64_t>(positions.size()) == B * S && B > 1;
-
-  // Split plan from the server's limits and the client's own message limit.
-  const int64_t response_element = wire::DTypeSize(
+  prepared.per_sequence_positions =
+      !prepared.tables && static_cast<int64_t>(prepared.positions.size()) == B * S && B > 1;
+  prepared.response_element = wire::DTypeSize(
       batch.response_dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : batch.response_dtype);
-  MessageSizes sizes;
-  sizes.request_fixed = 4096 + (tables || per_sequence_positions ? 0 : 10 * S);
-  const v1::DType input_dtype =
+  prepared.input_dtype =
       batch.input_dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : batch.input_dtype;
-  const int64_t input_element = wire::DTypeSize(input_dtype);
-  if (input_element == 0 || !wire::IsSupportedDType(input_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("input_dtype: unknown dtype ",
-                                                   static_cast<int>(batch.input_dtype),
-                                                   " (float32, float16 or bfloat16)"));
-  }
-  const bool inputs_16bit = !batch.hidden_states_16bit.empty() || !batch.grad_output_16bit.empty();
-  if (inputs_16bit && input_element != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden_states_16bit / grad_output_16bit: input_dtype must be float16 or bfloat16 (the "
-        "spans' 16-bit elements), got ",
-        wire::DTypeName(input_dtype)));
-  }
-  if (inputs_16bit && (!batch.hidden_states.empty() || !batch.grad_output.empty())) {
-    return absl::InvalidArgumentError(
-        "hidden_states / grad_output and hidden_states_16bit / grad_output_16bit: set one pair, "
-        "not both");
-  }
-  const std::size_t hidden_count =
-      inputs_16bit ? batch.hidden_states_16bit.size() : batch.hidden_states.size();
-  const std::size_t grad_count =
-      inputs_16bit ? batch.grad_output_16bit.size() : batch.grad_output.size();
-  sizes.request_per_sequence = S * H * input_element * 2 +
-                               (tables ? S * D * 4 * 2 : (per_sequence_positions ? 10 * S : 0)) +
-                               64;
-  sizes.response_fixed = 4096;
-  if (batch.mode != v1::GRADIENT_MODE_ACCUMULATE) {
-    sizes.response_fixed +=
-        (2 * int64_t{layer_config_.q_out()} * H + 2 * int64_t{layer_config_.kv_out()} * H + 2 * D) *
-        response_element;
-  }
-  sizes.response_per_sequence = S * H * response_element;
-  // The server's max_message_bytes bounds what it receives and what it sends.
-  int64_t max_message = options.max_message_bytes;
+  prepared.inputs_16bit = !batch.hidden_states_16bit.empty() || !batch.grad_output_16bit.empty();
+  ATTNGRAD_RETURN_IF_ERROR(CheckInputForm(batch, prepared));
+
+  // Split plan from the server's limits and the client's own message limit. The server's
+  // max_message_bytes bounds what it receives and what it sends.
+  int64_t max_message = client_->options().max_message_bytes;
   if (info.max_message_bytes() > 0) max_message = std::min(max_message, info.max_message_bytes());
-  absl::StatusOr<SplitPlan> plan =
-      PlanSplit(B, S, sizes, max_message, max_message, info.max_batch_tokens());
-  if (!plan.ok()) return plan.status();
-  const int64_t parts = static_cast<int64_t>(plan->size());
-  if (parts > 1) {
-    // Splitting slices the inputs, so they must be complete (a single request is checked by the
-    // server, whose message names the field).
-    auto check = [&](std::size_t size, int64_t expected, absl::string_view name) {
-      if (static_cast<int64_t>(size) == expected) return absl::OkStatus();
-      return absl::InvalidArgumentError(absl::StrCat(name, ": expected ", expected,
-                                                     " elements for shape [", B, ",", S, ",",
-                                                     expected / (B * S), "], got ", size));
-    };
-    const absl::string_view suffix = inputs_16bit ? "_16bit" : "";
-    for (absl::Status s : {check(hidden_count, B * S * H, absl::StrCat("hidden_states", suffix)),
-                           check(grad_count, B * S * H, absl::StrCat("grad_output", suffix)),
-                           tables ? check(batch.cos.size(), B * S * D, "cos") : absl::OkStatus(),
-                           tables ? check(batch.sin.size(), B * S * D, "sin") : absl::OkStatus()}) {
-      if (!s.ok()) return s;
-    }
-    if (!tables && static_cast<int64_t>(positions.size()) != S &&
-        static_cast<int64_t>(positions.size()) != B * S) {
-      return absl::InvalidArgumentError(absl::StrCat("position_ids: expected ", S, " or ", B * S,
-                                                     " values, got ", positions.size()));
-    }
+  ATTNGRAD_ASSIGN_OR_RETURN(
+      prepared.plan, PlanSplit(B, S, MessageSizesOf(batch, prepared, layer_config_), max_message,
+                               max_message, info.max_batch_tokens()));
+  if (prepared.parts() > 1) ATTNGRAD_RETURN_IF_ERROR(CheckSplitInputs(batch, prepared));
+  ATTNGRAD_RETURN_IF_ERROR(CheckGradHiddenOutputs(batch, prepared));
+  for (absl::Span<float> out : batch.weight_gradients_out) {
+    prepared.weights_out = prepared.weights_out || !out.empty();
   }
+  ATTNGRAD_RETURN_IF_ERROR(CheckWeightGradientOutputs(batch, prepared, layer_config_));
+  return prepared;
+}
 
-  if (!batch.grad_hidden_states_out.empty() &&
-      static_cast<int64_t>(batch.grad_hidden_states_out.size()) != B * S * H) {
-    return absl::InvalidArgumentError(absl::StrCat("grad_hidden_states_out: expected ", B * S * H,
-                                                   " floats for shape [", B, ",", S, ",", H,
-                                                   "], got ", batch.grad_hidden_states_out.size()));
-  }
-
-  if (!batch.grad_hidden_states_16bit_out.empty()) {
-    if (!batch.grad_hidden_states_out.empty()) {
-      return absl::InvalidArgumentError(
-          "grad_hidden_states_out and grad_hidden_states_16bit_out: set one or neither");
-    }
-    if (response_element != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("grad_hidden_states_16bit_out: response_dtype must be float16 or bfloat16 "
-                       "(the span's 16-bit elements), got ",
-                       wire::DTypeName(batch.response_dtype)));
-    }
-    if (static_cast<int64_t>(batch.grad_hidden_states_16bit_out.size()) != B * S * H) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "grad_hidden_states_16bit_out: expected ", B * S * H, " elements for shape [", B, ",", S,
-          ",", H, "], got ", batch.grad_hidden_states_16bit_out.size()));
-    }
-  }
-
-  bool weights_out = false;
-  for (absl::Span<float> out : batch.weight_gradients_out)
-    weights_out = weights_out || !out.empty();
-  if (weights_out) {
-    if (batch.mode != v1::GRADIENT_MODE_RETURN) {
-      return absl::InvalidArgumentError(
-          "weight_gradients_out: only with mode GRADIENT_MODE_RETURN (ACCUMULATE adds the weight "
-          "gradients on the server)");
-    }
-    for (Weight weight : kAllWeights) {
-      const std::vector<int64_t> shape = WeightShape(layer_config_, weight);
-      const std::size_t expected = WeightElements(layer_config_, weight);
-      if (batch.weight_gradients_out[weight].size() != expected) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("weight_gradients_out.", WeightModuleName(weight), ": expected ", expected,
-                         " floats for shape [", absl::StrJoin(shape, ","), "], got ",
-                         batch.weight_gradients_out[weight].size(), " (set all six or none)"));
-      }
-    }
-  }
-
-  const uint64_t batch_id = batch.batch_id != 0 ? batch.batch_id : client_->NewBatchId();
+std::unique_ptr<BackwardStream::Impl::Pending> BackwardStream::Impl::NewPending(
+    const BackwardBatch& batch, const PreparedBatch& prepared, uint64_t batch_id) {
   auto pending = std::make_unique<Pending>();
   pending->result.batch_id = batch_id;
-  pending->result.parts = static_cast<int>(parts);
-  pending->result.shape = {B, S, H};
-  pending->parts_left = parts;
-  pending->batch = B;
-  pending->seq_len = S;
+  pending->result.parts = static_cast<int>(prepared.parts());
+  pending->result.shape = {prepared.B, prepared.S, prepared.H};
+  pending->parts_left = prepared.parts();
+  pending->batch = prepared.B;
+  pending->seq_len = prepared.S;
   pending->mode = batch.mode;
   pending->grad_hidden_out = batch.grad_hidden_states_out;
   pending->grad_hidden_out_16bit = batch.grad_hidden_states_16bit_out;
   pending->response_dtype = batch.response_dtype;
-  if (weights_out) pending->weights_out = batch.weight_gradients_out;
-  std::shared_ptr<InputLoan> loan;
-  std::shared_ptr<const void> loan_token;
-  if (batch.borrow_inputs && (inputs_16bit || input_dtype == v1::DTYPE_FLOAT32)) {
-    loan = std::make_shared<InputLoan>();
-    loan_token = InputLoan::Token(loan);
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stream_done_ ||
-             static_cast<int64_t>(pending_.size()) < std::max(1, client_->options().max_in_flight);
-    };
-    while (!room()) changed_.Wait(&mu_);
-    if (stream_done_) return BrokenStatusLocked();
-    if (pending_.count(batch_id)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("batch_id ", batch_id, " is already in flight on this stream"));
-    }
-    for (int64_t p = 0; p < parts; ++p) {
-      const uint64_t wire_id = PartId(batch_id, p, parts);
-      if (parts_.count(wire_id)) {
-        return absl::AlreadyExistsError(
-            absl::StrCat("batch_id ", batch_id, " collides with a part id in flight"));
-      }
-    }
-    for (int64_t p = 0; p < parts; ++p) {
-      parts_[PartId(batch_id, p, parts)] = Part{batch_id, p, (*plan)[p].first, (*plan)[p].second};
-    }
-    pending->start = absl::Now();  // latency starts once the batch has room to be in flight
-    pending_[batch_id] = std::move(pending);
-    if (loan != nullptr) loans_[batch_id] = loan;
-  }
+  if (prepared.weights_out) pending->weights_out = batch.weight_gradients_out;
+  return pending;
+}
 
-  // Write the parts (one request built at a time).
+// Waits until the stream has room for one more batch (options.max_in_flight), then registers the
+// batch, its parts' wire ids and the loan of its borrowed inputs (kept until its result is taken).
+absl::Status BackwardStream::Impl::AddPending(uint64_t batch_id, const SplitPlan& plan,
+                                              std::unique_ptr<Pending> pending,
+                                              std::shared_ptr<InputLoan> loan) {
+  const int64_t parts = static_cast<int64_t>(plan.size());
+  absl::MutexLock lock(&mu_);
+  auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stream_done_ ||
+           static_cast<int64_t>(pending_.size()) < std::max(1, client_->options().max_in_flight);
+  };
+  while (!room()) changed_.Wait(&mu_);
+  if (stream_done_) return BrokenStatusLocked();
+  if (pending_.count(batch_id)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("batch_id ", batch_id, " is already in flight on this stream"));
+  }
+  for (int64_t p = 0; p < parts; ++p) {
+    const uint64_t wire_id = PartId(batch_id, p, parts);
+    if (parts_.count(wire_id)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("batch_id ", batch_id, " collides with a part id in flight"));
+    }
+  }
+  for (int64_t p = 0; p < parts; ++p) {
+    parts_[PartId(batch_id, p, parts)] = Part{batch_id, p, plan[p].first, plan[p].second};
+  }
+  pending->start = absl::Now();  // latency starts once the batch has room to be in flight
+  pending_[batch_id] = std::move(pending);
+  if (loan != nullptr) loans_[batch_id] = std::move(loan);
+  return absl::OkStatus();
+}
+
+// The request of part `index` of the batch. The activations' dtype and shape are in the message,
+// their bytes encoded once into a pooled buffer that gRPC sends as it is (or, borrowed, sent from
+// the caller's memory).
+absl::StatusOr<grpc::ByteBuffer> BackwardStream::Impl::EncodePart(
+    const BackwardBatch& batch, const PreparedBatch& prepared, uint64_t batch_id, int64_t index,
+    const std::shared_ptr<const void>& loan_token) {
+  const int64_t parts = prepared.parts(), S = prepared.S, H = prepared.H, D = prepared.D;
+  const int64_t first = prepared.plan[index].first, count = prepared.plan[index].second;
+  v1::BackwardRequest request;
+  request.set_batch_id(PartId(batch_id, index, parts));
+  request.set_mode(batch.mode);
+  request.set_precision(batch.precision);
+  request.set_expected_weights_version(batch.expected_weights_version);
+  request.set_accumulation_window_id(batch.accumulation_window_id);
+  request.set_response_dtype(batch.response_dtype);
+  auto slice = [&](auto span, int64_t width) {
+    return parts == 1 ? span : span.subspan(first * S * width, count * S * width);
+  };
+  v1::Tensor* described[2] = {request.mutable_hidden_states(), request.mutable_grad_output()};
+  for (v1::Tensor* tensor : described) {
+    tensor->set_dtype(prepared.input_dtype);
+    for (int64_t dimension : {count, S, H}) tensor->add_shape(dimension);
+  }
+  if (prepared.tables) {
+    wire::EncodeTensor(slice(batch.cos, D), {count, S, D}, v1::DTYPE_FLOAT32,
+                       request.mutable_rotary_tables()->mutable_cos());
+    wire::EncodeTensor(slice(batch.sin, D), {count, S, D}, v1::DTYPE_FLOAT32,
+                       request.mutable_rotary_tables()->mutable_sin());
+  } else {
+    v1::RotaryPositions* rotary = request.mutable_positions();
+    rotary->set_rope_theta(batch.rope_theta);
+    const std::vector<int64_t>& positions = prepared.positions;
+    if (prepared.per_sequence_positions) {
+      rotary->mutable_position_ids()->Add(positions.begin() + first * S,
+                                          positions.begin() + (first + count) * S);
+    } else {
+      rotary->mutable_position_ids()->Add(positions.begin(), positions.end());
+    }
+  }
+  if (batch.scaling) request.set_scaling(*batch.scaling);
+  if (batch.softcap) request.set_softcap(*batch.softcap);
+  if (batch.eps) request.set_eps(*batch.eps);
+  if (batch.layer) request.set_layer(*batch.layer);
+  if (batch.sliding_window) request.set_sliding_window(*batch.sliding_window);
+  if (prepared.inputs_16bit) {
+    return wire::EncodeBackwardRequestBytes(request, BytesOf(slice(batch.hidden_states_16bit, H)),
+                                            BytesOf(slice(batch.grad_output_16bit, H)),
+                                            client_->request_pool(), loan_token);
+  }
+  return wire::EncodeBackwardRequest(request, slice(batch.hidden_states, H),
+                                     slice(batch.grad_output, H), prepared.input_dtype,
+                                     client_->request_pool(), loan_token);
+}
+
+// Writes the batch's parts, one request built at a time. A broken stream is answered with why it
+// broke, which the reader thread learns from Finish.
+absl::Status BackwardStream::Impl::WriteParts(const BackwardBatch& batch,
+                                              const PreparedBatch& prepared, uint64_t batch_id,
+                                              const std::shared_ptr<const void>& loan_token) {
   absl::MutexLock write_lock(&write_mu_);
   if (writes_done_) {
     return absl::FailedPreconditionError("Backward stream: Submit after Finish");
   }
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t first = (*plan)[p].first, count = (*plan)[p].second;
-    v1::BackwardRequest request;
-    request.set_batch_id(PartId(batch_id, p, parts));
-    request.set_mode(batch.mode);
-    request.set_precision(batch.precision);
-    request.set_expected_weights_version(batch.expected_weights_version);
-    request.set_accumulation_window_id(batch.accumulation_window_id);
-    request.set_response_dtype(batch.response_dtype);
-    auto slice = [&](auto span, int64_t width) {
-      return parts == 1 ? span : span.subspan(first * S * width, count * S * width);
-    };
-    // The activations' dtype and shape here, their bytes encoded once into a pooled buffer that
-    // gRPC sends as it is (or, borrowed, sent from the caller's memory).
-    v1::Tensor* described[2] = {request.mutable_hidden_states(), request.mutable_grad_output()};
-    for (v1::Tensor* tensor : described) {
-      tensor->set_dtype(input_dtype);
-      for (int64_t dimension : {count, S, H}) tensor->add_shape(dimension);
-    }
-    if (tables) {
-      wire::EncodeTensor(slice(batch.cos, D), {count, S, D}, v1::DTYPE_FLOAT32,
-                         request.mutable_rotary_tables()->mutable_cos());
-      wire::EncodeTensor(slice(batch.sin, D), {count, S, D}, v1::DTYPE_FLOAT32,
-                         request.mutable_rotary_tables()->mutable_sin());
-    } else {
-      v1::RotaryPositions* rotary = request.mutable_positions();
-      rotary->set_rope_theta(batch.rope_theta);
-      if (per_sequence_positions) {
-        rotary->mutable_position_ids()->Add(positions.begin() + first * S,
-                                            positions.begin() + (first + count) * S);
-      } else {
-        rotary->mutable_position_ids()->Add(positions.begin(), positions.end());
-      }
-    }
-    if (batch.scaling) request.set_scaling(*batch.scaling);
-    if (batch.softcap) request.set_softcap(*batch.softcap);
-    if (batch.eps) request.set_eps(*batch.eps);
-    if (batch.layer) request.set_layer(*batch.layer);
-    if (batch.sliding_window) request.set_sliding_window(*batch.sliding_window);
-    ATTNGRAD_ASSIGN_OR_RETURN(
-        grpc::ByteBuffer bytes,
-        inputs_16bit
-            ? wire::EncodeBackwardRequestBytes(
-                  request, BytesOf(slice(batch.hidden_states_16bit, H)),
-                  BytesOf(slice(batch.grad_output_16bit, H)), client_->request_pool(), loan_token)
-            : wire::EncodeBackwardRequest(request, slice(batch.hidden_states, H),
-                                          slice(batch.grad_output, H), input_dtype,
-                                          client_->request_pool(), loan_token));
+  for (int64_t p = 0; p < prepared.parts(); ++p) {
+    ATTNGRAD_ASSIGN_OR_RETURN(grpc::ByteBuffer bytes,
+                              EncodePart(batch, prepared, batch_id, p, loan_token));
     {
       absl::MutexLock lock(&mu_);
       auto it = pending_.find(batch_id);
@@ -545,12 +629,27 @@ absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch
       }
     }
     if (!stream_->Write(bytes)) {
-      // The stream is broken; the reader thread learns why from Finish.
       absl::MutexLock lock(&mu_);
       while (!stream_done_) changed_.Wait(&mu_);
       return BrokenStatusLocked();
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> BackwardStream::Impl::Submit(const BackwardBatch& batch) {
+  if (absl::Status restart = client_->RestartStatus(); !restart.ok()) return restart;
+  ATTNGRAD_ASSIGN_OR_RETURN(const PreparedBatch prepared, PrepareBatch(batch));
+  const uint64_t batch_id = batch.batch_id != 0 ? batch.batch_id : client_->NewBatchId();
+  std::unique_ptr<Pending> pending = NewPending(batch, prepared, batch_id);
+  std::shared_ptr<InputLoan> loan;
+  std::shared_ptr<const void> loan_token;
+  if (batch.borrow_inputs && (prepared.inputs_16bit || prepared.input_dtype == v1::DTYPE_FLOAT32)) {
+    loan = std::make_shared<InputLoan>();
+    loan_token = InputLoan::Token(loan);
+  }
+  ATTNGRAD_RETURN_IF_ERROR(AddPending(batch_id, prepared.plan, std::move(pending), loan));
+  ATTNGRAD_RETURN_IF_ERROR(WriteParts(batch, prepared, batch_id, loan_token));
   return batch_id;
 }
 
@@ -692,34 +791,43 @@ absl::Status BackwardStream::Impl::MergePart(const ReceivedAnswer& answer, const
   }
 
   if (pending->mode != v1::GRADIENT_MODE_ACCUMULATE) {
-    if (!response.has_weight_gradients()) {
-      return absl::InternalError(
-          absl::StrCat("batch ", part.batch_id, ": a RETURN-mode answer without weight_gradients"));
-    }
-    const bool first = !result.weight_gradients.has_value();
-    if (first) result.weight_gradients.emplace();
-    for (std::size_t w = 0; w < kAllWeights.size(); ++w) {
-      const Weight weight = kAllWeights[w];
-      HostTensor& sum = (*result.weight_gradients)[weight];
-      const std::vector<int64_t> shape = WeightShape(layer_config_, weight);
-      std::string what = absl::StrCat("weight_gradients.", WeightModuleName(weight));
-      const v1::Tensor& tensor = wire::GradientTensor(response.weight_gradients(), weight);
-      const std::vector<absl::string_view>& payload = answer.payloads[w + 1];
-      ATTNGRAD_ASSIGN_OR_RETURN(const int64_t count, AnswerElements(tensor, payload, shape, what));
-      absl::Span<float> out = pending->weights_out[weight];
-      if (first) {
-        sum.shape = shape;
-        if (out.empty()) {
-          common::ResizeForOverwrite(&sum.data, static_cast<size_t>(count));
-          out = absl::Span<float>(sum.data);
-        }
-      } else if (out.empty()) {
-        out = absl::Span<float>(sum.data);
-      }
-      decodes.push_back(AnswerDecode{&tensor, &payload, std::move(what), out, /*add=*/!first, {}});
-    }
+    ATTNGRAD_RETURN_IF_ERROR(AddWeightGradientDecodes(answer, part, pending, &decodes));
   }
   return DecodeAnswers(decodes, client_->decode_threads());
+}
+
+absl::Status BackwardStream::Impl::AddWeightGradientDecodes(const ReceivedAnswer& answer,
+                                                            const Part& part, Pending* pending,
+                                                            std::vector<AnswerDecode>* decodes) {
+  const v1::BackwardResponse& response = answer.response;
+  BackwardResult& result = pending->result;
+  if (!response.has_weight_gradients()) {
+    return absl::InternalError(
+        absl::StrCat("batch ", part.batch_id, ": a RETURN-mode answer without weight_gradients"));
+  }
+  const bool first = !result.weight_gradients.has_value();
+  if (first) result.weight_gradients.emplace();
+  for (std::size_t w = 0; w < kAllWeights.size(); ++w) {
+    const Weight weight = kAllWeights[w];
+    HostTensor& sum = (*result.weight_gradients)[weight];
+    const std::vector<int64_t> shape = WeightShape(layer_config_, weight);
+    std::string what = absl::StrCat("weight_gradients.", WeightModuleName(weight));
+    const v1::Tensor& tensor = wire::GradientTensor(response.weight_gradients(), weight);
+    const std::vector<absl::string_view>& payload = answer.payloads[w + 1];
+    ATTNGRAD_ASSIGN_OR_RETURN(const int64_t count, AnswerElements(tensor, payload, shape, what));
+    absl::Span<float> out = pending->weights_out[weight];
+    if (first) {
+      sum.shape = shape;
+      if (out.empty()) {
+        common::ResizeForOverwrite(&sum.data, static_cast<size_t>(count));
+        out = absl::Span<float>(sum.data);
+      }
+    } else if (out.empty()) {
+      out = absl::Span<float>(sum.data);
+    }
+    decodes->push_back(AnswerDecode{&tensor, &payload, std::move(what), out, /*add=*/!first, {}});
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<BackwardResult> BackwardStream::Impl::Next(absl::Duration timeout) {

@@ -392,6 +392,101 @@ absl::StatusOr<BackwardResult> Client::Backward(const BackwardBatch& batch) {
 
 namespace {
 
+// How far one weight of a fetched layer has come: whether its first chunk (with the shape) came,
+// its dtype, and the elements received.
+struct FetchProgress {
+  bool started = false;
+  v1::DType dtype = v1::DTYPE_FLOAT32;
+  int64_t received = 0;
+};
+
+// One chunk of a FetchGradients stream decoded into `all` (a chunk with a state starts the next
+// layer, and a weight's first chunk carries its shape); an error names what does not fit.
+absl::Status AddFetchedChunk(const v1::GradientChunk& chunk, std::vector<FetchedGradients>* all,
+                             std::vector<PerWeight<FetchProgress>>* progress) {
+  if (chunk.has_state()) {  // a new layer starts
+    all->emplace_back();
+    all->back().state = chunk.state();
+    progress->emplace_back();
+  }
+  if (all->empty()) return absl::InternalError("FetchGradients: the server sent no state");
+  if (chunk.name() == v1::WEIGHT_NAME_UNSPECIFIED) return absl::OkStatus();  // a state-only chunk
+  const std::optional<Weight> named = wire::WeightOfWireName(chunk.name());
+  if (!named.has_value()) {
+    return absl::InternalError(
+        absl::StrCat("FetchGradients: unknown weight name ", static_cast<int>(chunk.name())));
+  }
+  const Weight weight = *named;
+  FetchProgress& p = progress->back()[weight];
+  HostTensor& tensor = all->back().gradients[weight];
+  if (!p.started) {
+    if (chunk.shape().empty()) {
+      return absl::InternalError(absl::StrCat("FetchGradients: the first chunk of ",
+                                              WeightModuleName(weight), " carries no shape"));
+    }
+    p.started = true;
+    p.dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : chunk.dtype();
+    tensor.shape.assign(chunk.shape().begin(), chunk.shape().end());
+    tensor.data.assign(static_cast<size_t>(wire::NumElements(tensor.shape)), 0.0f);
+  }
+  const int64_t element = wire::DTypeSize(p.dtype);
+  const int64_t count = element ? static_cast<int64_t>(chunk.data().size()) / element : 0;
+  if (element == 0 || count * element != static_cast<int64_t>(chunk.data().size()) ||
+      chunk.offset() < 0 || chunk.offset() + count > tensor.num_elements()) {
+    return absl::InternalError(absl::StrCat(
+        "FetchGradients: chunk of ", WeightModuleName(weight), " at offset ", chunk.offset(),
+        " with ", chunk.data().size(), " bytes of ", wire::DTypeName(p.dtype),
+        " does not fit shape ", wire::ShapeString(tensor.shape)));
+  }
+  absl::Status status =
+      wire::DecodeToFloat(chunk.data(), p.dtype, "FetchGradients chunk",
+                          absl::MakeSpan(tensor.data).subspan(chunk.offset(), count));
+  p.received += count;
+  return status;
+}
+
+// Whether a finished FetchGradients stream brought `expected_layers` layers, each with every
+// weight in full.
+absl::Status CheckFetchComplete(const std::vector<FetchedGradients>& all,
+                                const std::vector<PerWeight<FetchProgress>>& progress,
+                                std::size_t expected_layers) {
+  if (all.size() != expected_layers) {
+    return absl::InternalError(absl::StrCat("FetchGradients: the server sent ", all.size(),
+                                            " layers' states, expected ", expected_layers));
+  }
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    for (Weight weight : kAllWeights) {
+      const HostTensor& tensor = all[i].gradients[weight];
+      if (!progress[i][weight].started || progress[i][weight].received != tensor.num_elements()) {
+        return absl::InternalError(absl::StrCat("FetchGradients: layer ", all[i].state.layer(), " ",
+                                                WeightModuleName(weight), " incomplete: received ",
+                                                progress[i][weight].received, " of ",
+                                                tensor.num_elements(), " elements"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One FetchGradients call, its layers assembled into `all` (cleared first).
+absl::Status FetchGradientsOnce(Client::Impl& impl, const v1::FetchGradientsRequest& request,
+                                std::size_t expected_layers, std::vector<FetchedGradients>* all) {
+  all->clear();
+  std::vector<PerWeight<FetchProgress>> progress;  // per layer
+  grpc::ClientContext context;
+  PrepareContext(&context, impl.options(), impl.options().deadline);
+  auto reader = impl.stub().FetchGradients(&context, request);
+  absl::Status problem;
+  v1::GradientChunk chunk;
+  while (reader->Read(&chunk)) {
+    // After a problem the stream is still drained, so that Finish reports the server's status.
+    if (problem.ok()) problem = AddFetchedChunk(chunk, all, &progress);
+  }
+  ATTNGRAD_RETURN_IF_ERROR(FromGrpc(reader->Finish(), "FetchGradients"));
+  ATTNGRAD_RETURN_IF_ERROR(problem);
+  return CheckFetchComplete(*all, progress, expected_layers);
+}
+
 // FetchGradients of `layers` (empty: the server's first layer), assembled per layer from the
 // chunks (each layer's first chunk carries its state). Retried unless zero_after.
 absl::StatusOr<std::vector<FetchedGradients>> FetchLayersOf(Client::Impl& impl,
@@ -399,96 +494,15 @@ absl::StatusOr<std::vector<FetchedGradients>> FetchLayersOf(Client::Impl& impl,
                                                             bool zero_after,
                                                             uint64_t expected_window_id) {
   if (absl::Status restart = impl.RestartStatus(); !restart.ok()) return restart;
+  v1::FetchGradientsRequest request;
+  request.set_zero_after_fetch(zero_after);
+  request.set_dtype(v1::DTYPE_FLOAT32);
+  request.set_chunk_bytes(impl.options().chunk_bytes);
+  request.set_expected_window_id(expected_window_id);
+  for (int layer : layers) request.add_layers(layer);
+  const std::size_t expected_layers = layers.empty() ? 1 : layers.size();
   std::vector<FetchedGradients> all;
-  struct Progress {
-    bool started = false;
-    v1::DType dtype = v1::DTYPE_FLOAT32;
-    int64_t received = 0;
-  };
-  std::vector<PerWeight<Progress>> progress;  // per layer
-  auto attempt = [&]() -> absl::Status {
-    all.clear();
-    progress.clear();
-    grpc::ClientContext context;
-    PrepareContext(&context, impl.options(), impl.options().deadline);
-    v1::FetchGradientsRequest request;
-    request.set_zero_after_fetch(zero_after);
-    request.set_dtype(v1::DTYPE_FLOAT32);
-    request.set_chunk_bytes(impl.options().chunk_bytes);
-    request.set_expected_window_id(expected_window_id);
-    for (int layer : layers) request.add_layers(layer);
-    auto reader = impl.stub().FetchGradients(&context, request);
-    absl::Status problem;
-    v1::GradientChunk chunk;
-    while (reader->Read(&chunk)) {
-      if (!problem.ok()) continue;  // drain the stream so that Finish reports the server's status
-      if (chunk.has_state()) {      // a new layer starts
-        all.emplace_back();
-        all.back().state = chunk.state();
-        progress.emplace_back();
-      }
-      if (all.empty()) {
-        problem = absl::InternalError("FetchGradients: the server sent no state");
-        continue;
-      }
-      FetchedGradients& fetched = all.back();
-      if (chunk.name() == v1::WEIGHT_NAME_UNSPECIFIED) continue;  // a state-only chunk
-      const std::optional<Weight> named = wire::WeightOfWireName(chunk.name());
-      if (!named.has_value()) {
-        problem = absl::InternalError(
-            absl::StrCat("FetchGradients: unknown weight name ", static_cast<int>(chunk.name())));
-        continue;
-      }
-      const Weight weight = *named;
-      Progress& p = progress.back()[weight];
-      HostTensor& tensor = fetched.gradients[weight];
-      if (!p.started) {
-        if (chunk.shape().empty()) {
-          problem =
-              absl::InternalError(absl::StrCat("FetchGradients: the first chunk of ",
-                                               WeightModuleName(weight), " carries no shape"));
-          continue;
-        }
-        p.started = true;
-        p.dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : chunk.dtype();
-        tensor.shape.assign(chunk.shape().begin(), chunk.shape().end());
-        tensor.data.assign(static_cast<size_t>(wire::NumElements(tensor.shape)), 0.0f);
-      }
-      const int64_t element = wire::DTypeSize(p.dtype);
-      const int64_t count = element ? static_cast<int64_t>(chunk.data().size()) / element : 0;
-      if (element == 0 || count * element != static_cast<int64_t>(chunk.data().size()) ||
-          chunk.offset() < 0 || chunk.offset() + count > tensor.num_elements()) {
-        problem = absl::InternalError(absl::StrCat(
-            "FetchGradients: chunk of ", WeightModuleName(weight), " at offset ", chunk.offset(),
-            " with ", chunk.data().size(), " bytes of ", wire::DTypeName(p.dtype),
-            " does not fit shape ", wire::ShapeString(tensor.shape)));
-        continue;
-      }
-      problem = wire::DecodeToFloat(chunk.data(), p.dtype, "FetchGradients chunk",
-                                    absl::MakeSpan(tensor.data).subspan(chunk.offset(), count));
-      p.received += count;
-    }
-    absl::Status status = FromGrpc(reader->Finish(), "FetchGradients");
-    if (!status.ok()) return status;
-    if (!problem.ok()) return problem;
-    const std::size_t expected_layers = layers.empty() ? 1 : layers.size();
-    if (all.size() != expected_layers) {
-      return absl::InternalError(absl::StrCat("FetchGradients: the server sent ", all.size(),
-                                              " layers' states, expected ", expected_layers));
-    }
-    for (std::size_t i = 0; i < all.size(); ++i) {
-      for (Weight weight : kAllWeights) {
-        const HostTensor& tensor = all[i].gradients[weight];
-        if (!progress[i][weight].started || progress[i][weight].received != tensor.num_elements()) {
-          return absl::InternalError(absl::StrCat(
-              "FetchGradients: layer ", all[i].state.layer(), " ", WeightModuleName(weight),
-              " incomplete: received ", progress[i][weight].received, " of ", tensor.num_elements(),
-              " elements"));
-        }
-      }
-    }
-    return absl::OkStatus();
-  };
+  auto attempt = [&]() { return FetchGradientsOnce(impl, request, expected_layers, &all); };
   absl::Status status = zero_after ? attempt() : impl.Retry(attempt);
   if (!status.ok()) return status;
   for (const FetchedGradients& fetched : all) {
