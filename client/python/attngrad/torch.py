@@ -338,17 +338,6 @@ class _PinnedWeights:
         for later in group[group.index(owner) + 1:] if owner in group else ():
             _queue_upload(later, later.binding, sample, later.fingerprint())
 
-
-def _queue_upload(owner, binding: "_Binding", sample, fingerprint: Tuple) -> None:
-    """Queues OWNER's upload in the client's sender thread (Client.submit_after_stream, in the
-    order of SAMPLE's stream) unless its weights are uploaded or queued as FINGERPRINT already."""
-    if owner.upload_queued_for == fingerprint or not owner.needs_upload(fingerprint):
-        return
-    queue = getattr(binding.client, "submit_after_stream", None)
-    if queue is not None and queue(sample, lambda: owner.sync_weights(synchronize=False),
-                                   layer=binding.layer) is not None:
-        owner.upload_queued_for = fingerprint
-
     def version(self, synchronize: bool = True) -> int:
         """The server's version of exactly the forward's weights (uploaded now if they changed
         since the last upload; SYNCHRONIZE False when the stream's earlier writes are known to
@@ -360,6 +349,17 @@ def _queue_upload(owner, binding: "_Binding", sample, fingerprint: Tuple) -> Non
                 "between the forward and its backward; the backward must see the forward's "
                 "weights (run optimizer.step() after backward())")
         return self.owner.sync_weights(synchronize=synchronize)
+
+
+def _queue_upload(owner, binding: "_Binding", sample, fingerprint: Tuple) -> None:
+    """Queues OWNER's upload in the client's sender thread (Client.submit_after_stream, in the
+    order of SAMPLE's stream) unless its weights are uploaded or queued as FINGERPRINT already."""
+    if owner.upload_queued_for == fingerprint or not owner.needs_upload(fingerprint):
+        return
+    queue = getattr(binding.client, "submit_after_stream", None)
+    if queue is not None and queue(sample, lambda: owner.sync_weights(synchronize=False),
+                                   layer=binding.layer) is not None:
+        owner.upload_queued_for = fingerprint
 
 
 def _weights_fingerprint(weights: Dict[str, torch.Tensor]) -> Tuple:
