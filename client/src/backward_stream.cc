@@ -340,8 +340,10 @@ class BackwardStream::Impl {
        std::function<void()> on_result)
       : client_(std::move(client)),
         layer_config_(wire::LayerConfigFromWire(client_->cached_info().config())),
-        on_result_(std::move(on_result)) {
+        on_result_(std::move(on_result)),
+        end_marker_(client_->cached_info().backward_end_marker()) {
     PrepareContext(&context_, client_->options(), deadline);
+    if (end_marker_) context_.AddMetadata(wire::kEndMarkerMetadata, wire::kEndMarkerDeclared);
   }
 
   ~Impl() {
@@ -425,16 +427,26 @@ class BackwardStream::Impl {
   absl::Status AddWeightGradientDecodes(const ReceivedAnswer& answer, const Part& part,
                                         Pending* pending, std::vector<AnswerDecode>* decodes);
   absl::Status BrokenStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes one request and counts it for the end marker; false when the stream is broken.
+  bool WriteRequest(const grpc::ByteBuffer& bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) {
+    if (!stream_->Write(bytes)) return false;
+    ++requests_written_;
+    return true;
+  }
 
   std::shared_ptr<Client::Impl> client_;
   const LayerConfig layer_config_;         // from the model info when the stream opened
   const std::function<void()> on_result_;  // may be empty
+  // The stream ends with an end marker (BackwardRequest.end), declared when it opened: the server
+  // then tells a stream that lost its last request (it ended inside that message) from a clean end.
+  const bool end_marker_;
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
   std::thread reader_;
 
   absl::Mutex write_mu_;
   bool writes_done_ ABSL_GUARDED_BY(write_mu_) = false;
+  uint64_t requests_written_ ABSL_GUARDED_BY(write_mu_) = 0;  // what the end marker counts
 
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
@@ -628,7 +640,7 @@ absl::Status BackwardStream::Impl::WriteParts(const BackwardBatch& batch,
         it->second->result.request_bytes += static_cast<int64_t>(bytes.Length());
       }
     }
-    if (!stream_->Write(bytes)) {
+    if (!WriteRequest(bytes)) {
       absl::MutexLock lock(&mu_);
       while (!stream_done_) changed_.Wait(&mu_);
       return BrokenStatusLocked();
@@ -892,6 +904,13 @@ absl::Status BackwardStream::Impl::Finish() {
     absl::MutexLock write_lock(&write_mu_);
     if (!writes_done_) {
       writes_done_ = true;
+      if (end_marker_) {  // the last request: every one before it arrived whole
+        v1::BackwardRequest marker;
+        marker.mutable_end()->set_requests(requests_written_);
+        grpc::Slice slice(marker.SerializeAsString());
+        grpc::ByteBuffer bytes(&slice, 1);
+        stream_->Write(bytes);  // a broken stream: the reader learns why from Finish
+      }
       stream_->WritesDone();
     }
   }

@@ -25,18 +25,6 @@ absl::StatusOr<Role> ParseRole(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("role '", name, "' is not one of trainer, admin"));
 }
 
-// The single value of `key` in `metadata`; empty when absent.
-absl::StatusOr<std::string> SingleValue(
-    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata, absl::string_view key) {
-  auto [begin, end] = metadata.equal_range(grpc::string_ref(key.data(), key.size()));
-  if (begin == end) return std::string();
-  const std::string value(begin->second.data(), begin->second.size());
-  if (std::next(begin) != end) {
-    return absl::InvalidArgumentError(absl::StrCat("metadata '", key, "' is sent more than once"));
-  }
-  return value;
-}
-
 // Where a client id of the tokens file comes from: its line, and whether the line names it.
 struct ClientIdSource {
   int line_number = 0;
@@ -62,6 +50,17 @@ absl::Status CheckClientIdCollision(std::map<std::string, ClientIdSource>& sourc
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> SingleMetadataValue(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata, absl::string_view key) {
+  auto [begin, end] = metadata.equal_range(grpc::string_ref(key.data(), key.size()));
+  if (begin == end) return std::string();
+  const std::string value(begin->second.data(), begin->second.size());
+  if (std::next(begin) != end) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata '", key, "' is sent more than once"));
+  }
+  return value;
+}
 
 const char* RoleName(Role role) { return role == Role::kAdmin ? "admin" : "trainer"; }
 
@@ -189,7 +188,8 @@ absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase
 absl::StatusOr<Caller> Authenticator::AuthenticateMetadata(
     const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const {
   if (!enabled_) {
-    ATTNGRAD_ASSIGN_OR_RETURN(std::string client_id, SingleValue(metadata, kClientIdMetadata));
+    ATTNGRAD_ASSIGN_OR_RETURN(std::string client_id,
+                              SingleMetadataValue(metadata, kClientIdMetadata));
     Caller caller;
     caller.role = Role::kAdmin;
     if (!client_id.empty()) {
@@ -198,7 +198,7 @@ absl::StatusOr<Caller> Authenticator::AuthenticateMetadata(
     }
     return caller;
   }
-  absl::StatusOr<std::string> authorization = SingleValue(metadata, kAuthorizationMetadata);
+  absl::StatusOr<std::string> authorization = SingleMetadataValue(metadata, kAuthorizationMetadata);
   if (!authorization.ok()) return absl::UnauthenticatedError(authorization.status().message());
   if (authorization->empty()) {
     return absl::UnauthenticatedError(
@@ -240,7 +240,7 @@ absl::StatusOr<std::string> WindowOwner(const Caller& caller,
                                         const grpc::ServerContextBase& context,
                                         absl::string_view method) {
   ATTNGRAD_ASSIGN_OR_RETURN(std::string owner,
-                            SingleValue(context.client_metadata(), kForClientMetadata));
+                            SingleMetadataValue(context.client_metadata(), kForClientMetadata));
   if (owner.empty() || owner == caller.client_id) return caller.client_id;
   ATTNGRAD_RETURN_IF_ERROR(CheckClientId(owner, kForClientMetadata));
   ATTNGRAD_RETURN_IF_ERROR(Authorize(caller, Operation::kAddressOtherClient, method));

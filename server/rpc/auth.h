@@ -43,6 +43,11 @@ inline constexpr char kAuthorizationMetadata[] = "authorization";
 inline constexpr char kClientIdMetadata[] = "attngrad-client-id";    // authentication off only
 inline constexpr char kForClientMetadata[] = "attngrad-for-client";  // admin: another's window
 
+// The single value of `key` in a call's `metadata`; empty when absent, INVALID_ARGUMENT naming the
+// key when it is sent more than once.
+absl::StatusOr<std::string> SingleMetadataValue(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata, absl::string_view key);
+
 // Whether a gRPC peer string names a caller on this host: an IPv4 address in 127.0.0.0/8, the
 // IPv6 loopback ::1 (or an IPv4-mapped loopback address), or a Unix socket.
 bool IsLoopbackPeer(absl::string_view peer);

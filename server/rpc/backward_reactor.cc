@@ -12,6 +12,7 @@
 #include "attngrad/wire/dtype.h"
 #include "rpc/gradient_service.h"
 #include "rpc/raw_request.h"
+#include "rpc/stream_end.h"
 #include "scheduling/staging.h"
 
 namespace attngrad::server {
@@ -30,12 +31,15 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         client_id_(std::move(client_id)),
         start_(Clock::now()),
         last_progress_(start_) {
-    const absl::Status opened = service_->streams().Open(client_id_, this);
+    const absl::StatusOr<bool> declared = EndMarkerDeclared(context_->client_metadata());
+    absl::Status opened = declared.status();
+    if (opened.ok()) opened = service_->streams().Open(client_id_, this);
     if (!opened.ok()) {
       finished_ = true;
       FinishStream(ToGrpcStatus(opened));
       return;
     }
+    stream_end_ = StreamEndCheck(*declared);
     // Reactions may start once StartRead is called: the constructor's own state is set before.
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -120,6 +124,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       read_in_flight_ = false;
       last_progress_ = Clock::now();
       if (!ok) reads_done_ = true;
+      CheckStreamEndLocked(ok, received);
       // Counted before the next read may start: the batch holds its place in the stream's window
       // and keeps the stream open until it is answered (every path below answers it).
       if (finished_) received.reset();  // closed while this request arrived: not computed
@@ -194,6 +199,27 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     bool finish = false;
     grpc::Status status;
   };
+
+  // Checks what a read brought against the stream's end marker (stream_end.h): a request stays in
+  // `received` to be computed, the end marker is taken out of it, and a read that failed is the
+  // client's half-close (or its cancellation, which ends the stream CANCELLED instead). A check
+  // that fails ends the stream's reading: it ends with that status once the batches already handed
+  // in are answered.
+  void CheckStreamEndLocked(bool ok, std::optional<ReceivedBackwardRequest>& received) {
+    absl::Status status;
+    if (!ok) {
+      if (!context_->IsCancelled()) status = stream_end_.HalfClosed();
+    } else if (received.has_value() && received->message.has_end()) {
+      status = stream_end_.Marker(*received);
+      received.reset();
+    } else if (received.has_value()) {
+      status = stream_end_.Request();
+      if (!status.ok()) received.reset();
+    }
+    if (status.ok()) return;
+    reads_done_ = true;
+    if (end_status_.ok()) end_status_ = status;
+  }
 
   // Batches computing, or answers not yet written.
   bool HasBatchesLocked() const {
@@ -394,7 +420,9 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
   grpc::ByteBuffer request_;
 
   std::mutex mutex_;
-  absl::Status end_status_;          // not OK: the stream ends with it (bytes that were no request)
+  // Not OK: the stream ends with it (bytes that were no request, an end marker missing or wrong).
+  absl::Status end_status_;
+  StreamEndCheck stream_end_;
   Clock::time_point last_progress_;  // the last request read or answer written
   bool cancel_on_expiry_ = false;
   grpc::Status expiry_status_;                 // how FinishIdle ends the stream: idle or shutdown

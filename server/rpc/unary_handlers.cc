@@ -110,6 +110,7 @@ void GradientService::FillModelInfo(const Caller& caller, v1::GetModelInfoRespon
   response->set_default_eps(defaults.eps);
   response->set_model_name(core_->model_name());
   response->set_num_hidden_layers(core_->num_hidden_layers());
+  response->set_backward_end_marker(true);  // rpc/stream_end.h
   for (const GradientCore::LayerDescription& layer : core_->Layers()) {
     v1::LayerInfo* info = response->add_layers();
     info->set_index(layer.settings.index);

@@ -3,10 +3,11 @@
 // 100 bytes follow, then END_STREAM. gRPC's HTTP/2 transport (chttp2, the grpc_core
 // grpc_chttp2_maybe_complete_recv_message of 1.51 and of today's master alike) drops the partial
 // bytes when the stream's read side closes and reports the end of the stream exactly as a clean
-// half-close: the reactor's OnReadDone(false), no error anywhere. The server therefore cannot
-// refuse it; this test pins what happens (status OK, one answer, the cut batch neither computed nor
-// accumulated) so that a gRPC that starts reporting truncation shows up here (server/README.md,
-// "Truncated last message").
+// half-close: the reactor's OnReadDone(false), no error anywhere. A stream that declared the end
+// marker (attngrad-end-marker: 1, rpc/stream_end.h) therefore ends with DATA_LOSS naming the
+// marker it expected; one that did not (an older client) ends OK, which this test pins (one
+// answer, the cut batch neither computed nor accumulated) so that a gRPC that starts reporting
+// truncation shows up here (server/README.md, "A stream cut inside its last message").
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -67,13 +68,16 @@ std::string DataFrames(const std::string& bytes, bool end_stream) {
 
 struct StreamOutcome {
   std::vector<v1::BackwardResponse> answers;
-  bool ended = false;  // trailers with END_STREAM, or RST_STREAM, on stream 1
+  bool ended = false;    // trailers with END_STREAM, or RST_STREAM, on stream 1
+  std::string trailers;  // their HPACK bytes (gRPC writes grpc-message as a plain literal)
 };
 
 // Sends `body` (the gRPC bytes of stream 1) on a new connection after the headers of a call of
-// `method` of the service, then reads the server's frames until stream 1 ends or `seconds` pass.
+// `method` of the service (and `extra_headers`, HPACK), then reads the server's frames until
+// stream 1 ends or `seconds` pass.
 StreamOutcome RunRawStream(int port, const std::string& body, double seconds,
-                           const std::string& method = "Backward") {
+                           const std::string& method = "Backward",
+                           const std::string& extra_headers = "") {
   StreamOutcome outcome;
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in address{};
@@ -85,7 +89,7 @@ StreamOutcome RunRawStream(int port, const std::string& body, double seconds,
                               Literal(":path", "/attngrad.v1.AttentionGradient/" + method) +
                               Literal(":authority", "127.0.0.1:" + std::to_string(port)) +
                               Literal("content-type", "application/grpc") +
-                              Literal("te", "trailers");
+                              Literal("te", "trailers") + extra_headers;
   const std::string out = std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") +
                           Frame(kSettings, 0, 0, "") + Frame(kHeaders, kEndHeaders, 1, headers) +
                           body;
@@ -118,6 +122,7 @@ StreamOutcome RunRawStream(int port, const std::string& body, double seconds,
       if (type == kData) messages += payload;
       if ((type == kHeaders && (flags & kEndStream) != 0) || type == kRstStream) {
         outcome.ended = true;
+        if (type == kHeaders) outcome.trailers = payload;
       }
     }
   }
@@ -149,41 +154,94 @@ int CallsEndedWith(int metrics_port, const std::string& method, const std::strin
   return 0;
 }
 
-class TruncatedMessageTest : public ServerTest {};
+// The calls of `method` that /metrics records as ended with `code`, once gRPC has closed them (a
+// moment after the client saw their end): waits up to 5 s for at least one.
+int RecordedCalls(int metrics_port, const std::string& method, const std::string& code) {
+  int calls = 0;
+  for (int attempt = 0; attempt < 50 && calls == 0; ++attempt) {
+    calls = CallsEndedWith(metrics_port, method, code);
+    if (calls == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return calls;
+}
 
-TEST_F(TruncatedMessageTest, ACutLastMessageLooksToTheServerLikeACleanHalfClose) {
-  const Batch batch = MakeBatch(config(), 1, 1, 21);
+class TruncatedMessageTest : public ServerTest {
+ protected:
+  // A whole ACCUMULATE batch (id 1) as a gRPC message, then the first 100 bytes of batch 2 behind
+  // a length prefix that promises all of it.
+  std::string WholeThenCut() {
+    const Batch batch = MakeBatch(config(), 1, 1, 21);
+    const std::string first =
+        MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE).SerializeAsString();
+    const std::string second =
+        MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE).SerializeAsString();
+    EXPECT_GT(second.size(), 20000u);  // the prefix promises ~24 kB
+    return MessagePrefix(static_cast<std::uint32_t>(first.size())) + first +
+           MessagePrefix(static_cast<std::uint32_t>(second.size())) + second.substr(0, 100);
+  }
+  long long WindowBatches() {
+    const Fetched fetched = Fetch(stub(), v1::FetchGradientsRequest());
+    EXPECT_TRUE(fetched.status.ok()) << fetched.status.error_message();
+    return fetched.state.batches();
+  }
+};
+
+// A client that declared the end marker: the stream cut inside batch 2 ends with DATA_LOSS naming
+// the marker it expected after the one whole request; batch 1 stays answered and accumulated.
+TEST_F(TruncatedMessageTest, ACutLastMessageOfADeclaredStreamEndsWithDataLossNamingIt) {
+  const std::string declared = Literal("attngrad-end-marker", "1");
+  const StreamOutcome outcome =
+      RunRawStream(server().port(), DataFrames(WholeThenCut(), true), 30, "Backward", declared);
+  ASSERT_TRUE(outcome.ended) << "stream 1 did not end";
+  ASSERT_EQ(outcome.answers.size(), 1u);
+  EXPECT_EQ(outcome.answers[0].batch_id(), 1u);
+  EXPECT_FALSE(outcome.answers[0].has_error()) << outcome.answers[0].error().message();
+  for (const char* named : {"without its end marker", "inside or before a message",
+                            "after the 1 request(s) that arrived whole", "end.requests"}) {
+    EXPECT_NE(outcome.trailers.find(named), std::string::npos)
+        << named << " in " << outcome.trailers;
+  }
+  EXPECT_EQ(RecordedCalls(server().metrics_port(), "Backward", "DATA_LOSS"), 1);
+  EXPECT_EQ(CallsEndedWith(server().metrics_port(), "Backward", "OK"), 0);
+  EXPECT_EQ(WindowBatches(), 1);
+
+  // The same client's whole stream: batch 1, then the marker counting it, then END_STREAM: OK.
   const std::string first =
-      MakeRequest(config(), batch, 1, v1::GRADIENT_MODE_ACCUMULATE).SerializeAsString();
-  const std::string second =
-      MakeRequest(config(), batch, 2, v1::GRADIENT_MODE_ACCUMULATE).SerializeAsString();
-  ASSERT_GT(second.size(), 20000u);  // the prefix promises ~24 kB
-  const std::string cut =
-      MessagePrefix(static_cast<std::uint32_t>(second.size())) + second.substr(0, 100);
+      MakeRequest(config(), MakeBatch(config(), 1, 1, 22), 3, v1::GRADIENT_MODE_ACCUMULATE)
+          .SerializeAsString();
+  v1::BackwardRequest marker;
+  marker.mutable_end()->set_requests(1);
+  const std::string end = marker.SerializeAsString();
+  const StreamOutcome whole = RunRawStream(
+      server().port(),
+      DataFrames(MessagePrefix(first.size()) + first + MessagePrefix(end.size()) + end, true), 30,
+      "Backward", declared);
+  ASSERT_TRUE(whole.ended);
+  EXPECT_EQ(whole.answers.size(), 1u);
+  EXPECT_EQ(RecordedCalls(server().metrics_port(), "Backward", "OK"), 1);
+  EXPECT_EQ(WindowBatches(), 2);
+}
 
-  const StreamOutcome outcome = RunRawStream(
-      server().port(), DataFrames(MessagePrefix(first.size()) + first + cut, true), 30);
+// A client that did not declare the marker (an older one): gRPC reports the cut as a clean
+// half-close and the stream ends OK, as it always did.
+TEST_F(TruncatedMessageTest, ACutLastMessageOfAnUndeclaredStreamLooksLikeACleanHalfClose) {
+  const StreamOutcome outcome = RunRawStream(server().port(), DataFrames(WholeThenCut(), true), 30);
   ASSERT_TRUE(outcome.ended) << "stream 1 did not end";
   ASSERT_EQ(outcome.answers.size(), 1u);
   EXPECT_EQ(outcome.answers[0].batch_id(), 1u);
   EXPECT_FALSE(outcome.answers[0].has_error()) << outcome.answers[0].error().message();
 
-  // The call ended OK, as gRPC reported a clean half-close to the reactor (recorded once gRPC has
-  // closed the call, a moment after the client saw its end).
-  int ok_calls = 0;
-  for (int attempt = 0; attempt < 50 && ok_calls == 0; ++attempt) {
-    ok_calls = CallsEndedWith(server().metrics_port(), "Backward", "OK");
-    if (ok_calls == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_EQ(ok_calls, 1) << "gRPC now ends a stream cut inside a message otherwise: "
-                            "update server/README.md (Truncated last message)";
+  // The call ended OK, as gRPC reported a clean half-close to the reactor.
+  EXPECT_EQ(RecordedCalls(server().metrics_port(), "Backward", "OK"), 1)
+      << "gRPC now ends a stream cut inside a message otherwise: update server/README.md (A "
+         "stream cut inside its last message)";
   // Only the complete batch was accumulated; the cut one was never handed to the server.
-  v1::FetchGradientsRequest fetch;
-  const Fetched fetched = Fetch(stub(), fetch);
-  ASSERT_TRUE(fetched.status.ok()) << fetched.status.error_message();
-  EXPECT_EQ(fetched.state.batches(), 1);
+  EXPECT_EQ(WindowBatches(), 1);
 
   // A stream that really ends after the first batch is the same to the server: one answer, OK.
+  const std::string first =
+      MakeRequest(config(), MakeBatch(config(), 1, 1, 21), 1, v1::GRADIENT_MODE_ACCUMULATE)
+          .SerializeAsString();
   const StreamOutcome clean =
       RunRawStream(server().port(), DataFrames(MessagePrefix(first.size()) + first, true), 30);
   ASSERT_TRUE(clean.ended);
@@ -207,12 +265,7 @@ TEST_F(TruncatedMessageTest, ALoadWeightsUploadCutInsideAChunkIsRefusedAsIncompl
   const StreamOutcome outcome =
       RunRawStream(server().port(), DataFrames(cut, true), 30, "LoadWeights");
   ASSERT_TRUE(outcome.ended);
-  int refused = 0;
-  for (int attempt = 0; attempt < 50 && refused == 0; ++attempt) {
-    refused = CallsEndedWith(server().metrics_port(), "LoadWeights", "INVALID_ARGUMENT");
-    if (refused == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_EQ(refused, 1);
+  EXPECT_EQ(RecordedCalls(server().metrics_port(), "LoadWeights", "INVALID_ARGUMENT"), 1);
   grpc::ClientContext after_context;
   v1::GetModelInfoResponse after;
   ASSERT_TRUE(stub().GetModelInfo(&after_context, {}, &after).ok());
@@ -232,12 +285,7 @@ TEST_F(TruncatedMessageTest, AUnaryRequestCutInsideItsMessageIsInvalidArgument) 
   ASSERT_TRUE(
       RunRawStream(server().port(), Frame(kData, kEndStream, 1, ""), 30, "GetModelInfo").ended);
   for (const char* method : {"ZeroGradients", "GetModelInfo"}) {
-    int refused = 0;
-    for (int attempt = 0; attempt < 50 && refused == 0; ++attempt) {
-      refused = CallsEndedWith(server().metrics_port(), method, "INVALID_ARGUMENT");
-      if (refused == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    EXPECT_EQ(refused, 1) << method;
+    EXPECT_EQ(RecordedCalls(server().metrics_port(), method, "INVALID_ARGUMENT"), 1) << method;
   }
 }
 

@@ -20,6 +20,11 @@
 
 namespace attngrad::wire {
 
+// The request metadata with which a client declares, at a Backward stream's start, that it ends the
+// stream with an end marker (BackwardRequest.end), and its one value.
+inline constexpr char kEndMarkerMetadata[] = "attngrad-end-marker";
+inline constexpr char kEndMarkerDeclared[] = "1";
+
 // `request` (hidden_states and grad_output with their dtype `dtype` and shape, no raw_data) with
 // `hidden_states` and `grad_output` encoded to `dtype` (one pass each, into one buffer of `pool`,
 // sent as its own slices): byte for byte protobuf's serialization of the request with those
