@@ -403,6 +403,10 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         blocked = attngrad.Client(self.server.target, client_id="blocked", timeout=60)
         hidden, grad, positions = self.inputs(1, 32, 21)
         word = torch.zeros(4, dtype=torch.int32, device=self.device)
+        # The other client's memory is registered before the gate closes: opening a new CUDA IPC
+        # handle on the server (RegisterRegion) may wait for the device, gates included.
+        self.client.backward(hidden, grad, position_ids=positions, mode="return",
+                             precision="fp32", transport="cuda_ipc")
         stream = torch.cuda.Stream(device=self.device)
         torch.cuda.synchronize()
 
