@@ -376,8 +376,8 @@ class BackwardStream(t.ServerTestCase):
                 if opened:
                     return backward
                 opened.append(True)
-                return lambda requests, timeout=None: LosesTheFirstAnswer(
-                    backward(requests, timeout=timeout))
+                return lambda requests, **options: LosesTheFirstAnswer(
+                    backward(requests, **options))
 
             client._streams._open = open_breaking
             hidden, grad, cos, sin = self.batch()

@@ -139,6 +139,8 @@ class ModelInfo:
     layers: Tuple["LayerInfo", ...] = ()
     model_name: str = ""
     num_hidden_layers: int = 1
+    # The server checks the end marker of Backward streams that declare it (BackwardRequest.end).
+    backward_end_marker: bool = False
 
     @classmethod
     def from_proto(cls, message) -> "ModelInfo":
@@ -159,7 +161,8 @@ class ModelInfo:
             server_version=message.server_version, default_scaling=message.default_scaling,
             default_softcap=message.default_softcap, default_eps=message.default_eps,
             layers=tuple(LayerInfo.from_proto(layer) for layer in message.layers),
-            model_name=message.model_name, num_hidden_layers=message.num_hidden_layers)
+            model_name=message.model_name, num_hidden_layers=message.num_hidden_layers,
+            backward_end_marker=message.backward_end_marker)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -872,6 +875,30 @@ def _read_varint(data: bytes, position: int) -> Tuple[int, int]:
 
 _END = object()
 
+# The request metadata that declares, at a Backward stream's start, that the stream ends with an
+# end marker (BackwardRequest.end); sent only to servers that check it
+# (GetModelInfoResponse.backward_end_marker).
+_END_MARKER_METADATA = (("attngrad-end-marker", "1"),)
+
+
+def _outbox_requests(outbox: "queue.Queue", end_marker: bool, serialize: bool):
+    """A Backward stream's request iterator (gRPC's sending thread consumes it): the requests put
+    into OUTBOX until _END. With END_MARKER, then the stream's end marker: a last request with only
+    BackwardRequest.end, counting the requests before it, so that the server tells a stream cut
+    inside its last message (which gRPC reports to it as a clean end) from a whole one. SERIALIZE:
+    the marker as bytes, like the requests it follows; else a _WireRequest."""
+    sent = 0
+    while True:
+        item = outbox.get()
+        if item is _END:
+            break
+        sent += 1
+        yield item
+    if end_marker:
+        marker = _WireRequest()
+        marker.head = pb.BackwardRequest(end=pb.StreamEnd(requests=sent))
+        yield marker.serialize() if serialize else marker
+
 
 def ordered_fan_out(items: Iterable[Any], lane_of, run_lane, *, limit: int) -> Iterator[Any]:
     """Yields, in input order, one result per item of ITEMS, computed on lanes: item i goes to lane
@@ -987,19 +1014,15 @@ class _BackwardStream:
     receive() reads the next response. Used by one backward() at a time (_StreamPool); returned to
     the pool only with no request outstanding, so the next user reads only its own answers."""
 
-    def __init__(self, multi_callable):
+    def __init__(self, multi_callable, end_marker: bool = False):
         self._outbox: "queue.Queue" = queue.Queue()
-        self._responses = multi_callable(self._requests(), timeout=None)
+        # Each item a serialised request (bytes): no caller's array.
+        self._responses = multi_callable(
+            _outbox_requests(self._outbox, end_marker, serialize=True), timeout=None,
+            metadata=_END_MARKER_METADATA if end_marker else None)
         self.outstanding = 0
         self.broken = False
         self.expired = False  # the watchdog cancelled it: a call's deadline passed
-
-    def _requests(self):
-        while True:
-            payload = self._outbox.get()  # a serialised request (bytes): no caller's array
-            if payload is _END:
-                return
-            yield payload
 
     def usable(self) -> bool:
         return not (self.broken or self.expired or self.outstanding or self._responses.done())
@@ -1058,8 +1081,9 @@ class _StreamPool:
     share one stream and concurrent calls each have their own. At most IDLE_LIMIT idle streams are
     kept open (each counts against the server's streams per client)."""
 
-    def __init__(self, open_stream, idle_limit: int):
+    def __init__(self, open_stream, idle_limit: int, end_marker=lambda: False):
         self._open = open_stream
+        self._end_marker = end_marker  # () -> whether a new stream declares the end marker
         self._idle_limit = max(1, int(idle_limit))
         self._idle: List[_BackwardStream] = []
         self._lock = threading.Lock()
@@ -1072,7 +1096,7 @@ class _StreamPool:
                     raise ValueError("the client is closed")
                 stream = self._idle.pop() if self._idle else None
             if stream is None:
-                return _BackwardStream(self._open())
+                return _BackwardStream(self._open(), self._end_marker())
             if stream.usable():
                 return stream
             stream.close(wait=0)  # ended meanwhile (e.g. the server restarted): a new one
@@ -1456,7 +1480,7 @@ class Client:
         self.phase_timings = bool(phase_timings)
         # backward()'s streams, kept open across calls, and the watchdog of their deadlines.
         self._streams = _StreamPool(lambda: self._next_backward(serialized=True),
-                                    idle_limit=int(channels))
+                                    idle_limit=int(channels), end_marker=self._end_marker_declared)
         self._watchdog = _Watchdog()
 
     @property
@@ -1479,6 +1503,11 @@ class Client:
             self._raw_channels[index] = raw
         return (grpc.intercept_channel(raw, _MetadataInterceptor(self._metadata))
                 if self._metadata else raw)
+
+    def _end_marker_declared(self) -> bool:
+        """Whether this client's Backward streams declare and send the end marker: to servers that
+        check it (an older server would answer the marker as a bad batch)."""
+        return (self._limits or self.info()).backward_end_marker
 
     def _next_backward(self, serialized: bool = False):
         """The Backward call of the next channel in turn: requests are _WireRequests (one-copy
@@ -1819,7 +1848,8 @@ class Client:
         with self._regions_lock:
             if self._gpu_ordered is None:
                 self._gpu_ordered = stream_ordered.GpuOrderedCalls(
-                    lambda: _BackwardStream(self._next_backward(serialized=True)),
+                    lambda: _BackwardStream(self._next_backward(serialized=True),
+                                            self._end_marker_declared()),
                     self._stream_ordered.driver,
                     lambda memory: self._cuda_region_cache().slice_of(memory),
                     watchdog=self._watchdog, tasks=self._stream_ordered)
@@ -2215,14 +2245,10 @@ class Client:
         yields each batch's result once all its parts are answered, in input order."""
         outbox: "queue.Queue" = queue.Queue()
 
-        def requests():
-            while True:
-                item = outbox.get()
-                if item is _END:
-                    return
-                yield item
-
-        call = self._next_backward()(requests(), timeout=self._timeout(timeout))
+        end_marker = self._end_marker_declared()
+        call = self._next_backward()(_outbox_requests(outbox, end_marker, serialize=False),
+                                     timeout=self._timeout(timeout),
+                                     metadata=_END_MARKER_METADATA if end_marker else None)
         finished = False
         try:
             source = iter(batches)
