@@ -68,6 +68,7 @@ DeviceDescription CpuWorker::Describe() const {
 void CpuWorker::Run() {
   while (std::optional<Item> item = Pop(/*wait=*/true)) {
     if (item->job != nullptr) {
+      if (SkipIfUnobservable(item->job)) continue;
       Compute(*item->job);
       FinishJob(std::move(item->job));
     } else {

@@ -407,8 +407,9 @@ class GpuWorker final : public DeviceWorker {
   }
 
   // Launches `job` in a free slot (retiring the oldest batch when none is free), or finishes it
-  // with the error that stopped its launch.
+  // with the error that stopped its launch (or CANCELLED when nobody can observe it).
   void LaunchInSlot(std::unique_ptr<BatchJob> job, std::deque<Slot*>& in_flight) {
+    if (SkipIfUnobservable(job)) return;
     if (in_flight.size() == slots_.size()) RetireOldest(in_flight);
     Slot* slot = nullptr;
     for (Slot& candidate : slots_) {

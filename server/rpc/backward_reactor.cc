@@ -1,6 +1,7 @@
 // The Backward reactor: reads batches, hands them to GradientCore and writes their answers.
 #include "rpc/backward_reactor.h"
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -155,6 +156,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       writes_.pop_front();
       if (!ok) {  // the client is gone: drop what is left to write
         broken_ = true;
+        cancelled_->store(true);
         writes_.clear();
       }
       actions = NextLocked();
@@ -167,6 +169,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     {
       std::lock_guard<std::mutex> lock(mutex_);
       broken_ = true;
+      cancelled_->store(true);  // the workers skip its queued batches that nobody could observe
       // Keep the response being written (gRPC holds a pointer to it) and drop the others.
       while (writes_.size() > (write_in_flight_ ? 1u : 0u)) writes_.pop_back();
       actions = NextLocked();
@@ -313,6 +316,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     }
     const int layer = service_->core().settings(batch->job->layer_slot).index;
     const std::string instance_id = service_->core().instance_id();
+    batch->job->stream_cancelled = cancelled_;
     batch->job->on_done = [this, batch_id, layer, instance_id,
                            outputs = std::move(batch->outputs)](std::unique_ptr<BatchJob> job) {
       QueueResponse(AnswerOf(batch_id, layer, instance_id, outputs, *job), /*job_finished=*/true);
@@ -433,6 +437,8 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
   bool write_in_flight_ = false;
   bool reads_done_ = false;
   bool broken_ = false;  // cancelled or a write failed
+  // Set with broken_; shared with the stream's jobs (BatchJob::stream_cancelled).
+  const std::shared_ptr<std::atomic<bool>> cancelled_ = std::make_shared<std::atomic<bool>>(false);
   bool finished_ = false;
 };
 

@@ -14,6 +14,11 @@ std::size_t BatchJob::AnswerBytes() const {
   return elements * wire::DTypeSize(response_dtype);
 }
 
+bool BatchJob::Unobservable() const {
+  return stream_cancelled != nullptr && stream_cancelled->load() && !accumulate &&
+         stream_gate.ready == nullptr && stream_gate.done == nullptr;
+}
+
 int BatchJob::cuda_device() const {
   if (hidden_states.cuda_device() >= 0) return hidden_states.cuda_device();
   if (grad_output.cuda_device() >= 0) return grad_output.cuda_device();
@@ -116,6 +121,16 @@ std::optional<DeviceWorker::Item> DeviceWorker::PopLocked() {
   if (item.job != nullptr) --queued_jobs_;
   metrics_->QueueDepth(device_).Set(static_cast<double>(queued_jobs_));
   return item;
+}
+
+bool DeviceWorker::SkipIfUnobservable(std::unique_ptr<BatchJob>& job) {
+  if (!job->Unobservable()) return false;
+  job->status = absl::CancelledError(
+      "the batch's Backward stream was cancelled before the batch was computed, and nothing but "
+      "its answer would come of it: it was not computed");
+  skipped_batches_.fetch_add(1);
+  FinishJob(std::move(job));
+  return true;
 }
 
 void DeviceWorker::FinishJob(std::unique_ptr<BatchJob> job) {

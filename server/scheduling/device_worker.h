@@ -7,6 +7,7 @@
 #ifndef ATTNGRAD_SERVER_DEVICE_WORKER_H_
 #define ATTNGRAD_SERVER_DEVICE_WORKER_H_
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -107,6 +108,9 @@ struct BatchJob {
     std::shared_ptr<const void> ready_owner, done_owner;  // keep the memory open
   };
   StreamGate stream_gate;
+  // Set (to true) by the Backward reactor once the stream that sent the batch is cancelled or its
+  // client gone: nobody reads the batch's answer any more. Null: not sent on such a stream.
+  std::shared_ptr<const std::atomic<bool>> stream_cancelled;
   // The budget reservation of the received request, given back when the worker has copied it.
   MemoryBudget::Reservation request_reservation;
   // GPU servers: the host inputs copied on arrival, by the thread that received them, into
@@ -136,6 +140,12 @@ struct BatchJob {
     return static_cast<std::size_t>(tokens()) * static_cast<std::size_t>(config.hidden_size);
   }
   bool forward() const { return computation == Computation::kForward; }
+  // Whether nobody can ever observe what computing the batch would give: its stream was cancelled
+  // (stream_cancelled), it adds nothing to an accumulation window (RETURN, FORWARD, an ACCUMULATE
+  // duplicate: the answer is its only result) and no client's CUDA stream waits for its `done`
+  // word (stream_gate). An ACCUMULATE batch that counts is always observed: a retry of it on
+  // another stream may already have been answered as its duplicate, so the window needs it.
+  bool Unobservable() const;
   // Bytes of the answer: grad_hidden_states (FORWARD: the output) and, RETURN, the weight
   // gradients, in response_dtype.
   std::size_t AnswerBytes() const;
@@ -189,6 +199,8 @@ class DeviceWorker {
   void SubmitControl(WorkerControl control);
   // Batches queued or being computed here (the scheduler sends new batches to the least busy).
   std::size_t Outstanding() const;
+  // Batches finished CANCELLED without being computed since the start (SkipIfUnobservable).
+  long long skipped_batches() const { return skipped_batches_.load(); }
 
   virtual DeviceDescription Describe() const = 0;
 
@@ -214,6 +226,10 @@ class DeviceWorker {
   std::optional<Item> PopWithin(std::chrono::microseconds timeout);
   // Records metrics and hands the job back (status set by the caller).
   void FinishJob(std::unique_ptr<BatchJob> job);
+  // Finishes `job` CANCELLED without computing it when it is BatchJob::Unobservable, so that a
+  // cancelled stream's queued RETURN batches do not hold the worker (and the reactor, and a
+  // shutdown, that wait for them): true then (the job is gone); false, the job kept, otherwise.
+  bool SkipIfUnobservable(std::unique_ptr<BatchJob>& job);
   static void FinishControl(WorkerControl& control, absl::Status status,
                             AccumulatorSnapshot snapshot);
 
@@ -232,6 +248,7 @@ class DeviceWorker {
   std::deque<Item> queue_;
   std::size_t outstanding_ = 0;  // batches queued + in progress
   std::size_t queued_jobs_ = 0;  // batches queued
+  std::atomic<long long> skipped_batches_{0};
   bool stopping_ = false;
   std::thread thread_;
 };
