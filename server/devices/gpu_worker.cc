@@ -225,13 +225,16 @@ class GpuWorker final : public DeviceWorker {
     WireTensor device_hidden_states, device_grad_output;
   };
 
-  // Where a stream-ordered batch waits for its client's stream: the GPU waits on `stream`
-  // (cuStreamWaitValue32), and `opened`, recorded behind that wait, tells the worker's thread, by a
-  // query, that the batch may be launched. The waiting thus never holds up the streams that other
-  // batches use.
+  // Where a stream-ordered batch waits for its client's stream. The worker's thread polls the
+  // client's ready word: a copy of it into `word` (page-locked) on `stream`, with `copied`
+  // recorded behind, looked at once the copy is done. No stream of the server ever waits on a
+  // client's memory, so nothing the server does on the device (an allocation or a free that
+  // synchronises the device, another client's batch, a control) can be held up by a client whose
+  // stream never gets there.
   struct Gate {
     cuda::Stream stream;
-    cuda::Event opened;
+    cuda::Event copied;
+    cuda::PinnedBuffer<std::uint32_t> word;
   };
   struct ParkedJob {
     std::unique_ptr<BatchJob> job;
@@ -383,10 +386,11 @@ class GpuWorker final : public DeviceWorker {
         continue;
       }
       if (item->job == nullptr) {
-        // A control runs after every batch queued before it, stream-ordered ones included.
-        while (!parked_.empty()) {
+        // A control runs after every batch queued before it that it concerns, stream-ordered
+        // ones included (ControlFollows); the other parked batches stay parked meanwhile.
+        while (HasParkedBefore(*item->control)) {
           LaunchOpenedGates(in_flight);
-          if (!parked_.empty()) std::this_thread::sleep_for(kGatePollInterval);
+          if (HasParkedBefore(*item->control)) std::this_thread::sleep_for(kGatePollInterval);
         }
         while (!in_flight.empty()) RetireOldest(in_flight);
         Control(*item->control);
@@ -399,6 +403,21 @@ class GpuWorker final : public DeviceWorker {
       }
     }
     Release();
+  }
+
+  // Whether a control must wait for a parked batch: it replaces the weights of the batch's layer,
+  // or reads or zeroes the sums the batch adds to. Other clients' and layers' parked batches never
+  // hold a control up.
+  static bool ControlFollows(const WorkerControl& control, const BatchJob& job) {
+    if (job.layer_slot != control.layer_slot) return false;
+    if (control.new_weights != nullptr) return true;
+    return job.accumulate && job.accumulator_set == control.accumulator_set;
+  }
+
+  bool HasParkedBefore(const WorkerControl& control) const {
+    return std::any_of(parked_.begin(), parked_.end(), [&control](const ParkedJob& parked) {
+      return ControlFollows(control, *parked.job);
+    });
   }
 
   void RetireOldest(std::deque<Slot*>& in_flight) {
@@ -435,8 +454,9 @@ class GpuWorker final : public DeviceWorker {
     FinishJob(std::move(slot->job));
   }
 
-  // Queues the wait for a stream-ordered batch's ready word on a gate of its own and parks the
-  // batch until the gate opens (LaunchOpenedGates); finishes it with the error otherwise.
+  // Queues the first read of a stream-ordered batch's ready word on a gate of its own and parks
+  // the batch until the word has reached its value (LaunchOpenedGates); finishes it with the error
+  // otherwise.
   void Park(std::unique_ptr<BatchJob> job) {
     absl::StatusOr<std::unique_ptr<Gate>> gate = CloseGate(job->stream_gate);
     if (!gate.ok()) {
@@ -451,7 +471,7 @@ class GpuWorker final : public DeviceWorker {
     if (!stream_memory_->usable()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "stream_order: the CUDA driver of ", device(),
-          " has no stream memory operations (cuStreamWaitValue32); send the batch without it"));
+          " has no stream memory operations (cuStreamWriteValue32); send the batch without it"));
     }
     std::unique_ptr<Gate> gate;
     if (!free_gates_.empty()) {
@@ -460,56 +480,62 @@ class GpuWorker final : public DeviceWorker {
     } else {
       gate = std::make_unique<Gate>();
       ATTNGRAD_CUDA_RETURN(cuda::Stream::Create(&gate->stream));
-      ATTNGRAD_CUDA_RETURN(cuda::Event::Create(&gate->opened, cudaEventDisableTiming));
+      ATTNGRAD_CUDA_RETURN(cuda::Event::Create(&gate->copied, cudaEventDisableTiming));
+      ATTNGRAD_CUDA_RETURN(cuda::PinnedBuffer<std::uint32_t>::Create(1, &gate->word));
     }
-    ATTNGRAD_RETURN_IF_ERROR(
-        stream_memory_->WaitUntilReached(gate->stream.get(), order.ready, order.value));
-    absl::Status recorded =
-        CudaStatus(cudaEventRecord(gate->opened.get(), gate->stream.get()), "cudaEventRecord");
-    if (!recorded.ok()) {
-      OpenGateOurselves(order);  // the gate's stream must not wait for the client forever
-      return recorded;
-    }
+    ATTNGRAD_RETURN_IF_ERROR(QueueGateRead(*gate, order));
     return gate;
   }
 
-  // Writes a batch's ready value itself, so that the stream of its gate stops waiting; false when
-  // that could not be queued (the gate's stream then stays blocked and is not reused).
-  bool OpenGateOurselves(const BatchJob::StreamGate& order) {
-    return stream_memory_->Write(copy_in_stream_.get(), order.ready, order.value).ok();
+  // Queues a copy of the client's ready word into the gate's page-locked word.
+  absl::Status QueueGateRead(Gate& gate, const BatchJob::StreamGate& order) {
+    ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(gate.word.get(), order.ready, sizeof(std::uint32_t),
+                                         cudaMemcpyDeviceToHost, gate.stream.get()));
+    ATTNGRAD_CUDA_RETURN(cudaEventRecord(gate.copied.get(), gate.stream.get()));
+    return absl::OkStatus();
+  }
+
+  // Whether the batch's ready word has reached its value ((int32_t)(word - value) >= 0: values
+  // wrap around), as far as the last finished read shows; queues the next read when it has not.
+  absl::StatusOr<bool> GateOpened(ParkedJob& parked) {
+    const cudaError_t state = cudaEventQuery(parked.gate->copied.get());
+    if (state == cudaErrorNotReady) return false;
+    ATTNGRAD_CUDA_RETURN(state);
+    const std::uint32_t seen = *static_cast<volatile std::uint32_t*>(parked.gate->word.get());
+    const BatchJob::StreamGate& order = parked.job->stream_gate;
+    if (static_cast<std::int32_t>(seen - order.value) >= 0) return true;
+    ATTNGRAD_RETURN_IF_ERROR(QueueGateRead(*parked.gate, order));
+    return false;
   }
 
   // Launches the parked batches whose gate has opened, in the order they came; fails those whose
   // deadline has passed.
   void LaunchOpenedGates(std::deque<Slot*>& in_flight) {
     for (auto parked = parked_.begin(); parked != parked_.end();) {
-      const cudaError_t state = cudaEventQuery(parked->gate->opened.get());
-      if (state == cudaErrorNotReady &&
+      absl::StatusOr<bool> opened = GateOpened(*parked);
+      if (opened.ok() && !*opened &&
           std::chrono::steady_clock::now() < parked->job->stream_gate.deadline) {
         ++parked;
         continue;
       }
-      ParkedJob opened = std::move(*parked);
+      ParkedJob leaving = std::move(*parked);
       parked = parked_.erase(parked);
-      if (state == cudaSuccess) {
-        free_gates_.push_back(std::move(opened.gate));
+      // Its last read is finished before the gate serves another batch (a read of a few bytes).
+      cudaStreamSynchronize(leaving.gate->stream.get());
+      free_gates_.push_back(std::move(leaving.gate));
+      if (opened.ok() && *opened) {
         // Its stages count from here: the time before was the client's stream's, not the server's.
-        opened.job->submitted = std::chrono::steady_clock::now();
-        LaunchInSlot(std::move(opened.job), in_flight);
+        leaving.job->submitted = std::chrono::steady_clock::now();
+        LaunchInSlot(std::move(leaving.job), in_flight);
         continue;
       }
-      BatchJob& job = *opened.job;
-      if (state == cudaErrorNotReady) {
-        if (OpenGateOurselves(job.stream_gate)) {
-          free_gates_.push_back(std::move(opened.gate));  // reusable once the write lands
-        }
-        job.status = absl::DeadlineExceededError(
-            "stream_order.ready: the client's CUDA stream did not reach the batch before its "
-            "deadline (--stream_order_timeout_seconds after it arrived); it was not computed");
-      } else {
-        job.status = CudaStatus(state, "the wait for stream_order.ready");
-      }
-      FinishJob(std::move(opened.job));
+      leaving.job->status =
+          opened.ok() ? absl::DeadlineExceededError(
+                            "stream_order.ready: the client's CUDA stream did not reach the batch "
+                            "before its deadline (--stream_order_timeout_seconds after it "
+                            "arrived); it was not computed")
+                      : opened.status();
+      FinishJob(std::move(leaving.job));
     }
   }
 

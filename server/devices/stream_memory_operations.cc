@@ -5,7 +5,7 @@
 namespace attngrad::server {
 namespace {
 
-// The driver API version whose signatures ValueOperation matches (cuStreamWaitValue32_v2).
+// The driver API version whose signature ValueOperation matches (cuStreamWriteValue32_v2).
 constexpr unsigned int kDriverApiVersion = 12000;
 
 template <typename Function>
@@ -29,17 +29,7 @@ absl::Status DriverStatus(int result, const char* what) {
 }  // namespace
 
 StreamMemoryOperations::StreamMemoryOperations()
-    : wait_value_(LookUp<ValueOperation>("cuStreamWaitValue32")),
-      write_value_(LookUp<ValueOperation>("cuStreamWriteValue32")) {}
-
-absl::Status StreamMemoryOperations::WaitUntilReached(cudaStream_t stream, const void* address,
-                                                      std::uint32_t value) const {
-  if (!usable()) return absl::FailedPreconditionError("no cuStreamWaitValue32 in this driver");
-  constexpr unsigned int kGreaterOrEqual = 0x0;  // CU_STREAM_WAIT_VALUE_GEQ
-  return DriverStatus(
-      wait_value_(stream, reinterpret_cast<unsigned long long>(address), value, kGreaterOrEqual),
-      "cuStreamWaitValue32");
-}
+    : write_value_(LookUp<ValueOperation>("cuStreamWriteValue32")) {}
 
 absl::Status StreamMemoryOperations::Write(cudaStream_t stream, void* address,
                                            std::uint32_t value) const {

@@ -1,8 +1,9 @@
-// The CUDA driver's stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32), which
-// order a batch by a client's CUDA stream (BackwardRequest.stream_order): a stream waits until a
-// 32-bit word in GPU memory reaches a value, or writes one after its earlier work. They are looked
-// up through the runtime (cudaGetDriverEntryPointByVersion), so the server links no libcuda and
-// still starts on a machine without a GPU driver.
+// The CUDA driver's stream memory write (cuStreamWriteValue32), with which the server tells a
+// client's CUDA stream that a stream-ordered batch (BackwardRequest.stream_order) is done: a stream
+// writes a 32-bit word in GPU memory after its earlier work. It is looked up through the runtime
+// (cudaGetDriverEntryPointByVersion), so the server links no libcuda and still starts on a machine
+// without a GPU driver. (The server never waits on a client's word on the GPU: it polls it, see
+// GpuWorker's gates.)
 #ifndef ATTNGRAD_SERVER_DEVICES_STREAM_MEMORY_OPERATIONS_H_
 #define ATTNGRAD_SERVER_DEVICES_STREAM_MEMORY_OPERATIONS_H_
 
@@ -16,16 +17,12 @@ namespace attngrad::server {
 
 class StreamMemoryOperations {
  public:
-  // Looks the two entry points up (on the calling thread's device); usable() says whether the
-  // driver has them.
+  // Looks the entry point up (on the calling thread's device); usable() says whether the driver
+  // has it.
   StreamMemoryOperations();
 
-  bool usable() const { return wait_value_ != nullptr && write_value_ != nullptr; }
+  bool usable() const { return write_value_ != nullptr; }
 
-  // Queues on `stream`: wait until the word at `address` reaches `value` in wrap-around order
-  // ((int32_t)(word - value) >= 0, CU_STREAM_WAIT_VALUE_GEQ).
-  absl::Status WaitUntilReached(cudaStream_t stream, const void* address,
-                                std::uint32_t value) const;
   // Queues on `stream`: write `value` to the word at `address` once the stream's earlier work is
   // done and visible (the driver's default write is preceded by a memory fence).
   absl::Status Write(cudaStream_t stream, void* address, std::uint32_t value) const;
@@ -33,7 +30,6 @@ class StreamMemoryOperations {
  private:
   // CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int), without including cuda.h.
   using ValueOperation = int (*)(cudaStream_t, unsigned long long, std::uint32_t, unsigned int);
-  ValueOperation wait_value_ = nullptr;
   ValueOperation write_value_ = nullptr;
 };
 
