@@ -216,19 +216,9 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
                                               std::uint64_t expected_weights_version,
                                               std::uint64_t expected_window_id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // A batch in a client's GPU memory (CUDA IPC) runs on that GPU's worker.
-  DeviceWorker* worker = &LeastBusyWorker();
-  if (job->cuda_device() >= 0) {
-    worker = WorkerOf(absl::StrCat("cuda:", job->cuda_device()));
-    if (worker == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the batch's CUDA IPC regions are on cuda:", job->cuda_device(),
-                       ", which this server does not compute on"));
-    }
-  }
+  ATTNGRAD_ASSIGN_OR_RETURN(DeviceWorker * worker, WorkerForLocked(*job));
   const int slot = job->layer_slot;
-  LayerState& layer = layers_[static_cast<std::size_t>(slot)];
-  const std::uint64_t layer_version = layer.weights_version;
+  const std::uint64_t layer_version = layers_[static_cast<std::size_t>(slot)].weights_version;
   if (expected_weights_version != 0 && expected_weights_version != layer_version) {
     return absl::FailedPreconditionError(absl::StrCat(
         "expected_weights_version: the request expects weights version ", expected_weights_version,
@@ -237,67 +227,97 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
   }
   Admission admission;
   admission.weights_version = layer_version;
-  bool counts = false;  // a new batch of the window: it adds to the accumulators
-  std::shared_ptr<Window> window;
   if (job->accumulate) {
-    ATTNGRAD_ASSIGN_OR_RETURN(window, WindowOfLocked({client_id, slot}));
-    if (expected_window_id != 0 && expected_window_id != window->id) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("accumulation_window_id: the batch names window ", expected_window_id,
-                       " but the current window of client '", client_id, "' for layer ",
-                       settings_[static_cast<std::size_t>(slot)].index, " is ", window->id,
-                       " of server instance ", instance_id_,
-                       " (the window was zeroed or fetched-and-zeroed, or the server restarted)"));
-    }
-    if (window->batch_ids.count(batch_id) != 0) {
-      admission.duplicate = true;
-      job->accumulate = false;  // computed (the response is answered again), not added
-    } else {
-      if (!window->batch_ids.empty() && window->weights_version != layer_version) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "weights: accumulation window ", window->id, " holds gradients of weights version ",
-            window->weights_version, " but the weights are now version ", layer_version,
-            "; fetch-and-zero or zero the window before accumulating against the new weights"));
-      }
-      if (window->accumulator_set < 0) {
-        if (layer.free_accumulator_sets.empty()) {
-          return absl::ResourceExhaustedError(absl::StrCat(
-              "ACCUMULATE: every accumulator set is held by another client's window "
-              "(--max_clients_with_sums); retry after some client fetches-and-zeroes or zeroes "
-              "its window, or send RETURN batches"));
-        }
-        window->accumulator_set = layer.free_accumulator_sets.back();
-        layer.free_accumulator_sets.pop_back();
-      }
-      window->weights_version = layer_version;
-      window->batch_ids.insert(batch_id);
-      counts = true;
-    }
+    ATTNGRAD_ASSIGN_OR_RETURN(std::shared_ptr<Window> window, WindowOfLocked({client_id, slot}));
+    ATTNGRAD_ASSIGN_OR_RETURN(
+        const bool counts,
+        AdmitToWindowLocked(*job, *window, client_id, batch_id, expected_window_id, layer_version));
     admission.window_id = window->id;
-    job->accumulator_set = window->accumulator_set < 0 ? 0 : window->accumulator_set;
-  }
-  if (counts) {
-    auto on_done = std::move(job->on_done);
-    job->on_done = [this, window, batch_id,
-                    on_done = std::move(on_done)](std::unique_ptr<BatchJob> done) {
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (!done->status.ok()) {
-          window->batch_ids.erase(batch_id);  // not accumulated: a retry must count
-        } else {
-          ++window->batches;
-          window->tokens += done->tokens();
-          UpdateGaugesLocked();
-        }
-      }
-      on_done(std::move(done));
-    };
+    admission.duplicate = !counts;
+    if (counts) CountWhenDone(*job, std::move(window), batch_id);
   }
   job->weights_version = admission.weights_version;
   job->window_id = admission.window_id;
   job->duplicate = admission.duplicate;
   worker->Submit(std::move(job));
   return admission;
+}
+
+absl::StatusOr<DeviceWorker*> GradientCore::WorkerForLocked(const BatchJob& job) {
+  // A batch in a client's GPU memory (CUDA IPC) runs on that GPU's worker.
+  if (job.cuda_device() < 0) return &LeastBusyWorker();
+  DeviceWorker* worker = WorkerOf(absl::StrCat("cuda:", job.cuda_device()));
+  if (worker == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the batch's CUDA IPC regions are on cuda:", job.cuda_device(),
+                     ", which this server does not compute on"));
+  }
+  return worker;
+}
+
+absl::StatusOr<bool> GradientCore::AdmitToWindowLocked(BatchJob& job, Window& window,
+                                                       const std::string& client_id,
+                                                       std::uint64_t batch_id,
+                                                       std::uint64_t expected_window_id,
+                                                       std::uint64_t layer_version) {
+  const int slot = job.layer_slot;
+  if (expected_window_id != 0 && expected_window_id != window.id) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "accumulation_window_id: the batch names window ", expected_window_id,
+        " but the current window of client '", client_id, "' for layer ",
+        settings_[static_cast<std::size_t>(slot)].index, " is ", window.id, " of server instance ",
+        instance_id_, " (the window was zeroed or fetched-and-zeroed, or the server restarted)"));
+  }
+  bool counts = false;
+  if (window.batch_ids.count(batch_id) != 0) {
+    job.accumulate = false;  // computed (the response is answered again), not added
+  } else {
+    if (!window.batch_ids.empty() && window.weights_version != layer_version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "weights: accumulation window ", window.id, " holds gradients of weights version ",
+          window.weights_version, " but the weights are now version ", layer_version,
+          "; fetch-and-zero or zero the window before accumulating against the new weights"));
+    }
+    ATTNGRAD_RETURN_IF_ERROR(TakeAccumulatorSetLocked(window));
+    window.weights_version = layer_version;
+    window.batch_ids.insert(batch_id);
+    counts = true;
+  }
+  job.accumulator_set = window.accumulator_set < 0 ? 0 : window.accumulator_set;
+  return counts;
+}
+
+absl::Status GradientCore::TakeAccumulatorSetLocked(Window& window) {
+  if (window.accumulator_set >= 0) return absl::OkStatus();
+  LayerState& layer = layers_[static_cast<std::size_t>(window.slot)];
+  if (layer.free_accumulator_sets.empty()) {
+    return absl::ResourceExhaustedError(
+        "ACCUMULATE: every accumulator set is held by another client's window "
+        "(--max_clients_with_sums); retry after some client fetches-and-zeroes or zeroes its "
+        "window, or send RETURN batches");
+  }
+  window.accumulator_set = layer.free_accumulator_sets.back();
+  layer.free_accumulator_sets.pop_back();
+  return absl::OkStatus();
+}
+
+void GradientCore::CountWhenDone(BatchJob& job, std::shared_ptr<Window> window,
+                                 std::uint64_t batch_id) {
+  auto on_done = std::move(job.on_done);
+  job.on_done = [this, window = std::move(window), batch_id,
+                 on_done = std::move(on_done)](std::unique_ptr<BatchJob> done) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!done->status.ok()) {
+        window->batch_ids.erase(batch_id);  // not accumulated: a retry must count
+      } else {
+        ++window->batches;
+        window->tokens += done->tokens();
+        UpdateGaugesLocked();
+      }
+    }
+    on_done(std::move(done));
+  };
 }
 
 absl::StatusOr<std::uint64_t> GradientCore::ReplaceWeights(int slot, LayerWeights weights,

@@ -149,6 +149,9 @@ class GradientCore {
   DeviceWorker& LeastBusyWorker();
   // The worker of `device` ("cuda:0"), or null.
   DeviceWorker* WorkerOf(const std::string& device);
+  // The worker that computes `job`: its GPU's for a batch in a client's GPU memory, else the least
+  // busy (FAILED_PRECONDITION for a GPU this server does not compute on).
+  absl::StatusOr<DeviceWorker*> WorkerForLocked(const BatchJob& job);
   // The client's window, started when it has none (caller holds mutex_). RESOURCE_EXHAUSTED when
   // kMaxClientWindows clients have windows and none of them is empty.
   using WindowKey = std::pair<std::string, int>;  // (client id, layer slot)
@@ -159,6 +162,18 @@ class GradientCore {
   // Starts a new window for the client; the old one's accumulator set goes back to the free list
   // (caller holds mutex_ and has queued the zeroing of that set).
   void StartWindowLocked(const WindowKey& key);
+  // An ACCUMULATE batch's place in the client's window: true when it adds to the window's sums
+  // (a new batch id, its accumulator set taken), false for a duplicate (computed, not added).
+  // FAILED_PRECONDITION for another window or weights changed within a non-empty window.
+  absl::StatusOr<bool> AdmitToWindowLocked(BatchJob& job, Window& window,
+                                           const std::string& client_id, std::uint64_t batch_id,
+                                           std::uint64_t expected_window_id,
+                                           std::uint64_t layer_version);
+  // Gives the window an accumulator set of its layer (RESOURCE_EXHAUSTED when none is free).
+  absl::Status TakeAccumulatorSetLocked(Window& window);
+  // Counts the batch into the window when it is done, or forgets its id when it failed (a retry
+  // must count).
+  void CountWhenDone(BatchJob& job, std::shared_ptr<Window> window, std::uint64_t batch_id);
   // The state of a window before any device reported.
   WindowState StateOfLocked(const Window& window) const;
   void UpdateGaugesLocked();
