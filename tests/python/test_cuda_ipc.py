@@ -403,10 +403,6 @@ class CudaIpcAgainstServer(t.ServerTestCase):
         blocked = attngrad.Client(self.server.target, client_id="blocked", timeout=60)
         hidden, grad, positions = self.inputs(1, 32, 21)
         word = torch.zeros(4, dtype=torch.int32, device=self.device)
-        # The other client's memory is registered before the gate closes: opening a new CUDA IPC
-        # handle on the server (RegisterRegion) may wait for the device, gates included.
-        self.client.backward(hidden, grad, position_ids=positions, mode="return",
-                             precision="fp32", transport="cuda_ipc")
         stream = torch.cuda.Stream(device=self.device)
         torch.cuda.synchronize()
 
@@ -428,6 +424,14 @@ class CudaIpcAgainstServer(t.ServerTestCase):
             other = self.client.backward(hidden, grad, position_ids=positions, mode="return",
                                          precision="fp32", transport="cuda_ipc")
             self.assertLess(time.monotonic() - started, 2.0, "another client waited")
+            # A new allocation of the other client, opened by the server (cudaIpcOpenMemHandle)
+            # while the gate is closed: no server stream waits on the blocked client's memory.
+            fresh = torch.empty(256 << 20, dtype=torch.uint8, device=self.device)  # a new segment
+            counts = self.client.cuda_region_counts()
+            started = time.monotonic()
+            self.client._cuda_region_cache().slice_of(fresh)
+            self.assertLess(time.monotonic() - started, 2.0, "a registration waited")
+            self.assertNotEqual(self.client.cuda_region_counts(), counts, "nothing was registered")
             self.assertEqual(other.transport, "cuda_ipc")
             self.assertFalse(pending.done(), "answered before its stream reached it")
             with self.assertRaisesRegex(errors.DeadlineExceededError, "stream_order"):
