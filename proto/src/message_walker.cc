@@ -77,6 +77,23 @@ class PieceReader {
     return false;  // more than 10 bytes
   }
 
+  // A field tag and a length-delimited field's length as protobuf reads them: at most 5 bytes,
+  // and within 32 bits (a tag) or INT32_MAX less protobuf's 16 bytes of slop (a length).
+  // Protobuf refuses a message with a longer or larger one, so the walker must too.
+  bool ReadTag(std::uint64_t* tag) { return ReadVarint32(tag, 0xffffffffULL); }
+  bool ReadLength(std::uint64_t* length) { return ReadVarint32(length, 0x7fffffffULL - 16); }
+
+  bool ReadVarint32(std::uint64_t* value, std::uint64_t largest) {
+    *value = 0;
+    for (int shift = 0; shift < 35; shift += 7) {
+      std::uint8_t byte = 0;
+      if (!ReadByte(&byte)) return false;
+      *value |= static_cast<std::uint64_t>(byte & 0x7f) << shift;
+      if ((byte & 0x80) == 0) return *value <= largest;
+    }
+    return false;  // more than 5 bytes
+  }
+
   // Moves `count` bytes on, not past `limit`.
   bool Skip(std::uint64_t count, std::size_t limit) {
     if (count > limit - position_) return false;
@@ -92,7 +109,7 @@ class PieceReader {
       case 0: return ReadVarint(&length) && position_ <= limit;
       case 1: return Skip(8, limit);
       case kLengthDelimited:
-        return ReadVarint(&length) && position_ <= limit && Skip(length, limit);
+        return ReadLength(&length) && position_ <= limit && Skip(length, limit);
       case 5: return Skip(4, limit);
       default: return false;  // groups (deprecated, never in these messages) and invalid types
     }
@@ -164,7 +181,7 @@ class Walker {
     while (reader_.position() < end) {
       const std::size_t field_start = reader_.position();
       std::uint64_t tag = 0;
-      if (!reader_.ReadVarint(&tag) || reader_.position() > end) {
+      if (!reader_.ReadTag(&tag) || reader_.position() > end) {
         return NotAMessage(type_, top ? std::string("a truncated field tag")
                                       : absl::StrCat("a truncated tag in field ", where));
       }
@@ -173,7 +190,7 @@ class Walker {
       if (field == 0) return NotAMessage(type_, "field number 0");
       if (tensor >= 0 && tag == LengthDelimitedTag(kRawDataField)) {
         std::uint64_t size = 0;
-        if (!reader_.ReadVarint(&size) || reader_.position() > end) {
+        if (!reader_.ReadLength(&size) || reader_.position() > end) {
           return NotAMessage(type_, absl::StrCat("a truncated raw_data in field ", where));
         }
         const std::size_t begin = reader_.position();
@@ -200,7 +217,7 @@ class Walker {
       if (inner_tensor >= 0 || !inner_candidates.empty()) {
         const std::string name = top ? absl::StrCat(field) : absl::StrCat(where, ".", field);
         std::uint64_t length = 0;
-        if (!reader_.ReadVarint(&length) || reader_.position() > end ||
+        if (!reader_.ReadLength(&length) || reader_.position() > end ||
             length > end - reader_.position()) {
           return NotAMessage(type_, absl::StrCat("field ", name, " is longer than the message"));
         }
@@ -266,7 +283,7 @@ class Splicer {
     while (reader_.position() < end) {
       const std::size_t field_start = reader_.position();
       std::uint64_t tag = 0;
-      if (!reader_.ReadVarint(&tag) || reader_.position() > end) return malformed;
+      if (!reader_.ReadTag(&tag) || reader_.position() > end) return malformed;
       const std::uint64_t field = tag >> 3;
       std::vector<std::size_t> inner_candidates;
       int tensor = -1;
@@ -290,7 +307,7 @@ class Splicer {
         continue;
       }
       std::uint64_t length = 0;
-      if (!reader_.ReadVarint(&length) || reader_.position() > end ||
+      if (!reader_.ReadLength(&length) || reader_.position() > end ||
           length > end - reader_.position()) {
         return malformed;
       }

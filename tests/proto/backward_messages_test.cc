@@ -300,6 +300,26 @@ TEST(BackwardMessagesTest, BytesThatAreNotAnAnswerAreInvalidArgument) {
   }
 }
 
+TEST(BackwardMessagesTest, TagsAndLengthsProtobufRefusesAreRefused) {
+  // Protobuf reads a tag or a length in at most 5 bytes (a length below 2^31 less 16); a longer
+  // encoding of even a small value makes it refuse the whole message, so the walker refuses it.
+  const std::string batch_id("\x08\x02", 2);
+  for (const std::string& bad :
+       {batch_id + std::string("\x22\x80\x80\x80\x80\x80\x80\x80\x80\x00", 10),
+        batch_id + std::string("\x22\x80\x80\x80\x80\x08", 6),
+        std::string("\x88\x80\x80\x80\x80\x00\x02", 7)}) {
+    v1::BackwardResponse parsed;
+    EXPECT_FALSE(parsed.ParseFromString(bad));
+    absl::StatusOr<ReceivedBackwardResponse> read = ReadBackwardResponse(Cut(bad, 3));
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << read.status();
+  }
+  // Up to 5 bytes is protobuf's and the walker's: a length of 0 in 5 bytes.
+  const std::string padded = batch_id + std::string("\x22\x80\x80\x80\x80\x00", 6);
+  v1::BackwardResponse parsed;
+  ASSERT_TRUE(parsed.ParseFromString(padded));
+  EXPECT_TRUE(ReadBackwardResponse(Cut(padded, 3)).ok());
+}
+
 TEST(BackwardMessagesTest, DecodePiecesHandlesElementsAcrossPieces) {
   for (int dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
     const std::vector<float> values = Values(50, 0.375f);
