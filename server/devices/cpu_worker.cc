@@ -79,51 +79,55 @@ void CpuWorker::Run() {
 
 void CpuWorker::Compute(BatchJob& job) {
   const auto start = std::chrono::steady_clock::now();
-  job.stages.queue = std::chrono::duration<double>(start - job.submitted).count();
-  job.status = DecodeInputs(job);
-  if (job.status.ok()) job.status = job.forward() ? ComputeForward(job) : ComputeBackward(job);
-  job.stages.compute = SecondsSince(start);
+  job.result.stages.queue = std::chrono::duration<double>(start - job.result.submitted).count();
+  job.result.status = DecodeInputs(job);
+  if (job.result.status.ok()) {
+    job.result.status = job.forward() ? ComputeForward(job) : ComputeBackward(job);
+  }
+  job.result.stages.compute = SecondsSince(start);
   UpdateMemoryUsed();
 }
 
 absl::Status CpuWorker::DecodeInputs(BatchJob& job) {
   const std::size_t activations = job.activations();
   hidden_states_.resize(activations);
-  absl::Status status =
-      job.hidden_states.DecodeFinite(0, absl::MakeSpan(hidden_states_), "hidden_states.raw_data");
+  absl::Status status = job.request.hidden_states.DecodeFinite(0, absl::MakeSpan(hidden_states_),
+                                                               "hidden_states.raw_data");
   if (status.ok() && !job.forward()) {  // a FORWARD batch has no grad_output
     grad_output_.resize(activations);
-    status = job.grad_output.DecodeFinite(0, absl::MakeSpan(grad_output_), "grad_output.raw_data");
+    status = job.request.grad_output.DecodeFinite(0, absl::MakeSpan(grad_output_),
+                                                  "grad_output.raw_data");
   }
   // The received bytes are no longer needed.
-  job.hidden_states = WireTensor();
-  job.grad_output = WireTensor();
-  job.request_reservation.Release();
+  job.request.hidden_states = WireTensor();
+  job.request.grad_output = WireTensor();
+  job.arrival.request_reservation.Release();
   return status;
 }
 
 absl::Status CpuWorker::ComputeForward(BatchJob& job) {
-  const LayerWeights& weights = *layers_[static_cast<std::size_t>(job.layer_slot)];
+  const LayerWeights& weights = *layers_[static_cast<std::size_t>(job.request.layer_slot)];
   ForwardInputs in;
   in.hidden_states = hidden_states_.data();
-  in.cos = job.cos.data();
-  in.sin = job.sin.data();
+  in.cos = job.request.cos.data();
+  in.sin = job.request.sin.data();
   in.weights = DataOf(weights.values);
   output_.resize(job.activations());
-  ATTNGRAD_RETURN_IF_ERROR(KernelStatus(ForwardHost(weights.config, job.batch, job.seq_len,
-                                                    job.scalars, in, output_.data(), num_threads_),
-                                        "ForwardHost"));
+  ATTNGRAD_RETURN_IF_ERROR(
+      KernelStatus(ForwardHost(weights.config, job.request.batch, job.request.seq_len,
+                               job.request.scalars, in, output_.data(), num_threads_),
+                   "ForwardHost"));
   ATTNGRAD_RETURN_IF_ERROR(NonFiniteOutputStatus(CountNonFiniteValues(output_)));
   // The answer: the output alone, in the response dtype.
-  job.answer.size = job.AnswerBytes();
-  job.answer.bytes = answer_pool_->Acquire(job.answer.size);
-  wire::EncodeFromFloat(output_, job.response_dtype, job.answer.bytes.data());
+  job.result.answer.size = job.AnswerBytes();
+  job.result.answer.bytes = answer_pool_->Acquire(job.result.answer.size);
+  wire::EncodeFromFloat(output_, job.request.response_dtype, job.result.answer.bytes.data());
   return absl::OkStatus();
 }
 
 LayerTensors* CpuWorker::WeightGradientsOf(BatchJob& job, const LayerConfig& config) {
-  const std::size_t slot = static_cast<std::size_t>(job.layer_slot);
-  if (!job.return_weight_gradients) {  // scratch: dropped, or added once known to be finite
+  const std::size_t slot = static_cast<std::size_t>(job.request.layer_slot);
+  if (!job.request.return_weight_gradients) {  // scratch: dropped, or added once known to be finite
     if (scratch_[slot][Weight::kQProj].empty()) {
       scratch_[slot] = ZeroWeights<std::vector<float>>(config);
     }
@@ -141,27 +145,28 @@ LayerTensors* CpuWorker::WeightGradientsOf(BatchJob& job, const LayerConfig& con
 }
 
 absl::Status CpuWorker::ComputeBackward(BatchJob& job) {
-  const LayerWeights& weights = *layers_[static_cast<std::size_t>(job.layer_slot)];
+  const LayerWeights& weights = *layers_[static_cast<std::size_t>(job.request.layer_slot)];
   const LayerConfig& config = weights.config;
   grad_hidden_states_.assign(job.activations(), 0.f);
   LayerTensors* gradients = WeightGradientsOf(job, config);
-  const bool add = job.accumulate && !job.return_weight_gradients;
+  const bool add = job.admission.accumulate && !job.request.return_weight_gradients;
   AccumulatorSet* accumulator_set =
-      add ? &AccumulatorSetAt(job.layer_slot, job.accumulator_set) : nullptr;
+      add ? &AccumulatorSetAt(job.request.layer_slot, job.admission.accumulator_set) : nullptr;
   BackwardInputs in;
   in.weights = DataOf(weights.values);
   in.grad_output = grad_output_.data();
   in.hidden_states = hidden_states_.data();
-  in.cos = job.cos.data();
-  in.sin = job.sin.data();
+  in.cos = job.request.cos.data();
+  in.sin = job.request.sin.data();
   BackwardOutputs out;
   out.grad_hidden_states = grad_hidden_states_.data();
   out.weight_gradients = DataOf(*gradients);
   // An ACCUMULATE batch is computed into scratch and added only once its gradients are known to be
   // finite (nonfinite_gradients.h), so a refused batch leaves the accumulators as they were.
-  ATTNGRAD_RETURN_IF_ERROR(KernelStatus(BackwardHost(config, job.batch, job.seq_len, job.scalars,
-                                                     /*accumulate=*/false, in, out, num_threads_),
-                                        "BackwardHost"));
+  ATTNGRAD_RETURN_IF_ERROR(
+      KernelStatus(BackwardHost(config, job.request.batch, job.request.seq_len, job.request.scalars,
+                                /*accumulate=*/false, in, out, num_threads_),
+                   "BackwardHost"));
   NonFiniteCounts counts = CountNonFiniteHost(grad_hidden_states_, *gradients);
   if (add) CountOverflowingSumsHost(accumulator_set->gradients, *gradients, &counts);
   ATTNGRAD_RETURN_IF_ERROR(NonFiniteGradientsStatus(counts));
@@ -176,15 +181,15 @@ absl::Status CpuWorker::ComputeBackward(BatchJob& job) {
 
 void CpuWorker::EncodeBackwardAnswer(BatchJob& job, const LayerConfig& config) {
   // grad_hidden_states, then (RETURN) the weight gradients, in the response dtype.
-  job.answer.size = job.AnswerBytes();
-  job.answer.bytes = answer_pool_->Acquire(job.answer.size);
-  char* answer = job.answer.bytes.data();
-  const std::size_t element_size = wire::DTypeSize(job.response_dtype);
-  wire::EncodeFromFloat(grad_hidden_states_, job.response_dtype, answer);
-  if (!job.return_weight_gradients) return;
+  job.result.answer.size = job.AnswerBytes();
+  job.result.answer.bytes = answer_pool_->Acquire(job.result.answer.size);
+  char* answer = job.result.answer.bytes.data();
+  const std::size_t element_size = wire::DTypeSize(job.request.response_dtype);
+  wire::EncodeFromFloat(grad_hidden_states_, job.request.response_dtype, answer);
+  if (!job.request.return_weight_gradients) return;
   const PackedWeightLayout layout(config);
   for (Weight weight : kAllWeights) {
-    wire::EncodeFromFloat(returned_gradients_[weight], job.response_dtype,
+    wire::EncodeFromFloat(returned_gradients_[weight], job.request.response_dtype,
                           answer + (job.activations() + layout.offsets[weight]) * element_size);
   }
 }

@@ -24,7 +24,7 @@ class CpuWorker final : public DeviceWorker {
   absl::Status Initialize() override;
   void Run() override;
   // The batch's stages: its inputs decoded (and checked finite) into hidden_states_ /
-  // grad_output_, then the forward or the backward, whose answer is encoded into job.answer.
+  // grad_output_, then the forward or the backward, whose answer is encoded into job.result.answer.
   void Compute(BatchJob& job);
   absl::Status DecodeInputs(BatchJob& job);
   absl::Status ComputeForward(BatchJob& job);

@@ -7,15 +7,15 @@
 // compute of batch n and the copy-out of batch n-1 overlap. The host side of a batch is one copy
 // in and none out: the activations go from gRPC's receive slices into page-locked staging as
 // they arrived (fp32/fp16/bf16; fp16/bf16 widened on the GPU, wire_convert.h), copied on arrival
-// by the receiving thread (BatchJob::staged_inputs, scheduling/staging.h; the copies of several
-// streams run at once) or else here, in parallel on the worker's copy threads, into the slot's
-// staging; the answer, in the response dtype (narrowed on the GPU), is copied by the GPU straight
-// into the job's answer buffer, page-locked memory of the worker's pool (devices/pinned_pool.h),
-// which gRPC sends as it is. Kernels run in order on the
-// compute stream, so the accumulators and the shared workspace need no further synchronisation.
-// Every batch computes its weight gradients into its slot's buffer; the finite check
-// (attngrad/finite_check.h) then counts their NaN/Inf values on the device and, for ACCUMULATE,
-// adds them to the client's accumulator set only when there are none.
+// by the receiving thread (BatchJob::Arrival::staged_inputs, scheduling/staging.h; the copies of
+// several streams run at once) or else here, in parallel on the worker's copy threads, into the
+// slot's staging; the answer, in the response dtype (narrowed on the GPU), is copied by the GPU
+// straight into the job's answer buffer, page-locked memory of the worker's pool
+// (devices/pinned_pool.h), which gRPC sends as it is. Kernels run in order on the compute stream,
+// so the accumulators and the shared workspace need no further synchronisation. Every batch
+// computes its weight gradients into its slot's buffer; the finite check (attngrad/finite_check.h)
+// then counts their NaN/Inf values on the device and, for ACCUMULATE, adds them to the client's
+// accumulator set only when there are none.
 //
 // Resident weights: per served layer, the fp32 weights and their fp16 copies (a PreparedWeights,
 // attngrad/prepared_weights.h), made at startup and again, in the same memory, whenever the layer
@@ -142,8 +142,9 @@ constexpr std::size_t kPinnedAnswerPoolBytes = std::size_t{4} << 30;
 // batch of the SPEC layer stages 27 MB).
 constexpr std::size_t kArrivalStagingPoolBytes = std::size_t{1} << 30;
 
-// How often the worker looks at the gates of stream-ordered batches (BatchJob::stream_gate) while
-// some are closed: the delay between a client's stream reaching a batch and its launch.
+// How often the worker looks at the gates of stream-ordered batches
+// (BatchJob::Request::stream_gate) while some are closed: the delay between a client's stream
+// reaching a batch and its launch.
 constexpr std::chrono::microseconds kGatePollInterval{20};
 
 class GpuWorker final : public DeviceWorker {
@@ -396,7 +397,7 @@ class GpuWorker final : public DeviceWorker {
         Control(*item->control);
         continue;
       }
-      if (item->job->stream_gate.ready != nullptr) {
+      if (item->job->request.stream_gate.ready != nullptr) {
         Park(std::move(item->job));
       } else {
         LaunchInSlot(std::move(item->job), in_flight);
@@ -409,9 +410,9 @@ class GpuWorker final : public DeviceWorker {
   // or reads or zeroes the sums the batch adds to. Other clients' and layers' parked batches never
   // hold a control up.
   static bool ControlFollows(const WorkerControl& control, const BatchJob& job) {
-    if (job.layer_slot != control.layer_slot) return false;
+    if (job.request.layer_slot != control.layer_slot) return false;
     if (control.new_weights != nullptr) return true;
-    return job.accumulate && job.accumulator_set == control.accumulator_set;
+    return job.admission.accumulate && job.admission.accumulator_set == control.accumulator_set;
   }
 
   bool HasParkedBefore(const WorkerControl& control) const {
@@ -450,7 +451,7 @@ class GpuWorker final : public DeviceWorker {
     slot->device_hidden_states = WireTensor();
     slot->device_grad_output = WireTensor();
     slot->staged_inputs = common::BufferPool::Buffer();
-    slot->job->status = status;
+    slot->job->result.status = status;
     FinishJob(std::move(slot->job));
   }
 
@@ -458,16 +459,16 @@ class GpuWorker final : public DeviceWorker {
   // the batch until the word has reached its value (LaunchOpenedGates); finishes it with the error
   // otherwise.
   void Park(std::unique_ptr<BatchJob> job) {
-    absl::StatusOr<std::unique_ptr<Gate>> gate = CloseGate(job->stream_gate);
+    absl::StatusOr<std::unique_ptr<Gate>> gate = CloseGate(job->request.stream_gate);
     if (!gate.ok()) {
-      job->status = gate.status();
+      job->result.status = gate.status();
       FinishJob(std::move(job));
       return;
     }
     parked_.push_back(ParkedJob{std::move(job), *std::move(gate)});
   }
 
-  absl::StatusOr<std::unique_ptr<Gate>> CloseGate(const BatchJob::StreamGate& order) {
+  absl::StatusOr<std::unique_ptr<Gate>> CloseGate(const BatchJob::Request::StreamGate& order) {
     if (!stream_memory_->usable()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "stream_order: the CUDA driver of ", device(),
@@ -488,7 +489,7 @@ class GpuWorker final : public DeviceWorker {
   }
 
   // Queues a copy of the client's ready word into the gate's page-locked word.
-  absl::Status QueueGateRead(Gate& gate, const BatchJob::StreamGate& order) {
+  absl::Status QueueGateRead(Gate& gate, const BatchJob::Request::StreamGate& order) {
     ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(gate.word.get(), order.ready, sizeof(std::uint32_t),
                                          cudaMemcpyDeviceToHost, gate.stream.get()));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(gate.copied.get(), gate.stream.get()));
@@ -502,7 +503,7 @@ class GpuWorker final : public DeviceWorker {
     if (state == cudaErrorNotReady) return false;
     ATTNGRAD_CUDA_RETURN(state);
     const std::uint32_t seen = *static_cast<volatile std::uint32_t*>(parked.gate->word.get());
-    const BatchJob::StreamGate& order = parked.job->stream_gate;
+    const BatchJob::Request::StreamGate& order = parked.job->request.stream_gate;
     if (static_cast<std::int32_t>(seen - order.value) >= 0) return true;
     ATTNGRAD_RETURN_IF_ERROR(QueueGateRead(*parked.gate, order));
     return false;
@@ -514,7 +515,7 @@ class GpuWorker final : public DeviceWorker {
     for (auto parked = parked_.begin(); parked != parked_.end();) {
       absl::StatusOr<bool> opened = GateOpened(*parked);
       if (opened.ok() && !*opened &&
-          std::chrono::steady_clock::now() < parked->job->stream_gate.deadline) {
+          std::chrono::steady_clock::now() < parked->job->request.stream_gate.deadline) {
         ++parked;
         continue;
       }
@@ -525,11 +526,11 @@ class GpuWorker final : public DeviceWorker {
       free_gates_.push_back(std::move(leaving.gate));
       if (opened.ok() && *opened) {
         // Its stages count from here: the time before was the client's stream's, not the server's.
-        leaving.job->submitted = std::chrono::steady_clock::now();
+        leaving.job->result.submitted = std::chrono::steady_clock::now();
         LaunchInSlot(std::move(leaving.job), in_flight);
         continue;
       }
-      leaving.job->status =
+      leaving.job->result.status =
           opened.ok() ? absl::DeadlineExceededError(
                             "stream_order.ready: the client's CUDA stream did not reach the batch "
                             "before its deadline (--stream_order_timeout_seconds after it "
@@ -616,8 +617,8 @@ class GpuWorker final : public DeviceWorker {
   // order, each of which may fail the batch (LaunchInSlot then waits until nothing of it runs).
   absl::Status Launch(Slot& slot) {
     BatchJob& job = *slot.job;
-    ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.layer_slot)];
-    job.stages.queue = SecondsSince(job.submitted);
+    ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.request.layer_slot)];
+    job.result.stages.queue = SecondsSince(job.result.submitted);
     ATTNGRAD_RETURN_IF_ERROR(PrepareSlot(slot, layer));
     ATTNGRAD_ASSIGN_OR_RETURN(const DeviceInputs inputs, QueueCopyIn(slot));
     ATTNGRAD_ASSIGN_OR_RETURN(
@@ -629,19 +630,23 @@ class GpuWorker final : public DeviceWorker {
   // Elements of the answer's tensors in fp32: the [B,S,hidden] tensor and, RETURN, the weight
   // gradients.
   static std::size_t OutputElements(const BatchJob& job, const ResidentLayer& layer) {
-    return job.activations() + (job.return_weight_gradients ? layer.layout.total_elements : 0);
+    return job.activations() +
+           (job.request.return_weight_gradients ? layer.layout.total_elements : 0);
   }
 
   // The workspace the batch's computation needs, with the layer's fp16 copies when it has them.
   static std::size_t WorkspaceSizeOf(const BatchJob& job, const ResidentLayer& layer) {
     if (job.forward()) {
       return layer.prepared.ready()
-                 ? ForwardWorkspaceSize(layer.prepared, job.batch, job.seq_len, job.precision)
-                 : ForwardWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
+                 ? ForwardWorkspaceSize(layer.prepared, job.request.batch, job.request.seq_len,
+                                        job.request.precision)
+                 : ForwardWorkspaceSize(layer.config, job.request.batch, job.request.seq_len,
+                                        job.request.precision);
     }
-    return layer.prepared.ready()
-               ? DeviceWorkspaceSize(layer.prepared, job.batch, job.seq_len, job.precision)
-               : DeviceWorkspaceSize(layer.config, job.batch, job.seq_len, job.precision);
+    return layer.prepared.ready() ? DeviceWorkspaceSize(layer.prepared, job.request.batch,
+                                                        job.request.seq_len, job.request.precision)
+                                  : DeviceWorkspaceSize(layer.config, job.request.batch,
+                                                        job.request.seq_len, job.request.precision);
   }
 
   // The memory the batch needs, before anything of it is queued: the answer's page-locked buffer,
@@ -651,19 +656,20 @@ class GpuWorker final : public DeviceWorker {
     BatchJob& job = *slot.job;
     const std::size_t activations = job.activations();
     const std::size_t input_elements = StagingElements(job);
-    const bool half_inputs = job.hidden_states.dtype() != v1::DTYPE_FLOAT32 ||
-                             (!job.forward() && job.grad_output.dtype() != v1::DTYPE_FLOAT32);
-    if (job.staged_inputs.data() == nullptr) {
+    const bool half_inputs =
+        job.request.hidden_states.dtype() != v1::DTYPE_FLOAT32 ||
+        (!job.forward() && job.request.grad_output.dtype() != v1::DTYPE_FLOAT32);
+    if (job.arrival.staged_inputs.data() == nullptr) {
       ATTNGRAD_RETURN_IF_ERROR(
           EnsureCapacity(&slot.host_in, input_elements, "cudaMallocHost(host_in)"));
     }
     // The answer's page-locked memory, which the GPU copies it into and gRPC sends from.
-    job.answer.size = job.AnswerBytes();
-    job.answer.bytes = answer_pool_->Acquire(job.answer.size);
-    if (job.answer.bytes.data() == nullptr) {
+    job.result.answer.size = job.AnswerBytes();
+    job.result.answer.bytes = answer_pool_->Acquire(job.result.answer.size);
+    if (job.result.answer.bytes.data() == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrCat("no page-locked host memory on ", device(), " for the answer (",
-                       job.answer.size, " bytes): send fewer or smaller batches at once"));
+                       job.result.answer.size, " bytes): send fewer or smaller batches at once"));
     }
     ATTNGRAD_RETURN_IF_ERROR(
         EnsureCapacity(&slot.device_in, input_elements, "cudaMalloc(device_in)"));
@@ -671,7 +677,7 @@ class GpuWorker final : public DeviceWorker {
       ATTNGRAD_RETURN_IF_ERROR(
           EnsureCapacity(&slot.device_raw, activations, "cudaMalloc(device_raw)"));
     }
-    if (job.response_dtype != v1::DTYPE_FLOAT32) {  // OutputElements 16-bit values
+    if (job.request.response_dtype != v1::DTYPE_FLOAT32) {  // OutputElements 16-bit values
       ATTNGRAD_RETURN_IF_ERROR(EnsureCapacity(
           &slot.device_answer, (OutputElements(job, layer) + 1) / 2, "cudaMalloc(device_answer)"));
     }
@@ -700,26 +706,29 @@ class GpuWorker final : public DeviceWorker {
     BatchJob& job = *slot.job;
     const std::size_t activations = job.activations();
     const auto copy_start = std::chrono::steady_clock::now();
-    const bool staged = job.staged_inputs.data() != nullptr;
+    const bool staged = job.arrival.staged_inputs.data() != nullptr;
     absl::Status status = absl::OkStatus();
     if (staged) {
-      slot.staged_inputs = std::move(job.staged_inputs);
+      slot.staged_inputs = std::move(job.arrival.staged_inputs);
     } else {
       status = StageInputs(slot, job);
     }
     // The received bytes are no longer needed; GPU memory is read from where it is.
-    const int hidden_dtype = job.hidden_states.dtype();
-    const int grad_dtype = job.grad_output.dtype();
-    slot.device_hidden_states =
-        job.hidden_states.cuda_device() >= 0 ? std::move(job.hidden_states) : WireTensor();
-    slot.device_grad_output =
-        job.grad_output.cuda_device() >= 0 ? std::move(job.grad_output) : WireTensor();
-    job.hidden_states = WireTensor();
-    job.grad_output = WireTensor();
-    job.request_reservation.Release();
+    const int hidden_dtype = job.request.hidden_states.dtype();
+    const int grad_dtype = job.request.grad_output.dtype();
+    slot.device_hidden_states = job.request.hidden_states.cuda_device() >= 0
+                                    ? std::move(job.request.hidden_states)
+                                    : WireTensor();
+    slot.device_grad_output = job.request.grad_output.cuda_device() >= 0
+                                  ? std::move(job.request.grad_output)
+                                  : WireTensor();
+    job.request.hidden_states = WireTensor();
+    job.request.grad_output = WireTensor();
+    job.arrival.request_reservation.Release();
     if (!status.ok()) return status;
     // On arrival already (its seconds in stages.copy_in), or here as well.
-    slot.host_copy_in_seconds = job.stages.copy_in + (staged ? 0.0 : SecondsSince(copy_start));
+    slot.host_copy_in_seconds =
+        job.result.stages.copy_in + (staged ? 0.0 : SecondsSince(copy_start));
     const float* const host_in =
         staged ? reinterpret_cast<const float*>(slot.staged_inputs.data()) : slot.host_in.get();
 
@@ -751,12 +760,12 @@ class GpuWorker final : public DeviceWorker {
                                                                           const float* host_in,
                                                                           cudaStream_t copy_in) {
     const BatchJob& job = *slot.job;
-    if (job.device_cos.cuda_device() >= 0) {
-      return std::pair(reinterpret_cast<const float*>(job.device_cos.device_data()),
-                       reinterpret_cast<const float*>(job.device_sin.device_data()));
+    if (job.request.device_cos.cuda_device() >= 0) {
+      return std::pair(reinterpret_cast<const float*>(job.request.device_cos.device_data()),
+                       reinterpret_cast<const float*>(job.request.device_sin.device_data()));
     }
     const std::size_t first = StagedActivationTensors(job) * job.activations();
-    const std::size_t rotary = job.cos.size();
+    const std::size_t rotary = job.request.cos.size();
     float* const device = slot.device_in.get() + first;
     ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(device, host_in + first, 2 * rotary * sizeof(float),
                                          cudaMemcpyHostToDevice, copy_in));
@@ -768,8 +777,9 @@ class GpuWorker final : public DeviceWorker {
   // copied out, by QueueCopyOut).
   static float* ActivationsResult(Slot& slot) {
     const BatchJob& job = *slot.job;
-    const BatchJob::DeviceDestination& destination = job.grad_hidden_states_destination;
-    if (destination.data != nullptr && job.response_dtype == v1::DTYPE_FLOAT32) {
+    const BatchJob::Request::DeviceDestination& destination =
+        job.request.grad_hidden_states_destination;
+    if (destination.data != nullptr && job.request.response_dtype == v1::DTYPE_FLOAT32) {
       return reinterpret_cast<float*>(destination.data);
     }
     return slot.device_grad_hidden.get();
@@ -789,20 +799,22 @@ class GpuWorker final : public DeviceWorker {
     in.cos = inputs.cos;
     in.sin = inputs.sin;
     in.weights = layer.layout.Pointers<const float>(layer.device_weights.get());
-    const bool add = job.accumulate && !job.return_weight_gradients;
+    const bool add = job.admission.accumulate && !job.request.return_weight_gradients;
     // Every batch computes its weight gradients into the slot (or, RETURN as fp32 into a client's
     // GPU memory, straight there); an ACCUMULATE batch's are added to its accumulator set after
     // the finite check, on the device (QueueFiniteCheck).
-    const BatchJob::DeviceDestination& weights_destination = job.weight_gradients_destination;
+    const BatchJob::Request::DeviceDestination& weights_destination =
+        job.request.weight_gradients_destination;
     DeviceResults results;
     results.weight_gradients =
-        weights_destination.data != nullptr && job.response_dtype == v1::DTYPE_FLOAT32
+        weights_destination.data != nullptr && job.request.response_dtype == v1::DTYPE_FLOAT32
             ? reinterpret_cast<float*>(weights_destination.data)
             : slot.device_weight_gradients.get();
     results.activations = ActivationsResult(slot);
     AccumulatorSet* accumulator_set = nullptr;
     if (add) {
-      ATTNGRAD_RETURN_IF_ERROR(AccumulatorSetAt(layer, job.accumulator_set, &accumulator_set));
+      ATTNGRAD_RETURN_IF_ERROR(
+          AccumulatorSetAt(layer, job.admission.accumulator_set, &accumulator_set));
     }
     BackwardOutputs out;
     out.grad_hidden_states = results.activations;
@@ -811,10 +823,12 @@ class GpuWorker final : public DeviceWorker {
     // them.
     const Status computed =
         layer.prepared.ready()
-            ? BackwardDevice(layer.prepared, job.batch, job.seq_len, job.scalars, job.precision,
+            ? BackwardDevice(layer.prepared, job.request.batch, job.request.seq_len,
+                             job.request.scalars, job.request.precision,
                              /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(),
                              compute)
-            : BackwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision,
+            : BackwardDevice(layer.config, job.request.batch, job.request.seq_len,
+                             job.request.scalars, job.request.precision,
                              /*accumulate=*/false, in, out, workspace_.get(), workspace_.size(),
                              compute);
     // The message names the check or the step that failed ("cos is not 16-byte aligned", ...).
@@ -844,10 +858,12 @@ class GpuWorker final : public DeviceWorker {
     results.activations = ActivationsResult(slot);
     const Status computed =
         layer.prepared.ready()
-            ? ForwardDevice(layer.prepared, job.batch, job.seq_len, job.scalars, job.precision, in,
-                            results.activations, workspace_.get(), workspace_.size(), compute)
-            : ForwardDevice(layer.config, job.batch, job.seq_len, job.scalars, job.precision, in,
-                            results.activations, workspace_.get(), workspace_.size(), compute);
+            ? ForwardDevice(layer.prepared, job.request.batch, job.request.seq_len,
+                            job.request.scalars, job.request.precision, in, results.activations,
+                            workspace_.get(), workspace_.size(), compute)
+            : ForwardDevice(layer.config, job.request.batch, job.request.seq_len,
+                            job.request.scalars, job.request.precision, in, results.activations,
+                            workspace_.get(), workspace_.size(), compute);
     ATTNGRAD_RETURN_IF_ERROR(KernelStatus(computed, "ForwardDevice"));
     ATTNGRAD_CUDA_RETURN(
         cudaMemsetAsync(slot.device_non_finite.get(), 0, slot.device_non_finite.bytes(), compute));
@@ -872,21 +888,21 @@ class GpuWorker final : public DeviceWorker {
     BatchJob& job = *slot.job;
     const std::size_t activations = job.activations();
     const cudaStream_t copy_out = copy_out_stream_.get();
-    char* const host_out = job.answer.bytes.data();
-    const bool activations_on_device = job.grad_hidden_states_destination.data != nullptr;
-    const bool weights_on_device = job.weight_gradients_destination.data != nullptr;
+    char* const host_out = job.result.answer.bytes.data();
+    const bool activations_on_device = job.request.grad_hidden_states_destination.data != nullptr;
+    const bool weights_on_device = job.request.weight_gradients_destination.data != nullptr;
     ATTNGRAD_CUDA_RETURN(cudaStreamWaitEvent(copy_out, slot.compute_done.get(), 0));
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_start.get(), copy_out));
     ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(slot.host_non_finite.get(), slot.device_non_finite.get(),
                                          slot.device_non_finite.bytes(), cudaMemcpyDeviceToHost,
                                          copy_out));
-    if (job.response_dtype == v1::DTYPE_FLOAT32) {
+    if (job.request.response_dtype == v1::DTYPE_FLOAT32) {
       if (!activations_on_device) {
         ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(host_out, results.activations,
                                              activations * sizeof(float), cudaMemcpyDeviceToHost,
                                              copy_out));
       }
-      if (job.return_weight_gradients && !weights_on_device) {
+      if (job.request.return_weight_gradients && !weights_on_device) {
         ATTNGRAD_CUDA_RETURN(cudaMemcpyAsync(
             host_out + activations * sizeof(float), results.weight_gradients,
             layer.layout.total_elements * sizeof(float), cudaMemcpyDeviceToHost, copy_out));
@@ -895,9 +911,9 @@ class GpuWorker final : public DeviceWorker {
       ATTNGRAD_RETURN_IF_ERROR(QueueNarrowedCopyOut(slot, layer, results));
     }
     // A stream-ordered batch: the client's stream goes on once the outputs are in its memory.
-    if (job.stream_gate.done != nullptr) {
-      ATTNGRAD_RETURN_IF_ERROR(
-          stream_memory_->Write(copy_out, job.stream_gate.done, job.stream_gate.value));
+    if (job.request.stream_gate.done != nullptr) {
+      ATTNGRAD_RETURN_IF_ERROR(stream_memory_->Write(copy_out, job.request.stream_gate.done,
+                                                     job.request.stream_gate.value));
     }
     ATTNGRAD_CUDA_RETURN(cudaEventRecord(slot.copy_out_done.get(), copy_out));
     return absl::OkStatus();
@@ -911,15 +927,17 @@ class GpuWorker final : public DeviceWorker {
     BatchJob& job = *slot.job;
     const std::size_t activations = job.activations();
     const cudaStream_t copy_out = copy_out_stream_.get();
-    const BatchJob::DeviceDestination& destination = job.grad_hidden_states_destination;
-    const BatchJob::DeviceDestination& weights_destination = job.weight_gradients_destination;
-    const HalfFormat format = HalfFormatOf(job.response_dtype);
+    const BatchJob::Request::DeviceDestination& destination =
+        job.request.grad_hidden_states_destination;
+    const BatchJob::Request::DeviceDestination& weights_destination =
+        job.request.weight_gradients_destination;
+    const HalfFormat format = HalfFormatOf(job.request.response_dtype);
     std::uint16_t* const answer = reinterpret_cast<std::uint16_t*>(slot.device_answer.get());
     ATTNGRAD_CUDA_RETURN(NarrowFromFloat(
         results.activations, format, activations,
         destination.data != nullptr ? reinterpret_cast<std::uint16_t*>(destination.data) : answer,
         copy_out));
-    if (job.return_weight_gradients) {
+    if (job.request.return_weight_gradients) {
       ATTNGRAD_CUDA_RETURN(
           NarrowFromFloat(results.weight_gradients, format, layer.layout.total_elements,
                           weights_destination.data != nullptr
@@ -933,7 +951,7 @@ class GpuWorker final : public DeviceWorker {
         weights_destination.data != nullptr ? activations : OutputElements(job, layer);
     if (end <= first) return absl::OkStatus();
     return CudaStatus(
-        cudaMemcpyAsync(reinterpret_cast<std::uint16_t*>(job.answer.bytes.data()) + first,
+        cudaMemcpyAsync(reinterpret_cast<std::uint16_t*>(job.result.answer.bytes.data()) + first,
                         answer + first, (end - first) * sizeof(std::uint16_t),
                         cudaMemcpyDeviceToHost, copy_out),
         "cudaMemcpyAsync(answer)");
@@ -975,26 +993,27 @@ class GpuWorker final : public DeviceWorker {
   // Waits for the slot's copy-out, hands the results to the job and the job back.
   void Retire(Slot& slot) {
     BatchJob& job = *slot.job;
-    ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.layer_slot)];
-    job.status = CudaStatus(cudaEventSynchronize(slot.copy_out_done.get()), "batch on the GPU");
-    if (job.status.ok()) {
+    ResidentLayer& layer = *layers_[static_cast<std::size_t>(job.request.layer_slot)];
+    job.result.status =
+        CudaStatus(cudaEventSynchronize(slot.copy_out_done.get()), "batch on the GPU");
+    if (job.result.status.ok()) {
       NonFiniteCounts counts;
       std::copy(slot.host_non_finite.get(), slot.host_non_finite.get() + counts.size(),
                 counts.begin());
       // Not accumulated then (QueueFiniteCheck); a FORWARD batch counted its output alone.
-      job.status =
+      job.result.status =
           job.forward() ? NonFiniteOutputStatus(counts[0]) : NonFiniteGradientsStatus(counts);
     }
-    if (job.status.ok()) {
-      // The answer is in job.answer already (the GPU copied it there, in the response dtype and
-      // order; a part that went into the client's GPU memory is not, and is not sent).
-      job.stages.copy_in =
+    if (job.result.status.ok()) {
+      // The answer is in job.result.answer already (the GPU copied it there, in the response dtype
+      // and order; a part that went into the client's GPU memory is not, and is not sent).
+      job.result.stages.copy_in =
           slot.host_copy_in_seconds + ElapsedSeconds(slot.copy_in_start, slot.copy_in_done);
-      job.stages.compute = ElapsedSeconds(slot.compute_start, slot.compute_done);
-      job.stages.copy_out = ElapsedSeconds(slot.copy_out_start, slot.copy_out_done);
-      if (job.accumulate && !job.return_weight_gradients) {
+      job.result.stages.compute = ElapsedSeconds(slot.compute_start, slot.compute_done);
+      job.result.stages.copy_out = ElapsedSeconds(slot.copy_out_start, slot.copy_out_done);
+      if (job.admission.accumulate && !job.request.return_weight_gradients) {
         AccumulatorSet& accumulator_set =
-            layer.accumulator_sets[static_cast<std::size_t>(job.accumulator_set)];
+            layer.accumulator_sets[static_cast<std::size_t>(job.admission.accumulator_set)];
         ++accumulator_set.batches;
         accumulator_set.tokens += job.tokens();
       }

@@ -314,9 +314,9 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       QueueResponse(ErrorResponse(batch_id, batch.status()), /*job_finished=*/true);
       return;
     }
-    const int layer = service_->core().settings(batch->job->layer_slot).index;
+    const int layer = service_->core().settings(batch->job->request.layer_slot).index;
     const std::string instance_id = service_->core().instance_id();
-    batch->job->stream_cancelled = cancelled_;
+    batch->job->arrival.stream_cancelled = cancelled_;
     batch->job->on_done = [this, batch_id, layer, instance_id,
                            outputs = std::move(batch->outputs)](std::unique_ptr<BatchJob> job) {
       QueueResponse(AnswerOf(batch_id, layer, instance_id, outputs, *job), /*job_finished=*/true);
@@ -367,14 +367,14 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         service_->memory().Reserve(
             client_id_, received_bytes + static_cast<std::int64_t>(batch.job->AnswerBytes()),
             absl::StrCat("Backward batch ", batch_id, " and its answer")));
-    batch.job->request_reservation = memory.Split(received_bytes);
-    batch.job->answer.reservation = std::move(memory);
+    batch.job->arrival.request_reservation = memory.Split(received_bytes);
+    batch.job->result.answer.reservation = std::move(memory);
     // GPU servers: the one host copy of the inputs, here on the receiving thread.
     if (service_->arrival_staging() != nullptr) {
       ATTNGRAD_RETURN_IF_ERROR(StageOnArrival(*service_->arrival_staging(),
                                               service_->arrival_copy_threads(), *batch.job));
     }
-    batch.job->layer_slot = slot;
+    batch.job->request.layer_slot = slot;
     return batch;
   }
 
@@ -383,28 +383,31 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
   std::unique_ptr<Write> AnswerOf(std::uint64_t batch_id, int layer, const std::string& instance_id,
                                   const OutputRegions& outputs, BatchJob& job) {
     v1::BackwardResponse fields;
-    fields.set_weights_version(job.weights_version);
-    fields.set_accumulation_window_id(job.window_id);
-    fields.set_duplicate(job.duplicate);
+    fields.set_weights_version(job.admission.weights_version);
+    fields.set_accumulation_window_id(job.admission.window_id);
+    fields.set_duplicate(job.admission.duplicate);
     fields.set_layer(layer);
-    if (absl::IsUnimplemented(job.status)) {
+    if (absl::IsUnimplemented(job.result.status)) {
       // The device's kernels do not compute this layer (e.g. the GPU kernels without sliding
       // windows or head_dim 256): say which layer and what serves it.
-      return ErrorResponse(batch_id,
-                           absl::UnimplementedError(absl::StrCat(
-                               "layer ", layer, " (head_dim ", job.config.head_dim,
-                               ", sliding_window ", job.scalars.sliding_window,
-                               ") is not supported on ", job.device, ": ", job.status.message(),
-                               "; serve this layer from an attngrad-server with --devices=cpu")),
-                           std::move(fields));
+      return ErrorResponse(
+          batch_id,
+          absl::UnimplementedError(absl::StrCat(
+              "layer ", layer, " (head_dim ", job.request.config.head_dim, ", sliding_window ",
+              job.request.scalars.sliding_window, ") is not supported on ", job.result.device, ": ",
+              job.result.status.message(),
+              "; serve this layer from an attngrad-server with --devices=cpu")),
+          std::move(fields));
     }
-    if (!job.status.ok()) return ErrorResponse(batch_id, job.status, std::move(fields));
+    if (!job.result.status.ok()) {
+      return ErrorResponse(batch_id, job.result.status, std::move(fields));
+    }
     fields.set_batch_id(batch_id);
     fields.set_server_instance_id(instance_id);
     auto response = std::make_unique<Write>();
     response->payload_bytes = PayloadBytes(job);
     CopyOutputsToRegions(outputs, job);
-    const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);
+    const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.request.response_dtype);
     if (outputs.grad_hidden_states_elsewhere) {
       response->payload_bytes -= static_cast<std::int64_t>(grad_bytes);
     }
@@ -437,7 +440,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
   bool write_in_flight_ = false;
   bool reads_done_ = false;
   bool broken_ = false;  // cancelled or a write failed
-  // Set with broken_; shared with the stream's jobs (BatchJob::stream_cancelled).
+  // Set with broken_; shared with the stream's jobs (BatchJob::Arrival::stream_cancelled).
   const std::shared_ptr<std::atomic<bool>> cancelled_ = std::make_shared<std::atomic<bool>>(false);
   bool finished_ = false;
 };

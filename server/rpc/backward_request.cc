@@ -274,19 +274,21 @@ absl::Status CheckResponseSize(const LayerConfig& config, std::int64_t tokens,
 // checked finite), or built from its positions with the RoPE base `theta`.
 absl::Status FillRotaryTables(const v1::BackwardRequest& request, const LayerSettings& settings,
                               double theta, BatchJob& job) {
-  const std::size_t rotary =
-      static_cast<std::size_t>(job.tokens()) * static_cast<std::size_t>(job.config.head_dim);
-  job.cos.resize(rotary);
-  job.sin.resize(rotary);
+  const std::size_t rotary = static_cast<std::size_t>(job.tokens()) *
+                             static_cast<std::size_t>(job.request.config.head_dim);
+  job.request.cos.resize(rotary);
+  job.request.sin.resize(rotary);
   if (request.rotary_case() == v1::BackwardRequest::kRotaryTables) {
     ATTNGRAD_RETURN_IF_ERROR(DecodeFinite(request.rotary_tables().cos(),
-                                          "rotary_tables.cos.raw_data", absl::MakeSpan(job.cos)));
+                                          "rotary_tables.cos.raw_data",
+                                          absl::MakeSpan(job.request.cos)));
     return DecodeFinite(request.rotary_tables().sin(), "rotary_tables.sin.raw_data",
-                        absl::MakeSpan(job.sin));
+                        absl::MakeSpan(job.request.sin));
   }
   const auto& ids = request.positions().position_ids();
-  BuildRotaryTables(absl::MakeConstSpan(ids.data(), ids.size()), job.batch, job.seq_len,
-                    job.config.head_dim, theta, absl::MakeSpan(job.cos), absl::MakeSpan(job.sin),
+  BuildRotaryTables(absl::MakeConstSpan(ids.data(), ids.size()), job.request.batch,
+                    job.request.seq_len, job.request.config.head_dim, theta,
+                    absl::MakeSpan(job.request.cos), absl::MakeSpan(job.request.sin),
                     settings.rope_scaling_factor);
   return absl::OkStatus();
 }
@@ -313,24 +315,24 @@ absl::StatusOr<ParsedBackward> ParseBackwardRequest(ReceivedBackwardRequest rece
   // The activations stay as they arrived (the worker copies them once, checking every value is
   // finite); the rotary tables are decoded (and checked) here.
   auto job = std::make_unique<BatchJob>();
-  job->computation = computation;
-  job->batch = static_cast<int>(batch);
-  job->seq_len = static_cast<int>(seq_len);
-  job->config = config;
-  job->response_dtype = parsed.response_dtype;
-  job->scalars = scalars;
-  job->precision = request.precision() == v1::PRECISION_UNSPECIFIED
-                       ? Precision::kAuto
-                       : static_cast<Precision>(static_cast<int>(request.precision()) - 1);
-  job->accumulate = parsed.accumulate;
-  job->return_weight_gradients = weight_gradients;
+  job->request.computation = computation;
+  job->request.batch = static_cast<int>(batch);
+  job->request.seq_len = static_cast<int>(seq_len);
+  job->request.config = config;
+  job->request.response_dtype = parsed.response_dtype;
+  job->request.scalars = scalars;
+  job->request.precision = request.precision() == v1::PRECISION_UNSPECIFIED
+                               ? Precision::kAuto
+                               : static_cast<Precision>(static_cast<int>(request.precision()) - 1);
+  job->admission.accumulate = parsed.accumulate;
+  job->request.return_weight_gradients = weight_gradients;
   received.hidden_states.set_dtype(request.hidden_states().dtype());
   if (!forward) received.grad_output.set_dtype(request.grad_output().dtype());
-  job->hidden_states = std::move(received.hidden_states);
-  job->grad_output = std::move(received.grad_output);
+  job->request.hidden_states = std::move(received.hidden_states);
+  job->request.grad_output = std::move(received.grad_output);
   if (received.cos.cuda_device() >= 0) {  // the kernels read them in the client's GPU memory
-    job->device_cos = std::move(received.cos);
-    job->device_sin = std::move(received.sin);
+    job->request.device_cos = std::move(received.cos);
+    job->request.device_sin = std::move(received.sin);
   } else {
     ATTNGRAD_RETURN_IF_ERROR(FillRotaryTables(request, settings, theta, *job));
   }
@@ -376,7 +378,7 @@ std::int64_t PayloadBytes(const ReceivedBackwardRequest& request) {
 }
 
 std::int64_t PayloadBytes(const BatchJob& job) {
-  return static_cast<std::int64_t>(job.answer.size);
+  return static_cast<std::int64_t>(job.result.answer.size);
 }
 
 }  // namespace attngrad::server

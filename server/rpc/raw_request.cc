@@ -65,28 +65,28 @@ void SetShape(absl::Span<const std::int64_t> shape, int dtype, v1::Tensor* tenso
 grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJob& job,
                                            bool grad_hidden_states_in_region,
                                            bool weight_gradients_in_region) {
-  const LayerConfig& config = job.config;
-  const int dtype = job.response_dtype;
+  const LayerConfig& config = job.request.config;
+  const int dtype = job.request.response_dtype;
   const std::size_t element_size = wire::DTypeSize(dtype);
   // The answer buffer's [B,S,hidden] tensor: grad_hidden_states, or a FORWARD batch's output.
-  SetShape({job.batch, job.seq_len, config.hidden_size}, dtype,
+  SetShape({job.request.batch, job.request.seq_len, config.hidden_size}, dtype,
            job.forward() ? response.mutable_output() : response.mutable_grad_hidden_states());
-  if (job.return_weight_gradients) {
+  if (job.request.return_weight_gradients) {
     for (Weight weight : kAllWeights) {
       SetShape(WeightShape(config, weight), dtype,
                wire::MutableGradientTensor(response.mutable_weight_gradients(), weight));
     }
   }
   v1::StageTimings* timings = response.mutable_timings();
-  timings->set_queue_seconds(job.stages.queue);
-  timings->set_copy_in_seconds(job.stages.copy_in);
-  timings->set_compute_seconds(job.stages.compute);
-  timings->set_copy_out_seconds(job.stages.copy_out);
-  timings->set_total_seconds(job.stages.total);
-  response.set_device(job.device);
+  timings->set_queue_seconds(job.result.stages.queue);
+  timings->set_copy_in_seconds(job.result.stages.copy_in);
+  timings->set_compute_seconds(job.result.stages.compute);
+  timings->set_copy_out_seconds(job.result.stages.copy_out);
+  timings->set_total_seconds(job.result.stages.total);
+  response.set_device(job.result.device);
 
   // The message's own fields, with each tensor's raw_data a slice of the answer buffer.
-  auto* answer = new AnswerBuffer(std::move(job.answer));
+  auto* answer = new AnswerBuffer(std::move(job.result.answer));
   const grpc::Slice whole(answer->bytes.data(), answer->size, DeleteAnswer, answer);
   // The answer buffer holds the tensors in BackwardResponseTensorPaths' order (a FORWARD batch's:
   // the output alone).
@@ -102,7 +102,7 @@ grpc::ByteBuffer SerializeBackwardResponse(v1::BackwardResponse response, BatchJ
   };
   const wire::FieldPath output_path = {v1::BackwardResponse::kOutputFieldNumber};
   add(job.forward() ? output_path : all_paths[0], job.activations(), !grad_hidden_states_in_region);
-  if (job.return_weight_gradients) {
+  if (job.request.return_weight_gradients) {
     for (std::size_t w = 0; w < kAllWeights.size(); ++w) {
       add(all_paths[w + 1], WeightElements(config, kAllWeights[w]), !weight_gradients_in_region);
     }

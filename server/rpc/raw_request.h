@@ -33,8 +33,8 @@ absl::Status ParseCallRequest(const grpc::ByteBuffer& bytes, const char* method,
 // The response of a finished job: `response`'s fields (batch id, versions, ...) plus the job's
 // outputs (grad_hidden_states, RETURN weight gradients, or a FORWARD batch's output, in the job's
 // response dtype, and its timings), serialized without copying the outputs: their bytes go out as
-// slices of the job's answer buffer (BatchJob::answer), which the returned buffer keeps alive until
-// gRPC has sent it. Byte for byte protobuf's serialization of the whole response
+// slices of the job's answer buffer (BatchJob::Result::answer), which the returned buffer keeps
+// alive until gRPC has sent it. Byte for byte protobuf's serialization of the whole response
 // (wire::SerializeWithPayloads). With `grad_hidden_states_in_region` (grad_hidden_states or,
 // FORWARD, the output) / `weight_gradients_in_region` (those outputs were written into a region:
 // rpc/regions.h) those tensors have their dtype and shape only.

@@ -361,8 +361,8 @@ namespace {
 absl::Status ResolveOutput(const RegionRegistry& regions, const std::string& client_id,
                            const v1::RegionSlice& slice, std::size_t elements, const char* field,
                            const BatchJob& job, std::optional<RegionBytes>* host,
-                           BatchJob::DeviceDestination* destination) {
-  const std::size_t element_size = wire::DTypeSize(job.response_dtype);
+                           BatchJob::Request::DeviceDestination* destination) {
+  const std::size_t element_size = wire::DTypeSize(job.request.response_dtype);
   ATTNGRAD_ASSIGN_OR_RETURN(RegionBytes region, regions.Resolve(client_id, slice, element_size,
                                                                 elements * element_size, field));
   const int device = region.cuda_device();
@@ -411,19 +411,19 @@ absl::StatusOr<OutputRegions> ResolveOutputRegions(const RegionRegistry& regions
     ATTNGRAD_RETURN_IF_ERROR(
         ResolveOutput(regions, client_id, *activations_slice, job->activations(),
                       job->forward() ? "output_region" : "grad_hidden_states_region", *job,
-                      &outputs.grad_hidden_states, &job->grad_hidden_states_destination));
+                      &outputs.grad_hidden_states, &job->request.grad_hidden_states_destination));
     outputs.grad_hidden_states_elsewhere = true;
   }
   if (slices.weight_gradients.has_value()) {
-    if (!job->return_weight_gradients) {
+    if (!job->request.return_weight_gradients) {
       return absl::InvalidArgumentError(
           "weight_gradients_region: only with mode GRADIENT_MODE_RETURN (ACCUMULATE adds the "
           "weight gradients on the server)");
     }
-    ATTNGRAD_RETURN_IF_ERROR(
-        ResolveOutput(regions, client_id, *slices.weight_gradients,
-                      PackedWeightLayout(job->config).total_elements, "weight_gradients_region",
-                      *job, &outputs.weight_gradients, &job->weight_gradients_destination));
+    ATTNGRAD_RETURN_IF_ERROR(ResolveOutput(
+        regions, client_id, *slices.weight_gradients,
+        PackedWeightLayout(job->request.config).total_elements, "weight_gradients_region", *job,
+        &outputs.weight_gradients, &job->request.weight_gradients_destination));
     outputs.weight_gradients_elsewhere = true;
   }
   return outputs;
@@ -461,7 +461,7 @@ absl::Status ResolveStreamOrder(const RegionRegistry& regions, const std::string
                                                                 "stream_order.ready", *job));
   ATTNGRAD_ASSIGN_OR_RETURN(RegionBytes done, ResolveOrderWord(regions, client_id, order.done(),
                                                                "stream_order.done", *job));
-  BatchJob::StreamGate& gate = job->stream_gate;
+  BatchJob::Request::StreamGate& gate = job->request.stream_gate;
   gate.ready = ready.data;
   gate.done = done.data;
   gate.value = order.value();
@@ -472,14 +472,14 @@ absl::Status ResolveStreamOrder(const RegionRegistry& regions, const std::string
 }
 
 void CopyOutputsToRegions(const OutputRegions& outputs, const BatchJob& job) {
-  // The answer buffer: grad_hidden_states, then the weight gradients (BatchJob::answer).
-  const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.response_dtype);
+  // The answer buffer: grad_hidden_states, then the weight gradients (BatchJob::Result::answer).
+  const std::size_t grad_bytes = job.activations() * wire::DTypeSize(job.request.response_dtype);
   if (outputs.grad_hidden_states.has_value()) {
-    std::memcpy(outputs.grad_hidden_states->data, job.answer.bytes.data(),
+    std::memcpy(outputs.grad_hidden_states->data, job.result.answer.bytes.data(),
                 outputs.grad_hidden_states->size);
   }
   if (outputs.weight_gradients.has_value()) {
-    std::memcpy(outputs.weight_gradients->data, job.answer.bytes.data() + grad_bytes,
+    std::memcpy(outputs.weight_gradients->data, job.result.answer.bytes.data() + grad_bytes,
                 outputs.weight_gradients->size);
   }
 }

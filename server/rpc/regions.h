@@ -160,8 +160,8 @@ struct OutputSlices {
 // Where a batch's outputs go when its request names grad_hidden_states_region /
 // weight_gradients_region / output_region: host memory, copied there from the answer buffer once
 // the batch is done (CopyOutputsToRegions), or GPU memory, which the job's destinations
-// (BatchJob::DeviceDestination) name for the GPU worker to write. A FORWARD batch's output takes
-// grad_hidden_states' place (the answer buffer's [B,S,hidden] tensor).
+// (BatchJob::Request::DeviceDestination) name for the GPU worker to write. A FORWARD batch's output
+// takes grad_hidden_states' place (the answer buffer's [B,S,hidden] tensor).
 struct OutputRegions {
   std::optional<RegionBytes> grad_hidden_states;  // host memory (FORWARD: the output)
   std::optional<RegionBytes> weight_gradients;    // host memory

@@ -10,23 +10,26 @@ namespace attngrad::server {
 
 std::size_t BatchJob::AnswerBytes() const {
   std::size_t elements = activations();
-  if (return_weight_gradients) elements += PackedWeightLayout(config).total_elements;
-  return elements * wire::DTypeSize(response_dtype);
+  if (request.return_weight_gradients) {
+    elements += PackedWeightLayout(request.config).total_elements;
+  }
+  return elements * wire::DTypeSize(request.response_dtype);
 }
 
 bool BatchJob::Unobservable() const {
-  return stream_cancelled != nullptr && stream_cancelled->load() && !accumulate &&
-         stream_gate.ready == nullptr && stream_gate.done == nullptr;
+  return arrival.stream_cancelled != nullptr && arrival.stream_cancelled->load() &&
+         !admission.accumulate && request.stream_gate.ready == nullptr &&
+         request.stream_gate.done == nullptr;
 }
 
 int BatchJob::cuda_device() const {
-  if (hidden_states.cuda_device() >= 0) return hidden_states.cuda_device();
-  if (grad_output.cuda_device() >= 0) return grad_output.cuda_device();
-  if (device_cos.cuda_device() >= 0) return device_cos.cuda_device();
-  if (grad_hidden_states_destination.cuda_device >= 0) {
-    return grad_hidden_states_destination.cuda_device;
+  if (request.hidden_states.cuda_device() >= 0) return request.hidden_states.cuda_device();
+  if (request.grad_output.cuda_device() >= 0) return request.grad_output.cuda_device();
+  if (request.device_cos.cuda_device() >= 0) return request.device_cos.cuda_device();
+  if (request.grad_hidden_states_destination.cuda_device >= 0) {
+    return request.grad_hidden_states_destination.cuda_device;
   }
-  return weight_gradients_destination.cuda_device;
+  return request.weight_gradients_destination.cuda_device;
 }
 
 DeviceWorker::DeviceWorker(std::string device, ServerMetrics* metrics, int pipeline_depth)
@@ -75,8 +78,8 @@ void DeviceWorker::StopAndJoin() {
 }
 
 void DeviceWorker::Submit(std::unique_ptr<BatchJob> job) {
-  job->device = device_;
-  job->submitted = std::chrono::steady_clock::now();
+  job->result.device = device_;
+  job->result.submitted = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(Item{std::move(job), std::nullopt});
@@ -125,7 +128,7 @@ std::optional<DeviceWorker::Item> DeviceWorker::PopLocked() {
 
 bool DeviceWorker::SkipIfUnobservable(std::unique_ptr<BatchJob>& job) {
   if (!job->Unobservable()) return false;
-  job->status = absl::CancelledError(
+  job->result.status = absl::CancelledError(
       "the batch's Backward stream was cancelled before the batch was computed, and nothing but "
       "its answer would come of it: it was not computed");
   skipped_batches_.fetch_add(1);
@@ -139,12 +142,12 @@ void DeviceWorker::FinishJob(std::unique_ptr<BatchJob> job) {
     --outstanding_;
     metrics_->Inflight(device_).Set(static_cast<double>(outstanding_));
   }
-  job->stages.total = SecondsSince(job->submitted);
-  if (job->status.ok()) {
-    const char* mode = job->forward()                 ? "forward"
-                       : job->return_weight_gradients ? "return"
-                                                      : "accumulate";
-    metrics_->ObserveBatch(mode, device_, job->tokens(), job->stages);
+  job->result.stages.total = SecondsSince(job->result.submitted);
+  if (job->result.status.ok()) {
+    const char* mode = job->forward()                         ? "forward"
+                       : job->request.return_weight_gradients ? "return"
+                                                              : "accumulate";
+    metrics_->ObserveBatch(mode, device_, job->tokens(), job->result.stages);
   }
   auto on_done = std::move(job->on_done);
   on_done(std::move(job));

@@ -57,89 +57,111 @@ enum class Computation {
 
 // One batch, owned by whoever holds the pointer: its activations as they arrived (copied once by
 // the worker, to where the computation reads them), fp32 rotary tables, and the answer the worker
-// writes in the response dtype.
+// writes in the response dtype. Its fields are grouped by who writes and who reads them.
 struct BatchJob {
-  // kForward: grad_output is empty, accumulate and return_weight_gradients are false, and the
-  // answer's [B,S,hidden] tensor (the answer buffer's first, grad_hidden_states_destination) is
-  // the layer's output instead of grad_hidden_states.
-  Computation computation = Computation::kBackward;
-  int batch = 0;
-  int seq_len = 0;
-  int layer_slot = 0;  // which served layer (LayerSlots index)
-  LayerConfig config;  // its shape (the answer's tensor shapes)
-  Scalars scalars;
-  Precision precision = Precision::kAuto;
-  // Add this batch's weight gradients to the worker's accumulator set `accumulator_set`.
-  bool accumulate = false;
-  int accumulator_set = 0;  // one per client window holding sums (GradientCore assigns them)
-  // Return this batch's weight gradients in `weight_gradients` (RETURN mode). When neither flag is
-  // set (an ACCUMULATE duplicate), the weight gradients are computed into scratch and dropped.
-  bool return_weight_gradients = false;
-  // [B,S,hidden] in a wire dtype each. Their values are checked to be finite where the worker
-  // copies them (a batch with an Inf or NaN fails with INVALID_ARGUMENT naming the element).
-  WireTensor hidden_states, grad_output;
-  std::vector<float> cos, sin;        // [B,S,head_dim]; empty when they are in GPU memory:
-  WireTensor device_cos, device_sin;  // fp32 [B,S,head_dim] in a client's GPU memory (CUDA IPC)
-  int response_dtype = 1;             // attngrad.v1.DType of the answer (FLOAT32 = 1)
-  // Same-host zero-copy over CUDA IPC (rpc/regions.h): hidden_states / grad_output may be GPU
-  // memory (WireTensor::OnDevice), read there by the GPU worker of their device; and
-  // grad_hidden_states (FORWARD: the output) may go to GPU memory instead of the answer buffer
-  // (response_dtype, activations() elements), written there by that worker before the job is
-  // finished.
-  struct DeviceDestination {
-    char* data = nullptr;  // null: grad_hidden_states is in the answer buffer
-    std::size_t size = 0;
-    int cuda_device = -1;
-    std::shared_ptr<const void> owner;  // keeps the memory open
+  // Written by the request parser (rpc/backward_request.cc, rpc/regions.cc; layer_slot by the
+  // Backward reactor), read by GradientCore's admission and the worker.
+  struct Request {
+    // kForward: grad_output is empty, accumulate and return_weight_gradients are false, and the
+    // answer's [B,S,hidden] tensor (the answer buffer's first, grad_hidden_states_destination) is
+    // the layer's output instead of grad_hidden_states.
+    Computation computation = Computation::kBackward;
+    int batch = 0;
+    int seq_len = 0;
+    int layer_slot = 0;  // which served layer (LayerSlots index)
+    LayerConfig config;  // its shape (the answer's tensor shapes)
+    Scalars scalars;
+    Precision precision = Precision::kAuto;
+    // Return this batch's weight gradients in `weight_gradients` (RETURN mode). When neither this
+    // nor Admitted::accumulate is set (an ACCUMULATE duplicate), the weight gradients are computed
+    // into scratch and dropped.
+    bool return_weight_gradients = false;
+    // [B,S,hidden] in a wire dtype each. Their values are checked to be finite where the worker
+    // copies them (a batch with an Inf or NaN fails with INVALID_ARGUMENT naming the element).
+    WireTensor hidden_states, grad_output;
+    std::vector<float> cos, sin;        // [B,S,head_dim]; empty when they are in GPU memory:
+    WireTensor device_cos, device_sin;  // fp32 [B,S,head_dim] in a client's GPU memory (CUDA IPC)
+    int response_dtype = 1;             // attngrad.v1.DType of the answer (FLOAT32 = 1)
+    // Same-host zero-copy over CUDA IPC (rpc/regions.h): hidden_states / grad_output may be GPU
+    // memory (WireTensor::OnDevice), read there by the GPU worker of their device; and
+    // grad_hidden_states (FORWARD: the output) may go to GPU memory instead of the answer buffer
+    // (response_dtype, activations() elements), written there by that worker before the job is
+    // finished.
+    struct DeviceDestination {
+      char* data = nullptr;  // null: grad_hidden_states is in the answer buffer
+      std::size_t size = 0;
+      int cuda_device = -1;
+      std::shared_ptr<const void> owner;  // keeps the memory open
+    };
+    DeviceDestination grad_hidden_states_destination;
+    // RETURN: the weight gradients (response_dtype, PackedWeightLayout order) into GPU memory
+    // instead of the answer buffer, the same way.
+    DeviceDestination weight_gradients_destination;
+    // A batch ordered by the caller's CUDA stream (BackwardRequest.stream_order): computed once the
+    // 32-bit word at `ready` (GPU memory of the job's device) reaches `value`, after which `value`
+    // is written to `done`, behind the batch's last write into the caller's memory.
+    // ready == nullptr: computed as it arrives. A gate still closed at `deadline` fails the batch
+    // (DEADLINE_EXCEEDED).
+    struct StreamGate {
+      char* ready = nullptr;
+      char* done = nullptr;
+      std::uint32_t value = 0;
+      std::chrono::steady_clock::time_point deadline;
+      std::shared_ptr<const void> ready_owner, done_owner;  // keep the memory open
+    };
+    StreamGate stream_gate;
   };
-  DeviceDestination grad_hidden_states_destination;
-  // RETURN: the weight gradients (response_dtype, PackedWeightLayout order) into GPU memory
-  // instead of the answer buffer, the same way.
-  DeviceDestination weight_gradients_destination;
-  // A batch ordered by the caller's CUDA stream (BackwardRequest.stream_order): computed once the
-  // 32-bit word at `ready` (GPU memory of the job's device) reaches `value`, after which `value` is
-  // written to `done`, behind the batch's last write into the caller's memory. ready == nullptr:
-  // computed as it arrives. A gate still closed at `deadline` fails the batch (DEADLINE_EXCEEDED).
-  struct StreamGate {
-    char* ready = nullptr;
-    char* done = nullptr;
-    std::uint32_t value = 0;
-    std::chrono::steady_clock::time_point deadline;
-    std::shared_ptr<const void> ready_owner, done_owner;  // keep the memory open
+  Request request;
+
+  // Written by GradientCore::Admit before the job is queued (accumulate: set by the parser from
+  // the mode, cleared for a duplicate), read by the worker and the Backward reactor's answer.
+  struct Admitted {
+    std::uint64_t weights_version = 0;
+    std::uint64_t window_id = 0;  // ACCUMULATE: the window the batch belongs to
+    bool duplicate = false;       // ACCUMULATE: already in the window, not added again
+    // Add this batch's weight gradients to the worker's accumulator set `accumulator_set`.
+    bool accumulate = false;
+    int accumulator_set = 0;  // one per client window holding sums (GradientCore assigns them)
   };
-  StreamGate stream_gate;
-  // Set (to true) by the Backward reactor once the stream that sent the batch is cancelled or its
-  // client gone: nobody reads the batch's answer any more. Null: not sent on such a stream.
-  std::shared_ptr<const std::atomic<bool>> stream_cancelled;
-  // The budget reservation of the received request, given back when the worker has copied it.
-  MemoryBudget::Reservation request_reservation;
-  // GPU servers: the host inputs copied on arrival, by the thread that received them, into
-  // page-locked memory in the staging layout (scheduling/staging.h), from which the GPU copies
-  // them; hidden_states and grad_output then keep their dtypes but no bytes. Empty otherwise (the
-  // worker stages them itself).
-  common::BufferPool::Buffer staged_inputs;
+  Admitted admission;
 
-  // Filled by the worker.
-  AnswerBuffer answer;
-  absl::Status status;
-  std::string device;
-  StageSeconds stages;
-  std::chrono::steady_clock::time_point submitted;
+  // Written by the Backward reactor on the thread that received the request, read (and given
+  // back) by the worker.
+  struct Arrival {
+    // Set (to true) by the Backward reactor once the stream that sent the batch is cancelled or
+    // its client gone: nobody reads the batch's answer any more. Null: not sent on such a stream.
+    std::shared_ptr<const std::atomic<bool>> stream_cancelled;
+    // The budget reservation of the received request, given back when the worker has copied it.
+    MemoryBudget::Reservation request_reservation;
+    // GPU servers: the host inputs copied on arrival, by the thread that received them, into
+    // page-locked memory in the staging layout (scheduling/staging.h), from which the GPU copies
+    // them; hidden_states and grad_output then keep their dtypes but no bytes. Empty otherwise
+    // (the worker stages them itself).
+    common::BufferPool::Buffer staged_inputs;
+  };
+  Arrival arrival;
 
-  // Set by GradientCore::Admit before the job is queued.
-  std::uint64_t weights_version = 0;
-  std::uint64_t window_id = 0;  // ACCUMULATE: the window the batch belongs to
-  bool duplicate = false;       // ACCUMULATE: already in the window, not added again
+  // Written by the worker (submitted by DeviceWorker::Submit; answer.reservation by the Backward
+  // reactor), read by the Backward reactor for the answer.
+  struct Result {
+    AnswerBuffer answer;
+    absl::Status status;
+    std::string device;
+    StageSeconds stages;
+    std::chrono::steady_clock::time_point submitted;
+  };
+  Result result;
 
   // Called exactly once, on the worker's thread, when the job is finished (status says how).
   std::function<void(std::unique_ptr<BatchJob>)> on_done;
 
-  long long tokens() const { return static_cast<long long>(batch) * seq_len; }
+  long long tokens() const { return static_cast<long long>(request.batch) * request.seq_len; }
   // Elements of one activation tensor, B*S*hidden.
   std::size_t activations() const {
-    return static_cast<std::size_t>(tokens()) * static_cast<std::size_t>(config.hidden_size);
+    return static_cast<std::size_t>(tokens()) *
+           static_cast<std::size_t>(request.config.hidden_size);
   }
-  bool forward() const { return computation == Computation::kForward; }
+  bool forward() const { return request.computation == Computation::kForward; }
   // Whether nobody can ever observe what computing the batch would give: its stream was cancelled
   // (stream_cancelled), it adds nothing to an accumulation window (RETURN, FORWARD, an ACCUMULATE
   // duplicate: the answer is its only result) and no client's CUDA stream waits for its `done`
@@ -178,7 +200,7 @@ struct DeviceDescription {
   std::string backend;  // "cuda" or "cpu"
   long long memory_total_bytes = 0;
   long long memory_used_bytes = 0;
-  bool stream_ordered_batches = false;  // BatchJob::stream_gate is honoured
+  bool stream_ordered_batches = false;  // BatchJob::Request::stream_gate is honoured
 };
 
 class DeviceWorker {

@@ -217,7 +217,7 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
                                               std::uint64_t expected_window_id) {
   std::lock_guard<std::mutex> lock(mutex_);
   ATTNGRAD_ASSIGN_OR_RETURN(DeviceWorker * worker, WorkerForLocked(*job));
-  const int slot = job->layer_slot;
+  const int slot = job->request.layer_slot;
   const std::uint64_t layer_version = layers_[static_cast<std::size_t>(slot)].weights_version;
   if (expected_weights_version != 0 && expected_weights_version != layer_version) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -227,7 +227,7 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
   }
   Admission admission;
   admission.weights_version = layer_version;
-  if (job->accumulate) {
+  if (job->admission.accumulate) {
     ATTNGRAD_ASSIGN_OR_RETURN(std::shared_ptr<Window> window, WindowOfLocked({client_id, slot}));
     ATTNGRAD_ASSIGN_OR_RETURN(
         const bool counts,
@@ -236,9 +236,9 @@ absl::StatusOr<Admission> GradientCore::Admit(std::unique_ptr<BatchJob> job,
     admission.duplicate = !counts;
     if (counts) CountWhenDone(*job, std::move(window), batch_id);
   }
-  job->weights_version = admission.weights_version;
-  job->window_id = admission.window_id;
-  job->duplicate = admission.duplicate;
+  job->admission.weights_version = admission.weights_version;
+  job->admission.window_id = admission.window_id;
+  job->admission.duplicate = admission.duplicate;
   worker->Submit(std::move(job));
   return admission;
 }
@@ -260,7 +260,7 @@ absl::StatusOr<bool> GradientCore::AdmitToWindowLocked(BatchJob& job, Window& wi
                                                        std::uint64_t batch_id,
                                                        std::uint64_t expected_window_id,
                                                        std::uint64_t layer_version) {
-  const int slot = job.layer_slot;
+  const int slot = job.request.layer_slot;
   if (expected_window_id != 0 && expected_window_id != window.id) {
     return absl::FailedPreconditionError(absl::StrCat(
         "accumulation_window_id: the batch names window ", expected_window_id,
@@ -270,7 +270,7 @@ absl::StatusOr<bool> GradientCore::AdmitToWindowLocked(BatchJob& job, Window& wi
   }
   bool counts = false;
   if (window.batch_ids.count(batch_id) != 0) {
-    job.accumulate = false;  // computed (the response is answered again), not added
+    job.admission.accumulate = false;  // computed (the response is answered again), not added
   } else {
     if (!window.batch_ids.empty() && window.weights_version != layer_version) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -283,7 +283,7 @@ absl::StatusOr<bool> GradientCore::AdmitToWindowLocked(BatchJob& job, Window& wi
     window.batch_ids.insert(batch_id);
     counts = true;
   }
-  job.accumulator_set = window.accumulator_set < 0 ? 0 : window.accumulator_set;
+  job.admission.accumulator_set = window.accumulator_set < 0 ? 0 : window.accumulator_set;
   return counts;
 }
 
@@ -308,7 +308,7 @@ void GradientCore::CountWhenDone(BatchJob& job, std::shared_ptr<Window> window,
                  on_done = std::move(on_done)](std::unique_ptr<BatchJob> done) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!done->status.ok()) {
+      if (!done->result.status.ok()) {
         window->batch_ids.erase(batch_id);  // not accumulated: a retry must count
       } else {
         ++window->batches;

@@ -105,13 +105,13 @@ class GradientCore {
   std::vector<LayerDescription> Layers() const;
   std::vector<DeviceDescription> Devices() const;
 
-  // Checks the version and window rules of the job's layer (job->layer_slot), assigns the batch to
-  // the least busy worker and queues it.
-  // `job->on_done` runs on that worker's thread when the batch is done. ACCUMULATE batches go to
-  // `client_id`'s window; those with a batch id already in that window are queued as duplicates
-  // (computed, not added). Errors: FAILED_PRECONDITION (expected_weights_version,
-  // accumulation_window_id, or weights changed within a non-empty window), RESOURCE_EXHAUSTED
-  // (max_clients_with_sums other clients hold sums); nothing is queued then.
+  // Checks the version and window rules of the job's layer (job->request.layer_slot), assigns the
+  // batch to the least busy worker and queues it. `job->on_done` runs on that worker's thread when
+  // the batch is done. ACCUMULATE batches go to `client_id`'s window; those with a batch id already
+  // in that window are queued as duplicates (computed, not added). Errors: FAILED_PRECONDITION
+  // (expected_weights_version, accumulation_window_id, or weights changed within a non-empty
+  // window), RESOURCE_EXHAUSTED (max_clients_with_sums other clients hold sums); nothing is queued
+  // then.
   absl::StatusOr<Admission> Admit(std::unique_ptr<BatchJob> job, const std::string& client_id,
                                   std::uint64_t batch_id, std::uint64_t expected_weights_version,
                                   std::uint64_t expected_window_id);

@@ -4,8 +4,8 @@
 // tensor fills the first half of its part; a FORWARD batch has no grad_output part) | cos | sin.
 // The GPU worker stages there itself (into its slots' page-locked buffers, on its copy threads), or
 // a GPU server's receiving thread has done it on arrival (StageOnArrival, into
-// BatchJob::staged_inputs), so that the copies of several streams run at once, beside the worker
-// instead of in front of it.
+// BatchJob::Arrival::staged_inputs), so that the copies of several streams run at once, beside the
+// worker instead of in front of it.
 #ifndef ATTNGRAD_SERVER_STAGING_H_
 #define ATTNGRAD_SERVER_STAGING_H_
 
@@ -31,11 +31,11 @@ std::size_t StagingElements(const BatchJob& job);
 absl::Status CopyToStaging(const BatchJob& job, float* staging, common::ParallelTasks* threads,
                            std::size_t part_bytes);
 
-// The job's inputs copied into a buffer of `pool` (page-locked memory) as BatchJob::staged_inputs,
-// in parts on `threads` (shared by the receiving threads: each takes part in its own copy), the
-// received bytes let go, and the seconds it took in job.stages.copy_in. Nothing is done for a job
-// with an activation in GPU memory, or when the pool cannot allocate the buffer (the worker stages
-// such a job). Errors as CopyToStaging's.
+// The job's inputs copied into a buffer of `pool` (page-locked memory) as
+// BatchJob::Arrival::staged_inputs, in parts on `threads` (shared by the receiving threads: each
+// takes part in its own copy), the received bytes let go, and the seconds it took in
+// job.result.stages.copy_in. Nothing is done for a job with an activation in GPU memory, or when
+// the pool cannot allocate the buffer (the worker stages such a job). Errors as CopyToStaging's.
 absl::Status StageOnArrival(common::BufferPool& pool, common::ParallelTasks& threads,
                             BatchJob& job);
 

@@ -37,14 +37,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       attngrad::server::ParseBackwardRequest(request, config, limits);
   if (!parsed.ok()) return 0;
   const attngrad::server::BatchJob& job = *parsed->job;
-  const std::size_t tokens = static_cast<std::size_t>(job.batch) * job.seq_len;
-  if (job.batch < 1 || job.seq_len < 1 || tokens > 64) __builtin_trap();
-  if (job.hidden_states.elements() != tokens * 8 || job.grad_output.elements() != tokens * 8 ||
-      job.cos.size() != tokens * 128 || job.sin.size() != tokens * 128) {
+  const std::size_t tokens = static_cast<std::size_t>(job.request.batch) * job.request.seq_len;
+  if (job.request.batch < 1 || job.request.seq_len < 1 || tokens > 64) __builtin_trap();
+  if (job.request.hidden_states.elements() != tokens * 8 ||
+      job.request.grad_output.elements() != tokens * 8 || job.request.cos.size() != tokens * 128 ||
+      job.request.sin.size() != tokens * 128) {
     __builtin_trap();
   }
   // Finite inputs that built NaN rotary tables were once accepted: the tables must be finite.
-  if (!AllFinite(job.cos) || !AllFinite(job.sin)) {
+  if (!AllFinite(job.request.cos) || !AllFinite(job.request.sin)) {
     __builtin_trap();
   }
   return 0;

@@ -1,6 +1,6 @@
-// The queued batches of a cancelled Backward stream (BatchJob::stream_cancelled): a worker skips
-// those whose result nobody can observe (RETURN, FORWARD and ACCUMULATE duplicates, answered to a
-// stream nobody reads) and computes the ACCUMULATE batches that count, since one of them may
+// The queued batches of a cancelled Backward stream (BatchJob::Arrival::stream_cancelled): a worker
+// skips those whose result nobody can observe (RETURN, FORWARD and ACCUMULATE duplicates, answered
+// to a stream nobody reads) and computes the ACCUMULATE batches that count, since one of them may
 // already have been answered, on another stream, as its retry's duplicate. Checked on GradientCore
 // and a CPU worker held by a control until the stream is cancelled (no timing involved), and on a
 // server whose shutdown finds a queue of cancelled RETURN batches.
@@ -34,22 +34,23 @@ std::unique_ptr<BatchJob> JobOf(const LayerConfig& config, const Batch& batch, K
                                 const std::shared_ptr<std::atomic<bool>>& cancelled,
                                 std::future<absl::Status>* finished) {
   auto job = std::make_unique<BatchJob>();
-  job->batch = batch.batch;
-  job->seq_len = batch.seq_len;
-  job->config = config;
-  job->scalars.scaling = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
-  job->precision = Precision::kFp32;
-  job->computation = kind == Kind::kForward ? Computation::kForward : Computation::kBackward;
-  job->accumulate = kind == Kind::kAccumulate;
-  job->return_weight_gradients = kind == Kind::kReturn;
-  job->hidden_states = WireTensor::FromFloats(batch.hidden_states);
-  if (kind != Kind::kForward) job->grad_output = WireTensor::FromFloats(batch.grad_output);
-  job->cos = batch.cos;
-  job->sin = batch.sin;
-  job->stream_cancelled = cancelled;
+  job->request.batch = batch.batch;
+  job->request.seq_len = batch.seq_len;
+  job->request.config = config;
+  job->request.scalars.scaling = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+  job->request.precision = Precision::kFp32;
+  job->request.computation =
+      kind == Kind::kForward ? Computation::kForward : Computation::kBackward;
+  job->admission.accumulate = kind == Kind::kAccumulate;
+  job->request.return_weight_gradients = kind == Kind::kReturn;
+  job->request.hidden_states = WireTensor::FromFloats(batch.hidden_states);
+  if (kind != Kind::kForward) job->request.grad_output = WireTensor::FromFloats(batch.grad_output);
+  job->request.cos = batch.cos;
+  job->request.sin = batch.sin;
+  job->arrival.stream_cancelled = cancelled;
   auto done = std::make_shared<std::promise<absl::Status>>();
   *finished = done->get_future();
-  job->on_done = [done](std::unique_ptr<BatchJob> job) { done->set_value(job->status); };
+  job->on_done = [done](std::unique_ptr<BatchJob> job) { done->set_value(job->result.status); };
   return job;
 }
 

@@ -58,7 +58,8 @@ TEST(RotaryInputTest, SubnormalThetaIsRefused) {
     const absl::StatusOr<ParsedBackward> parsed =
         Parse(PositionsRequest({0, 1, 2, last_id}, theta));
     ASSERT_FALSE(parsed.ok()) << theta << ": accepted; tables finite: "
-                              << (AllFinite(parsed->job->cos) && AllFinite(parsed->job->sin));
+                              << (AllFinite(parsed->job->request.cos) &&
+                                  AllFinite(parsed->job->request.sin));
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(parsed.status().message().find("rope_theta"), std::string::npos) << parsed.status();
   }
@@ -75,8 +76,8 @@ TEST(RotaryInputTest, AcceptedPositionsMakeFiniteTables) {
       continue;
     }
     ASSERT_TRUE(parsed.ok()) << theta << ": " << parsed.status();
-    EXPECT_TRUE(AllFinite(parsed->job->cos)) << theta;
-    EXPECT_TRUE(AllFinite(parsed->job->sin)) << theta;
+    EXPECT_TRUE(AllFinite(parsed->job->request.cos)) << theta;
+    EXPECT_TRUE(AllFinite(parsed->job->request.sin)) << theta;
   }
 }
 

@@ -23,20 +23,20 @@ namespace {
 // several pieces (as gRPC's slices), with rotary tables of head_dim 2.
 struct SmallJob {
   explicit SmallJob(int dtype) {
-    job.batch = 1;
-    job.seq_len = 3;
-    job.config.hidden_size = 4;
-    job.config.num_heads = 2;
-    job.config.num_kv_heads = 1;
-    job.config.head_dim = 2;
+    job.request.batch = 1;
+    job.request.seq_len = 3;
+    job.request.config.hidden_size = 4;
+    job.request.config.num_heads = 2;
+    job.request.config.num_kv_heads = 1;
+    job.request.config.head_dim = 2;
     for (int i = 0; i < 12; ++i) {
       hidden.push_back(0.5f * static_cast<float>(i) - 1.f);
       grad.push_back(2.f - 0.25f * static_cast<float>(i));
     }
-    job.hidden_states = InPieces(hidden, dtype, &hidden_bytes);
-    job.grad_output = InPieces(grad, dtype, &grad_bytes);
-    job.cos = {1.f, 2.f, 3.f, 4.f, 5.f, 6.f};
-    job.sin = {-1.f, -2.f, -3.f, -4.f, -5.f, -6.f};
+    job.request.hidden_states = InPieces(hidden, dtype, &hidden_bytes);
+    job.request.grad_output = InPieces(grad, dtype, &grad_bytes);
+    job.request.cos = {1.f, 2.f, 3.f, 4.f, 5.f, 6.f};
+    job.request.sin = {-1.f, -2.f, -3.f, -4.f, -5.f, -6.f};
   }
 
   // `values` encoded as `dtype` into *bytes and cut into pieces of 5 bytes (not whole elements).
@@ -62,8 +62,8 @@ TEST(StagingTest, StagedInputsAreTheReceivedBytesInTheWorkersLayout) {
     auto pool = common::BufferPool::Create(1 << 20);
     common::ParallelTasks threads(3);
     ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
-    ASSERT_NE(small.job.staged_inputs.data(), nullptr);
-    const char* staged = small.job.staged_inputs.data();
+    ASSERT_NE(small.job.arrival.staged_inputs.data(), nullptr);
+    const char* staged = small.job.arrival.staged_inputs.data();
     // hidden_states at float 0, grad_output at float 12, as received; cos and sin after them.
     EXPECT_EQ(std::memcmp(staged, small.hidden_bytes.data(), small.hidden_bytes.size()), 0)
         << "dtype " << dtype;
@@ -72,28 +72,29 @@ TEST(StagingTest, StagedInputsAreTheReceivedBytesInTheWorkersLayout) {
         0)
         << "dtype " << dtype;
     const float* tables = reinterpret_cast<const float*>(staged) + 24;
-    EXPECT_EQ(std::vector<float>(tables, tables + 6), small.job.cos);
-    EXPECT_EQ(std::vector<float>(tables + 6, tables + 12), small.job.sin);
+    EXPECT_EQ(std::vector<float>(tables, tables + 6), small.job.request.cos);
+    EXPECT_EQ(std::vector<float>(tables + 6, tables + 12), small.job.request.sin);
     // The dtypes stay; the received bytes are let go.
-    EXPECT_EQ(small.job.hidden_states.dtype(), dtype);
-    EXPECT_EQ(small.job.grad_output.dtype(), dtype);
-    EXPECT_EQ(small.job.hidden_states.size_bytes(), 0u);
-    EXPECT_EQ(small.job.grad_output.size_bytes(), 0u);
-    EXPECT_GT(small.job.stages.copy_in, 0.0);
+    EXPECT_EQ(small.job.request.hidden_states.dtype(), dtype);
+    EXPECT_EQ(small.job.request.grad_output.dtype(), dtype);
+    EXPECT_EQ(small.job.request.hidden_states.size_bytes(), 0u);
+    EXPECT_EQ(small.job.request.grad_output.size_bytes(), 0u);
+    EXPECT_GT(small.job.result.stages.copy_in, 0.0);
   }
 }
 
 TEST(StagingTest, ANonFiniteValueIsInvalidArgumentNamingTheElement) {
   SmallJob small(v1::DTYPE_FLOAT32);
   small.grad[7] = std::numeric_limits<float>::quiet_NaN();
-  small.job.grad_output = SmallJob::InPieces(small.grad, v1::DTYPE_FLOAT32, &small.grad_bytes);
+  small.job.request.grad_output =
+      SmallJob::InPieces(small.grad, v1::DTYPE_FLOAT32, &small.grad_bytes);
   auto pool = common::BufferPool::Create(1 << 20);
   common::ParallelTasks threads(2);
   const absl::Status status = StageOnArrival(*pool, threads, small.job);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("grad_output.raw_data"), std::string::npos) << status;
   EXPECT_NE(status.message().find("7"), std::string::npos) << status;
-  EXPECT_EQ(small.job.staged_inputs.data(), nullptr);
+  EXPECT_EQ(small.job.arrival.staged_inputs.data(), nullptr);
 }
 
 // Every element position, in every wire dtype, in pieces of 5 bytes (elements split between two
@@ -107,7 +108,7 @@ TEST(StagingTest, EveryNonFiniteElementIsFoundWhereverThePiecesSplitIt) {
         values[static_cast<std::size_t>(at)] = at % 2 == 0
                                                    ? std::numeric_limits<float>::quiet_NaN()
                                                    : -std::numeric_limits<float>::infinity();
-        (in_grad ? small.job.grad_output : small.job.hidden_states) =
+        (in_grad ? small.job.request.grad_output : small.job.request.hidden_states) =
             SmallJob::InPieces(values, dtype, in_grad ? &small.grad_bytes : &small.hidden_bytes);
         auto pool = common::BufferPool::Create(1 << 20);
         common::ParallelTasks threads(2);
@@ -170,8 +171,9 @@ TEST(StagingTest, WithoutMemoryFromThePoolTheJobIsLeftToTheWorker) {
   auto pool = common::BufferPool::Create(0, std::move(none));
   common::ParallelTasks threads(1);
   ASSERT_TRUE(StageOnArrival(*pool, threads, small.job).ok());
-  EXPECT_EQ(small.job.staged_inputs.data(), nullptr);
-  EXPECT_EQ(small.job.hidden_states.size_bytes(), small.hidden_bytes.size());  // still received
+  EXPECT_EQ(small.job.arrival.staged_inputs.data(), nullptr);
+  EXPECT_EQ(small.job.request.hidden_states.size_bytes(),
+            small.hidden_bytes.size());  // still received
 }
 
 }  // namespace
