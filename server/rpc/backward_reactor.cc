@@ -340,9 +340,9 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
     const v1::BackwardRequest& request = received.message;
     const std::uint64_t batch_id = request.batch_id();
     ATTNGRAD_ASSIGN_OR_RETURN(
-        const int slot,
-        core.SlotOf(request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt,
-                    "layer"));
+        const ResolvedLayer layer,
+        core.ResolveLayer(request.has_layer() ? std::optional<int>(request.layer()) : std::nullopt,
+                          "layer"));
     ATTNGRAD_RETURN_IF_ERROR(
         ReadActivationsFromRegions(service_->regions(), client_id_, &received));
     // The output slices, kept before the request moves into the job.
@@ -351,8 +351,8 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
         request.has_stream_order() ? std::optional<v1::StreamOrder>(request.stream_order())
                                    : std::nullopt;
     ATTNGRAD_ASSIGN_OR_RETURN(ParsedBackward parsed,
-                              ParseBackwardRequest(std::move(received), core.config(slot),
-                                                   core.settings(slot), service_->limits().batch));
+                              ParseBackwardRequest(std::move(received), layer.config,
+                                                   layer.settings, service_->limits().batch));
     PreparedBatch batch;
     batch.job = std::move(parsed.job);
     ATTNGRAD_ASSIGN_OR_RETURN(batch.outputs, ResolveOutputRegions(service_->regions(), client_id_,
@@ -374,7 +374,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, g
       ATTNGRAD_RETURN_IF_ERROR(StageOnArrival(*service_->arrival_staging(),
                                               service_->arrival_copy_threads(), *batch.job));
     }
-    batch.job->request.layer_slot = slot;
+    batch.job->request.layer_slot = layer.slot;
     return batch;
   }
 

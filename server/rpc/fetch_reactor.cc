@@ -165,13 +165,13 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, pu
   }
 
   absl::Status ReserveLayer(int slot) {
+    const ResolvedLayer layer = service_->core().LayerAt(slot);
     ATTNGRAD_ASSIGN_OR_RETURN(
-        fetch_memory_,
-        service_->memory().Reserve(
-            caller_,
-            static_cast<std::int64_t>(
-                PackedWeightLayout(service_->core().config(slot)).total_elements * sizeof(float)),
-            absl::StrCat("FetchGradients of layer ", service_->core().settings(slot).index)));
+        fetch_memory_, service_->memory().Reserve(
+                           caller_,
+                           static_cast<std::int64_t>(
+                               PackedWeightLayout(layer.config).total_elements * sizeof(float)),
+                           absl::StrCat("FetchGradients of layer ", layer.index())));
     return absl::OkStatus();
   }
 
@@ -285,19 +285,18 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, pu
     if (!weight.has_value()) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".name: unknown weight"));
     }
-    ATTNGRAD_ASSIGN_OR_RETURN(const int slot,
-                              service_->core().SlotOf(destination.layer(), field + ".layer"));
-    if (std::find(slots_.begin(), slots_.end(), slot) == slots_.end()) {
+    ATTNGRAD_ASSIGN_OR_RETURN(const ResolvedLayer layer,
+                              service_->core().ResolveLayer(destination.layer(), field + ".layer"));
+    if (std::find(slots_.begin(), slots_.end(), layer.slot) == slots_.end()) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".layer: ", destination.layer(),
                                                      " is not one of the layers fetched"));
     }
-    RegionBytes& into = destinations_[slot][*weight];
+    RegionBytes& into = destinations_[layer.slot][*weight];
     if (into.region != nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": layer ", destination.layer(), " ",
                                                      WeightModuleName(*weight), " named twice"));
     }
-    const std::size_t bytes =
-        WeightElements(service_->core().config(slot), *weight) * sizeof(float);
+    const std::size_t bytes = WeightElements(layer.config, *weight) * sizeof(float);
     ATTNGRAD_ASSIGN_OR_RETURN(
         into, service_->regions().Resolve(caller_, destination.region(), sizeof(float), bytes,
                                           field + ".region"));

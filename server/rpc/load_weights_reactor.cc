@@ -134,10 +134,11 @@ class LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer
   absl::Status TakeLayerAndVersion() {
     if (slot_ < 0) {
       ATTNGRAD_ASSIGN_OR_RETURN(
-          slot_,
-          service_->core().SlotOf(
+          const ResolvedLayer layer,
+          service_->core().ResolveLayer(
               request_.has_layer() ? std::optional<int>(request_.layer()) : std::nullopt, "layer"));
-      config_ = service_->core().config(slot_);
+      slot_ = layer.slot;
+      config_ = layer.config;
     } else if (request_.has_layer() && request_.layer() != service_->core().settings(slot_).index) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer: chunks of one upload name different layers (",

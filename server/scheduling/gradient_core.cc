@@ -92,6 +92,12 @@ absl::StatusOr<int> GradientCore::SlotOf(std::optional<int> layer, const std::st
       " (GetModelInfo.layers)"));
 }
 
+absl::StatusOr<ResolvedLayer> GradientCore::ResolveLayer(std::optional<int> layer,
+                                                         const std::string& field) const {
+  ATTNGRAD_ASSIGN_OR_RETURN(const int slot, SlotOf(layer, field));
+  return LayerAt(slot);
+}
+
 GradientCore::~GradientCore() {
   for (auto& worker : workers_) worker->StopAndJoin();
 }

@@ -63,6 +63,15 @@ struct Admission {
   bool duplicate = false;       // ACCUMULATE: already in this window; computed but not added
 };
 
+// A served layer, resolved in one call: its slot (LayerSlots index), its decoder-layer index
+// (settings.index) and its constant shape and settings, which GradientCore holds for its lifetime.
+struct ResolvedLayer {
+  int slot = 0;
+  const LayerSettings& settings;
+  const LayerConfig& config;
+  int index() const { return settings.index; }
+};
+
 class GradientCore {
  public:
   // Clients whose windows are remembered at most (an empty window of a client is forgotten
@@ -90,6 +99,12 @@ class GradientCore {
   // The slot of decoder layer `layer` (unset: the first served layer, slot 0). INVALID_ARGUMENT
   // naming `field` and the layers this server holds when it holds no such layer.
   absl::StatusOr<int> SlotOf(std::optional<int> layer, const std::string& field) const;
+  // SlotOf and LayerAt in one call: the slot, index, shape and settings of decoder layer `layer`.
+  absl::StatusOr<ResolvedLayer> ResolveLayer(std::optional<int> layer,
+                                             const std::string& field) const;
+  ResolvedLayer LayerAt(int slot) const {
+    return ResolvedLayer{slot, settings(slot), config(slot)};
+  }
   // Constant per slot.
   const LayerSettings& settings(int slot) const {
     return settings_[static_cast<std::size_t>(slot)];

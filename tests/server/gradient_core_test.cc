@@ -11,6 +11,46 @@
 namespace attngrad::server::testing {
 namespace {
 
+// ResolveLayer gives a request's layer its slot, index, shape and settings in one call, the same
+// ones as SlotOf, config and settings one by one.
+TEST(GradientCoreTest, ResolveLayerGivesSlotIndexConfigAndSettings) {
+  LayerConfig config;
+  config.hidden_size = 64;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.head_dim = 16;
+  auto weights = std::make_shared<const LayerWeights>(RandomLayerWeights(config, 7));
+  ServerMetrics metrics("test");
+  std::vector<std::unique_ptr<DeviceWorker>> workers;
+  workers.push_back(std::make_unique<CpuWorker>(LayerSlots{weights, weights}, 1, &metrics));
+  ASSERT_TRUE(workers.back()->Start().ok());
+  ServedModel model;
+  LayerSettings third, fifth;
+  third.index = 3;
+  fifth.index = 5;
+  fifth.rope_theta = 1e6;
+  model.layers.push_back(ServedLayer{third, weights});
+  model.layers.push_back(ServedLayer{fifth, weights});
+  GradientCore core(model, std::move(workers), &metrics);
+
+  absl::StatusOr<ResolvedLayer> layer = core.ResolveLayer(5, "layer");
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_EQ(layer->slot, 1);
+  EXPECT_EQ(layer->index(), 5);
+  EXPECT_EQ(&layer->settings, &core.settings(1));
+  EXPECT_EQ(&layer->config, &core.config(1));
+  EXPECT_EQ(layer->settings.rope_theta, 1e6);
+
+  absl::StatusOr<ResolvedLayer> first = core.ResolveLayer(std::nullopt, "layer");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->slot, 0);
+  EXPECT_EQ(first->index(), 3);
+
+  absl::StatusOr<ResolvedLayer> missing = core.ResolveLayer(4, "layers[2]");
+  EXPECT_TRUE(absl::IsInvalidArgument(missing.status())) << missing.status();
+  EXPECT_NE(missing.status().message().find("layers[2]"), std::string::npos) << missing.status();
+}
+
 TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
   LayerConfig config;
   config.hidden_size = 64;
