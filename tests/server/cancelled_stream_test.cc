@@ -19,15 +19,6 @@ namespace {
 
 enum class Kind { kAccumulate, kReturn, kForward };
 
-LayerConfig SmallConfig() {
-  LayerConfig config;
-  config.hidden_size = 64;
-  config.num_heads = 4;
-  config.num_kv_heads = 2;
-  config.head_dim = 16;
-  return config;
-}
-
 // A job of `batch` sent on the stream whose cancelled flag is `cancelled`; its status arrives in
 // `finished` when the worker is done with it.
 std::unique_ptr<BatchJob> JobOf(const LayerConfig& config, const Batch& batch, Kind kind,

@@ -14,11 +14,7 @@ namespace {
 // ResolveLayer gives a request's layer its slot, index, shape and settings in one call, the same
 // ones as SlotOf, config and settings one by one.
 TEST(GradientCoreTest, ResolveLayerGivesSlotIndexConfigAndSettings) {
-  LayerConfig config;
-  config.hidden_size = 64;
-  config.num_heads = 4;
-  config.num_kv_heads = 2;
-  config.head_dim = 16;
+  const LayerConfig config = SmallConfig();
   auto weights = std::make_shared<const LayerWeights>(RandomLayerWeights(config, 7));
   ServerMetrics metrics("test");
   std::vector<std::unique_ptr<DeviceWorker>> workers;
@@ -52,11 +48,7 @@ TEST(GradientCoreTest, ResolveLayerGivesSlotIndexConfigAndSettings) {
 }
 
 TEST(GradientCoreTest, FetchSumsEveryWorkerInWorkerOrder) {
-  LayerConfig config;
-  config.hidden_size = 64;
-  config.num_heads = 4;
-  config.num_kv_heads = 2;
-  config.head_dim = 16;
+  const LayerConfig config = SmallConfig();
   auto weights = std::make_shared<const LayerWeights>(RandomLayerWeights(config, 5));
   ServerMetrics metrics("test");
   // Each worker first runs a control that waits for `gate`, so every batch is admitted while all

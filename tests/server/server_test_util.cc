@@ -16,6 +16,15 @@
 
 namespace attngrad::server::testing {
 
+LayerConfig SmallConfig() {
+  LayerConfig config;
+  config.hidden_size = 64;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.head_dim = 16;
+  return config;
+}
+
 Batch MakeBatch(const LayerConfig& config, int batch, int seq_len, std::uint64_t seed) {
   std::mt19937_64 engine(seed);
   std::normal_distribution<float> normal(0.f, 1.f);

@@ -22,6 +22,9 @@
 
 namespace attngrad::server::testing {
 
+// A layer small enough for quick CPU tests: hidden 64, 4 heads, 2 kv heads, head_dim 16.
+LayerConfig SmallConfig();
+
 // One batch of fp32 inputs: hidden_states = randn/sqrt(hidden), grad_output = randn, cos/sin from
 // positions 0..S-1 with theta 10000 (computed here independently of the server's rotary.cc).
 struct Batch {
